@@ -1,0 +1,329 @@
+"""The coordinator's decisions: a pure function of (state, input, now, spec).
+
+``decide`` never touches Redis or the clock. It returns a :class:`Decision`: the new state,
+the side effects to perform (actions) and a one-line human-readable reason. The loop in
+:mod:`coordinator.loop` reads state from Redis, calls ``decide`` and writes the result
+through the fenced path. Tests drive it by ageing heartbeats (passing a later ``now``)
+instead of sleeping.
+
+Planning rules:
+- removals (failure, leave) re-plan at once, so survivors move on quickly;
+- joins are batched: a join marks the plan dirty, and the next tick plans once the joins
+  have been quiet for ``SETTLE_MS`` or ``max_workers`` is reached, so three workers starting
+  together make one generation, not three;
+- below ``min_workers`` a running job is paused (a paused table with no members is published
+  so workers stop training); it resumes with a fresh generation when enough are back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+from dataclasses import dataclass, field, replace
+
+from coordinator.shards import plan_ranges
+from coordinator.states import (
+    LIVE,
+    PLANNED,
+    TERMINAL_JOB_STATES,
+    CoordState,
+    JobState,
+    JobStatus,
+    WorkerRecord,
+    WorkerState,
+    check_job_move,
+)
+from events.models import (
+    EventBase,
+    JobCompleted,
+    JoinReply,
+    JoinRequest,
+    LeaveRequest,
+    Left,
+    Member,
+    Ready,
+    ShardTable,
+    StepFailed,
+    StopJob,
+    WorkerExited,
+)
+from shoal.jobspec import JobSpec
+
+SETTLE_MS = 300
+
+
+# ---- inputs ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EventInput:
+    stream_id: str
+    event: EventBase
+
+
+@dataclass(frozen=True)
+class Tick:
+    """A periodic scan. ``last_seen`` maps worker id -> Redis server ms of its last heartbeat
+    for workers that look stale (the loop pre-filters with ZRANGEBYSCORE); ``step_times`` is
+    the recent step time of active workers when the loop sampled progress (may be empty)."""
+
+    last_seen: dict[str, int] = field(default_factory=dict)
+    step_times: dict[str, float] = field(default_factory=dict)
+
+
+# ---- actions --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplyJoin:
+    event_id: str
+    reply: JoinReply
+
+
+@dataclass(frozen=True)
+class Publish:
+    table: ShardTable
+
+
+@dataclass(frozen=True)
+class Watch:
+    """Start watching ``worker_id``'s liveness from ``now_ms`` (ZADD last_seen)."""
+
+    worker_id: str
+    now_ms: int
+
+
+@dataclass(frozen=True)
+class Forget:
+    """Stop watching ``worker_id`` (ZREM last_seen, DEL heartbeat key)."""
+
+    worker_id: str
+
+
+Action = ReplyJoin | Publish | Watch | Forget
+
+
+@dataclass(frozen=True)
+class Decision:
+    state: CoordState
+    actions: tuple[Action, ...] = ()
+    reason: str = ""
+    #: False when the input changed nothing (the loop then only records ``applied``).
+    changed: bool = True
+
+
+def _unchanged(state: CoordState, reason: str) -> Decision:
+    return Decision(state=state, reason=reason, changed=False)
+
+
+# ---- helpers --------------------------------------------------------------------------------
+
+
+def _id_order(worker_id: str) -> tuple[int, str]:
+    digits = "".join(ch for ch in worker_id if ch.isdigit())
+    return (int(digits) if digits else 0, worker_id)
+
+
+def planned_ids(state: CoordState) -> list[str]:
+    return sorted((w.worker_id for w in state.in_state(PLANNED)), key=_id_order)
+
+
+def _plan_digest(ids: list[str], paused: bool) -> str:
+    return hashlib.sha256(("P" if paused else "R") .encode() + ",".join(ids).encode()).hexdigest()[:16]
+
+
+def _set_job(status: JobStatus, dst: JobState, now_ms: int) -> JobStatus:
+    if dst == status.state:
+        return status
+    check_job_move(status.state, dst)
+    return replace(status, state=dst, changed_ms=now_ms)
+
+
+def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str) -> tuple[CoordState, list[Action], str]:
+    """Publish a new generation if the planned membership changed; pause/resume the job."""
+    status = state.status
+    if status.state in TERMINAL_JOB_STATES:
+        return state, [], why
+    ids = planned_ids(state)
+    enough = len(ids) >= spec.min_workers
+    if not enough and status.state == JobState.PENDING:
+        waiting = f"{why}; waiting for min_workers={spec.min_workers} (have {len(ids)})"
+        return replace(state, status=replace(status, pending_join_ms=0)), [], waiting
+    paused = not enough
+    digest = _plan_digest([] if paused else ids, paused)
+    if digest == status.plan_digest:
+        return replace(state, status=replace(status, pending_join_ms=0)), [], why
+    generation = status.generation + 1
+    members = []
+    if not paused:
+        for rank, (wid, ranges) in enumerate(zip(ids, plan_ranges(spec.shard_strategy.value, spec.shard_space, ids))):
+            members.append(Member(worker_id=wid, rank=rank, ranges=ranges))
+    if paused:
+        reason = f"{why}; paused: {len(ids)} < min_workers={spec.min_workers}"
+    else:
+        reason = f"{why}; generation {generation}: world size {len(ids)} ({', '.join(ids)})"
+    table = ShardTable(
+        job_id=spec.name,
+        generation=generation,
+        world_size=len(members),
+        strategy=spec.shard_strategy.value,
+        num_samples=spec.shard_space,
+        members=members,
+        paused=paused,
+        reason=reason,
+        epoch=epoch,
+        planned_at_ms=now_ms,
+    )
+    new_status = replace(status, generation=generation, plan_digest=digest, pending_join_ms=0, reason=reason)
+    new_status = _set_job(new_status, JobState.PAUSED if paused else JobState.RUNNING, now_ms)
+    return replace(state, status=new_status), [Publish(table)], reason
+
+
+def _move(state: CoordState, wid: str, dst: WorkerState, reason: str, now_ms: int) -> CoordState:
+    rec = state.workers[wid].moved(dst, reason, now_ms)
+    return replace(state, workers={**state.workers, wid: rec})
+
+
+def _fail(state: CoordState, wid: str, reason: str, now_ms: int) -> tuple[CoordState, list[Action]]:
+    state = _move(state, wid, WorkerState.FAILED, reason, now_ms)
+    if not state.status.first_failure:
+        state = replace(state, status=replace(state.status, first_failure=reason))
+    return state, [Forget(wid)]
+
+
+# ---- the decision function --------------------------------------------------------------------
+
+
+def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec, epoch: int = 0) -> Decision:
+    """New state, actions and reason for one input. Never raises on well-formed input; an
+    event that names an unknown worker or a stale generation is a no-op with a reason."""
+    if isinstance(inp, Tick):
+        return _on_tick(state, inp, now_ms, spec, epoch)
+    ev = inp.event
+    if isinstance(ev, StopJob):
+        if state.status.state in TERMINAL_JOB_STATES:
+            return _unchanged(state, f"stop ignored: job already {state.status.state.value}")
+        status = replace(_set_job(state.status, JobState.STOPPED, now_ms), reason=ev.reason)
+        return Decision(replace(state, status=status), (), ev.reason)
+    if isinstance(ev, JoinRequest):
+        return _on_join(state, ev, now_ms, spec, epoch)
+    wid = ev.worker_id or ""
+    rec = state.workers.get(wid)
+    if isinstance(ev, JobCompleted):
+        if state.status.state in TERMINAL_JOB_STATES:
+            return _unchanged(state, f"completion ignored: job already {state.status.state.value}")
+        reason = f"completed at step {ev.step} (reported by {wid})"
+        status = replace(_set_job(state.status, JobState.COMPLETED, now_ms), reason=reason)
+        return Decision(replace(state, status=status), (), reason)
+    if rec is None:
+        return _unchanged(state, f"{ev.kind} from unknown worker {wid!r} ignored")
+    if isinstance(ev, Ready):
+        if rec.state != WorkerState.SYNCING:
+            return _unchanged(state, f"ready from {wid} ignored: it is {rec.state.value}")
+        if ev.generation != state.status.generation:
+            return _unchanged(state, f"ready from {wid} for generation {ev.generation} ignored: current is {state.status.generation}")
+        reason = f"{wid} active in generation {ev.generation}"
+        return Decision(_move(state, wid, WorkerState.ACTIVE, reason, now_ms), (), reason)
+    if isinstance(ev, LeaveRequest):
+        if rec.state not in PLANNED:
+            return _unchanged(state, f"leave from {wid} ignored: it is {rec.state.value}")
+        why = f"{wid} draining ({ev.reason})"
+        state = _move(state, wid, WorkerState.DRAINING, why, now_ms)
+        state, actions, reason = replan(state, spec, now_ms, epoch, why)
+        return Decision(state, tuple(actions), reason)
+    if isinstance(ev, Left):
+        if rec.state not in LIVE:
+            return _unchanged(state, f"left from {wid} ignored: it is {rec.state.value}")
+        why = f"{wid} left"
+        if rec.state == WorkerState.ACTIVE:
+            state = _move(state, wid, WorkerState.DRAINING, "leaving", now_ms)
+        state = _move(state, wid, WorkerState.LEFT, why, now_ms)
+        state, actions, reason = replan(state, spec, now_ms, epoch, why)
+        return Decision(state, (Forget(wid), *actions), reason)
+    if isinstance(ev, WorkerExited):
+        if rec.state not in LIVE:
+            return _unchanged(state, f"exit of {wid} ignored: it is {rec.state.value}")
+        how = f"signal {ev.signal}" if ev.signal else f"exit code {ev.exit_code}"
+        tail = ev.traceback.strip().splitlines()[-1] if ev.traceback.strip() else ""
+        why = f"{wid} failed: process ended with {how}" + (f" ({tail})" if tail else "")
+        if rec.state == WorkerState.DRAINING and ev.exit_code == 0:
+            state = _move(state, wid, WorkerState.LEFT, f"{wid} exited cleanly while draining", now_ms)
+            actions: list[Action] = [Forget(wid)]
+        else:
+            state, actions = _fail(state, wid, why, now_ms)
+        state, more, reason = replan(state, spec, now_ms, epoch, why)
+        return Decision(state, tuple(actions + more), reason)
+    if isinstance(ev, StepFailed):
+        return _unchanged(state, f"{wid} reports step {ev.step} of generation {ev.generation} failed: {ev.error[:200]}")
+    return _unchanged(state, f"event kind {ev.kind!r} has no handler")  # pragma: no cover
+
+
+def _on_join(state: CoordState, ev: JoinRequest, now_ms: int, spec: JobSpec, epoch: int) -> Decision:
+    status = state.status
+    if status.state in TERMINAL_JOB_STATES:
+        reason = f"join rejected: job is {status.state.value}"
+        return Decision(state, (ReplyJoin(ev.event_id, JoinReply(accepted=False, reason=reason)),), reason)
+    planned = state.in_state(PLANNED)
+    if len(planned) >= spec.max_workers:
+        reason = f"join rejected: job already has {len(planned)} workers (max_workers={spec.max_workers})"
+        return Decision(state, (ReplyJoin(ev.event_id, JoinReply(accepted=False, reason=reason)),), reason)
+    wid = f"w{status.next_worker}"
+    rec = WorkerRecord(
+        worker_id=wid, state=WorkerState.SYNCING, joined_ms=now_ms, host=ev.host, pid=ev.pid, node=ev.node,
+        reason="joined", changed_ms=now_ms,
+    )
+    status = replace(status, next_worker=status.next_worker + 1, pending_join_ms=now_ms)
+    state = replace(state, status=status, workers={**state.workers, wid: rec})
+    why = f"{wid} joined from {ev.host or '?'} pid {ev.pid}"
+    actions: list[Action] = [Watch(wid, now_ms), ReplyJoin(ev.event_id, JoinReply(accepted=True, worker_id=wid))]
+    if len(planned) + 1 >= spec.max_workers:
+        state, more, why = replan(state, spec, now_ms, epoch, why)
+        actions += more
+    return Decision(state, tuple(actions), why)
+
+
+def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: int) -> Decision:
+    ttl_ms = int(spec.heartbeat_ttl * 1000)
+    reasons: list[str] = []
+    actions: list[Action] = []
+    changed = False
+    for wid, seen in sorted(tick.last_seen.items()):
+        rec = state.workers.get(wid)
+        if rec is None or rec.state not in LIVE or now_ms - seen <= ttl_ms:
+            continue
+        why = f"{wid} failed: no heartbeat for {now_ms - seen} ms (ttl {ttl_ms} ms)"
+        state, more = _fail(state, wid, why, now_ms)
+        actions += more
+        reasons.append(why)
+        changed = True
+    if tick.step_times:
+        state, flagged = _flag_stragglers(state, tick.step_times, spec.straggler_factor, now_ms)
+        if flagged:
+            reasons.append(flagged)
+            changed = True
+    pending = state.status.pending_join_ms
+    removals = bool(reasons) and any("failed" in r for r in reasons)
+    if removals or (pending and now_ms - pending >= SETTLE_MS):
+        why = "; ".join(reasons) if reasons else "joins settled"
+        state, more, reason = replan(state, spec, now_ms, epoch, why)
+        actions += more
+        return Decision(state, tuple(actions), reason, changed=True)
+    return Decision(state, tuple(actions), "; ".join(reasons) or "tick", changed=changed)
+
+
+def _flag_stragglers(state: CoordState, step_times: dict[str, float], factor: float, now_ms: int) -> tuple[CoordState, str]:
+    active = {w: t for w, t in step_times.items() if w in state.workers and state.workers[w].state == WorkerState.ACTIVE and t > 0}
+    if len(active) < 2:
+        return state, ""
+    median = statistics.median(active.values())
+    workers = dict(state.workers)
+    notes = []
+    for wid, rec in state.workers.items():
+        if rec.state != WorkerState.ACTIVE or wid not in active:
+            continue
+        slow = active[wid] > factor * median
+        if slow != rec.straggler:
+            workers[wid] = replace(rec, straggler=slow, changed_ms=now_ms)
+            verb = "straggler" if slow else "no longer a straggler"
+            notes.append(f"{wid} {verb}: step {active[wid]:.3f}s vs median {median:.3f}s")
+    return replace(state, workers=workers), "; ".join(notes)

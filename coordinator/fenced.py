@@ -1,0 +1,95 @@
+"""The fenced write path: every coordinator write to Redis goes through one Lua script.
+
+The script first checks that ``keys.lease`` still holds our token and ``keys.epoch`` still
+equals our epoch, then applies a batch of whitelisted commands atomically. A stale
+writer gets ``StaleEpoch`` and nothing is applied. Batches are built with
+:class:`FencedBatch`; keys must belong to the job (same hash tag), which the builder checks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import redis
+
+from coordinator.errors import StaleEpoch
+from events.keys import JobKeys
+
+_APPLY = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('STALE lease not held') end
+if redis.call('GET', KEYS[2]) ~= ARGV[2] then return redis.error_reply('STALE epoch changed') end
+local ops = cjson.decode(ARGV[3])
+for _, op in ipairs(ops) do
+  local args = {}
+  for i = 3, #op do args[#args + 1] = op[i] end
+  redis.call(op[1], KEYS[op[2]], unpack(args))
+end
+return #ops
+"""
+
+ALLOWED = frozenset({"HSET", "HDEL", "SET", "DEL", "XADD", "XACK", "XTRIM", "ZADD", "ZREM", "RPUSH", "EXPIRE", "PEXPIRE"})
+
+
+class FencedBatch:
+    """Commands to apply atomically under the fence. Values are strings (JSON where structured)."""
+
+    def __init__(self, keys: JobKeys):
+        self._prefix = keys.base + ":"
+        self._keys: list[str] = [keys.lease, keys.epoch]
+        self._index: dict[str, int] = {}
+        self.ops: list[list] = []
+
+    def add(self, cmd: str, key: str, *args: str | int | float) -> "FencedBatch":
+        if cmd not in ALLOWED:
+            raise ValueError(f"command {cmd} is not allowed in a fenced batch")
+        if not key.startswith(self._prefix):
+            raise ValueError(f"key {key} is outside the job's hash tag")
+        if key not in self._index:
+            self._keys.append(key)
+            self._index[key] = len(self._keys)  # Lua KEYS are 1-based
+        self.ops.append([cmd, self._index[key], *[str(a) for a in args]])
+        return self
+
+    def hset(self, key: str, mapping: dict[str, str]) -> "FencedBatch":
+        flat: list[str] = []
+        for k, v in mapping.items():
+            flat += [k, v]
+        return self.add("HSET", key, *flat) if flat else self
+
+    def xadd(self, key: str, fields: dict[str, str], maxlen: int | None = None) -> "FencedBatch":
+        args: list[str | int] = []
+        if maxlen is not None:
+            args += ["MAXLEN", "~", maxlen]
+        args.append("*")
+        for k, v in fields.items():
+            args += [k, v]
+        return self.add("XADD", key, *args)
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    @property
+    def keys(self) -> list[str]:
+        return self._keys
+
+
+class FencedWriter:
+    """Applies batches for one job as the holder of (token, epoch)."""
+
+    def __init__(self, client: redis.Redis, keys: JobKeys, token: str, epoch: int):
+        self._script = client.register_script(_APPLY)
+        self.keys = keys
+        self.token = token
+        self.epoch = epoch
+
+    def commit(self, batch: FencedBatch, client=None) -> None:
+        """Apply ``batch`` atomically; raises StaleEpoch if we no longer hold the job.
+        Other Redis errors propagate as redis-py exceptions (the loop handles them)."""
+        if not batch.ops:
+            return
+        try:
+            self._script(keys=batch.keys, args=[self.token, str(self.epoch), json.dumps(batch.ops)], client=client)
+        except redis.ResponseError as exc:
+            if "STALE" in str(exc):
+                raise StaleEpoch(f"job {self.keys.job_id}: write with epoch {self.epoch} refused ({exc})") from exc
+            raise

@@ -1,0 +1,51 @@
+"""Per-job leadership lease with a fencing epoch.
+
+One coordinator replica leads a job while it holds ``keys.lease`` (SET NX PX). Taking a
+free lease increments ``keys.epoch`` in the same script, so every takeover gets a larger
+epoch; renewing is a compare-and-set on our token. Fenced writes
+(:mod:`coordinator.fenced`) check both, so a paused old leader that wakes up after a
+takeover cannot change anything.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from events.keys import JobKeys
+
+# KEYS: lease, epoch. ARGV: token, ttl_ms. Returns our epoch (>0) if we hold the lease, else 0.
+_ACQUIRE_OR_RENEW = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return tonumber(redis.call('GET', KEYS[2]) or '0')
+end
+if holder then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return redis.call('INCR', KEYS[2])
+"""
+
+# KEYS: lease. ARGV: token. Deletes the lease only if we hold it.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class LeaseScripts:
+    """Registered lease scripts for one client (EVALSHA with automatic reload)."""
+
+    def __init__(self, client: redis.Redis):
+        self.acquire_or_renew = client.register_script(_ACQUIRE_OR_RENEW)
+        self.release = client.register_script(_RELEASE)
+
+    def hold(self, keys: JobKeys, token: str, ttl_ms: int) -> int:
+        """Acquire or renew; our epoch (>0) or 0 when another replica holds the lease."""
+        return int(self.acquire_or_renew(keys=[keys.lease, keys.epoch], args=[token, ttl_ms]) or 0)
+
+    def queue_hold(self, pipe, keys: JobKeys, token: str, ttl_ms: int) -> None:
+        """Queue :meth:`hold` on a pipeline; its result is the epoch (or 0) at execute()."""
+        self.acquire_or_renew(keys=[keys.lease, keys.epoch], args=[token, ttl_ms], client=pipe)
+
+    def give_up(self, keys: JobKeys, token: str) -> bool:
+        return bool(self.release(keys=[keys.lease], args=[token]))

@@ -1,0 +1,384 @@
+"""The coordinator loop: a stateless consumer that leads the jobs whose lease it holds.
+
+Any number of replicas run the same loop. For each registered job a replica tries to take
+or renew the job's lease; while it leads, it caches the job's state (coherent because
+every write to it is fenced by the lease epoch), consumes the job's event stream through
+the ``coordinators`` consumer group, and scans heartbeats on every tick. On takeover it
+reloads state from Redis and reclaims the previous leader's pending entries first, so no
+event is lost; events already applied (id <= ``applied``) are acknowledged and skipped.
+
+``run_once`` performs one bounded iteration (tests drive it step by step); ``run`` loops
+until stopped and rides out Redis outages with capped exponential backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+
+import redis
+
+from coordinator.decide import Decision, EventInput, Tick, decide
+from coordinator.errors import StaleEpoch
+from coordinator.fenced import FencedBatch, FencedWriter
+from coordinator.lease import LeaseScripts
+from coordinator.persist import decision_batch, load_state
+from coordinator.states import TERMINAL_JOB_STATES, CoordState, WorkerState
+from events import bus
+from events.keys import COORDINATOR_GROUP, JOBS, JobKeys, job_keys
+from events.models import InvalidEvent, decode_event
+from shoal.jobspec import JobSpec
+
+log = logging.getLogger("shoal.coordinator")
+
+DEAD_MAXLEN = 10_000
+
+
+@dataclass
+class JobLead:
+    """What a replica keeps for a job it leads. Dropped on any doubt; Redis is the truth."""
+
+    keys: JobKeys
+    spec: JobSpec
+    writer: FencedWriter
+    state: CoordState
+    needs_reclaim: bool = True
+    retry_own: bool = False
+    attempts: dict[str, int] = field(default_factory=dict)
+    last_trim_ms: int = 0
+    last_reclaim_ms: int = 0
+    last_progress_ms: int = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.writer.epoch
+
+
+@dataclass
+class Stats:
+    events_handled: int = 0
+    dead_lettered: int = 0
+    generations: int = 0
+    failures_detected: int = 0
+    takeovers: int = 0
+    ticks: int = 0
+    detection_latency_ms: list[int] = field(default_factory=list)
+
+
+def server_ms(client: redis.Redis) -> int:
+    sec, usec = client.time()
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+class Coordinator:
+    """One coordinator replica. Not thread-safe: drive it from one thread."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        instance_id: str | None = None,
+        lease_ttl: float = 2.0,
+        tick_interval: float = 0.1,
+        block_ms: int = 50,
+        batch: int = 200,
+        max_attempts: int = 3,
+        progress_interval: float = 5.0,
+        trim_interval: float = 5.0,
+    ):
+        self.client = client
+        self.instance_id = instance_id or f"coord-{uuid.uuid4().hex[:8]}"
+        self.token = f"{self.instance_id}:{uuid.uuid4().hex}"
+        self.lease_ms = int(lease_ttl * 1000)
+        self.tick_ms = int(tick_interval * 1000)
+        self.block_ms = block_ms
+        self.batch = batch
+        self.max_attempts = max_attempts
+        self.progress_ms = int(progress_interval * 1000)
+        self.trim_ms = int(trim_interval * 1000)
+        self.leases = LeaseScripts(client)
+        self.leads: dict[str, JobLead] = {}
+        self.stats = Stats()
+        self._last_lease_ms = 0
+        self._last_tick_ms = 0
+        self._broken: dict[str, str] = {}
+
+    # ---- leadership -------------------------------------------------------------------------
+
+    def refresh_leases(self) -> None:
+        """Take or renew the lease of every registered job; load state for new leads."""
+        job_ids = sorted(j.decode() if isinstance(j, bytes) else j for j in self.client.smembers(JOBS))
+        jobs = []
+        for jid in job_ids:
+            try:
+                jobs.append(job_keys(jid))
+            except ValueError:
+                self._note_broken(jid, "invalid job id in registry")
+        pipe = self.client.pipeline(transaction=False)
+        for keys in jobs:
+            self.leases.queue_hold(pipe, keys, self.token, self.lease_ms)
+        epochs = pipe.execute() if jobs else []
+        held = set()
+        for keys, epoch in zip(jobs, epochs):
+            epoch = int(epoch or 0)
+            if epoch <= 0:
+                if keys.job_id in self.leads:
+                    log.warning("job %s: lease lost to another replica", keys.job_id)
+                    del self.leads[keys.job_id]
+                continue
+            held.add(keys.job_id)
+            lead = self.leads.get(keys.job_id)
+            if lead is None or lead.epoch != epoch:
+                self._take(keys, epoch)
+        for jid in list(self.leads):
+            if jid not in held:
+                del self.leads[jid]
+
+    def _take(self, keys: JobKeys, epoch: int) -> None:
+        raw = self.client.get(keys.spec)
+        try:
+            if raw is None:
+                raise ValueError("no spec stored")
+            spec = JobSpec.from_stored(raw)
+        except ValueError as exc:
+            self._note_broken(keys.job_id, f"unreadable job spec: {str(exc).splitlines()[0]}")
+            self.leases.give_up(keys, self.token)
+            return
+        bus.ensure_group(self.client, keys.events)
+        state = load_state(self.client, keys)
+        self.leads[keys.job_id] = JobLead(keys=keys, spec=spec, writer=FencedWriter(self.client, keys, self.token, epoch), state=state)
+        self.stats.takeovers += 1
+        log.info("job %s: leading with epoch %d (state %s, generation %d)", keys.job_id, epoch, state.status.state.value, state.status.generation)
+
+    def _note_broken(self, job_id: str, why: str) -> None:
+        if self._broken.get(job_id) != why:
+            self._broken[job_id] = why
+            log.error("job %s skipped: %s", job_id, why)
+
+    def release_all(self) -> None:
+        """Give up every lease we hold (graceful shutdown: a standby takes over at once)."""
+        for lead in list(self.leads.values()):
+            try:
+                self.leases.give_up(lead.keys, self.token)
+            except redis.RedisError:
+                pass
+        self.leads.clear()
+
+    # ---- one iteration ----------------------------------------------------------------------
+
+    def run_once(self, block_ms: int | None = None) -> int:
+        """Refresh leases if due, apply pending and new events, tick if due. Returns the
+        number of stream entries processed. Redis errors propagate (``run`` handles them)."""
+        now = server_ms(self.client)
+        if now - self._last_lease_ms >= self.lease_ms // 3 or not self._last_lease_ms:
+            self.refresh_leases()
+            self._last_lease_ms = now
+        handled = 0
+        for lead in list(self.leads.values()):
+            if lead.needs_reclaim:
+                lead.needs_reclaim = False
+                handled += self.reclaim(lead, min_idle_ms=0, now=now)
+            elif now - lead.last_reclaim_ms >= self.lease_ms:
+                # entries a fenced-out replica read after we took over sit in its pending list
+                handled += self.reclaim(lead, min_idle_ms=self.lease_ms, now=now)
+            if lead.retry_own and lead.keys.job_id in self.leads:
+                lead.retry_own = False
+                handled += self._apply_entries(lead, bus.read_own_pending(self.client, lead.keys.events, self.instance_id, count=self.batch))
+        streams = [lead.keys.events for lead in self.leads.values()]
+        wait = self.block_ms if block_ms is None else block_ms
+        if streams:
+            got = bus.read_new(self.client, streams, self.instance_id, count=self.batch, block_ms=wait or None)
+            by_stream = {lead.keys.events: lead for lead in self.leads.values()}
+            for stream, entries in got.items():
+                lead = by_stream.get(stream)
+                if lead is not None and lead.keys.job_id in self.leads:
+                    handled += self._apply_entries(lead, entries)
+        now = server_ms(self.client)
+        if now - self._last_tick_ms >= self.tick_ms:
+            self.tick(now)
+            self._last_tick_ms = now
+        return handled
+
+    def run(self, stop: threading.Event, *, max_backoff: float = 5.0) -> None:
+        """Loop until ``stop`` is set. Redis outages: log once, back off, reload state."""
+        backoff = 0.1
+        down_since: float | None = None
+        while not stop.is_set():
+            try:
+                handled = self.run_once()
+                if down_since is not None:
+                    log.warning("Redis reachable again after %.1f s; reloading leads", time.monotonic() - down_since)
+                    down_since = None
+                backoff = 0.1
+                if not self.leads and not handled:
+                    stop.wait(self.lease_ms / 3000)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if down_since is None:
+                    down_since = time.monotonic()
+                    log.error("Redis unreachable (%s); retrying with backoff", exc)
+                self.leads.clear()
+                self._last_lease_ms = 0
+                stop.wait(backoff)
+                backoff = min(max_backoff, backoff * 2)
+        try:
+            self.release_all()
+        except redis.RedisError:
+            pass
+
+    def reclaim(self, lead: JobLead, *, min_idle_ms: int, now: int) -> int:
+        """Take over and apply entries other consumers read but never acknowledged."""
+        lead.last_reclaim_ms = now
+        return self._apply_entries(lead, bus.reclaim(self.client, lead.keys.events, self.instance_id, min_idle_ms=min_idle_ms))
+
+    # ---- applying events --------------------------------------------------------------------
+
+    def _apply_entries(self, lead: JobLead, entries: list[bus.Entry]) -> int:
+        if not entries:
+            return 0
+        now = server_ms(self.client)
+        for sid, fields in entries:
+            if lead.keys.job_id not in self.leads:
+                break
+            self._apply_entry(lead, sid, fields, now)
+        return len(entries)
+
+    def _apply_entry(self, lead: JobLead, sid: str, fields: dict, now: int) -> None:
+        keys = lead.keys
+        if not bus.id_lt(lead.state.status.applied, sid):
+            self._commit(lead, FencedBatch(keys).add("XACK", keys.events, COORDINATOR_GROUP, sid))
+            return
+        try:
+            event = decode_event(fields, expected_job=keys.job_id)
+        except InvalidEvent as exc:
+            self._dead_letter(lead, sid, fields, exc.reason, now)
+            return
+        try:
+            decision = decide(lead.state, EventInput(sid, event), now, lead.spec, lead.epoch)
+        except Exception as exc:  # a bug in a handler must not kill the consumer
+            n = lead.attempts.get(sid, 0) + 1
+            lead.attempts[sid] = n
+            if n >= self.max_attempts:
+                lead.attempts.pop(sid, None)
+                self._dead_letter(lead, sid, fields, f"handler failed {n} times: {type(exc).__name__}: {exc}", now)
+            else:
+                log.exception("job %s: handling %s failed (attempt %d/%d)", keys.job_id, sid, n, self.max_attempts)
+                lead.retry_own = True
+            return
+        self._record(lead, decision, kind=event.kind, source_id=sid, now=now)
+        self.stats.events_handled += 1
+
+    def _record(self, lead: JobLead, decision: Decision, *, kind: str, source_id: str, now: int) -> None:
+        """Persist a decision through the fence (plus ``applied``/XACK for stream entries)."""
+        state = decision.state
+        is_entry = source_id != "tick"
+        if is_entry:
+            state = replace(state, status=replace(state.status, applied=source_id))
+            decision = replace(decision, state=state)
+        batch = decision_batch(lead.keys, lead.state, decision, kind=kind, source_id=source_id, now_ms=now, epoch=lead.epoch)
+        if is_entry:
+            batch.add("XACK", lead.keys.events, COORDINATOR_GROUP, source_id)
+        if not self._commit(lead, batch):
+            return
+        old_gen = lead.state.status.generation
+        lead.state = state
+        if state.status.generation != old_gen:
+            self.stats.generations += 1
+        if decision.changed:
+            log.info("job %s [%s]: %s", lead.keys.job_id, kind, decision.reason)
+
+    def _dead_letter(self, lead: JobLead, sid: str, fields: dict, reason: str, now: int) -> None:
+        keys = lead.keys
+        status = replace(lead.state.status, applied=sid)
+        batch = FencedBatch(keys)
+        batch.xadd(keys.dead, bus.dead_letter_fields(fields, reason, sid), maxlen=DEAD_MAXLEN)
+        batch.hset(keys.state, {"applied": sid})
+        batch.xadd(keys.control, {"ts_ms": str(now), "epoch": str(lead.epoch), "kind": "dead_letter", "source_id": sid,
+                                  "job_state": status.state.value, "generation": str(status.generation),
+                                  "reason": f"dead-lettered {sid}: {reason}"}, maxlen=10_000)
+        batch.add("XACK", keys.events, COORDINATOR_GROUP, sid)
+        if self._commit(lead, batch):
+            lead.state = replace(lead.state, status=status)
+            self.stats.dead_lettered += 1
+            log.warning("job %s: dead-lettered %s: %s", keys.job_id, sid, reason)
+
+    def _commit(self, lead: JobLead, batch: FencedBatch) -> bool:
+        try:
+            lead.writer.commit(batch)
+            return True
+        except StaleEpoch as exc:
+            log.warning("%s; dropping job", exc)
+            self.leads.pop(lead.keys.job_id, None)
+            return False
+
+    # ---- ticks -------------------------------------------------------------------------------
+
+    def tick(self, now: int) -> None:
+        """Scan every led job for stale heartbeats (Redis server time), stragglers, settled joins."""
+        self.stats.ticks += 1
+        leads = [lead for lead in self.leads.values() if lead.state.status.state not in TERMINAL_JOB_STATES]
+        if not leads:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        sampled: list[JobLead] = []
+        for lead in leads:
+            ttl_ms = int(lead.spec.heartbeat_ttl * 1000)
+            pipe.zrangebyscore(lead.keys.last_seen, "-inf", now - ttl_ms, withscores=True)
+        stale_lists = pipe.execute()
+        pipe = self.client.pipeline(transaction=False)
+        for lead in leads:
+            if now - lead.last_progress_ms >= self.progress_ms:
+                active = [w for w, r in lead.state.workers.items() if r.state == WorkerState.ACTIVE]
+                if len(active) >= 2:
+                    pipe.mget([lead.keys.heartbeat(w) for w in active])
+                    sampled.append(lead)
+                lead.last_progress_ms = now
+        progress = dict(zip((lead.keys.job_id for lead in sampled), pipe.execute() if sampled else []))
+        for lead, stale in zip(leads, stale_lists):
+            if lead.keys.job_id not in self.leads:
+                continue
+            last_seen = {(w.decode() if isinstance(w, bytes) else w): int(score) for w, score in stale}
+            step_times = _step_times(lead, progress.get(lead.keys.job_id))
+            if not last_seen and not step_times and not lead.state.status.pending_join_ms:
+                continue
+            decision = decide(lead.state, Tick(last_seen=last_seen, step_times=step_times), now, lead.spec, lead.epoch)
+            if not decision.changed and not decision.actions:
+                continue
+            failed_before = sum(1 for r in lead.state.workers.values() if r.state == WorkerState.FAILED)
+            self._record(lead, decision, kind="tick", source_id="tick", now=now)
+            failed_after = sum(1 for r in lead.state.workers.values() if r.state == WorkerState.FAILED)
+            if failed_after > failed_before:
+                self.stats.failures_detected += failed_after - failed_before
+                ttl_ms = int(lead.spec.heartbeat_ttl * 1000)
+                self.stats.detection_latency_ms += [now - seen - ttl_ms for seen in last_seen.values()]
+        for lead in leads:
+            if now - lead.last_trim_ms >= self.trim_ms and lead.keys.job_id in self.leads:
+                lead.last_trim_ms = now
+                self.trim(lead)
+
+    def trim(self, lead: JobLead) -> None:
+        """Trim the event stream up to the oldest entry still pending or undelivered."""
+        info = bus.group_info(self.client, lead.keys.events)
+        if info is None or info.last_delivered == "0-0":
+            return
+        self._commit(lead, FencedBatch(lead.keys).add("XTRIM", lead.keys.events, "MINID", bus.safe_trim_id(info)))
+
+
+def _step_times(lead: JobLead, values: list | None) -> dict[str, float]:
+    if not values:
+        return {}
+    import json
+
+    out: dict[str, float] = {}
+    for raw in values:
+        if raw is None:
+            continue
+        try:
+            hb = json.loads(raw)
+            if hb.get("step_time"):
+                out[str(hb["worker_id"])] = float(hb["step_time"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out

@@ -1,0 +1,174 @@
+"""Worker and job state machines, with their allowed moves as explicit tables.
+
+Worker states::
+
+    Syncing --ready--> Active --leave--> Draining --left--> Left
+       |                 |                  |
+       +---leave-------> Draining           +--(died)--> Failed
+       +---(died)------> Failed <--(died)---+ (Active)
+       +---left--------> Left   (a joiner told to stop before it synced)
+
+- Syncing: accepted and part of the newest generation; forming the group / receiving state.
+- Active: acknowledged the current generation; trains.
+- Draining: asked to stop (SIGTERM); excluded from the next generation; finishes its step.
+- Left, Failed: terminal. A restarted process joins again and gets a fresh record.
+
+Job states::
+
+    pending --enough workers--> running <--> paused (below min_workers)
+    pending|running|paused --> completed | failed | stopped   (terminal)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+
+class WorkerState(str, Enum):
+    SYNCING = "Syncing"
+    ACTIVE = "Active"
+    DRAINING = "Draining"
+    LEFT = "Left"
+    FAILED = "Failed"
+
+
+WORKER_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
+    WorkerState.SYNCING: frozenset({WorkerState.ACTIVE, WorkerState.DRAINING, WorkerState.FAILED, WorkerState.LEFT}),
+    WorkerState.ACTIVE: frozenset({WorkerState.DRAINING, WorkerState.FAILED}),
+    WorkerState.DRAINING: frozenset({WorkerState.LEFT, WorkerState.FAILED}),
+    WorkerState.LEFT: frozenset(),
+    WorkerState.FAILED: frozenset(),
+}
+
+#: States whose workers are members of the planned generation.
+PLANNED = frozenset({WorkerState.SYNCING, WorkerState.ACTIVE})
+#: States whose workers still hold a live process we are watching.
+LIVE = frozenset({WorkerState.SYNCING, WorkerState.ACTIVE, WorkerState.DRAINING})
+
+
+class JobState(str, Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    PAUSED = "paused"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+_TERMINAL = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.STOPPED})
+JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.PENDING: frozenset({JobState.RUNNING, JobState.PAUSED}) | _TERMINAL,
+    JobState.RUNNING: frozenset({JobState.PAUSED}) | _TERMINAL,
+    JobState.PAUSED: frozenset({JobState.RUNNING}) | _TERMINAL,
+    JobState.COMPLETED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.STOPPED: frozenset(),
+}
+TERMINAL_JOB_STATES = _TERMINAL
+
+
+class IllegalTransition(ValueError):
+    """A decision tried a move its state table forbids (a bug in the decision code)."""
+
+
+def check_worker_move(src: WorkerState, dst: WorkerState) -> None:
+    if dst != src and dst not in WORKER_TRANSITIONS[src]:
+        raise IllegalTransition(f"worker {src.value} -> {dst.value} is not allowed")
+
+
+def check_job_move(src: JobState, dst: JobState) -> None:
+    if dst != src and dst not in JOB_TRANSITIONS[src]:
+        raise IllegalTransition(f"job {src.value} -> {dst.value} is not allowed")
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """The coordinator's record of one worker (stored as JSON in ``keys.workers``)."""
+
+    worker_id: str
+    state: WorkerState
+    joined_ms: int
+    host: str = ""
+    pid: int = 0
+    node: str = ""
+    reason: str = ""
+    changed_ms: int = 0
+    restarts: int = 0
+    straggler: bool = False
+
+    def moved(self, dst: WorkerState, reason: str, now_ms: int) -> "WorkerRecord":
+        check_worker_move(self.state, dst)
+        return replace(self, state=dst, reason=reason, changed_ms=now_ms)
+
+    def to_json_dict(self) -> dict:
+        d = self.__dict__.copy()
+        d["state"] = self.state.value
+        return d
+
+    @classmethod
+    def from_json_dict(cls, d: dict) -> "WorkerRecord":
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        known["state"] = WorkerState(known["state"])
+        return cls(**known)
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """Job-level state of the coordinator (stored in the ``keys.state`` hash).
+
+    ``applied`` is the stream id of the last event applied: a redelivered event whose id is
+    not greater is acknowledged and ignored, which makes every handler idempotent.
+    """
+
+    state: JobState = JobState.PENDING
+    generation: int = 0
+    reason: str = "created"
+    applied: str = "0-0"
+    next_worker: int = 0
+    changed_ms: int = 0
+    first_failure: str = ""
+    plan_digest: str = ""
+    #: Redis ms of the newest join not yet planned (0: none); joins settle before planning.
+    pending_join_ms: int = 0
+
+    def to_hash(self) -> dict[str, str]:
+        return {
+            "state": self.state.value,
+            "generation": str(self.generation),
+            "reason": self.reason,
+            "applied": self.applied,
+            "next_worker": str(self.next_worker),
+            "changed_ms": str(self.changed_ms),
+            "first_failure": self.first_failure,
+            "plan_digest": self.plan_digest,
+            "pending_join_ms": str(self.pending_join_ms),
+        }
+
+    @classmethod
+    def from_hash(cls, h: dict) -> "JobStatus":
+        g = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in h.items()}
+        if not g:
+            return cls()
+        return cls(
+            state=JobState(g.get("state", "pending")),
+            generation=int(g.get("generation", 0)),
+            reason=g.get("reason", ""),
+            applied=g.get("applied", "0-0"),
+            next_worker=int(g.get("next_worker", 0)),
+            changed_ms=int(g.get("changed_ms", 0)),
+            first_failure=g.get("first_failure", ""),
+            plan_digest=g.get("plan_digest", ""),
+            pending_join_ms=int(g.get("pending_join_ms", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class CoordState:
+    """Everything a decision needs about one job: status + worker records."""
+
+    status: JobStatus = field(default_factory=JobStatus)
+    workers: dict[str, WorkerRecord] = field(default_factory=dict)
+
+    def in_state(self, states: frozenset[WorkerState]) -> list[WorkerRecord]:
+        return [w for w in self.workers.values() if w.state in states]

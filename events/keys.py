@@ -1,0 +1,150 @@
+"""Every Redis key and stream name shoal uses. Nothing else in the code base spells a key.
+
+All keys of one job share the hash tag ``{JOB}`` so that multi-key Lua scripts (the fenced
+coordinator write, the heartbeat) stay legal on Redis Cluster. The few global keys (the job
+registry) are read with single-key commands only.
+
+``docs/keys.md`` is the human-facing table of this module (type, writer, reader, TTL);
+keep them in step.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PREFIX = "shoal"
+
+#: Set of every registered job id. Writer: ``shoal submit``/``create_job``. Reader: coordinators.
+JOBS = f"{PREFIX}:jobs"
+
+#: RQ queue on which launch work for node agents is enqueued.
+LAUNCH_QUEUE = "shoal-launch"
+
+_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def valid_job_id(job_id: str) -> bool:
+    """True when ``job_id`` is safe inside a key (no braces, colons or spaces; 1-64 chars)."""
+    return bool(_JOB_ID.match(job_id))
+
+
+@dataclass(frozen=True)
+class JobKeys:
+    """Key names of one job. Construct with :func:`job_keys`; invalid ids raise ``ValueError``."""
+
+    job_id: str
+
+    @property
+    def base(self) -> str:
+        return f"{PREFIX}:{{{self.job_id}}}"
+
+    # --- written at submit time -------------------------------------------------------------
+    @property
+    def spec(self) -> str:
+        """STRING, JSON job spec. Writer: submit. Readers: coordinator, workers, agents."""
+        return f"{self.base}:spec"
+
+    # --- coordinator-owned (every write fenced by the lease epoch) -------------------------
+    @property
+    def lease(self) -> str:
+        """STRING ``token``, PX = lease TTL. The coordinator replica holding it leads this job."""
+        return f"{self.base}:lease"
+
+    @property
+    def epoch(self) -> str:
+        """STRING integer fencing epoch, incremented on every lease takeover."""
+        return f"{self.base}:epoch"
+
+    @property
+    def state(self) -> str:
+        """HASH job-level state (state, generation, reason, applied, ...). Writer: coordinator."""
+        return f"{self.base}:state"
+
+    @property
+    def workers(self) -> str:
+        """HASH worker_id -> JSON worker record. Writer: coordinator."""
+        return f"{self.base}:workers"
+
+    @property
+    def shard(self) -> str:
+        """STRING JSON of the current shard table. Writer: coordinator. Readers: workers, status."""
+        return f"{self.base}:shard"
+
+    @property
+    def generations(self) -> str:
+        """STREAM of published shard tables (field ``data``); workers block on it. Capped."""
+        return f"{self.base}:generations"
+
+    @property
+    def control(self) -> str:
+        """STREAM of coordinator decisions with their reasons (``shoal events``). Capped."""
+        return f"{self.base}:control"
+
+    def join_reply(self, event_id: str) -> str:
+        """LIST holding the single reply to a join request (accepted + worker id, or the reason).
+        Writer: coordinator. Reader: the joining worker (BLPOP). TTL 60 s."""
+        return f"{self.base}:join:{event_id}"
+
+    @property
+    def latest(self) -> str:
+        """STRING JSON pointer to the newest complete checkpoint; never moves backwards."""
+        return f"{self.base}:latest"
+
+    # --- written by workers -----------------------------------------------------------------
+    @property
+    def events(self) -> str:
+        """STREAM of worker -> coordinator events (field ``data``: JSON). Consumer group ``coordinators``."""
+        return f"{self.base}:events"
+
+    @property
+    def dead(self) -> str:
+        """STREAM of dead-lettered events: original fields + ``reason`` + ``source_id``. Capped."""
+        return f"{self.base}:dead"
+
+    def heartbeat(self, worker_id: str) -> str:
+        """STRING JSON progress (step, step time, digest), PX = heartbeat TTL. Writer: the worker."""
+        return f"{self.base}:hb:{worker_id}"
+
+    @property
+    def last_seen(self) -> str:
+        """ZSET worker_id -> Redis server time (ms) of its last heartbeat. Scanned for staleness."""
+        return f"{self.base}:last_seen"
+
+    @property
+    def logs(self) -> str:
+        """STREAM of worker log lines (``shoal logs``). Capped."""
+        return f"{self.base}:logs"
+
+    @property
+    def failures(self) -> str:
+        """STREAM of worker process failures reported by node agents (exit code, signal, traceback)."""
+        return f"{self.base}:failures"
+
+    def rendezvous(self, generation: int) -> str:
+        """Prefix of the torch.distributed store keys of one generation (fresh per generation)."""
+        return f"{self.base}:rdzv:{generation}:"
+
+    def all_patterns(self) -> list[str]:
+        """SCAN patterns that together match every key of this job (used by delete/purge)."""
+        return [f"{self.base}:*"]
+
+
+COORDINATOR_GROUP = "coordinators"
+
+
+def job_keys(job_id: str) -> JobKeys:
+    if not valid_job_id(job_id):
+        raise ValueError(
+            f"invalid job id {job_id!r}: use 1-64 letters, digits, '_', '.', '-' (no braces or colons)"
+        )
+    return JobKeys(job_id)
+
+
+_JOB_FROM_KEY = re.compile(rf"^{PREFIX}:\{{([^}}]+)\}}:")
+
+
+def job_of_key(key: str) -> str | None:
+    """The job id embedded in a shoal key, or None for a global/foreign key."""
+    m = _JOB_FROM_KEY.match(key)
+    return m.group(1) if m else None

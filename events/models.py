@@ -1,0 +1,212 @@
+"""Pydantic v2 models of everything that crosses Redis: worker events, shard tables, replies.
+
+Wire rules (evolve only by adding optional fields):
+- every event carries ``schema_version``, a unique ``event_id``, ``job_id``, ``worker_id``
+  (None only on a join request, before the coordinator assigned one), ``ts`` (sender's
+  unix time, informational; decisions use Redis server time) and a ``kind`` discriminator;
+- readers ignore unknown fields, so a newer writer never breaks an older reader;
+- everything is JSON a human can read with ``redis-cli``; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+SCHEMA_VERSION = 1
+#: Largest accepted ``data`` field of an event stream entry; bigger entries are dead-lettered.
+MAX_EVENT_BYTES = 64 * 1024
+
+
+def new_event_id() -> str:
+    return uuid.uuid4().hex
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class EventBase(_Wire):
+    schema_version: int = SCHEMA_VERSION
+    event_id: Annotated[str, Field(min_length=1, max_length=64)] = Field(default_factory=new_event_id)
+    job_id: Annotated[str, Field(min_length=1, max_length=64)]
+    worker_id: Annotated[str | None, Field(max_length=64)] = None
+    ts: float = Field(default_factory=time.time)
+
+
+class JoinRequest(EventBase):
+    """A worker process asks to join. The reply goes to ``keys.join_reply(event_id)``."""
+
+    kind: Literal["join"] = "join"
+    host: Annotated[str, Field(max_length=255)] = ""
+    pid: int = 0
+    node: Annotated[str, Field(max_length=255)] = ""
+    #: A worker restarted by its agent asks for its old id back (restart budget is per id).
+    previous_worker_id: Annotated[str | None, Field(max_length=64)] = None
+
+
+class Ready(EventBase):
+    """The worker has switched to ``generation`` (group formed, state received): Syncing -> Active."""
+
+    kind: Literal["ready"] = "ready"
+    generation: Annotated[int, Field(ge=0)]
+
+
+class LeaveRequest(EventBase):
+    """The worker was asked to stop (SIGTERM): Active/Syncing -> Draining; re-plan without it."""
+
+    kind: Literal["leave"] = "leave"
+    reason: Annotated[str, Field(max_length=1000)] = "SIGTERM"
+
+
+class Left(EventBase):
+    """The draining worker finished its last step and is exiting: Draining -> Left."""
+
+    kind: Literal["left"] = "left"
+
+
+class WorkerExited(EventBase):
+    """A node agent saw the worker process die (faster than the heartbeat TTL)."""
+
+    kind: Literal["exited"] = "exited"
+    exit_code: int | None = None
+    signal: int | None = None
+    traceback: Annotated[str, Field(max_length=8000)] = ""
+    will_restart: bool = False
+
+
+class StepFailed(EventBase):
+    """A step's collective failed on this worker (a peer died); informational for the coordinator."""
+
+    kind: Literal["step_failed"] = "step_failed"
+    generation: int = 0
+    step: int = 0
+    error: Annotated[str, Field(max_length=2000)] = ""
+
+
+class JobCompleted(EventBase):
+    """Rank 0 committed the final step of the job."""
+
+    kind: Literal["completed"] = "completed"
+    step: int = 0
+    summary: dict = Field(default_factory=dict)
+
+
+class StopJob(EventBase):
+    """An operator asked the job to stop (``shoal stop``); ``worker_id`` is None."""
+
+    kind: Literal["stop"] = "stop"
+    reason: Annotated[str, Field(max_length=1000)] = "stopped by operator"
+
+
+WorkerEvent = Annotated[
+    Union[JoinRequest, Ready, LeaveRequest, Left, WorkerExited, StepFailed, JobCompleted, StopJob],
+    Field(discriminator="kind"),
+]
+_EVENT_ADAPTER: TypeAdapter = TypeAdapter(WorkerEvent)
+
+
+class InvalidEvent(ValueError):
+    """The stream entry is not a valid event; ``reason`` is a one-line explanation."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def encode_event(event: EventBase) -> dict[str, str]:
+    """Stream entry fields for ``event`` (a single ``data`` field holding JSON)."""
+    return {"data": event.model_dump_json()}
+
+
+def decode_event(fields: dict[bytes | str, bytes | str], expected_job: str | None = None) -> EventBase:
+    """Parse a stream entry; raises InvalidEvent with a readable reason for anything malformed.
+
+    Checks, in order: a ``data`` field exists, it is not oversized, it is UTF-8 JSON, it
+    matches one of the event models, its schema version is one we can read, and its
+    ``job_id`` matches the stream it came from.
+    """
+    norm = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}
+    raw = norm.get("data")
+    if raw is None:
+        raise InvalidEvent(f"no 'data' field (fields: {sorted(norm)[:5]})")
+    if len(raw) > MAX_EVENT_BYTES:
+        raise InvalidEvent(f"oversized: {len(raw)} bytes > {MAX_EVENT_BYTES}")
+    try:
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        obj = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidEvent(f"not JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise InvalidEvent(f"not a JSON object: {type(obj).__name__}")
+    version = obj.get("schema_version", SCHEMA_VERSION)
+    if not isinstance(version, int) or version > SCHEMA_VERSION or version < 1:
+        raise InvalidEvent(f"unsupported schema_version {version!r} (this reader knows 1..{SCHEMA_VERSION})")
+    try:
+        event = _EVENT_ADAPTER.validate_python(obj)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        path = ".".join(str(p) for p in first["loc"]) or "(event)"
+        raise InvalidEvent(f"schema: {path}: {first['msg']} ({exc.error_count()} error(s))") from exc
+    if expected_job is not None and event.job_id != expected_job:
+        raise InvalidEvent(f"job_id {event.job_id!r} does not match stream's job {expected_job!r}")
+    return event
+
+
+# --------------------------------------------------------------------------------------------
+# Coordinator -> worker documents
+# --------------------------------------------------------------------------------------------
+
+
+class Member(_Wire):
+    worker_id: str
+    rank: int
+    #: Half-open ``[start, stop, step]`` ranges over the shard space (see ShardTable).
+    ranges: list[tuple[int, int, int]]
+
+
+class ShardTable(_Wire):
+    """One generation's plan. Ranges of all members are disjoint and cover ``0..num_samples-1``.
+
+    ``num_samples`` is the job's shard space (by default the global batch size: each rank
+    takes these positions of every global batch). ``paused`` tables have no members.
+    """
+
+    job_id: str
+    generation: int
+    world_size: int
+    strategy: str
+    num_samples: int
+    members: list[Member]
+    paused: bool = False
+    reason: str = ""
+    #: Epoch of the coordinator that wrote it (for debugging fencing).
+    epoch: int = 0
+    #: Redis server time (ms) when it was planned.
+    planned_at_ms: int = 0
+
+    def member(self, worker_id: str) -> Member | None:
+        return next((m for m in self.members if m.worker_id == worker_id), None)
+
+
+class JoinReply(_Wire):
+    accepted: bool
+    worker_id: str | None = None
+    reason: str = ""
+    generation: int | None = None
+
+
+class Heartbeat(_Wire):
+    """Value of a worker's heartbeat key (also what ``status`` shows per worker)."""
+
+    worker_id: str
+    step: int = 0
+    generation: int = 0
+    step_time: float | None = None
+    loss: float | None = None
+    digest: str | None = None
+    pid: int = 0

@@ -1,0 +1,22 @@
+"""Object stores, checkpoints and dataset shards for shoal.
+
+Modules (each small, named for what it holds):
+
+``backend``      the :class:`ObjectStore` interface and key rules
+``local``/``s3``/``memory``  backends; ``uri.open_store`` picks one from a URI
+``s3_config``    S3 settings from the environment / a credentials file
+``errors``       StorageError hierarchy and the one place outside errors are translated
+``layout``       object names inside a checkpoint store
+``manifest``     manifest model, HMAC signing
+``train_state``  :class:`TrainState`, what a checkpoint restores; ``rng`` its RNG part
+``safe_load``    weights-only deserialization
+``verify``       manifest and file verification
+``checkpoint``   ``save_checkpoint`` / ``load_checkpoint`` / ``load_latest``
+``latest_object`` the store's LATEST object; ``latest`` the Redis pointer
+``retention``    keep-last-K and garbage collection
+``resume``       Redis pointer -> store LATEST -> scan
+``async_saver``  background checkpointing
+``datasets``     verified, cached dataset shards
+
+See docs/storage.md.
+"""

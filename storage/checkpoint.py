@@ -1,0 +1,171 @@
+"""Write and read checkpoints; pick the newest one that verifies.
+
+Write order of :func:`save_checkpoint` (each object is written atomically by the store):
+
+1. delete an existing ``manifest.json`` at this step (re-saving a step makes it invisible
+   first, so old manifest + new files can never be mistaken for a checkpoint);
+2. every state file (``torch.save``, size and sha256 computed while writing);
+3. ``manifest.json`` -- from this moment the checkpoint exists;
+4. ``LATEST`` (never backwards);
+5. retention (:mod:`storage.retention`).
+
+A crash anywhere leaves LATEST naming the previous complete checkpoint, and a directory
+without a manifest, which nothing loads and retention removes later.
+
+Reading verifies before deserializing: the manifest parses (strict JSON) and, when an HMAC
+key is configured, authenticates; every file exists with the recorded size and sha256; only
+then is anything handed to ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from storage.backend import ObjectStore
+from storage.errors import CheckpointCorrupt, NoCheckpoint, StorageError
+from storage.latest_object import read_latest_step, write_latest
+from storage.layout import file_key, manifest_key
+from storage.manifest import FROM_ENV, FileEntry, HmacKey, Manifest, resolve_hmac_key
+from storage.retention import apply_retention
+from storage.safe_load import check_saveable, load_state_bytes
+from storage.train_state import FILES, TrainState
+from storage.verify import Warn, list_checkpoint_steps, read_manifest, read_verified_files
+
+
+class _HashingWriter:
+    """File wrapper counting and hashing what torch.save writes through it."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+        self.size = 0
+        self._sha = hashlib.sha256()
+
+    def write(self, data) -> int:
+        self._sha.update(data)
+        n = self._f.write(data)
+        self.size += memoryview(data).nbytes
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def entry(self) -> FileEntry:
+        return FileEntry(size=self.size, sha256=self._sha.hexdigest())
+
+
+def _write_state_file(store: ObjectStore, key: str, obj: Any) -> FileEntry:
+    import torch
+
+    with store.open_write(key) as f:
+        w = _HashingWriter(f)
+        torch.save(obj, w)
+    return w.entry()
+
+
+def save_checkpoint(
+    store: ObjectStore,
+    state: TrainState,
+    *,
+    keep_last: int | None = 3,
+    hmac_key: HmacKey = FROM_ENV,
+    on_warning: Warn | None = None,
+) -> Manifest:
+    """Write ``state`` as the checkpoint of ``state.step``, publish it in LATEST, then apply
+    retention (``keep_last`` newest; None disables). Returns the manifest written.
+
+    Errors: ``ValueError`` for state that could not be loaded back (nothing written);
+    StorageError from the store (the checkpoint stays invisible, LATEST unchanged);
+    LatestRegression when LATEST names a higher step (the checkpoint is complete but not
+    published, nothing deleted). Retention failures do not fail the save: they go to
+    ``on_warning``.
+    """
+    state.check_counters()
+    parts = state.components()
+    for name, obj in parts.items():
+        check_saveable(obj, name)
+    key = resolve_hmac_key(hmac_key)
+    step = state.step
+
+    store.delete(manifest_key(step))
+    files = {name: _write_state_file(store, file_key(step, name), obj) for name, obj in parts.items()}
+    manifest = Manifest.create(
+        step=step,
+        epoch=state.epoch,
+        data_cursor=state.data_cursor,
+        generation=state.generation,
+        world_size=state.world_size,
+        files=files,
+    ).signed(key)
+    store.put_bytes(manifest_key(step), manifest.to_json())
+    write_latest(store, step)
+
+    if keep_last is not None:
+        try:
+            apply_retention(store, keep_last=keep_last)
+        except StorageError as exc:
+            if on_warning is not None:
+                on_warning(f"retention after step {step} failed: {exc}")
+    return manifest
+
+
+def load_checkpoint(
+    store: ObjectStore, step: int, *, hmac_key: HmacKey = FROM_ENV, on_warning: Warn | None = None
+) -> tuple[TrainState, Manifest]:
+    """Load the checkpoint of ``step`` after verifying all of it (see module docstring).
+
+    Raises CheckpointCorrupt (incomplete or damaged), UnsafeCheckpoint (HMAC failure or a
+    file the weights-only loader refuses), StorageError (backend). Never returns part of a
+    checkpoint."""
+    manifest = read_manifest(store, step, hmac_key=hmac_key, on_warning=on_warning)
+    blobs = read_verified_files(store, manifest)
+    parts = {name: load_state_bytes(data, where=f"{store.uri}/{file_key(step, name)}") for name, data in blobs.items()}
+    state = TrainState(
+        step=manifest.step,
+        model=parts[FILES["model"]],
+        optimizer=parts.get(FILES["optimizer"]),
+        scheduler=parts.get(FILES["scheduler"]),
+        rng=parts.get(FILES["rng"]),
+        epoch=manifest.epoch,
+        data_cursor=manifest.data_cursor,
+        generation=manifest.generation,
+        world_size=manifest.world_size,
+    )
+    return state, manifest
+
+
+def load_latest(
+    store: ObjectStore,
+    *,
+    start_step: int | None = None,
+    hmac_key: HmacKey = FROM_ENV,
+    on_warning: Warn | None = None,
+) -> tuple[TrainState, Manifest]:
+    """Load the newest usable checkpoint at or below ``start_step`` (default: what LATEST
+    names; when LATEST is missing or corrupt, every checkpoint present is a candidate).
+
+    Candidates are tried newest first; a corrupt or incomplete one is reported through
+    ``on_warning`` with the reason and the next older one is tried. Checkpoints newer than
+    the pointer were never published and are not considered. Raises NoCheckpoint when none
+    verifies, UnsafeCheckpoint at once on a security failure (no silent fallback from a
+    tampered store), StorageError when the backend fails.
+    """
+    warn = on_warning or (lambda _msg: None)
+    key = resolve_hmac_key(hmac_key)
+    present = list_checkpoint_steps(store)
+    head = start_step if start_step is not None else read_latest_step(store, warn)
+    if head is None:
+        if present:
+            warn(f"{store.uri}: no usable LATEST; scanning {len(present)} checkpoint directories")
+        candidates = sorted(present, reverse=True)
+    else:
+        candidates = [head] + sorted((s for s in present if s < head), reverse=True)
+    rejected: list[str] = []
+    for step in candidates:
+        try:
+            return load_checkpoint(store, step, hmac_key=key, on_warning=warn)
+        except CheckpointCorrupt as exc:
+            rejected.append(str(exc))
+            warn(f"skipping checkpoint of step {step}: {exc}; falling back to an older one")
+    detail = "; ".join(rejected) if rejected else "store holds no checkpoints"
+    raise NoCheckpoint(f"{store.uri}: no complete checkpoint ({detail})")

@@ -1,0 +1,124 @@
+"""Errors of the storage package, and the one place outside errors are translated.
+
+Every error this package raises on purpose derives from :class:`StorageError` (itself a
+:class:`~shoal.errors.ShoalError`). Errors from the filesystem (``OSError``), from the S3
+client (``minio`` ``S3Error``/``ServerError``/``InvalidResponseError``), from its HTTP layer
+(``urllib3`` errors) and from Redis are turned into these classes by :func:`translated`,
+always with ``raise ... from`` so the original cause stays in the traceback.
+
+No message built here contains a credential: S3 errors only carry the error code, bucket
+and object name; URLs are the endpoint without user info.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from shoal.errors import ConfigError, ConnectionFailed, ShoalError
+
+
+class StorageError(ShoalError):
+    """Base class: a storage operation failed. The message names the operation and object."""
+
+
+class ObjectNotFound(StorageError):
+    """The object (file, S3 key) does not exist. Nothing was changed."""
+
+
+class StorageUnavailable(StorageError, ConnectionFailed):
+    """The backend could not be reached (S3 endpoint down, timeouts, Redis gone)."""
+
+    exit_code = ConnectionFailed.exit_code
+
+
+class StorageAccessDenied(StorageError):
+    """The backend refused the credentials or the permission for this object."""
+
+
+class StorageConfigError(StorageError, ConfigError):
+    """Bad storage URI, missing credentials or a missing bucket. Nothing was changed."""
+
+    exit_code = ConfigError.exit_code
+
+
+class CheckpointError(StorageError):
+    """Base class of checkpoint-level failures."""
+
+
+class NoCheckpoint(CheckpointError):
+    """No complete, verifying checkpoint exists in the store. The message lists what was
+    rejected and why."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint is incomplete or damaged: missing/unparsable manifest, a file missing,
+    truncated, or with a sha256 different from the manifest's. Loaders skip it."""
+
+
+class UnsafeCheckpoint(CheckpointError):
+    """A checkpoint failed a security check: a state file needs unpickling of something other
+    than tensors and plain containers, or the manifest HMAC is missing or wrong while a key is
+    configured. Loaders stop on it instead of falling back: the store itself is suspect."""
+
+
+class LatestRegression(StorageError):
+    """Refused to move a LATEST pointer to a lower step than the one it names now."""
+
+
+class PointerCorrupt(StorageError):
+    """A LATEST pointer (Redis) holds something that is not valid pointer JSON."""
+
+
+class ShardCorrupt(StorageError):
+    """A dataset shard's size or sha256 differs from the dataset index; it was not cached."""
+
+
+_NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchObject", "NotFound", "NoSuchVersion"})
+_DENIED_CODES = frozenset(
+    {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"}
+)
+_CONFIG_CODES = frozenset({"NoSuchBucket", "InvalidBucketName", "AuthorizationHeaderMalformed"})
+
+
+@contextmanager
+def translated(what: str) -> Iterator[None]:
+    """Run a block; re-raise outside errors as the matching :class:`StorageError`.
+
+    ``what`` names the operation and object (e.g. ``"get s3://b/k"``) and prefixes the message.
+    StorageErrors pass through untouched; anything not listed below (a bug) is not caught.
+    """
+    # Imported lazily so that the local and memory backends work without these clients loaded.
+    import redis
+    import urllib3.exceptions
+    from minio.error import InvalidResponseError, S3Error, ServerError
+
+    try:
+        yield
+    except StorageError:
+        raise
+    except S3Error as exc:
+        detail = f"{what}: S3 error {exc.code}"
+        if exc.code in _NOT_FOUND_CODES:
+            raise ObjectNotFound(f"{what}: no such object") from exc
+        if exc.code in _DENIED_CODES:
+            raise StorageAccessDenied(f"{detail} (check S3_ACCESS_KEY/S3_SECRET_KEY)") from exc
+        if exc.code in _CONFIG_CODES:
+            raise StorageConfigError(f"{detail} (bucket {exc.bucket_name!r})") from exc
+        raise StorageError(f"{detail}: {exc.message}") from exc
+    except ServerError as exc:
+        raise StorageUnavailable(f"{what}: S3 server error (HTTP {exc.status_code})") from exc
+    except InvalidResponseError as exc:
+        raise StorageUnavailable(f"{what}: invalid response from the S3 endpoint") from exc
+    except urllib3.exceptions.HTTPError as exc:
+        raise StorageUnavailable(f"{what}: S3 endpoint unreachable: {type(exc).__name__}") from exc
+    except redis.RedisError as exc:
+        raise StorageUnavailable(f"{what}: Redis error: {exc}") from exc
+    except FileNotFoundError as exc:
+        raise ObjectNotFound(f"{what}: no such file") from exc
+    except PermissionError as exc:
+        raise StorageAccessDenied(f"{what}: permission denied") from exc
+    except OSError as exc:
+        name = errno.errorcode.get(exc.errno or 0, "OSError")
+        raise StorageError(f"{what}: {name}: {exc.strerror or exc}") from exc

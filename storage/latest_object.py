@@ -1,0 +1,62 @@
+"""The ``LATEST`` object of a checkpoint store: which checkpoint is the newest published one.
+
+Content: ``{"step": N, "checkpoint": "step-00000000N", "updated_at": "<UTC ISO>"}``. It is
+written (atomically, like every object) only after that checkpoint's manifest, and never
+moves to a lower step. The read-compare-write is not atomic across processes: one writer per
+store (rank 0 of the current generation) is assumed; the Redis pointer
+(:mod:`storage.latest`) is the cross-process compare-and-set.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from storage.backend import ObjectStore
+from storage.errors import LatestRegression, ObjectNotFound
+from storage.layout import LATEST, checkpoint_dir
+
+
+def read_latest_step(store: ObjectStore, on_warning: Callable[[str], None] | None = None) -> int | None:
+    """The step LATEST names, or None when it is missing or unreadable (``on_warning`` is told
+    why when it is corrupt). Backend failures raise StorageError."""
+    try:
+        raw = store.get_bytes(LATEST)
+    except ObjectNotFound:
+        return None
+    step = parse_latest(raw)
+    if step is None and on_warning is not None:
+        on_warning(f"{store.uri}/{LATEST} is corrupt ({len(raw)} bytes); ignoring it")
+    return step
+
+
+def parse_latest(raw: bytes) -> int | None:
+    """The step in LATEST content, or None unless it is well-formed and self-consistent."""
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    step = obj.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return None
+    if obj.get("checkpoint") != checkpoint_dir(step):
+        return None
+    return step
+
+
+def write_latest(store: ObjectStore, step: int) -> None:
+    """Point LATEST at ``step``. Raises LatestRegression (and writes nothing) when LATEST
+    already names a higher step; the same step is rewritten (idempotent). A corrupt LATEST
+    is replaced."""
+    current = read_latest_step(store)
+    if current is not None and current > step:
+        raise LatestRegression(f"{store.uri}/{LATEST} is at step {current}; refusing to move it back to {step}")
+    body = {
+        "step": step,
+        "checkpoint": checkpoint_dir(step),
+        "updated_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
+    }
+    store.put_bytes(LATEST, (json.dumps(body) + "\n").encode())

@@ -1,0 +1,60 @@
+"""Resume a job: find its newest usable checkpoint, from Redis if it knows, else from storage.
+
+Order of authority:
+
+1. the job's Redis pointer (:mod:`storage.latest`), the coordinator-agreed view;
+2. the store's ``LATEST`` object, when Redis has no (valid) pointer -- e.g. Redis was wiped
+   or replaced -- or cannot be reached;
+3. a scan of every checkpoint's manifest, when LATEST is missing or corrupt as well.
+
+From the chosen starting step, :func:`~storage.checkpoint.load_latest` falls back to older
+checkpoints that verify; if none at or below the Redis pointer's step does (retention
+already removed them), the store's LATEST is used. Every fallback is reported through
+``on_warning``.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from storage.backend import ObjectStore
+from storage.checkpoint import load_latest
+from storage.errors import NoCheckpoint, PointerCorrupt, StorageUnavailable
+from storage.latest import read_pointer
+from storage.manifest import FROM_ENV, HmacKey, Manifest
+from storage.train_state import TrainState
+from storage.verify import Warn
+
+
+def resume(
+    store: ObjectStore,
+    r: redis.Redis | None = None,
+    job_id: str | None = None,
+    *,
+    hmac_key: HmacKey = FROM_ENV,
+    on_warning: Warn | None = None,
+) -> tuple[TrainState, Manifest]:
+    """Load the checkpoint to resume from (see module docstring).
+
+    Raises NoCheckpoint when nothing verifies (a fresh job), UnsafeCheckpoint on a security
+    failure, StorageError when the store fails. Redis trouble never fails a resume."""
+    warn = on_warning or (lambda _msg: None)
+    start: int | None = None
+    if r is not None and job_id is not None:
+        try:
+            pointer = read_pointer(r, job_id)
+        except (PointerCorrupt, StorageUnavailable) as exc:
+            warn(f"Redis LATEST pointer unusable ({exc}); using the store's LATEST")
+            pointer = None
+        if pointer is None:
+            warn(f"job {job_id} has no Redis LATEST pointer; using {store.uri}/LATEST")
+        elif pointer.store != store.uri:
+            warn(f"Redis LATEST pointer names store {pointer.store}, not {store.uri}; ignoring it")
+        else:
+            start = pointer.step
+    if start is not None:
+        try:
+            return load_latest(store, start_step=start, hmac_key=hmac_key, on_warning=warn)
+        except NoCheckpoint as exc:
+            warn(f"nothing verifies at or below the Redis pointer's step {start} ({exc}); using {store.uri}/LATEST")
+    return load_latest(store, hmac_key=hmac_key, on_warning=warn)

@@ -1,0 +1,144 @@
+"""What a checkpoint restores: :class:`TrainState`.
+
+A TrainState holds the model ``state_dict``, optimizer and (optional) LR-scheduler state,
+the global RNG states, and the counters that place training in time: ``step``, ``epoch``,
+``data_cursor`` (any JSON value the data loader understands), ``generation`` and
+``world_size``. The tensors go into torch files (one per component, see :data:`FILES`), the
+counters into the manifest.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from storage.rng import capture_rng, restore_rng
+
+#: Component -> file name inside a checkpoint directory. ``model.pt`` is mandatory.
+FILES: dict[str, str] = {
+    "model": "model.pt",
+    "optimizer": "optimizer.pt",
+    "scheduler": "scheduler.pt",
+    "rng": "rng.pt",
+}
+
+
+@dataclass
+class TrainState:
+    """Everything needed to resume training at a step boundary.
+
+    ``model``/``optimizer``/``scheduler`` are state dicts; ``rng`` is :func:`capture_rng`
+    output. Built by :meth:`capture` they reference live tensors: save them synchronously
+    or take a :meth:`snapshot` first (the async saver does).
+    """
+
+    step: int
+    model: dict[str, Any]
+    optimizer: dict[str, Any] | None = None
+    scheduler: dict[str, Any] | None = None
+    rng: dict[str, Any] | None = None
+    epoch: int = 0
+    data_cursor: Any = 0
+    generation: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def capture(
+        cls,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any | None = None,
+        *,
+        step: int,
+        epoch: int = 0,
+        data_cursor: Any = 0,
+        generation: int = 0,
+        world_size: int = 1,
+        with_rng: bool = True,
+    ) -> TrainState:
+        """State of live training objects (no copy) plus the global RNGs."""
+        return cls(
+            step=step,
+            model=model.state_dict(),
+            optimizer=optimizer.state_dict() if optimizer is not None else None,
+            scheduler=scheduler.state_dict() if scheduler is not None else None,
+            rng=capture_rng() if with_rng else None,
+            epoch=epoch,
+            data_cursor=data_cursor,
+            generation=generation,
+            world_size=world_size,
+        )
+
+    def restore(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any | None = None,
+        *,
+        rng: bool = True,
+    ) -> None:
+        """Load the state into live objects. A component requested but absent from the
+        checkpoint raises ``ValueError``; mismatched shapes/keys raise what torch raises."""
+        if optimizer is not None and self.optimizer is None:
+            raise ValueError(f"checkpoint of step {self.step} has no optimizer state")
+        if scheduler is not None and self.scheduler is None:
+            raise ValueError(f"checkpoint of step {self.step} has no LR scheduler state")
+        if rng and self.rng is None:
+            raise ValueError(f"checkpoint of step {self.step} has no RNG state")
+        model.load_state_dict(self.model)
+        if optimizer is not None:
+            optimizer.load_state_dict(self.optimizer)
+        if scheduler is not None:
+            scheduler.load_state_dict(self.scheduler)
+        if rng:
+            restore_rng(self.rng)  # type: ignore[arg-type]
+
+    def snapshot(self) -> TrainState:
+        """A deep copy with every tensor copied to CPU memory, independent of training."""
+        return replace(
+            self,
+            model=cpu_copy(self.model),
+            optimizer=cpu_copy(self.optimizer),
+            scheduler=cpu_copy(self.scheduler),
+            rng=cpu_copy(self.rng),
+            data_cursor=copy.deepcopy(self.data_cursor),
+        )
+
+    def components(self) -> dict[str, Any]:
+        """File name -> object for every component present (model always)."""
+        parts = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "rng": self.rng}
+        return {FILES[k]: v for k, v in parts.items() if v is not None}
+
+    def check_counters(self) -> None:
+        """Raise ``ValueError`` if a counter is negative or the cursor is not JSON."""
+        for name in ("step", "epoch", "generation"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"TrainState.{name} must be an int >= 0, got {value!r}")
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"TrainState.world_size must be an int >= 1, got {self.world_size!r}")
+        try:
+            json.dumps(self.data_cursor, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"TrainState.data_cursor must be JSON-serializable: {exc}") from exc
+
+
+def cpu_copy(obj: Any) -> Any:
+    """Deep copy of nested dict/list/tuple containers with tensors detached and copied to
+    CPU (never sharing memory with the original)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, OrderedDict):
+        return OrderedDict((k, cpu_copy(v)) for k, v in obj.items())
+    if isinstance(obj, dict):
+        return {k: cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [cpu_copy(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(cpu_copy(v) for v in obj)
+    return copy.deepcopy(obj)

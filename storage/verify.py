@@ -1,0 +1,76 @@
+"""Read-side checks of a checkpoint, without deserializing anything.
+
+:func:`read_manifest` parses and authenticates a manifest; :func:`read_verified_files`
+returns the state files' bytes only after checking each size and sha256 against it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+from storage.backend import ObjectStore
+from storage.errors import CheckpointCorrupt, ObjectNotFound
+from storage.layout import file_key, manifest_key, step_of_key
+from storage.manifest import FROM_ENV, HmacKey, Manifest, resolve_hmac_key
+from storage.train_state import FILES
+
+Warn = Callable[[str], None]
+
+
+def read_manifest(
+    store: ObjectStore, step: int, *, hmac_key: HmacKey = FROM_ENV, on_warning: Warn | None = None
+) -> Manifest:
+    """The manifest of ``step`` (parsed, step-consistent, HMAC-checked; files not read).
+
+    Raises CheckpointCorrupt when it is missing or malformed, UnsafeCheckpoint when the HMAC
+    check fails, StorageError when the backend fails."""
+    where = manifest_key(step)
+    try:
+        raw = store.get_bytes(where)
+    except ObjectNotFound as exc:
+        raise CheckpointCorrupt(f"{store.uri}/{where}: missing (checkpoint incomplete)") from exc
+    manifest = Manifest.parse(raw, where=f"{store.uri}/{where}")
+    manifest.check_signature(resolve_hmac_key(hmac_key), where=f"{store.uri}/{where}", on_warning=on_warning)
+    if manifest.step != step:
+        raise CheckpointCorrupt(f"{store.uri}/{where}: manifest says step {manifest.step}")
+    unknown = set(manifest.files) - set(FILES.values())
+    if unknown or FILES["model"] not in manifest.files:
+        raise CheckpointCorrupt(f"{store.uri}/{where}: unexpected file set {sorted(manifest.files)}")
+    return manifest
+
+
+def read_verified_files(store: ObjectStore, manifest: Manifest) -> dict[str, bytes]:
+    """Every file of ``manifest`` after checking its size and sha256; CheckpointCorrupt
+    names the first file that is missing, truncated/extended or differs."""
+    out: dict[str, bytes] = {}
+    for name, entry in manifest.files.items():
+        key = file_key(manifest.step, name)
+        where = f"{store.uri}/{key}"
+        try:
+            data = store.get_bytes(key)
+        except ObjectNotFound as exc:
+            raise CheckpointCorrupt(f"{where}: missing") from exc
+        if len(data) != entry.size:
+            raise CheckpointCorrupt(f"{where}: size {len(data)} bytes, manifest says {entry.size} (truncated?)")
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != entry.sha256:
+            raise CheckpointCorrupt(f"{where}: sha256 {digest[:12]}... does not match manifest {entry.sha256[:12]}...")
+        out[name] = data
+    return out
+
+
+def list_checkpoint_steps(store: ObjectStore) -> list[int]:
+    """Steps of every checkpoint directory present, complete or not, ascending."""
+    return sorted({s for s in (step_of_key(k) for k in store.list("step-")) if s is not None})
+
+
+def verify_checkpoint(
+    store: ObjectStore, step: int, *, hmac_key: HmacKey = FROM_ENV, on_warning: Warn | None = None
+) -> Manifest:
+    """Check the whole checkpoint of ``step`` (manifest, HMAC, every file's size and sha256)
+    without deserializing it; return its manifest. Raises like :func:`read_manifest` and
+    :func:`read_verified_files`."""
+    manifest = read_manifest(store, step, hmac_key=hmac_key, on_warning=on_warning)
+    read_verified_files(store, manifest)
+    return manifest

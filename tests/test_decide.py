@@ -1,0 +1,140 @@
+"""The coordinator's pure decisions, driven with an explicit clock (no sleeping)."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.decide import SETTLE_MS, EventInput, Forget, Publish, ReplyJoin, Tick, decide
+from coordinator.states import CoordState, IllegalTransition, JobState, WorkerRecord, WorkerState
+from events.models import JoinRequest, LeaveRequest, Left, Ready, StopJob, WorkerExited
+from shoal.jobspec import JobSpec
+
+SPEC = JobSpec(name="j", entrypoint="simulate", min_workers=2, max_workers=3, global_batch_size=10, heartbeat_ttl=2.0, heartbeat_interval=0.5)
+T0 = 1_000_000
+
+
+def _ev(event, sid="1-0"):
+    return EventInput(sid, event)
+
+
+def join(state, now, spec=SPEC):
+    d = decide(state, _ev(JoinRequest(job_id="j", host="h", pid=1)), now, spec)
+    return d
+
+
+def three_workers(spec=SPEC):
+    s = CoordState()
+    for i in range(3):
+        s = join(s, T0 + i, spec).state
+    return s
+
+
+def tables(d):
+    return [a.table for a in d.actions if isinstance(a, Publish)]
+
+
+def test_three_joins_make_exactly_one_generation_and_a_fourth_is_rejected() -> None:
+    s = CoordState()
+    published = []
+    for i in range(3):
+        d = join(s, T0 + i)
+        published += tables(d)
+        s = d.state
+    assert len(published) == 1  # settled: one generation, not three
+    t = published[0]
+    assert (t.generation, t.world_size) == (1, 3)
+    assert sorted(i for m in t.members for s0, e, st in m.ranges for i in range(s0, e, st)) == list(range(10))
+    d = join(s, T0 + 10)
+    reply = [a for a in d.actions if isinstance(a, ReplyJoin)][0].reply
+    assert not reply.accepted and "max_workers=3" in reply.reason
+    assert len(d.state.workers) == 3
+
+
+def test_joins_below_max_settle_on_a_tick() -> None:
+    spec = SPEC.model_copy(update={"max_workers": 5})
+    s = join(CoordState(), T0, spec).state
+    s = join(s, T0 + 10, spec).state
+    assert not tables(decide(s, Tick(), T0 + 10 + SETTLE_MS - 1, spec))
+    d = decide(s, Tick(), T0 + 10 + SETTLE_MS, spec)
+    assert [t.world_size for t in tables(d)] == [2]
+    assert d.state.status.state == JobState.RUNNING
+
+
+def test_stale_heartbeat_fails_the_worker_and_replans_at_once() -> None:
+    s = three_workers()
+    ttl = 2000
+    d = decide(s, Tick(last_seen={"w1": T0}), T0 + ttl, SPEC)  # exactly ttl: not yet
+    assert not d.changed
+    d = decide(s, Tick(last_seen={"w1": T0}), T0 + ttl + 1, SPEC)
+    assert d.state.workers["w1"].state == WorkerState.FAILED
+    assert Forget("w1") in d.actions
+    (t,) = tables(d)
+    assert t.generation == 2 and [m.worker_id for m in t.members] == ["w0", "w2"]
+    assert "no heartbeat" in d.reason and d.state.status.first_failure.startswith("w1 failed")
+
+
+def test_sigterm_drains_then_leaves_without_failure() -> None:
+    s = three_workers()
+    d = decide(s, _ev(LeaveRequest(job_id="j", worker_id="w2")), T0 + 5, SPEC)
+    assert d.state.workers["w2"].state == WorkerState.DRAINING
+    assert [m.worker_id for m in tables(d)[0].members] == ["w0", "w1"]
+    d = decide(d.state, _ev(Left(job_id="j", worker_id="w2")), T0 + 6, SPEC)
+    assert d.state.workers["w2"].state == WorkerState.LEFT
+    assert not tables(d)  # membership of the plan did not change again
+    assert all(w.state != WorkerState.FAILED for w in d.state.workers.values())
+
+
+def test_below_min_workers_pauses_and_a_join_resumes() -> None:
+    s = three_workers()
+    s = decide(s, Tick(last_seen={"w0": T0}), T0 + 5000, SPEC).state
+    d = decide(s, Tick(last_seen={"w1": T0}), T0 + 5001, SPEC)
+    assert d.state.status.state == JobState.PAUSED
+    (t,) = tables(d)
+    assert t.paused and t.members == []
+    d = join(d.state, T0 + 6000)
+    d = decide(d.state, Tick(), T0 + 6000 + SETTLE_MS, SPEC)
+    assert d.state.status.state == JobState.RUNNING
+    assert [m.worker_id for m in tables(d)[0].members] == ["w2", "w3"]
+
+
+def test_ready_moves_syncing_to_active_only_for_the_current_generation() -> None:
+    s = three_workers()
+    d = decide(s, _ev(Ready(job_id="j", worker_id="w0", generation=0)), T0 + 5, SPEC)
+    assert not d.changed and "generation 0 ignored" in d.reason
+    d = decide(s, _ev(Ready(job_id="j", worker_id="w0", generation=1)), T0 + 5, SPEC)
+    assert d.state.workers["w0"].state == WorkerState.ACTIVE
+
+
+def test_agent_reported_exit_fails_at_once_with_the_root_cause() -> None:
+    s = three_workers()
+    d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w0", exit_code=3, traceback="Traceback...\nRuntimeError: boom")), T0 + 5, SPEC)
+    assert d.state.workers["w0"].state == WorkerState.FAILED
+    assert "exit code 3" in d.state.status.first_failure and "RuntimeError: boom" in d.state.status.first_failure
+    assert tables(d)[0].world_size == 2
+
+
+def test_unknown_worker_and_terminal_job_are_no_ops_with_reasons() -> None:
+    s = three_workers()
+    d = decide(s, _ev(Left(job_id="j", worker_id="w99")), T0, SPEC)
+    assert not d.changed and "unknown worker" in d.reason
+    d = decide(s, _ev(StopJob(job_id="j")), T0, SPEC)
+    assert d.state.status.state == JobState.STOPPED
+    d = join(d.state, T0 + 1)
+    assert "job is stopped" in d.reason
+
+
+def test_state_tables_refuse_illegal_moves() -> None:
+    rec = WorkerRecord("w0", WorkerState.LEFT, joined_ms=0)
+    with pytest.raises(IllegalTransition):
+        rec.moved(WorkerState.ACTIVE, "x", 1)
+
+
+def test_stragglers_are_flagged_against_the_median() -> None:
+    s = three_workers()
+    for w in ("w0", "w1", "w2"):
+        s = decide(s, _ev(Ready(job_id="j", worker_id=w, generation=1)), T0 + 5, SPEC).state
+    d = decide(s, Tick(step_times={"w0": 0.1, "w1": 0.11, "w2": 0.5}), T0 + 10, SPEC)
+    assert d.state.workers["w2"].straggler and not d.state.workers["w0"].straggler
+    assert "w2 straggler" in d.reason
+    d2 = decide(d.state, Tick(step_times={"w0": 0.1, "w1": 0.11, "w2": 0.5}), T0 + 20, SPEC)
+    assert not d2.changed  # logged only when it changes

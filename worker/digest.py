@@ -1,0 +1,40 @@
+"""A short fingerprint of a model's weights, published with every heartbeat.
+
+Workers of one generation apply bit-identical updates (the all-reduced gradient is the same on
+every rank), so after each committed step their digests must be equal; a differing digest
+means a worker diverged (missed a state broadcast, applied a step others aborted, ...). The
+digest covers ``model.state_dict()`` - parameters and persistent buffers - in its (stable,
+registration) order, including each entry's name, dtype and shape, so a structural difference
+changes it too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+DIGEST_CHARS = 16
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of ``t`` (any dtype, any device, contiguous copy on CPU)."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def state_digest(model: torch.nn.Module, *, length: int = DIGEST_CHARS) -> str:
+    """sha256 over ``model.state_dict()`` (name, dtype, shape, bytes of each entry), as the
+    first ``length`` hex characters. Equal models give equal digests; any bit that differs
+    changes it. Costs one pass over the weights (plus a device->host copy on GPU)."""
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            h.update(name.encode())
+            h.update(f"|{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(tensor_bytes(t))
+    return h.hexdigest()[:length]
+
+
+#: Alias: the heartbeat field is called the parameter digest.
+param_digest = state_digest

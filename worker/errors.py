@@ -1,0 +1,71 @@
+"""Errors of the training side of a worker (store, process group, engine, user API).
+
+Outside errors (torch.distributed, redis-py) are translated into these in one place:
+:func:`worker.process_group.translate_error`. The worker loop reacts by class:
+
+* :class:`RendezvousFailed` / :class:`RendezvousTimeout` - the group of a generation could not
+  be formed; report it and wait for the next generation.
+* :class:`CollectiveFailed` - a collective raised (a peer died, was killed, or the group is
+  broken). The process group must be left (:func:`worker.process_group.leave_group`).
+* :class:`StepAborted` - the step was NOT applied (no optimizer step, grads zeroed, buffers
+  restored); redo the same step (same cursor) in the next generation.
+* :class:`InconsistentStep` - a StepAborted raised by every rank when the ranks disagreed on
+  the global batch (different shard tables or cursors); the control plane should re-plan.
+* :class:`UserCodeError` - the user's model/loss/step function raised; a bug, not a peer failure.
+* :class:`EntrypointError` - the job's ``module:function`` could not be loaded or returned junk.
+* :class:`StateMismatch` - a state broadcast between workers whose models differ in structure.
+"""
+
+from __future__ import annotations
+
+from shoal.errors import ShoalError
+
+
+class WorkerError(ShoalError):
+    """Base class of every error the training side of a worker raises on purpose."""
+
+
+class RendezvousFailed(WorkerError):
+    """The process group of one generation could not be formed (store or backend failure)."""
+
+
+class RendezvousTimeout(RendezvousFailed):
+    """Not every rank of the generation arrived at the rendezvous within the timeout."""
+
+
+class CollectiveFailed(WorkerError):
+    """A collective (all_reduce, broadcast, barrier) raised: a peer died or timed out, or the
+    group was already destroyed. The group is unusable; leave it and join the next generation."""
+
+
+class StepAborted(WorkerError):
+    """A training step was abandoned before the optimizer stepped.
+
+    The model parameters, optimizer state, LR scheduler and module buffers are exactly as
+    before the step, and the gradients are zeroed. The caller must not advance its cursor and
+    redoes the step in the next generation. ``__cause__`` holds the collective failure.
+    """
+
+
+class InconsistentStep(StepAborted):
+    """The ranks of a step disagreed on the global batch (the all-reduced sample count differs
+    from the expected one: ranks used different shard tables or cursors). Every rank sees the
+    same reduced count, so every rank aborts the step; nothing was applied."""
+
+
+class UserCodeError(WorkerError):
+    """The user's code (dataset, model forward/backward, loss or step function) raised.
+
+    Not retried by the runtime: it is expected to fail again. ``__cause__`` keeps the
+    original traceback.
+    """
+
+
+class EntrypointError(WorkerError):
+    """The job's ``module:function`` entrypoint could not be imported, called, or validated."""
+
+    exit_code = 2
+
+
+class StateMismatch(WorkerError):
+    """A state broadcast found a model/optimizer whose structure differs from the source's."""

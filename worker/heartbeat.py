@@ -1,0 +1,84 @@
+"""Worker heartbeats: a TTL'd progress key plus the last-seen sorted set, in one Lua call.
+
+The score is Redis server time, so clock skew between machines never matters. ``ZADD XX``
+only refreshes a worker the coordinator is watching: once it was declared Failed (and
+forgotten) its heartbeats no longer count, and :meth:`Heartbeater.beat` returns False so
+the worker knows it was evicted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import redis
+
+from events.keys import JobKeys
+from events.models import Heartbeat
+
+log = logging.getLogger("shoal.worker.heartbeat")
+
+# KEYS: heartbeat key, last_seen zset. ARGV: worker_id, value, ttl_ms. Returns 1 if watched.
+_BEAT = """
+local t = redis.call('TIME')
+local ms = t[1] * 1000 + math.floor(t[2] / 1000)
+local watched = redis.call('ZSCORE', KEYS[2], ARGV[1])
+if not watched then return 0 end
+redis.call('ZADD', KEYS[2], 'XX', ms, ARGV[1])
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return 1
+"""
+
+
+class Heartbeater:
+    """Refreshes a worker's heartbeat every ``interval`` s from a daemon thread.
+
+    ``update(**fields)`` changes what the next beat publishes (step, loss, digest...).
+    ``on_evicted`` is called once (from the thread) when the coordinator no longer watches
+    this worker. Redis errors are logged and retried at the next interval.
+    """
+
+    def __init__(self, client: redis.Redis, keys: JobKeys, worker_id: str, *, interval: float, ttl: float, on_evicted=None, pid: int = 0):
+        self._script = client.register_script(_BEAT)
+        self._keys = keys
+        self._ttl_ms = int(ttl * 1000)
+        self.interval = interval
+        self.worker_id = worker_id
+        self._value = Heartbeat(worker_id=worker_id, pid=pid)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._paused = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._on_evicted = on_evicted
+        self.evicted = False
+
+    def update(self, **fields) -> None:
+        with self._lock:
+            self._value = self._value.model_copy(update=fields)
+
+    def beat(self) -> bool:
+        with self._lock:
+            value = self._value.model_dump_json()
+        ok = bool(self._script(keys=[self._keys.heartbeat(self.worker_id), self._keys.last_seen], args=[self.worker_id, value, self._ttl_ms]))
+        if not ok and not self.evicted:
+            self.evicted = True
+            if self._on_evicted:
+                self._on_evicted()
+        return ok
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{self.worker_id}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.beat()
+            except redis.RedisError as exc:
+                log.warning("heartbeat failed: %s", exc)
+            self._stop.wait(self.interval)

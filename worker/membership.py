@@ -1,0 +1,122 @@
+"""A worker's side of membership: join, follow shard-table generations, ready, leave.
+
+Everything goes worker -> events stream -> coordinator -> (join reply, shard table) ->
+worker; the worker never writes coordinator state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import redis
+
+from events import bus
+from events.keys import JobKeys, job_keys
+from events.models import (
+    EventBase,
+    JobCompleted,
+    JoinReply,
+    JoinRequest,
+    LeaveRequest,
+    Left,
+    Ready,
+    ShardTable,
+    StepFailed,
+)
+from shoal.errors import ShoalError
+
+
+class MembershipError(ShoalError):
+    """Base of membership errors."""
+
+
+class JoinRejected(MembershipError):
+    """The coordinator refused the join; the message is its reason."""
+
+    exit_code = 4
+
+
+class JoinTimeout(MembershipError):
+    """No coordinator answered the join in time (none running, or none leading this job)."""
+
+    exit_code = 5
+
+
+class Membership:
+    """One worker's membership in one job. Call :meth:`join` first; the other methods need
+    the assigned ``worker_id``."""
+
+    def __init__(self, client: redis.Redis, job_id: str, *, node: str = ""):
+        self.client = client
+        self.keys: JobKeys = job_keys(job_id)
+        self.job_id = job_id
+        self.node = node
+        self.worker_id: str | None = None
+        self._gen_cursor = "0-0"
+
+    def send(self, event: EventBase) -> str:
+        return bus.publish(self.client, self.keys.events, event)
+
+    def join(self, timeout: float) -> str:
+        """Ask to join and wait for the coordinator's reply. Raises JoinRejected with the
+        coordinator's reason, or JoinTimeout when nobody answered within ``timeout``."""
+        if self.client.get(self.keys.spec) is None:
+            raise MembershipError(f"job {self.job_id!r} does not exist (no spec in Redis)")
+        req = JoinRequest(job_id=self.job_id, host=socket.gethostname(), pid=os.getpid(), node=self.node)
+        # read the generation stream from "now": any table published after our join counts
+        last = self.client.xrevrange(self.keys.generations, count=1)
+        self._gen_cursor = last[0][0].decode() if last else "0-0"
+        self.send(req)
+        got = self.client.blpop([self.keys.join_reply(req.event_id)], timeout=max(1, int(timeout)))
+        if got is None:
+            raise JoinTimeout(f"no coordinator answered the join of job {self.job_id!r} within {timeout:.0f} s")
+        reply = JoinReply.model_validate_json(got[1])
+        if not reply.accepted:
+            raise JoinRejected(reply.reason)
+        self.worker_id = reply.worker_id
+        return reply.worker_id
+
+    def current_table(self) -> ShardTable | None:
+        raw = self.client.get(self.keys.shard)
+        return ShardTable.model_validate_json(raw) if raw else None
+
+    def next_table(self, after_generation: int, timeout: float) -> ShardTable | None:
+        """The newest table with a generation above ``after_generation``, waiting up to
+        ``timeout`` s for one to be published; None when none came."""
+        cur = self.current_table()
+        if cur is not None and cur.generation > after_generation:
+            return cur
+        resp = self.client.xread({self.keys.generations: self._gen_cursor}, count=100, block=max(1, int(timeout * 1000)))
+        newest: ShardTable | None = None
+        for _stream, entries in resp or []:
+            for sid, fields in entries:
+                self._gen_cursor = sid.decode() if isinstance(sid, bytes) else sid
+                table = ShardTable.model_validate_json(fields[b"data"])
+                if table.generation > after_generation and (newest is None or table.generation > newest.generation):
+                    newest = table
+        return newest
+
+    def job_state(self) -> str:
+        v = self.client.hget(self.keys.state, "state")
+        return v.decode() if v else "pending"
+
+    def spec_json(self) -> dict:
+        raw = self.client.get(self.keys.spec)
+        return json.loads(raw) if raw else {}
+
+    def ready(self, generation: int) -> None:
+        self.send(Ready(job_id=self.job_id, worker_id=self.worker_id, generation=generation))
+
+    def leave(self, reason: str = "SIGTERM") -> None:
+        self.send(LeaveRequest(job_id=self.job_id, worker_id=self.worker_id, reason=reason))
+
+    def left(self) -> None:
+        self.send(Left(job_id=self.job_id, worker_id=self.worker_id))
+
+    def step_failed(self, generation: int, step: int, error: str) -> None:
+        self.send(StepFailed(job_id=self.job_id, worker_id=self.worker_id, generation=generation, step=step, error=error[:2000]))
+
+    def completed(self, step: int, summary: dict) -> None:
+        self.send(JobCompleted(job_id=self.job_id, worker_id=self.worker_id, step=step, summary=summary))

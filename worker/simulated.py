@@ -1,0 +1,98 @@
+"""A worker that follows generations and simulates steps (``entrypoint: simulate``).
+
+It exercises the whole control plane without torch: join, heartbeat, ready on each new
+generation that includes it, idle while paused or excluded, drain on SIGTERM (leave, wait
+for a generation without it, left), exit when the job ends or the coordinator evicted it.
+The training runtime follows the same protocol with real steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from events.models import ShardTable
+from shoal.jobspec import JobSpec
+from worker.heartbeat import Heartbeater
+from worker.membership import Membership
+
+log = logging.getLogger("shoal.worker")
+
+TERMINAL = {"completed", "failed", "stopped"}
+
+
+class SimulatedWorker:
+    """Drive with :meth:`run_once` (tests) or :meth:`run`. ``stop`` requests a drain."""
+
+    def __init__(self, membership: Membership, spec: JobSpec, *, join_timeout: float = 30.0):
+        self.m = membership
+        self.spec = spec
+        self.join_timeout = join_timeout
+        self.stop = threading.Event()
+        self.table: ShardTable | None = None
+        self.step = 0
+        self.hb: Heartbeater | None = None
+        self.exit_code: int | None = None
+        self._draining = False
+        self._drain_deadline = 0.0
+
+    def start(self) -> str:
+        wid = self.m.join(self.join_timeout)
+        self.hb = Heartbeater(self.m.client, self.m.keys, wid, interval=self.spec.heartbeat_interval,
+                              ttl=self.spec.heartbeat_ttl, pid=os.getpid())
+        self.hb.beat()
+        self.hb.start()
+        log.info("joined job %s as %s", self.m.job_id, wid)
+        return wid
+
+    @property
+    def member(self):
+        return self.table.member(self.m.worker_id) if self.table and not self.table.paused else None
+
+    def run_once(self) -> int | None:
+        """One bounded iteration; returns an exit code when the worker should end."""
+        if self.hb is not None and self.hb.evicted:
+            log.error("evicted by the coordinator (declared failed); exiting")
+            return 1
+        if self.stop.is_set() and not self._draining:
+            self._draining = True
+            self._drain_deadline = time.monotonic() + max(10.0, 5 * self.spec.heartbeat_ttl)
+            self.m.leave("SIGTERM")
+            log.info("draining: finished step %d, asked to leave", self.step)
+        gen = self.table.generation if self.table else 0
+        wait = 0.0 if (self.member and not self._draining) else min(0.5, self.spec.heartbeat_interval)
+        table = self.m.next_table(gen, timeout=wait) if wait else self.m.current_table()
+        if table is not None and table.generation > gen:
+            self.table = table
+            if self.member and not self._draining:
+                log.info("generation %d: rank %d of %d, ranges %s", table.generation, self.member.rank, table.world_size, self.member.ranges)
+                self.m.ready(table.generation)
+        if self._draining:
+            excluded = self.table is not None and self.table.member(self.m.worker_id) is None
+            if excluded or time.monotonic() > self._drain_deadline:
+                self.m.left()
+                log.info("left the job")
+                return 0
+            return None
+        if self.m.job_state() in TERMINAL:
+            return 0
+        if self.member:
+            started = time.monotonic()
+            self.stop.wait(self.spec.simulate_step_time)
+            self.step += 1
+            if self.hb is not None:
+                self.hb.update(step=self.step, generation=self.table.generation, step_time=time.monotonic() - started)
+        return None
+
+    def run(self) -> int:
+        self.start()
+        try:
+            while True:
+                code = self.run_once()
+                if code is not None:
+                    return code
+        finally:
+            if self.hb is not None:
+                self.hb.stop()

@@ -1,0 +1,301 @@
+"""A ``torch.distributed.Store`` kept in Redis: the rendezvous of one generation's process group.
+
+gloo (and nccl) exchange their connection addresses through a key/value *store*: every rank
+``set``\\ s its own key and blocks in ``get``/``wait`` until its peers' keys appear. shoal puts
+that store in Redis, under a prefix that is fresh for every generation
+(``job_keys(job).rendezvous(generation)``), so that no key of an earlier generation - whose
+group may have died half-way through its rendezvous - can be read by a later one. Re-using a
+prefix after ``destroy_process_group`` can hang or mix up peers: one prefix per generation is
+the rule (:mod:`worker.process_group` enforces it).
+
+Layout under the prefix ``P`` (internal to this module; torch chooses the key names):
+
+* ``P + "k:" + key`` - a LIST holding exactly one element, the value. A list rather than a
+  string so that a blocking read is one command: ``BLMOVE k k RIGHT LEFT`` *rotates* the
+  one-element list, i.e. it is a blocking "peek" that returns the value and leaves it in
+  place. Redis serves every client blocked on the key when a value is pushed (the list stays
+  non-empty after each rotation), so any number of ranks waiting for the same key all wake
+  up at once: no polling, no pub/sub race (the value is durable, a late waiter returns at
+  once). Requires Redis >= 6.2 / Valkey (BLMOVE).
+
+Every write is a Lua script (atomic: value + expiry together) and sets a TTL
+(``ttl`` seconds, default 1 h), so the keys of old generations vanish on their own;
+:meth:`RedisStore.cleanup` deletes a prefix at once. All keys share the job's ``{job}``
+hash tag through the prefix, so the scripts are legal on Redis Cluster.
+
+Timeouts: ``get`` and ``wait`` block at most the store timeout (``timeout`` property, set by
+``set_timeout`` or the constructor) or the ``timeout`` passed to ``wait``, and then raise
+``torch.distributed.DistStoreError`` - the error torch's own stores raise and
+``init_process_group``/``_store_based_barrier`` expect (a ``RuntimeError``). A single Redis
+call never blocks longer than about half the client's ``socket_timeout``, so a blocked read
+cannot be mistaken for a dead connection. Redis failures propagate as ``redis.RedisError``;
+:mod:`worker.process_group` translates them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
+
+import redis
+import torch.distributed as dist
+
+DEFAULT_TTL = 3600.0
+DEFAULT_TIMEOUT = timedelta(seconds=300)
+
+_SET = """
+redis.call('DEL', KEYS[1])
+redis.call('RPUSH', KEYS[1], ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+_ADD = """
+local cur = redis.call('LINDEX', KEYS[1], 0)
+local n = tonumber(ARGV[1])
+if cur then
+  local c = tonumber(cur)
+  if c == nil then return redis.error_reply('add: value of key is not an integer') end
+  n = n + c
+end
+local s = string.format('%d', n)
+redis.call('DEL', KEYS[1])
+redis.call('RPUSH', KEYS[1], s)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return s
+"""
+
+# Semantics of c10d::HashStore::compareSet: set when (absent and expected == "") or
+# (present and current == expected), returning desired; else return the current value, or
+# `expected` when the key is absent.
+_COMPARE_SET = """
+local cur = redis.call('LINDEX', KEYS[1], 0)
+if (not cur and ARGV[1] == '') or (cur and cur == ARGV[1]) then
+  redis.call('DEL', KEYS[1])
+  redis.call('RPUSH', KEYS[1], ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return ARGV[2]
+end
+if not cur then return ARGV[1] end
+return cur
+"""
+
+_APPEND = """
+local cur = redis.call('LINDEX', KEYS[1], 0) or ''
+redis.call('DEL', KEYS[1])
+redis.call('RPUSH', KEYS[1], cur .. ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+_MULTI_SET = """
+local ttl = ARGV[#ARGV]
+for i, k in ipairs(KEYS) do
+  redis.call('DEL', k)
+  redis.call('RPUSH', k, ARGV[i])
+  redis.call('PEXPIRE', k, ttl)
+end
+return #KEYS
+"""
+
+
+def _to_bytes(value: bytes | bytearray | memoryview | str) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)
+
+
+def _glob_escape(s: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\^" else c for c in s)
+
+
+def _seconds(t: timedelta | float | int) -> float:
+    return t.total_seconds() if isinstance(t, timedelta) else float(t)
+
+
+class RedisStore(dist.Store):
+    """A ``torch.distributed.Store`` whose keys live in Redis under ``prefix``.
+
+    ``client`` is a redis-py client (``decode_responses`` must be False); it is shared, not
+    closed, by the store. ``prefix`` must come from ``job_keys(job).rendezvous(generation)``
+    and must not be reused once a group using it was destroyed. ``timeout`` bounds every
+    blocking read (``get``, ``wait``); ``ttl`` (seconds) is the expiry given to every key.
+
+    Implements everything gloo/nccl and ``init_process_group`` use: ``set``, ``get``,
+    ``wait``, ``add``, ``compare_set``, ``check``, ``delete_key``, ``num_keys``,
+    ``set_timeout``/``timeout`` (inherited), plus ``append``, ``multi_get``, ``multi_set``,
+    ``list_keys`` and ``clone``. Thread-safe as far as the redis-py client is.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        prefix: str,
+        *,
+        timeout: timedelta | float = DEFAULT_TIMEOUT,
+        ttl: float = DEFAULT_TTL,
+    ) -> None:
+        super().__init__()
+        if not prefix:
+            raise ValueError("RedisStore needs a non-empty key prefix")
+        if client.connection_pool.connection_kwargs.get("decode_responses"):
+            raise ValueError("RedisStore needs a redis client with decode_responses=False")
+        if ttl <= 0:
+            raise ValueError(f"ttl must be positive, got {ttl}")
+        self._client = client
+        self._prefix = prefix
+        self._ttl_ms = int(ttl * 1000)
+        sock = client.connection_pool.connection_kwargs.get("socket_timeout")
+        # Longest single blocking Redis call: well inside the socket timeout.
+        self._max_block = max(0.05, float(sock) / 2) if sock else 30.0
+        self._set = client.register_script(_SET)
+        self._add = client.register_script(_ADD)
+        self._cas = client.register_script(_COMPARE_SET)
+        self._append = client.register_script(_APPEND)
+        self._mset = client.register_script(_MULTI_SET)
+        self.set_timeout(timedelta(seconds=_seconds(timeout)))
+
+    # --- helpers --------------------------------------------------------------------------
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
+    @property
+    def client(self) -> redis.Redis:
+        return self._client
+
+    def _k(self, key: str) -> str:
+        return f"{self._prefix}k:{key}"
+
+    def _block_until(self, key: str, deadline: float, timeout_s: float) -> bytes:
+        """Return the value of ``key`` once it exists; DistStoreError after ``deadline``."""
+        rk = self._k(key)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0.001:
+                value = self._client.lindex(rk, 0)  # a last non-blocking look
+                if value is not None:
+                    return value
+                raise dist.DistStoreError(
+                    f"RedisStore: timed out after {timeout_s:.3f}s waiting for key {key!r} "
+                    f"(prefix {self._prefix!r})"
+                )
+            value = self._client.blmove(rk, rk, min(remaining, self._max_block), "RIGHT", "LEFT")
+            if value is not None:
+                return value
+
+    # --- the Store API --------------------------------------------------------------------
+    def set(self, key: str, value: bytes | str) -> None:
+        """Set ``key`` to ``value`` (bytes or str) and wake every reader blocked on it."""
+        self._set(keys=[self._k(key)], args=[_to_bytes(value), self._ttl_ms])
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key``, blocking until it is set; DistStoreError after the timeout."""
+        t = _seconds(self.timeout)
+        return self._block_until(key, time.monotonic() + t, t)
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        """Block until every key in ``keys`` exists, at most ``timeout`` (default: the store
+        timeout) in total; raises DistStoreError naming the first missing key."""
+        t = _seconds(self.timeout if timeout is None else timeout)
+        deadline = time.monotonic() + t
+        for key in keys:
+            self._block_until(key, deadline, t)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """True when every key in ``keys`` exists now (never blocks)."""
+        if not keys:
+            return True
+        return int(self._client.exists(*[self._k(k) for k in keys])) == len(keys)
+
+    def add(self, key: str, value: int) -> int:
+        """Atomically add ``value`` to the integer at ``key`` (absent = 0); returns the sum.
+        The stored value is its decimal text, as with torch's stores."""
+        return int(self._add(keys=[self._k(key)], args=[int(value), self._ttl_ms]))
+
+    def compare_set(self, key: str, expected_value: bytes | str, desired_value: bytes | str) -> bytes:
+        """Atomic compare-and-set with ``c10d`` semantics (see ``HashStore``): sets
+        ``desired_value`` when the key holds ``expected_value`` (or is absent and
+        ``expected_value`` is empty) and returns it; otherwise returns the current value, or
+        ``expected_value`` when the key is absent."""
+        return bytes(
+            self._cas(
+                keys=[self._k(key)],
+                args=[_to_bytes(expected_value), _to_bytes(desired_value), self._ttl_ms],
+            )
+        )
+
+    def delete_key(self, key: str) -> bool:
+        """Delete ``key``; True when it existed."""
+        return bool(self._client.delete(self._k(key)))
+
+    def num_keys(self) -> int:
+        """Number of keys currently in this store (a SCAN of the prefix: O(keys))."""
+        return sum(1 for _ in self._scan(self._prefix + "k:"))
+
+    def append(self, key: str, value: bytes | str) -> None:
+        """Atomically append ``value`` to the value of ``key`` (absent = empty)."""
+        self._append(keys=[self._k(key)], args=[_to_bytes(value), self._ttl_ms])
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """Values of ``keys``, each blocking like :meth:`get`, within one store timeout."""
+        t = _seconds(self.timeout)
+        deadline = time.monotonic() + t
+        return [self._block_until(k, deadline, t) for k in keys]
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
+        """Set several keys atomically (one script)."""
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        if not keys:
+            return
+        self._mset(
+            keys=[self._k(k) for k in keys],
+            args=[_to_bytes(v) for v in values] + [self._ttl_ms],
+        )
+
+    def list_keys(self) -> list[str]:
+        """The (torch-side) names of every key in this store."""
+        start = len(self._prefix) + 2
+        return sorted(k.decode()[start:] for k in self._scan(self._prefix + "k:"))
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    # torch's C++ trampoline (used when a C++ PrefixStore/backend calls into this store)
+    # dispatches these two under their C++ names.
+    deleteKey = delete_key
+    getNumKeys = num_keys
+
+    def clone(self) -> "RedisStore":
+        """A store on the same client, prefix, timeout and TTL."""
+        return RedisStore(self._client, self._prefix, timeout=self.timeout, ttl=self._ttl_ms / 1000)
+
+    # --- housekeeping ---------------------------------------------------------------------
+    def _scan(self, prefix: str) -> Iterable[bytes]:
+        return self._client.scan_iter(match=_glob_escape(prefix) + "*", count=500)
+
+    def cleanup(self) -> int:
+        """Delete every key under this store's prefix; returns how many were deleted.
+
+        Call only once every member of the generation has left its group (or never: the TTL
+        removes the keys anyway). Deleting keys a rank is still waiting for makes it time out.
+        """
+        return cleanup_prefix(self._client, self._prefix)
+
+
+def cleanup_prefix(client: redis.Redis, prefix: str, batch: int = 500) -> int:
+    """Delete (UNLINK) every key whose name starts with ``prefix``; returns the count."""
+    if not prefix:
+        raise ValueError("refusing to clean up an empty prefix")
+    deleted = 0
+    chunk: list[bytes] = []
+    for key in client.scan_iter(match=_glob_escape(prefix) + "*", count=batch):
+        chunk.append(key)
+        if len(chunk) >= batch:
+            deleted += int(client.unlink(*chunk))
+            chunk.clear()
+    if chunk:
+        deleted += int(client.unlink(*chunk))
+    return deleted

@@ -1,0 +1,148 @@
+"""The user API: what a training job's ``entrypoint: module:function`` must return.
+
+The function takes no arguments and returns a :class:`TrainingSetup`::
+
+    from worker.userapi import TrainingSetup
+
+    def build() -> TrainingSetup:
+        model = torch.nn.Sequential(...)
+        return TrainingSetup(
+            model=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            dataset=MyDataset(),                                  # map-style: len() + [i]
+            loss_fn=torch.nn.CrossEntropyLoss(reduction="sum"),  # SUM over the samples
+        )
+
+Contracts the runtime relies on:
+
+* ``dataset`` is map-style (``__len__``, ``__getitem__(int)``) and identical on every worker;
+  ``dataset[i]`` returns something ``torch.utils.data.default_collate`` (or ``collate_fn``)
+  can batch, by default an ``(input, target)`` pair.
+* ``loss_fn(outputs, targets)`` returns the **sum** of the per-sample losses of the batch
+  (``reduction="sum"``), not the mean: the runtime adds the sums of all ranks and divides by
+  the global batch size, which is what makes training independent of the world size.
+* Or, instead of ``loss_fn``, ``step_fn(model, batch)`` returns that sum for a collated
+  micro-batch, for models whose forward is not ``model(inputs)``.
+* ``eval_fn(model)`` (optional) returns metrics, e.g. ``{"accuracy": 0.97}``; it must not
+  use collectives (it runs on one worker).
+* Model, optimizer and scheduler must be built deterministically from the seeded RNGs (no
+  reading of wall-clock or per-host state): :func:`load_entrypoint` seeds ``random``, numpy
+  and torch before calling ``build`` so that every worker starts from identical weights
+  (they are also synchronised by a state broadcast when a generation forms).
+* Randomness inside the forward pass (dropout) and batch statistics (BatchNorm) make a step
+  depend on how the batch is split, so such models are not world-size invariant.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from worker.errors import EntrypointError
+
+
+@dataclass
+class TrainingSetup:
+    """Everything the runtime needs to train one job. See the module docstring."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    dataset: Any  # map-style torch Dataset: __len__ and __getitem__(int)
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    step_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None
+    lr_scheduler: Any | None = None  # stepped once per committed step
+    eval_fn: Callable[[torch.nn.Module], dict[str, float]] | None = None
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    #: Largest number of samples one forward/backward pass handles; bigger local slices are
+    #: split and their gradients accumulated. None: the whole local slice at once.
+    micro_batch: int | None = None
+
+    def validate(self, where: str = "TrainingSetup") -> None:
+        """Raise EntrypointError naming the first field that breaks the contract."""
+        if not isinstance(self.model, torch.nn.Module):
+            raise EntrypointError(f"{where}: model must be a torch.nn.Module, got {type(self.model).__name__}")
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise EntrypointError(
+                f"{where}: optimizer must be a torch.optim.Optimizer, got {type(self.optimizer).__name__}"
+            )
+        if (self.loss_fn is None) == (self.step_fn is None):
+            raise EntrypointError(f"{where}: give exactly one of loss_fn and step_fn")
+        for name in ("loss_fn", "step_fn", "eval_fn", "collate_fn"):
+            fn = getattr(self, name)
+            if fn is not None and not callable(fn):
+                raise EntrypointError(f"{where}: {name} must be callable")
+        if not (hasattr(self.dataset, "__len__") and hasattr(self.dataset, "__getitem__")):
+            raise EntrypointError(f"{where}: dataset must be map-style (define __len__ and __getitem__)")
+        if len(self.dataset) <= 0:
+            raise EntrypointError(f"{where}: dataset is empty")
+        if self.micro_batch is not None and self.micro_batch <= 0:
+            raise EntrypointError(f"{where}: micro_batch must be positive, got {self.micro_batch}")
+        model_params = {id(p) for p in self.model.parameters()}
+        opt_params = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        if not opt_params <= model_params:
+            raise EntrypointError(f"{where}: the optimizer holds tensors that are not parameters of the model")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's ``random``, numpy's global RNG and torch (CPU and every CUDA device)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def load_entrypoint(entrypoint: str, seed: int) -> TrainingSetup:
+    """Import ``module:function``, seed every RNG with ``seed``, call the function, validate.
+
+    Raises EntrypointError (one line naming the entrypoint and the problem) when the string is
+    malformed, the module cannot be imported (the import error is chained), the attribute is
+    missing or not callable, the call raises, or the result is not a valid TrainingSetup.
+    """
+    module_name, sep, fn_name = entrypoint.partition(":")
+    if not sep or not module_name or not fn_name or ":" in fn_name:
+        raise EntrypointError(f"entrypoint {entrypoint!r}: expected 'module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise EntrypointError(f"entrypoint {entrypoint!r}: cannot import {module_name!r}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - the user's module raised at import time
+        raise EntrypointError(
+            f"entrypoint {entrypoint!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
+        ) from exc
+    obj: Any = module
+    for part in fn_name.split("."):
+        if not hasattr(obj, part):
+            raise EntrypointError(f"entrypoint {entrypoint!r}: module {module_name!r} has no attribute {fn_name!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise EntrypointError(f"entrypoint {entrypoint!r}: {fn_name!r} is not callable")
+    try:
+        inspect.signature(obj).bind()
+    except TypeError as exc:
+        raise EntrypointError(f"entrypoint {entrypoint!r}: must be callable without arguments ({exc})") from exc
+    except ValueError:
+        pass  # builtins without a signature: just try the call
+    seed_everything(seed)
+    try:
+        setup = obj()
+    except Exception as exc:  # noqa: BLE001 - user code
+        raise EntrypointError(f"entrypoint {entrypoint!r} raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(setup, TrainingSetup):
+        raise EntrypointError(
+            f"entrypoint {entrypoint!r} returned {type(setup).__name__}, expected worker.userapi.TrainingSetup"
+        )
+    setup.validate(f"entrypoint {entrypoint!r}")
+    return setup
+
+
+def ensure_importable(path: str) -> None:
+    """Put ``path`` (a job's working directory) first on ``sys.path`` for entrypoint imports."""
+    if path not in sys.path:
+        sys.path.insert(0, path)
