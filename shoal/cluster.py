@@ -287,7 +287,9 @@ TOTAL = "TOTAL"
 
 
 def capacity_table(cluster: Cluster) -> list[CapacityRow]:
-    """Per node: workers, usable VRAM per GPU and in total, cores, RAM; then a TOTAL row."""
+    """Per node: workers, usable VRAM per GPU and in total, cores, RAM; then a TOTAL row.
+
+    VRAM columns cover every GPU listed, including any beyond ``max_workers`` (left idle)."""
     rows = []
     for n in cluster.nodes:
         per_gpu = tuple(g.usable_vram_mb for g in n.gpus)

@@ -52,7 +52,7 @@ class AsyncCheckpointer:
         self._hmac_key = hmac_key
         self._on_saved = on_saved
         self._on_error = on_error
-        self._on_warning = on_warning or log.warning
+        self._on_warning = on_warning if on_warning is not None else log.warning
         self._idle = threading.Event()
         self._idle.set()
         self._claim = threading.Lock()

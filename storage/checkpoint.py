@@ -30,7 +30,7 @@ from storage.manifest import FROM_ENV, FileEntry, HmacKey, Manifest, resolve_hma
 from storage.retention import apply_retention
 from storage.safe_load import check_saveable, load_state_bytes
 from storage.train_state import FILES, TrainState
-from storage.verify import Warn, list_checkpoint_steps, read_manifest, read_verified_files
+from storage.verify import Warn, ignore_warning, list_checkpoint_steps, read_manifest, read_verified_files
 
 
 class _HashingWriter:
@@ -150,7 +150,7 @@ def load_latest(
     verifies, UnsafeCheckpoint at once on a security failure (no silent fallback from a
     tampered store), StorageError when the backend fails.
     """
-    warn = on_warning or (lambda _msg: None)
+    warn = on_warning if on_warning is not None else ignore_warning
     key = resolve_hmac_key(hmac_key)
     present = list_checkpoint_steps(store)
     head = start_step if start_step is not None else read_latest_step(store, warn)

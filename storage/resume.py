@@ -23,7 +23,7 @@ from storage.errors import NoCheckpoint, PointerCorrupt, StorageUnavailable
 from storage.latest import read_pointer
 from storage.manifest import FROM_ENV, HmacKey, Manifest
 from storage.train_state import TrainState
-from storage.verify import Warn
+from storage.verify import Warn, ignore_warning
 
 
 def resume(
@@ -38,7 +38,7 @@ def resume(
 
     Raises NoCheckpoint when nothing verifies (a fresh job), UnsafeCheckpoint on a security
     failure, StorageError when the store fails. Redis trouble never fails a resume."""
-    warn = on_warning or (lambda _msg: None)
+    warn = on_warning if on_warning is not None else ignore_warning
     start: int | None = None
     if r is not None and job_id is not None:
         try:

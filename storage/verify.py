@@ -74,3 +74,7 @@ def verify_checkpoint(
     manifest = read_manifest(store, step, hmac_key=hmac_key, on_warning=on_warning)
     read_verified_files(store, manifest)
     return manifest
+
+
+def ignore_warning(_message: str) -> None:
+    """The ``on_warning`` used when the caller passes none."""

@@ -144,3 +144,14 @@ class Warnings(list):
 
     def text(self) -> str:
         return "\n".join(self)
+
+
+def dead_redis():
+    """A client for a loopback port nobody listens on, failing fast (no retries)."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from shoal.embedded import free_port
+
+    return redis.Redis(port=free_port(), socket_connect_timeout=1, socket_timeout=1, retry=Retry(NoBackoff(), 0))

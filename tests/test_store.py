@@ -114,7 +114,9 @@ def test_calls_from_cpp_prefix_store_reach_the_python_methods(store):
     (including deleteKey/getNumKeys, which the C++ trampoline looks up by their C++ names)."""
     p = dist.PrefixStore("pg/", store)
     p.set("k", "v")
-    assert store.get("pg/k") == b"v"
+    assert p.get("k") == b"v"
+    [name] = store.list_keys()
+    assert name.startswith("pg/") and name.endswith("/k") and store.get(name) == b"v"
     assert p.add("cnt", 2) == 2 and p.add("cnt", 5) == 7
     assert p.compare_set("k", "v", "w") == b"w"
     assert p.num_keys() == 2

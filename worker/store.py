@@ -54,8 +54,9 @@ return 1
 _ADD = """
 local cur = redis.call('LINDEX', KEYS[1], 0)
 local n = tonumber(ARGV[1])
-if cur then
-  local c = tonumber(cur)
+if cur and cur ~= '' then
+  -- parse like std::stoll (as torch's stores): leading blanks, sign, digits; rest ignored
+  local c = tonumber(string.match(cur, '^%s*([+-]?%d+)') or '')
   if c == nil then return redis.error_reply('add: value of key is not an integer') end
   n = n + c
 end
@@ -210,8 +211,9 @@ class RedisStore(dist.Store):
         return int(self._client.exists(*[self._k(k) for k in keys])) == len(keys)
 
     def add(self, key: str, value: int) -> int:
-        """Atomically add ``value`` to the integer at ``key`` (absent = 0); returns the sum.
-        The stored value is its decimal text, as with torch's stores."""
+        """Atomically add ``value`` to the integer at ``key`` (absent or empty = 0); returns the
+        sum. The stored value is its decimal text, as with torch's stores; a value that does
+        not start with an integer raises ``redis.ResponseError``."""
         return int(self._add(keys=[self._k(key)], args=[int(value), self._ttl_ms]))
 
     def compare_set(self, key: str, expected_value: bytes | str, desired_value: bytes | str) -> bytes:

@@ -1,0 +1,383 @@
+"""The training step (worker/engine.py), state transfer, digest, user API and the example.
+
+In-process tests cover the local contracts (mean-loss semantics, micro-batching, rollback,
+errors). The multi-process test runs this file as a script in 5 real processes (gloo over
+RedisStore): a 1-process reference run and an elastic 3-process run in which a rank dies
+mid-training, a fresh worker with a different initial model replaces it, and the trajectory
+still matches the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from worker.digest import state_digest  # noqa: E402
+from worker.engine import StepEngine, _decode, _encode  # noqa: E402
+from worker.errors import EntrypointError, InconsistentStep, StepAborted, UserCodeError  # noqa: E402
+from worker.userapi import TrainingSetup, load_entrypoint  # noqa: E402
+
+GLOBAL_BATCH = 64
+
+
+class Points(torch.utils.data.Dataset):
+    def __init__(self, n: int = 40) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 5, generator=g)
+        self.y = (self.x.sum(1) > 0).long()
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+def small_setup(seed: int = 0, batchnorm: bool = False, **kw) -> TrainingSetup:
+    torch.manual_seed(seed)
+    layers = [nn.Linear(5, 8)] + ([nn.BatchNorm1d(8)] if batchnorm else []) + [nn.ReLU(), nn.Linear(8, 2)]
+    model = nn.Sequential(*layers)
+    return TrainingSetup(
+        model=model,
+        optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
+        dataset=Points(),
+        loss_fn=kw.pop("loss_fn", nn.CrossEntropyLoss(reduction="sum")),
+        **kw,
+    )
+
+
+# --- the step, in one process -------------------------------------------------------------------
+def test_step_is_the_mean_loss_gradient_and_micro_batching_does_not_change_it():
+    """Summed per-sample losses / global count == the plain mean-loss step, with or without
+    micro-batches (gradient accumulation), to float tolerance."""
+    idx = list(range(3, 26))  # 23 samples
+    results = []
+    for micro in (None, 5):
+        s = small_setup(micro_batch=micro)
+        engine = StepEngine.from_setup(s, require_group=False)
+        res = engine.step(idx, len(idx), generation=7)
+        assert res.count == 23 and res.local_count == 23 and res.max_generation == 7
+        results.append((res, [p.detach().clone() for p in s.model.parameters()]))
+    plain = small_setup()
+    x, y = plain.dataset.x[idx], plain.dataset.y[idx]
+    loss = nn.functional.cross_entropy(plain.model(x), y)
+    loss.backward()
+    plain.optimizer.step()
+    for res, params in results:
+        assert res.loss == pytest.approx(loss.item(), rel=1e-5)
+        for p, q in zip(params, plain.model.parameters()):
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-7)
+    # and the step changed something
+    assert state_digest(plain.model) != state_digest(small_setup().model)
+
+
+def test_custom_step_fn_and_scheduler_are_used():
+    s = small_setup(loss_fn=None)
+    calls = []
+
+    def step_fn(model, batch):
+        x, y = batch
+        calls.append(len(y))
+        return nn.functional.cross_entropy(model(x), y, reduction="sum")
+
+    s.step_fn = step_fn
+    s.lr_scheduler = torch.optim.lr_scheduler.StepLR(s.optimizer, step_size=1, gamma=0.5)
+    engine = StepEngine.from_setup(s, require_group=False)
+    engine.step(range(10), 10, 0)
+    assert calls == [10]
+    assert s.optimizer.param_groups[0]["lr"] == pytest.approx(0.005)
+
+
+def test_failed_step_applies_nothing_and_restores_buffers():
+    """A user error after the forward pass (BatchNorm stats already updated) leaves weights,
+    buffers, optimizer state and grads as before the step."""
+    s = small_setup(batchnorm=True)
+    engine = StepEngine.from_setup(s, require_group=False)
+    engine.step(range(8), 8, 0)
+    before, opt_before = state_digest(s.model), json.dumps(_encode(s.optimizer.state_dict(), []))
+    steps_before = [float(v["step"]) for v in s.optimizer.state.values()]
+
+    def broken(out, target):
+        raise ValueError("boom")
+
+    engine.loss_fn = broken
+    with pytest.raises(UserCodeError, match="boom"):
+        engine.step(range(8, 16), 8, 0)
+    assert state_digest(s.model) == before
+    assert all(p.grad is None for p in s.model.parameters())
+    assert [float(v["step"]) for v in s.optimizer.state.values()] == steps_before
+    assert json.dumps(_encode(s.optimizer.state_dict(), [])) == opt_before
+
+    engine.loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    with pytest.raises(InconsistentStep):  # this rank's slice does not add up to the count
+        engine.step(range(8, 12), 8, 0)
+    assert state_digest(s.model) == before
+
+    engine.loss_fn = lambda out, target: nn.functional.cross_entropy(out, target, reduction="none")
+    with pytest.raises(UserCodeError, match="scalar"):
+        engine.step(range(8, 16), 8, 0)
+    assert state_digest(s.model) == before
+
+
+def test_step_outside_a_group_is_aborted_when_a_group_is_required():
+    s = small_setup()
+    engine = StepEngine.from_setup(s)
+    before = state_digest(s.model)
+    with pytest.raises(StepAborted, match="join_group"):
+        engine.step(range(4), 4, 0)
+    assert state_digest(s.model) == before
+
+
+def test_state_encoding_round_trips_adam_and_scheduler_state():
+    s = small_setup(batchnorm=True)
+    sched = torch.optim.lr_scheduler.StepLR(s.optimizer, step_size=2, gamma=0.1)
+    s.lr_scheduler = sched
+    StepEngine.from_setup(s, require_group=False).step(range(6), 6, 0)
+    tensors: list[torch.Tensor] = []
+    blob = json.dumps(
+        {"opt": _encode(s.optimizer.state_dict(), tensors), "sched": _encode(sched.state_dict(), tensors),
+         "extra": _encode({"step": 1, "t": (1, 2.5), "none": None}, tensors)}
+    )
+    back = json.loads(blob)
+    opt = _decode(back["opt"], tensors)
+    assert opt["param_groups"][0]["betas"] == s.optimizer.param_groups[0]["betas"]  # tuple kept
+    assert set(opt["state"]) == set(s.optimizer.state_dict()["state"])  # int keys kept
+    assert torch.equal(opt["state"][0]["exp_avg"], s.optimizer.state_dict()["state"][0]["exp_avg"])
+    assert _decode(back["sched"], tensors) == sched.state_dict()
+    assert _decode(back["extra"], tensors) == {"step": 1, "t": (1, 2.5), "none": None}
+    with pytest.raises(TypeError):
+        _encode({"bad": object()}, [])
+
+
+# --- digest --------------------------------------------------------------------------------------
+def test_digest_is_stable_and_sees_one_bit():
+    a, b = small_setup().model, small_setup().model
+    assert state_digest(a) == state_digest(b) and len(state_digest(a)) == 16
+    with torch.no_grad():
+        w = b[0].weight
+        w.view(-1).view(torch.int32)[3] ^= 1  # flip the lowest mantissa bit of one weight
+    assert state_digest(a) != state_digest(b)
+    assert state_digest(small_setup(seed=1).model) != state_digest(a)
+
+
+# --- user API -----------------------------------------------------------------------------------
+def _bad_setup():
+    return TrainingSetup(model=nn.Linear(2, 2), optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1),
+                         dataset=Points(), loss_fn=nn.MSELoss())
+
+
+def _not_a_setup():
+    return {"model": None}
+
+
+def _raises():
+    raise RuntimeError("cannot build")
+
+
+def _needs_args(x):
+    return x
+
+
+@pytest.mark.parametrize(
+    "entrypoint, message",
+    [
+        ("examples.digits", "module:function"),
+        ("no_such_module_xyz:build", "cannot import"),
+        ("examples.digits:nope", "no attribute"),
+        ("tests.test_engine:GLOBAL_BATCH", "not callable"),
+        ("tests.test_engine:_needs_args", "without arguments"),
+        ("tests.test_engine:_raises", "cannot build"),
+        ("tests.test_engine:_not_a_setup", "expected worker.userapi.TrainingSetup"),
+        ("tests.test_engine:_bad_setup", "not parameters of the model"),
+    ],
+)
+def test_load_entrypoint_errors(entrypoint, message):
+    with pytest.raises(EntrypointError, match=message):
+        load_entrypoint(entrypoint, 0)
+
+
+def test_load_entrypoint_seeds_identically():
+    a = load_entrypoint("examples.digits:build", 3)
+    b = load_entrypoint("examples.digits:build", 3)
+    c = load_entrypoint("examples.digits:build", 4)
+    assert state_digest(a.model) == state_digest(b.model) != state_digest(c.model)
+    assert len(a.dataset) == 5000
+
+
+def test_digits_example_learns():
+    from examples.digits import train_locally
+
+    history = train_locally(epochs=2, log=lambda line: None)
+    assert history[1]["train_loss"] < history[0]["train_loss"] < 2.3  # ln(10): chance level
+    assert history[1]["loss"] < 1.0
+    assert history[1]["accuracy"] > 0.7  # chance is 0.1
+
+
+# --- real processes: 1 vs 3 ranks, a death, a joiner ---------------------------------------------
+STEPS, FAIL_AT = 9, 4
+
+
+def _child(role: str, rank: int, job: str, outdir: str) -> None:
+    from shoal.connection import connect
+    from worker import process_group as pg
+    from worker.data import DataOrder, contiguous_table, round_robin_table
+    from worker.engine import broadcast_state, resync_state
+    from worker.errors import StateMismatch
+
+    client = connect(os.environ["REDIS_URL"], timeout=10)
+    setup = load_entrypoint("examples.digits:build", 99 if role == "joiner" else 0)
+    engine = StepEngine.from_setup(setup)
+    order = DataOrder(len(setup.dataset), 0, GLOBAL_BATCH)
+    out: dict[str, object] = {"role": role, "rank": rank, "initial": state_digest(setup.model)}
+    state = {"step": 0, "cursor": 0}
+
+    def run(until: int, generation: int, table) -> None:
+        while state["step"] < until:
+            batch = order.batch(state["cursor"])
+            engine.step(batch.for_rank(table[dist_rank()]), batch.count, generation)
+            state["step"], state["cursor"] = state["step"] + 1, batch.next_cursor
+
+    def dist_rank() -> int:
+        return pg.world()[0]
+
+    def save(name: str) -> None:
+        torch.save(setup.model.state_dict(), os.path.join(outdir, name))
+
+    if role == "ref":
+        pg.join_group(client, job, 1, 0, 1, timeout=90)
+        run(FAIL_AT, 1, [[[0, GLOBAL_BATCH, 1]]])
+        save("ref_k.pt")
+        run(STEPS, 1, [[[0, GLOBAL_BATCH, 1]]])
+        save("ref_n.pt")
+        out["final"] = state_digest(setup.model)
+        pg.leave_group()
+        print("RESULT " + json.dumps(out), flush=True)
+        return
+
+    if role == "elastic":
+        pg.join_group(client, job, 1, rank, 3, timeout=90, collective_timeout=30)
+        run(FAIL_AT, 1, contiguous_table(GLOBAL_BATCH, 3))
+        out["digest_k"] = state_digest(setup.model)
+        if rank == 0:
+            save("el_k.pt")
+        if rank == 2:
+            os._exit(17)  # dies while its peers are in step FAIL_AT
+        t0 = time.monotonic()
+        try:
+            run(FAIL_AT + 1, 1, contiguous_table(GLOBAL_BATCH, 3))
+            out["abort"] = "step was applied"
+        except StepAborted as exc:
+            out["abort"] = type(exc).__name__
+        out["abort_s"] = time.monotonic() - t0
+        out["after_abort"] = state_digest(setup.model)
+        out["grads_none"] = all(p.grad is None for p in setup.model.parameters())
+        out["step_after_abort"] = state["step"]
+        pg.leave_group()
+
+    # generation 2: the two survivors keep ranks 0 and 1, the fresh joiner is rank 2
+    pg.join_group(client, job, 2, rank, 3, timeout=90, collective_timeout=30)
+    committed = state["step"] if role == "elastic" else -1
+    src, extra = resync_state(setup.model, setup.optimizer, dict(state), committed)
+    state.update(step=extra["step"], cursor=extra["cursor"])
+    out.update(src=src, extra=extra, resynced=state_digest(setup.model))
+    table = round_robin_table(GLOBAL_BATCH, 3)
+    batch = order.batch(state["cursor"])
+    stale = [] if rank == 0 else batch.for_rank(table[rank])  # rank 0 acts on a stale table
+    try:
+        engine.step(stale, batch.count, 2)
+        out["inconsistent"] = "applied"
+    except InconsistentStep:
+        out["inconsistent"] = "InconsistentStep"
+    out["after_inconsistent"] = state_digest(setup.model)
+    res = engine.step(batch.for_rank(table[rank]), batch.count, 3 if rank == 1 else 2)
+    out["max_generation"] = res.max_generation
+    state["step"], state["cursor"] = state["step"] + 1, batch.next_cursor
+    run(STEPS, 2, table)
+    out["final"] = state_digest(setup.model)
+    if rank == 0:
+        save("el_n.pt")
+    # a receiver whose model differs in structure: everyone refuses, nobody hangs
+    other = nn.Linear(3, 3) if role == "joiner" else setup.model
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1) if role == "joiner" else setup.optimizer
+    try:
+        broadcast_state(other, other_opt, {}, src=0)
+        out["mismatch"] = "accepted"
+    except StateMismatch:
+        out["mismatch"] = "StateMismatch"
+    out["after_mismatch"] = state_digest(setup.model)
+    pg.leave_group()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+@pytest.mark.slow
+def test_elastic_three_rank_training_matches_one_process(job_id, subprocess_env, tmp_path):
+    """1 process vs 3 processes: same parameters (rtol 1e-4) after FAIL_AT steps; then rank 2
+    dies during a step: the survivors abort it without applying anything, a new worker with
+    different initial weights joins generation 2, receives the survivors' state, the step is
+    redone, and after STEPS steps the parameters still match the uninterrupted 1-process run."""
+    roles = [("ref", 0, job_id + "-ref")] + [("elastic", r, job_id) for r in range(3)] + [("joiner", 2, job_id)]
+    procs = [
+        (role, rank, subprocess.Popen(
+            [sys.executable, __file__, "child", role, str(rank), job, str(tmp_path)],
+            env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))
+        for role, rank, job in roles
+    ]
+    results: dict[tuple[str, int], dict] = {}
+    try:
+        for role, rank, p in procs:
+            stdout, stderr = p.communicate(timeout=150)
+            if (role, rank) == ("elastic", 2):
+                assert p.returncode == 17, stderr[-3000:]
+                continue
+            assert p.returncode == 0, f"{role} {rank}: {stderr[-3000:]}"
+            line = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")][-1]
+            results[(role, rank)] = json.loads(line[len("RESULT "):])
+    finally:
+        for _, _, p in procs:
+            if p.poll() is None:
+                p.kill()
+
+    def close(a: str, b: str) -> None:
+        sa, sb = torch.load(tmp_path / a), torch.load(tmp_path / b)
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert torch.allclose(sa[k], sb[k], rtol=1e-4, atol=1e-6), k
+
+    ref = results[("ref", 0)]
+    survivors = [results[("elastic", 0)], results[("elastic", 1)]]
+    joiner = results[("joiner", 2)]
+    gen2 = survivors + [joiner]
+    assert ref["final"] != ref["initial"]  # training moved the weights
+    close("ref_k.pt", "el_k.pt")  # 1 vs 3 ranks, no failure
+    for s in survivors:
+        assert s["abort"] == "StepAborted"
+        assert s["abort_s"] < 20, "death must be noticed from the closed connection, not the 30 s timeout"
+        assert s["after_abort"] == s["digest_k"] and s["grads_none"] and s["step_after_abort"] == FAIL_AT
+    assert survivors[0]["digest_k"] == survivors[1]["digest_k"]
+    assert joiner["initial"] != survivors[0]["initial"]  # the joiner really started elsewhere
+    for g in gen2:
+        assert g["src"] == 0 and g["extra"] == {"step": FAIL_AT, "cursor": FAIL_AT * GLOBAL_BATCH}
+        assert g["resynced"] == survivors[0]["digest_k"]
+        assert g["inconsistent"] == "InconsistentStep" and g["after_inconsistent"] == g["resynced"]
+        assert g["max_generation"] == 3
+        assert g["mismatch"] == "StateMismatch" and g["after_mismatch"] == g["final"]
+    assert len({g["final"] for g in gen2}) == 1  # replicas bit-identical
+    close("ref_n.pt", "el_n.pt")  # the failure and the joiner did not change the trajectory
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 6 and sys.argv[1] == "child":
+        _child(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    else:
+        sys.exit("usage: test_engine.py child ROLE RANK JOB_ID OUTDIR")
