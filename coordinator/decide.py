@@ -241,21 +241,42 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
         state, actions, reason = replan(state, spec, now_ms, epoch, why)
         return Decision(state, (Forget(wid), *actions), reason)
     if isinstance(ev, WorkerExited):
-        if rec.state not in LIVE:
-            return _unchanged(state, f"exit of {wid} ignored: it is {rec.state.value}")
         how = f"signal {ev.signal}" if ev.signal else f"exit code {ev.exit_code}"
         tail = ev.traceback.strip().splitlines()[-1] if ev.traceback.strip() else ""
         why = f"{wid} failed: process ended with {how}" + (f" ({tail})" if tail else "")
+        if rec.state == WorkerState.FAILED and state.status.first_failure.startswith(f"{wid} failed: no heartbeat"):
+            # the heartbeat timeout won the race; the agent's report is the root cause
+            status = replace(state.status, first_failure=why)
+            workers = {**state.workers, wid: replace(rec, reason=why)}
+            state = replace(state, status=status, workers=workers)
+            if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:
+                return _give_up(state, wid, ev, spec, now_ms, [])
+            return Decision(state, (), f"root cause of {wid}: {why}")
+        if rec.state not in LIVE:
+            if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:
+                return _give_up(state, wid, ev, spec, now_ms, [])
+            return _unchanged(state, f"exit of {wid} ignored: it is {rec.state.value}")
         if rec.state == WorkerState.DRAINING and ev.exit_code == 0:
             state = _move(state, wid, WorkerState.LEFT, f"{wid} exited cleanly while draining", now_ms)
             actions: list[Action] = [Forget(wid)]
         else:
             state, actions = _fail(state, wid, why, now_ms)
+        if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:
+            return _give_up(state, wid, ev, spec, now_ms, actions)
         state, more, reason = replan(state, spec, now_ms, epoch, why)
         return Decision(state, tuple(actions + more), reason)
     if isinstance(ev, StepFailed):
         return _unchanged(state, f"{wid} reports step {ev.step} of generation {ev.generation} failed: {ev.error[:200]}")
     return _unchanged(state, f"event kind {ev.kind!r} has no handler")  # pragma: no cover
+
+
+def _give_up(state: CoordState, wid: str, ev: WorkerExited, spec: JobSpec, now_ms: int, actions: list) -> Decision:
+    if state.status.state in TERMINAL_JOB_STATES:
+        return Decision(state, tuple(actions), f"{wid}'s slot gave up; job already {state.status.state.value}")
+    reason = (f"job failed: {wid}'s slot gave up after {ev.restarts} restarts and fewer than "
+              f"min_workers={spec.min_workers} remain; first failure: {state.status.first_failure}")
+    status = replace(_set_job(state.status, JobState.FAILED, now_ms), reason=reason)
+    return Decision(replace(state, status=status), tuple(actions), reason)
 
 
 def _on_join(state: CoordState, ev: JoinRequest, now_ms: int, spec: JobSpec, epoch: int) -> Decision:

@@ -77,6 +77,9 @@ class WorkerExited(EventBase):
     signal: int | None = None
     traceback: Annotated[str, Field(max_length=8000)] = ""
     will_restart: bool = False
+    #: The agent spent the restart budget on this worker's slot and will not restart it.
+    gave_up: bool = False
+    restarts: int = 0
 
 
 class StepFailed(EventBase):

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import redis
 
@@ -97,6 +98,26 @@ def cmd_worker(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, lambda *_: runner.stop.set())
         signal.signal(signal.SIGINT, lambda *_: runner.stop.set())
         return runner.run()
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from events.keys import job_keys
+    from shoal.jobspec import JobSpec
+    from worker.agent import NodeAgent
+
+    with redis_client(start_embedded=False) as client:
+        raw = client.get(job_keys(args.job).spec)
+        if raw is None:
+            raise ConfigError(f"job {args.job!r} does not exist")
+        spec = JobSpec.from_stored(raw)
+        url = url_from_env() or f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/0"
+        run_dir = Path(args.run_dir or default_run_dir().parent / "agent" / args.job)
+        agent = NodeAgent(client, url, args.job, args.workers, run_dir=run_dir,
+                          max_restarts=spec.max_restarts if args.max_restarts is None else args.max_restarts,
+                          backoff=args.backoff, node=args.node)
+        signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
+        signal.signal(signal.SIGINT, lambda *_: agent.stop.set())
+        return agent.run()
 
 
 def cmd_create(args: argparse.Namespace) -> int:
@@ -223,6 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--node", help="node name reported to the coordinator")
     w.add_argument("--join-timeout", type=float, default=30.0)
     w.set_defaults(func=cmd_worker)
+
+    ag = sub.add_parser("agent", help="run and supervise this node's worker processes of a job")
+    ag.add_argument("job")
+    ag.add_argument("--workers", "-n", type=int, default=1)
+    ag.add_argument("--max-restarts", type=int, default=None, help="default: the job spec's max_restarts")
+    ag.add_argument("--backoff", type=float, default=0.5, help="first restart delay; doubles each time")
+    ag.add_argument("--node", help="node name (default: host name)")
+    ag.add_argument("--run-dir", help="where worker logs go (default: ~/.shoal/agent/JOB)")
+    ag.set_defaults(func=cmd_agent)
 
     cr = sub.add_parser("create", help="register a job from a spec file or options (no queue)")
     cr.add_argument("spec", nargs="?", help="job spec YAML")

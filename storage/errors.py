@@ -87,38 +87,61 @@ def translated(what: str) -> Iterator[None]:
     """Run a block; re-raise outside errors as the matching :class:`StorageError`.
 
     ``what`` names the operation and object (e.g. ``"get s3://b/k"``) and prefixes the message.
-    StorageErrors pass through untouched; anything not listed below (a bug) is not caught.
+    StorageErrors pass through untouched; anything not listed in :func:`_storage_error_for`
+    (a bug) is not caught.
     """
-    # Imported lazily so that the local and memory backends work without these clients loaded.
-    import redis
-    import urllib3.exceptions
-    from minio.error import InvalidResponseError, S3Error, ServerError
-
     try:
         yield
     except StorageError:
         raise
-    except S3Error as exc:
+    except Exception as exc:
+        mapped = _storage_error_for(what, exc)
+        if mapped is None:
+            raise
+        raise mapped from exc
+
+
+def _storage_error_for(what: str, exc: Exception) -> StorageError | None:
+    """The StorageError for an outside error, None if it is not one we translate. Client
+    libraries are imported only when one of their errors is seen, so that processes using
+    only the local backend never load the S3 client."""
+    module = type(exc).__module__ or ""
+    if module.startswith("minio"):
+        return _s3_error_for(what, exc)
+    if module.startswith("urllib3"):
+        import urllib3.exceptions
+
+        if isinstance(exc, urllib3.exceptions.HTTPError):
+            return StorageUnavailable(f"{what}: S3 endpoint unreachable: {type(exc).__name__}")
+    if module.startswith("redis"):
+        import redis
+
+        if isinstance(exc, redis.RedisError):
+            return StorageUnavailable(f"{what}: Redis error: {exc}")
+    if isinstance(exc, FileNotFoundError):
+        return ObjectNotFound(f"{what}: no such file")
+    if isinstance(exc, PermissionError):
+        return StorageAccessDenied(f"{what}: permission denied")
+    if isinstance(exc, OSError):
+        name = errno.errorcode.get(exc.errno or 0, "OSError")
+        return StorageError(f"{what}: {name}: {exc.strerror or exc}")
+    return None
+
+
+def _s3_error_for(what: str, exc: Exception) -> StorageError | None:
+    from minio.error import InvalidResponseError, S3Error, ServerError
+
+    if isinstance(exc, S3Error):
         detail = f"{what}: S3 error {exc.code}"
         if exc.code in _NOT_FOUND_CODES:
-            raise ObjectNotFound(f"{what}: no such object") from exc
+            return ObjectNotFound(f"{what}: no such object")
         if exc.code in _DENIED_CODES:
-            raise StorageAccessDenied(f"{detail} (check S3_ACCESS_KEY/S3_SECRET_KEY)") from exc
+            return StorageAccessDenied(f"{detail} (check S3_ACCESS_KEY/S3_SECRET_KEY)")
         if exc.code in _CONFIG_CODES:
-            raise StorageConfigError(f"{detail} (bucket {exc.bucket_name!r})") from exc
-        raise StorageError(f"{detail}: {exc.message}") from exc
-    except ServerError as exc:
-        raise StorageUnavailable(f"{what}: S3 server error (HTTP {exc.status_code})") from exc
-    except InvalidResponseError as exc:
-        raise StorageUnavailable(f"{what}: invalid response from the S3 endpoint") from exc
-    except urllib3.exceptions.HTTPError as exc:
-        raise StorageUnavailable(f"{what}: S3 endpoint unreachable: {type(exc).__name__}") from exc
-    except redis.RedisError as exc:
-        raise StorageUnavailable(f"{what}: Redis error: {exc}") from exc
-    except FileNotFoundError as exc:
-        raise ObjectNotFound(f"{what}: no such file") from exc
-    except PermissionError as exc:
-        raise StorageAccessDenied(f"{what}: permission denied") from exc
-    except OSError as exc:
-        name = errno.errorcode.get(exc.errno or 0, "OSError")
-        raise StorageError(f"{what}: {name}: {exc.strerror or exc}") from exc
+            return StorageConfigError(f"{detail} (bucket {exc.bucket_name!r})")
+        return StorageError(f"{detail}: {exc.message}")
+    if isinstance(exc, ServerError):
+        return StorageUnavailable(f"{what}: S3 server error (HTTP {exc.status_code})")
+    if isinstance(exc, InvalidResponseError):
+        return StorageUnavailable(f"{what}: invalid response from the S3 endpoint")
+    return None

@@ -138,3 +138,12 @@ def test_stragglers_are_flagged_against_the_median() -> None:
     assert "w2 straggler" in d.reason
     d2 = decide(d.state, Tick(step_times={"w0": 0.1, "w1": 0.11, "w2": 0.5}), T0 + 20, SPEC)
     assert not d2.changed  # logged only when it changes
+
+
+def test_agent_report_after_a_heartbeat_timeout_becomes_the_root_cause() -> None:
+    s = three_workers()
+    s = decide(s, Tick(last_seen={"w0": T0}), T0 + 5000, SPEC).state
+    assert "no heartbeat" in s.status.first_failure
+    d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w0", exit_code=1, traceback="x\nValueError: bad")), T0 + 5001, SPEC)
+    assert d.state.status.first_failure == "w0 failed: process ended with exit code 1 (ValueError: bad)"
+    assert d.state.workers["w0"].state == WorkerState.FAILED

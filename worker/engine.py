@@ -127,7 +127,7 @@ class StepEngine:
             raise ValueError(f"micro_batch must be positive, got {micro_batch}")
         if device is None:
             group = pg.current_group()
-            device = group.device if group else torch.device("cpu")
+            device = group.device if group else pg.device_for(pg.default_backend())
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.optimizer = optimizer

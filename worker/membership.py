@@ -76,6 +76,10 @@ class Membership:
         if not reply.accepted:
             raise JoinRejected(reply.reason)
         self.worker_id = reply.worker_id
+        id_file = os.environ.get("SHOAL_WORKER_ID_FILE")
+        if id_file:  # lets the node agent name this worker when it reports its exit
+            with open(id_file, "w") as fh:
+                fh.write(reply.worker_id)
         return reply.worker_id
 
     def current_table(self) -> ShardTable | None:

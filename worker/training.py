@@ -256,6 +256,10 @@ class TrainingWorker:
         summary = {"step": self.step, "cursor": self.cursor, "digest": state_digest(self.engine.model)}
         if self.setup.eval_fn is not None:
             summary.update({k: float(v) for k, v in self.engine.evaluate(self.setup.eval_fn).items()})
+        export = os.environ.get("SHOAL_EXPORT_DIR")
+        if export:  # tests and tools compare final weights across runs
+            Path(export).mkdir(parents=True, exist_ok=True)
+            torch.save(self.engine.model.state_dict(), Path(export) / f"final-{self.m.worker_id}.pt")
         if self._table.member(self.m.worker_id).rank == 0:
             self.m.completed(self.step, summary)
         if self.hb is not None:
@@ -284,5 +288,6 @@ class _Ledger:
     def commit(self, worker_id, step, batch, generation, local) -> None:
         if self._fh is None:
             return
-        self._fh.write(json.dumps({"worker": worker_id, "step": step, "cursor": batch.cursor, "epoch": batch.epoch,
-                                   "generation": generation, "count": batch.count, "indices": [int(i) for i in local]}) + "\n")
+        self._fh.write(json.dumps({"worker": worker_id, "pid": os.getpid(), "step": step, "cursor": batch.cursor,
+                                   "epoch": batch.epoch, "generation": generation, "count": batch.count,
+                                   "batch": [int(i) for i in batch.indices], "indices": [int(i) for i in local]}) + "\n")

@@ -1,0 +1,195 @@
+"""The node agent: starts a node's worker processes and restarts crashed ones.
+
+It waits on the children's pidfds, so a death is seen at once (no polling interval, no
+heartbeat timeout): the agent reports it as a ``WorkerExited`` event with the exit code or
+signal and the last lines of the worker's output, and the coordinator re-plans
+immediately. A crashed worker is restarted after an exponential backoff
+(``backoff * 2**n``, capped) until ``max_restarts`` restarts were spent; then the agent
+gives up on that slot and says so in the event (the coordinator fails the job if too few
+workers remain). The first failure's root cause is recorded by the coordinator and shown
+by ``shoal status``. SIGTERM to the agent drains every worker (they finish their step and
+leave) and waits for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from events import bus
+from events.keys import job_keys
+from events.models import WorkerExited
+
+log = logging.getLogger("shoal.agent")
+
+TERMINAL = {b"completed", b"failed", b"stopped"}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Slot:
+    index: int
+    proc: subprocess.Popen | None = None
+    pidfd: int | None = None
+    restarts: int = 0
+    start_at: float = 0.0
+    done: bool = False
+    gave_up: bool = False
+    #: monotonic times of every start and exit, and each restart's backoff (for status/tests)
+    spawns: list = field(default_factory=list)
+    exits: list = field(default_factory=list)
+    delays: list = field(default_factory=list)
+
+    def id_file(self, run_dir: Path) -> Path:
+        return run_dir / f"slot-{self.index}.id"
+
+    def log_file(self, run_dir: Path) -> Path:
+        return run_dir / f"slot-{self.index}.log"
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class NodeAgent:
+    """Runs ``workers`` worker processes of ``job_id`` on this node. Drive with
+    :meth:`run_once` (tests) or :meth:`run`. Not thread-safe."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        redis_url: str,
+        job_id: str,
+        workers: int,
+        *,
+        run_dir: Path,
+        max_restarts: int = 3,
+        backoff: float = 0.5,
+        backoff_max: float = 30.0,
+        node: str | None = None,
+        extra_env: dict[str, str] | None = None,
+    ):
+        self.client = client
+        self.redis_url = redis_url
+        self.keys = job_keys(job_id)
+        self.job_id = job_id
+        self.run_dir = run_dir
+        self.max_restarts = max_restarts
+        self.backoff = backoff
+        self.backoff_max = backoff_max
+        self.node = node or socket.gethostname()
+        self.extra_env = extra_env or {}
+        self.slots = [Slot(i) for i in range(workers)]
+        self.stop = threading.Event()
+        self._draining = False
+        run_dir.mkdir(parents=True, exist_ok=True)
+
+    # ---- processes ---------------------------------------------------------------------------
+
+    def _spawn(self, slot: Slot) -> None:
+        env = dict(os.environ)
+        env.update(self.extra_env)
+        env.update({"REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1",
+                    "SHOAL_WORKER_ID_FILE": str(slot.id_file(self.run_dir)),
+                    "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")})
+        slot.id_file(self.run_dir).unlink(missing_ok=True)
+        with open(slot.log_file(self.run_dir), "ab") as out:
+            slot.proc = subprocess.Popen([sys.executable, "-m", "shoal.cli", "worker", self.job_id, "--node", self.node],
+                                         env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        slot.pidfd = os.pidfd_open(slot.proc.pid)
+        slot.spawns.append(time.monotonic())
+        log.info("slot %d: started worker pid %d (restart %d/%d)", slot.index, slot.proc.pid, slot.restarts, self.max_restarts)
+
+    def _job_over(self) -> bool:
+        return self.client.hget(self.keys.state, "state") in TERMINAL
+
+    def _reap(self, slot: Slot) -> None:
+        proc = slot.proc
+        rc = proc.wait()
+        slot.exits.append(time.monotonic())
+        os.close(slot.pidfd)
+        slot.proc, slot.pidfd = None, None
+        wid_path = slot.id_file(self.run_dir)
+        wid = wid_path.read_text().strip() if wid_path.exists() else None
+        if rc == 0:
+            slot.done = True
+            log.info("slot %d: worker %s exited cleanly", slot.index, wid)
+            return
+        sig = -rc if rc < 0 else None
+        over = self._draining or self._job_over()
+        will_restart = not over and slot.restarts < self.max_restarts
+        slot.gave_up = not over and not will_restart
+        tail = _tail(slot.log_file(self.run_dir))
+        how = f"signal {signal.Signals(sig).name}" if sig else f"exit code {rc}"
+        log.warning("slot %d: worker %s (pid %d) died with %s%s", slot.index, wid, proc.pid, how,
+                    "; restarting" if will_restart else ("; giving up" if slot.gave_up else ""))
+        if wid:
+            ev = WorkerExited(job_id=self.job_id, worker_id=wid, exit_code=None if sig else rc, signal=sig,
+                              traceback=tail[-8000:], will_restart=will_restart, gave_up=slot.gave_up,
+                              restarts=slot.restarts)
+            bus.publish(self.client, self.keys.events, ev)
+        if will_restart:
+            delay = min(self.backoff_max, self.backoff * (2 ** slot.restarts))
+            slot.restarts += 1
+            slot.delays.append(delay)
+            slot.start_at = time.monotonic() + delay
+        else:
+            slot.done = True
+
+    # ---- loop --------------------------------------------------------------------------------
+
+    def run_once(self, timeout: float = 0.5) -> bool:
+        """Start due slots, wait up to ``timeout`` for a child to exit, handle exits.
+        Returns False once every slot is finished."""
+        now = time.monotonic()
+        if self.stop.is_set() and not self._draining:
+            self._draining = True
+            for s in self.slots:
+                if s.proc is not None:
+                    s.proc.send_signal(signal.SIGTERM)
+        for s in self.slots:
+            if s.proc is None and not s.done and now >= s.start_at:
+                if self._draining or self._job_over():
+                    s.done = True
+                else:
+                    self._spawn(s)
+        live = [s for s in self.slots if s.proc is not None]
+        if not live:
+            pending = [s.start_at for s in self.slots if not s.done]
+            if not pending:
+                return False
+            self.stop.wait(max(0.0, min(min(pending) - now, timeout)))
+            return True
+        waits = [s.start_at - now for s in self.slots if s.proc is None and not s.done]
+        wait = max(0.0, min([timeout, *waits]))
+        ready, _, _ = select.select([s.pidfd for s in live], [], [], wait)
+        for s in live:
+            if s.pidfd in ready:
+                self._reap(s)
+        return any(not s.done for s in self.slots)
+
+    def run(self) -> int:
+        """Until every slot is done; exit code 1 if any slot gave up."""
+        try:
+            while self.run_once():
+                pass
+        finally:
+            for s in self.slots:
+                if s.proc is not None:
+                    s.proc.kill()
+                    s.proc.wait()
+        return 1 if any(s.gave_up for s in self.slots) else 0
