@@ -35,6 +35,10 @@ class AsyncCheckpointer:
     ``on_saved(manifest)`` runs in the background thread after LATEST moved (e.g. to publish
     the Redis pointer); ``on_error(exc)`` runs there after a failure. Exceptions raised by
     these hooks are logged, never propagated into training.
+
+    With ``reuse_buffers`` (default) the CPU copy of the last save is kept and overwritten
+    by the next snapshot instead of allocating a new one: one state-sized CPU buffer stays
+    allocated between saves, and snapshots avoid page-fault costs (see the benchmark).
     """
 
     def __init__(
@@ -46,8 +50,11 @@ class AsyncCheckpointer:
         on_saved: Callable[[Manifest], None] | None = None,
         on_error: Callable[[BaseException], None] | None = None,
         on_warning: Callable[[str], None] | None = None,
+        reuse_buffers: bool = True,
     ) -> None:
         self._store = store
+        self._reuse_buffers = reuse_buffers
+        self._staging: TrainState | None = None  # last snapshot, reused once its save is done
         self._keep_last = keep_last
         self._hmac_key = hmac_key
         self._on_saved = on_saved
@@ -80,7 +87,8 @@ class AsyncCheckpointer:
                 return False
             self._idle.clear()
         try:
-            snapshot = state.snapshot()
+            snapshot = state.snapshot(reuse=self._staging)
+            self._staging = snapshot if self._reuse_buffers else None
             thread = threading.Thread(
                 target=self._run, args=(snapshot,), name=f"shoal-checkpoint-{state.step}", daemon=True
             )
@@ -121,7 +129,11 @@ class AsyncCheckpointer:
 
     def close(self, timeout_s: float) -> bool:
         """Refuse new saves and wait up to ``timeout_s`` for the one in flight; True if it
-        finished. A save still running after the timeout continues in its daemon thread and
-        dies with the process (the store stays consistent: the save is atomic)."""
+        finished (the staging buffer is then released). A save still running after the
+        timeout continues in its daemon thread and dies with the process (the store stays
+        consistent: the save is atomic)."""
         self._closed = True
-        return self.wait(timeout_s)
+        finished = self.wait(timeout_s)
+        if finished:
+            self._staging = None
+        return finished

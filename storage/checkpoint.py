@@ -20,6 +20,8 @@ then is anything handed to ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import hashlib
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from storage.backend import ObjectStore
@@ -33,8 +35,24 @@ from storage.train_state import FILES, TrainState
 from storage.verify import Warn, ignore_warning, list_checkpoint_steps, read_manifest, read_verified_files
 
 
+_OVERLAP_MIN = 1024 * 1024
+_hash_pool: ThreadPoolExecutor | None = None
+_hash_pool_lock = threading.Lock()
+
+
+def _hasher() -> ThreadPoolExecutor:
+    global _hash_pool
+    with _hash_pool_lock:
+        if _hash_pool is None:
+            _hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-sha256")
+        return _hash_pool
+
+
 class _HashingWriter:
-    """File wrapper counting and hashing what torch.save writes through it."""
+    """File wrapper counting and hashing what torch.save writes through it. Large chunks
+    are hashed on a helper thread while this thread writes them (both release the GIL);
+    each write returns only when both are done, so the caller's buffer is never used after
+    it was handed back."""
 
     def __init__(self, f) -> None:
         self._f = f
@@ -42,9 +60,17 @@ class _HashingWriter:
         self._sha = hashlib.sha256()
 
     def write(self, data) -> int:
-        self._sha.update(data)
-        n = self._f.write(data)
-        self.size += memoryview(data).nbytes
+        nbytes = memoryview(data).nbytes
+        if nbytes >= _OVERLAP_MIN:
+            hashed = _hasher().submit(self._sha.update, data)
+            try:
+                n = self._f.write(data)
+            finally:
+                hashed.result()
+        else:
+            self._sha.update(data)
+            n = self._f.write(data)
+        self.size += nbytes
         return n
 
     def flush(self) -> None:

@@ -1,8 +1,9 @@
 """Filesystem backend: one file per object under a root directory.
 
 Atomic, durable writes: the data goes to a temporary file ``.tmp-<name>.<random>`` in the
-destination directory, which is flushed and fsync'd, then ``os.replace``'d over the final
-name (atomic on POSIX within one filesystem), then the directory is fsync'd so the rename
+destination directory, which is flushed and fsync'd (large files are flushed in the
+background while being written, see :mod:`storage.durable_file`), then ``os.replace``'d
+over the final name (atomic on POSIX within one filesystem), then the directory is fsync'd so the rename
 itself survives a power loss. Directories created on the way are fsync'd into their
 parents too. A crash at any point leaves either the old object or the new one, plus at
 worst a temporary that :meth:`LocalStore.sweep_temporaries` removes; temporaries are never
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from storage.backend import ObjectStore, check_key, check_prefix
+from storage.durable_file import DurableFile
 from storage.errors import ObjectNotFound, StorageConfigError, translated
 
 TEMP_PREFIX = ".tmp-"
@@ -42,10 +44,7 @@ def make_dirs_durable(path: Path) -> None:
         missing.append(p)
         p = p.parent
     for d in reversed(missing):
-        try:
-            d.mkdir()
-        except FileExistsError:
-            continue  # a concurrent writer made it; it is fsync'd by whoever created it
+        d.mkdir(exist_ok=True)  # a concurrent writer may have made it: fsync anyway
         fsync_dir(d.parent)
 
 
@@ -73,9 +72,13 @@ class LocalStore(ObjectStore):
             fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{dest.name}.", dir=dest.parent)
             try:
                 with os.fdopen(fd, "wb") as f:
-                    yield f  # type: ignore[misc]
-                    f.flush()
-                    os.fsync(f.fileno())
+                    durable = DurableFile(f)
+                    try:
+                        yield durable  # type: ignore[misc]
+                    except BaseException:
+                        durable.abort()
+                        raise
+                    durable.finish()
                 os.replace(tmp, dest)
             except BaseException:
                 with translated(f"remove {tmp}"):

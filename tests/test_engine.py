@@ -322,6 +322,7 @@ def _reference_run(outdir: Path) -> dict[str, str]:
     engine = StepEngine.from_setup(setup, require_group=False)
     order = DataOrder(len(setup.dataset), 0, GLOBAL_BATCH)
     out, cursor = {"initial": state_digest(setup.model)}, 0
+    torch.save(setup.model.state_dict(), outdir / "init.pt")
     for step in range(STEPS):
         if step == FAIL_AT:
             torch.save(setup.model.state_dict(), outdir / "ref_k.pt")
@@ -369,11 +370,18 @@ def test_elastic_three_rank_training_matches_one_process(job_id, subprocess_env,
             if p.poll() is None:
                 p.kill()
 
+    init = torch.load(tmp_path / "init.pt")
+
     def close(a: str, b: str) -> None:
         sa, sb = torch.load(tmp_path / a), torch.load(tmp_path / b)
-        assert sa.keys() == sb.keys()
+        assert sa.keys() == sb.keys() == init.keys()
         for k in sa:
             assert torch.allclose(sa[k], sb[k], rtol=1e-4, atol=1e-6), k
+        # stricter, relative to how far training moved the weights (a 1/64 error in the
+        # gradient scale would be ~1e-2 of the movement; float summation order gives ~1e-6)
+        moved = max((sa[k] - init[k]).abs().max().item() for k in sa)
+        off = max((sa[k] - sb[k]).abs().max().item() for k in sa)
+        assert moved > 1e-3 and off <= 1e-4 * moved, (off, moved)
 
     survivors = [results[("elastic", 0)], results[("elastic", 1)]]
     joiner = results[("joiner", 2)]

@@ -1,10 +1,12 @@
 """Crash consistency: a real writer process is SIGKILLed again and again while checkpointing.
 
-The writer (this file run as a script) resumes from ``load_latest`` and saves checkpoints
-of growing steps into a local store until it is killed. Most runs are killed from outside
-with SIGKILL after a random number of saves plus a random sub-save delay; a few runs kill
-themselves with SIGKILL at chosen points that random timing might miss (half-way through
-a state file, just before LATEST, half-way through retention's deletions). After every
+The writer resumes from ``load_latest`` and saves checkpoints of growing steps into a local
+store until it is killed. Writers are forked by a supervisor process (this file run as a
+script) that has imported torch once, so restarts are cheap and the test can afford many
+kills. Most writers are killed from the test with SIGKILL after a random number of saves
+plus a random sub-save delay; a few kill themselves with SIGKILL at points random timing
+might miss (half-way through a state file, just before the manifest, just before and
+during the LATEST write, half-way through retention's deletions). After every
 kill the test checks that LATEST names a complete, verifying checkpoint, that it never
 moved backwards, that the loader returns exactly that checkpoint with the right content,
 that every manifest present verifies (manifest written last), and that garbage stays
@@ -55,22 +57,32 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+_KILL_BEFORE = {("before-manifest", "manifest.json"), ("before-latest", "LATEST")}
+
+
 def _killing_store(inner, crash_point: str, armed: threading.Event):
     """Wrap ``inner`` so that, once ``armed`` is set, the process SIGKILLs itself at
-    ``crash_point``: ``mid-model`` (after the first chunk of model.pt), ``before-latest``,
-    ``mid-retention`` (after deleting an old manifest, before its files)."""
+    ``crash_point``: ``mid-model`` (after the first chunk of model.pt reached the disk),
+    ``before-manifest`` (all state files written), ``before-latest`` (manifest written),
+    ``mid-latest`` (LATEST opened for writing, nothing written: a store that overwrote in
+    place would leave it empty), ``mid-retention`` (an old manifest deleted, its files not
+    yet)."""
     from storage.backend import ObjectStore
 
-    class _HalfWriter:
-        def __init__(self, f) -> None:
+    class _DyingWriter:
+        """Dies on the first write: after it reached the disk, or before writing anything."""
+
+        def __init__(self, f, write_first: bool) -> None:
             self.f = f
+            self.write_first = write_first
 
         def write(self, data) -> int:
-            n = self.f.write(data)
-            self.f.flush()
-            os.fsync(self.f.fileno())
+            if self.write_first:
+                self.f.write(data)
+                self.f.flush()
+                os.fsync(self.f.fileno())
             _die()
-            return n
+            return 0
 
         def flush(self) -> None:
             self.f.flush()
@@ -80,11 +92,13 @@ def _killing_store(inner, crash_point: str, armed: threading.Event):
 
         @contextmanager
         def open_write(self, key: str) -> Iterator[BinaryIO]:
-            if armed.is_set() and crash_point == "before-latest" and key == "LATEST":
+            if armed.is_set() and (crash_point, key.rsplit("/", 1)[-1]) in _KILL_BEFORE:
                 _die()
             with inner.open_write(key) as f:
                 if armed.is_set() and crash_point == "mid-model" and key.endswith("/model.pt"):
-                    yield _HalfWriter(f)  # type: ignore[misc]
+                    yield _DyingWriter(f, write_first=True)  # type: ignore[misc]
+                elif armed.is_set() and crash_point == "mid-latest" and key == "LATEST":
+                    yield _DyingWriter(f, write_first=False)  # type: ignore[misc]
                 else:
                     yield f
 
@@ -109,6 +123,7 @@ def _killing_store(inner, crash_point: str, armed: threading.Event):
 
 
 def writer_main(root: str, crash_point: str) -> None:
+    """Resume from the store, then save steps start+1, start+2, ... until killed."""
     from storage.checkpoint import load_latest, save_checkpoint
     from storage.errors import NoCheckpoint
     from storage.local import LocalStore
@@ -128,6 +143,33 @@ def writer_main(root: str, crash_point: str) -> None:
             armed.set()
         save_checkpoint(store, state_for(step), keep_last=KEEP)
         print(f"saved {step}", flush=True)
+
+
+def supervisor_main(root: str) -> None:
+    """Fork a fresh writer per ``run <crash_point>`` line on stdin (it says ``child PID``
+    first); once it is dead, report ``exit STATUS`` (negative signal number when killed). Importing torch
+    once here and forking keeps each restart cheap, so the test can afford many kills; every
+    writer still starts from what is on disk only."""
+    import storage.checkpoint  # noqa: F401  (pay the imports once)
+
+    for line in sys.stdin:
+        crash_point = line.split()[1] if len(line.split()) > 1 else ""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                print(f"child {os.getpid()}", flush=True)  # before anything else the child says
+                writer_main(root, crash_point)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+                sys.stderr.flush()
+            os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        print(f"exit {code}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,65 +210,99 @@ def _check_store(root: Path, previous_latest: int) -> int:
     return latest
 
 
-def _start_writer(root: Path, crash_point: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]),
-               PYTHONUNBUFFERED="1")
-    return subprocess.Popen(
-        [sys.executable, __file__, "--writer", str(root), crash_point],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )
+class Supervisor:
+    """The supervisor process, with line reads bounded by a deadline."""
 
+    def __init__(self, root: Path, deadline: float) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]),
+                   PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--supervisor", str(root)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        self.deadline = deadline
+        self.child: int | None = None  # pid of a writer not yet reported dead
 
-def _read_line(proc: subprocess.Popen, deadline: float) -> str:
-    """Next stdout line; the writer is killed (EOF, test fails) if the deadline passes."""
-    timer = threading.Timer(max(0.0, deadline - time.monotonic()), proc.kill)
-    timer.start()
-    try:
-        return proc.stdout.readline()  # type: ignore[union-attr]
-    finally:
-        timer.cancel()
+    def _abort(self) -> None:
+        self.kill_child()
+        self.proc.kill()
+
+    def kill_child(self) -> None:
+        if self.child is not None:
+            try:
+                os.kill(self.child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def line(self) -> list[str]:
+        """Next stdout line, split; everything is killed (EOF -> []) past the deadline."""
+        timer = threading.Timer(max(0.0, self.deadline - time.monotonic()), self._abort)
+        timer.start()
+        try:
+            words = self.proc.stdout.readline().split()  # type: ignore[union-attr]
+        finally:
+            timer.cancel()
+        if words[:1] == ["child"]:
+            self.child = int(words[1])
+        elif words[:1] == ["exit"]:
+            self.child = None
+        return words
+
+    def start_writer(self, crash_point: str) -> None:
+        self.proc.stdin.write(f"run {crash_point}\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        assert self.line()[:1] == ["child"]
+
+    def close(self) -> str:
+        self.kill_child()
+        self.proc.stdin.close()  # type: ignore[union-attr]
+        try:
+            self.proc.wait(30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(30)
+        return self.proc.stderr.read()  # type: ignore[union-attr]
 
 
 @pytest.mark.slow
 def test_sigkill_during_checkpointing_never_exposes_a_partial_checkpoint(tmp_path: Path) -> None:
     rng = random.Random(int(os.environ.get("SHOAL_CRASH_SEED", "20261121")))
-    root = tmp_path / "ck"
-    deadline = time.monotonic() + 120
-    # external random kills, with the three self-kill points mixed in
-    plan = ["", "mid-model", "", "before-latest", "mid-retention", ""]
+    sup = Supervisor(tmp_path / "ck", deadline=time.monotonic() + 120)
+    # random external kills, with the self-kill points mixed in
+    plan = [""] * 3 + ["mid-model"] + [""] * 3 + ["before-manifest"] + [""] * 3 + ["before-latest"] \
+        + [""] * 2 + ["mid-latest"] + [""] * 2 + ["mid-retention"] + [""] * 2
     latest, total_saves, runs = 0, 0, 0
-    while runs < len(plan) or total_saves < 100:
-        crash_point = plan[runs] if runs < len(plan) else ""
-        runs += 1
-        proc = _start_writer(root, crash_point)
-        try:
-            first = _read_line(proc, deadline).split()
+    try:
+        while runs < len(plan) or total_saves < 100:
+            crash_point = plan[runs] if runs < len(plan) else ""
+            runs += 1
+            sup.start_writer(crash_point)
+            first = sup.line()
             assert first == ["resumed", str(latest)], f"writer resumed at {first}, LATEST was {latest}"
-            saves = 0
-            target = rng.randint(25, 40)
+            saves, target = 0, rng.randint(3, 12)
             while crash_point or saves < target:
-                line = _read_line(proc, deadline)
-                if not line:
-                    break  # the writer killed itself (crash_point) or died
-                assert line.startswith("saved "), line
+                words = sup.line()
+                if words[:1] != ["saved"]:
+                    break  # the writer killed itself ("exit ...") or the deadline passed ([])
                 saves += 1
-            if not crash_point:
+            else:
                 time.sleep(rng.uniform(0.0, 0.02))  # a random point inside the next save (~15 ms)
-                proc.kill()
-            rc = proc.wait(30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(30)
-        stderr = proc.stderr.read() if proc.stderr else ""  # type: ignore[union-attr]
-        assert rc == -signal.SIGKILL, f"writer exited {rc}, not by SIGKILL: {stderr[-2000:]}"
-        assert "Traceback" not in stderr, stderr[-2000:]
-        if crash_point:
-            assert saves == 3, f"self-kill at {crash_point} should hit the 4th save, got {saves} saves"
-        total_saves += saves
-        latest = _check_store(root, latest)
-    assert total_saves >= 100, f"only {total_saves} saves"
+                sup.kill_child()
+                words = sup.line()
+                while words[:1] == ["saved"]:  # finished during the delay, already in the pipe
+                    saves += 1
+                    words = sup.line()
+            assert words == ["exit", str(-signal.SIGKILL)], f"writer ended with {words}"
+            if crash_point:
+                assert saves == 3, f"self-kill at {crash_point} should hit the 4th save, got {saves} saves"
+            total_saves += saves
+            latest = _check_store(tmp_path / "ck", latest)
+    finally:
+        stderr = sup.close()
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert total_saves >= 100 and runs >= len(plan), f"only {total_saves} saves in {runs} runs"
 
 
-if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "--writer":
-    writer_main(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "")
+if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "--supervisor":
+    supervisor_main(sys.argv[2])

@@ -88,6 +88,17 @@ def test_get_and_wait_time_out_with_the_torch_error(store):
     store.wait(["x"], timedelta(seconds=0.2))  # present: returns at once
 
 
+def test_max_wait_caps_longer_timeouts_from_the_caller(r, job_id):
+    """gloo passes its collective timeout to wait(); max_wait bounds the rendezvous anyway."""
+    s = RedisStore(r, job_keys(job_id).rendezvous(3), timeout=30, max_wait=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistStoreError):
+        s.wait(["never"], timedelta(seconds=30))
+    with pytest.raises(dist.DistStoreError):
+        s.get("never")
+    assert time.monotonic() - t0 < 3.0
+
+
 def test_keys_expire_and_cleanup_removes_only_the_prefix(r, job_id):
     keys = job_keys(job_id)
     s1 = RedisStore(r, keys.rendezvous(1), ttl=30)
@@ -231,7 +242,7 @@ def _child(rank: int, job: str) -> None:
     if rank == 0:  # a generation whose peer never comes: bounded by the timeout
         t0 = time.monotonic()
         try:
-            pg.join_group(client, job, 3, 0, 2, timeout=1.5)
+            pg.join_group(client, job, 3, 0, 2, timeout=1.5, collective_timeout=60)
             out["lonely"] = "joined?!"
         except RendezvousTimeout:
             out["lonely"] = "RendezvousTimeout"
@@ -273,7 +284,7 @@ def test_gloo_over_redis_store_in_three_processes_across_generations(r, job_id, 
         assert res["g2"] == {**res["g2"], "max": 4.0, "sum": 3.0, "bcast": 0.0, "prefix": keys.rendezvous(2)}
         assert res["reuse"] == "WorkerError"
     assert results[0]["lonely"] == "RendezvousTimeout"
-    assert 1.4 <= results[0]["lonely_s"] < 10
+    assert 1.4 <= results[0]["lonely_s"] < 10  # the rendezvous timeout, not the 60 s collective one
     assert results[0]["after_timeout_initialized"] is False
     # both generations' stores were written under their own prefix, with expiries
     for gen in (1, 2):

@@ -99,41 +99,49 @@ def test_kill_mid_step_survivors_continue_and_match_a_failure_free_run(r, redis_
 
 def test_join_kill_and_leave_mid_epoch_use_every_sample_exactly_once(r, redis_url, tmp_path) -> None:
     job = "ledger-" + tmp_path.name[-8:]
-    spec = _spec(job, epochs=1, min_workers=1, max_workers=3, num_samples=None)
+    spec = _spec(job, entrypoint="tests.entrypoints:slow_digits", epochs=2, global_batch_size=32, min_workers=1, max_workers=3)
+    pids = {}
 
     def script(watch, procs, ws):
         watch.wait_for(lambda d: "world size 2" in d["reason"], 120)
-        procs.worker(job, "joiner")  # a join mid-epoch
+        pids.update({w: rec["pid"] for w, rec in watch.workers().items()})
+        joiner = procs.worker(job, "joiner")  # a join mid-epoch
         watch.wait_for(lambda d: "world size 3" in d["reason"], 60)
-        joined = watch.wait_for(lambda d: d["kind"] == "ready" and "w2 active" in d["reason"], 60)
-        assert joined
+        watch.wait_for(lambda d: d["kind"] == "ready" and "w2 active" in d["reason"], 60)
+        joiner.signal(signal.SIGKILL)  # a failure
+        watch.wait_for(lambda d: "w2 failed" in d["reason"], 60)
         ws[0].signal(signal.SIGTERM)  # a graceful leave
         watch.wait_for(lambda d: " left" in d["reason"], 60)
 
-    watch, procs, codes = _run(r, redis_url, tmp_path, job, spec, 2,
-                               faults="w2@40:mid_step:kill", script=script)
+    watch, procs, codes = _run(r, redis_url, tmp_path, job, spec, 2, script=script)
     records = watch.workers()
     assert sorted(rec["state"] for rec in records.values()) == ["Active", "Failed", "Left"]
+    assert all(records[w]["pid"] == pid for w, pid in pids.items())  # survivors never restarted
     entries = _ledger(tmp_path / "ledger")
     by_step = _committed_steps(entries)
-    used: list[int] = []
+    assert sorted(by_step) == list(range(1, len(by_step) + 1))
+    used: dict[int, list[int]] = defaultdict(list)
     for step in sorted(by_step):
         group = by_step[step]
         assert len({e["generation"] for e in group}) == 1, f"step {step} committed in two generations"
         batch = group[0]["batch"]
-        assert all(e["batch"] == batch for e in group)
+        assert all(e["batch"] == batch and e["cursor"] == group[0]["cursor"] for e in group)
         assert sorted(i for e in group for i in e["indices"]) == sorted(batch)  # the ranks' slices partition it
-        used += batch
-    n = len(set(used))
-    assert n == 5000 and len(used) == n  # every sample of the epoch exactly once
-    # the joiner held the survivors' parameters before its first step
-    logs = {p.name: p.log_tail(400) for p in procs.procs}
-    switch_lines = [line for text in logs.values() for line in text.splitlines() if "digest" in line and "generation" in line]
-    by_gen = defaultdict(set)
-    for line in switch_lines:
-        gen = line.split("generation ")[1].split(":")[0]
-        by_gen[gen].add((line.split("step ")[1].split(",")[0], line.split("digest ")[1].split()[0]))
-    assert all(len(v) == 1 for v in by_gen.values()), by_gen  # same step and digest on every member
+        used[group[0]["epoch"]] += batch
+    assert set(used) == {0, 1}
+    for epoch, indices in used.items():
+        assert sorted(indices) == list(range(5000)), f"epoch {epoch}: a sample missing or used twice"
+    # every member of a generation started it from the same step and parameter digest,
+    # including the joiner before its first step
+    by_gen = defaultdict(list)
+    for p in procs.procs:
+        for line in p.log_tail(1000).splitlines():
+            if "digest" in line and " generation " in line and "switch" in line:
+                gen = line.split("generation ")[1].split(":")[0]
+                by_gen[gen].append((p.name, line.split("step ")[1].split(",")[0], line.split("digest ")[1].split()[0]))
+    assert all(len({(s, d) for _, s, d in v}) == 1 for v in by_gen.values()), by_gen
+    with_joiner = [v for v in by_gen.values() if "joiner" in {name for name, _, _ in v}]
+    assert len(with_joiner) == 1 and len(with_joiner[0]) == 3 and with_joiner[0][0][1] != "0"
     assert codes["p0"] == 0  # the SIGTERM'd worker finished its step and left cleanly
 
 

@@ -179,7 +179,9 @@ class StepEngine:
         Raises StepAborted (nothing applied; redo in the next generation) when a collective
         fails or no group is joined (with ``require_group``); InconsistentStep (a StepAborted)
         when the ranks' slices do not add up to ``global_count``; UserCodeError when the
-        user's dataset/model/loss raised (nothing applied either).
+        user's dataset/model/loss raised (nothing applied either) - or when the optimizer or
+        LR scheduler raised after the collectives, in which case the step may be partly
+        applied: treat it as fatal for this worker.
         """
         if global_count <= 0:
             raise ValueError(f"global_count must be positive, got {global_count}")

@@ -107,8 +107,8 @@ def join_group(
 ) -> Group:
     """Join generation ``generation`` of ``job_id`` as ``rank`` of ``world_size``.
 
-    Blocks until every rank of the generation has connected, at most ``timeout`` seconds
-    (RendezvousTimeout otherwise; the caller then reports it and waits for a newer
+    Blocks until every rank of the generation has connected, at most about ``timeout`` seconds
+    (each wait on the store is capped at ``timeout``; RendezvousTimeout otherwise; the caller then reports it and waits for a newer
     generation - it must not retry the same generation). ``collective_timeout`` (default
     ``timeout``) bounds every later collective of the group: a peer that hangs rather than
     dies is detected after it.
@@ -136,7 +136,7 @@ def join_group(
         raise ValueError(f"timeout must be positive, got {timeout}")
     backend = backend or default_backend()
     _last_generation[job_id] = generation
-    store = RedisStore(client, job_keys(job_id).rendezvous(generation), timeout=timeout)
+    store = RedisStore(client, job_keys(job_id).rendezvous(generation), timeout=timeout, max_wait=timeout)
     try:
         dist.init_process_group(
             backend,

@@ -122,6 +122,10 @@ class RedisStore(dist.Store):
     closed, by the store. ``prefix`` must come from ``job_keys(job).rendezvous(generation)``
     and must not be reused once a group using it was destroyed. ``timeout`` bounds every
     blocking read (``get``, ``wait``); ``ttl`` (seconds) is the expiry given to every key.
+    ``max_wait`` (seconds), when set, caps every blocking read even when the caller passes a
+    longer timeout: gloo waits for its peers with the *collective* timeout, and
+    :func:`worker.process_group.join_group` uses ``max_wait`` to bound the rendezvous by its
+    own, usually shorter, timeout.
 
     Implements everything gloo/nccl and ``init_process_group`` use: ``set``, ``get``,
     ``wait``, ``add``, ``compare_set``, ``check``, ``delete_key``, ``num_keys``,
@@ -136,18 +140,23 @@ class RedisStore(dist.Store):
         *,
         timeout: timedelta | float = DEFAULT_TIMEOUT,
         ttl: float = DEFAULT_TTL,
+        max_wait: float | None = None,
     ) -> None:
         super().__init__()
         if not prefix:
             raise ValueError("RedisStore needs a non-empty key prefix")
-        if client.connection_pool.connection_kwargs.get("decode_responses"):
+        conn_kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
+        if conn_kwargs.get("decode_responses"):
             raise ValueError("RedisStore needs a redis client with decode_responses=False")
         if ttl <= 0:
             raise ValueError(f"ttl must be positive, got {ttl}")
+        if max_wait is not None and max_wait <= 0:
+            raise ValueError(f"max_wait must be positive, got {max_wait}")
+        self._max_wait = max_wait
         self._client = client
         self._prefix = prefix
         self._ttl_ms = int(ttl * 1000)
-        sock = client.connection_pool.connection_kwargs.get("socket_timeout")
+        sock = conn_kwargs.get("socket_timeout")
         # Longest single blocking Redis call: well inside the socket timeout.
         self._max_block = max(0.05, float(sock) / 2) if sock else 30.0
         self._set = client.register_script(_SET)
@@ -168,6 +177,9 @@ class RedisStore(dist.Store):
 
     def _k(self, key: str) -> str:
         return f"{self._prefix}k:{key}"
+
+    def _limit(self, seconds: float) -> float:
+        return seconds if self._max_wait is None else min(seconds, self._max_wait)
 
     def _block_until(self, key: str, deadline: float, timeout_s: float) -> bytes:
         """Return the value of ``key`` once it exists; DistStoreError after ``deadline``."""
@@ -193,13 +205,13 @@ class RedisStore(dist.Store):
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, blocking until it is set; DistStoreError after the timeout."""
-        t = _seconds(self.timeout)
+        t = self._limit(_seconds(self.timeout))
         return self._block_until(key, time.monotonic() + t, t)
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
         """Block until every key in ``keys`` exists, at most ``timeout`` (default: the store
         timeout) in total; raises DistStoreError naming the first missing key."""
-        t = _seconds(self.timeout if timeout is None else timeout)
+        t = self._limit(_seconds(self.timeout if timeout is None else timeout))
         deadline = time.monotonic() + t
         for key in keys:
             self._block_until(key, deadline, t)
@@ -242,7 +254,7 @@ class RedisStore(dist.Store):
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """Values of ``keys``, each blocking like :meth:`get`, within one store timeout."""
-        t = _seconds(self.timeout)
+        t = self._limit(_seconds(self.timeout))
         deadline = time.monotonic() + t
         return [self._block_until(k, deadline, t) for k in keys]
 
@@ -272,7 +284,9 @@ class RedisStore(dist.Store):
 
     def clone(self) -> "RedisStore":
         """A store on the same client, prefix, timeout and TTL."""
-        return RedisStore(self._client, self._prefix, timeout=self.timeout, ttl=self._ttl_ms / 1000)
+        return RedisStore(
+            self._client, self._prefix, timeout=self.timeout, ttl=self._ttl_ms / 1000, max_wait=self._max_wait
+        )
 
     # --- housekeeping ---------------------------------------------------------------------
     def _scan(self, prefix: str) -> Iterable[bytes]:

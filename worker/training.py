@@ -22,6 +22,7 @@ Protocol (every member of a generation runs the same loop):
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -133,12 +134,18 @@ class TrainingWorker:
         local = batch.for_rank(member.ranges)
         started = time.monotonic()
         self.faults.at(wid, self.step, "mid_step")
+        aborted = ""
         try:
             result = self.engine.step(local, batch.count, self.seen_gen)
         except StepAborted as exc:
-            log.warning("step %d aborted in generation %d: %s", self.step, self.group_gen, exc)
-            self.m.step_failed(self.group_gen, self.step, str(exc))
+            aborted = str(exc)
+        if aborted:
+            # outside the except block: the exception's frames no longer pin the broken group,
+            # so destroying it closes its sockets and peers still inside the collective fail now
             pg.leave_group()
+            gc.collect()
+            log.warning("step %d aborted in generation %d: %s", self.step, self.group_gen, aborted)
+            self.m.step_failed(self.group_gen, self.step, aborted)
             self.group_gen = 0
             self._wait_newer(self._table.generation)
             return None
@@ -207,9 +214,9 @@ class TrainingWorker:
         digest = state_digest(self.engine.model)
         if self.hb is not None:
             self.hb.update(generation=table.generation, digest=digest, step=self.step)
-        self.m.ready(table.generation)
         log.info("generation %d: rank %d/%d, step %d, cursor %d, digest %s (switch %.3fs)",
                  table.generation, member.rank, table.world_size, self.step, self.cursor, digest, time.monotonic() - t0)
+        self.m.ready(table.generation)
         return None
 
     def _barrier(self, table: ShardTable) -> bool:
