@@ -18,6 +18,7 @@ Planning rules:
 from __future__ import annotations
 
 import hashlib
+import json
 import statistics
 from dataclasses import dataclass, field, replace
 
@@ -213,7 +214,7 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
         if state.status.state in TERMINAL_JOB_STATES:
             return _unchanged(state, f"completion ignored: job already {state.status.state.value}")
         reason = f"completed at step {ev.step} (reported by {wid})"
-        status = replace(_set_job(state.status, JobState.COMPLETED, now_ms), reason=reason)
+        status = replace(_set_job(state.status, JobState.COMPLETED, now_ms), reason=reason, summary=json.dumps(ev.summary))
         return Decision(replace(state, status=status), (), reason)
     if rec is None:
         return _unchanged(state, f"{ev.kind} from unknown worker {wid!r} ignored")

@@ -41,7 +41,8 @@ def decision_batch(
     batch = FencedBatch(keys)
     if new.status != old.status:
         batch.hset(keys.state, new.status.to_hash())
-    changed = {wid: rec for wid, rec in new.workers.items() if old.workers.get(wid) != rec}
+    # records are immutable: an unchanged worker is the very same object (O(1) per worker)
+    changed = {wid: rec for wid, rec in new.workers.items() if old.workers.get(wid) is not rec}
     if changed:
         batch.hset(keys.workers, {wid: json.dumps(rec.to_json_dict()) for wid, rec in changed.items()})
     for action in decision.actions:

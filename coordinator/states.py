@@ -131,6 +131,8 @@ class JobStatus:
     plan_digest: str = ""
     #: Redis ms of the newest join not yet planned (0: none); joins settle before planning.
     pending_join_ms: int = 0
+    #: JSON summary reported with the job's completion (final loss, accuracy, digest...).
+    summary: str = ""
 
     def to_hash(self) -> dict[str, str]:
         return {
@@ -143,6 +145,7 @@ class JobStatus:
             "first_failure": self.first_failure,
             "plan_digest": self.plan_digest,
             "pending_join_ms": str(self.pending_join_ms),
+            "summary": self.summary,
         }
 
     @classmethod
@@ -160,6 +163,7 @@ class JobStatus:
             first_failure=g.get("first_failure", ""),
             plan_digest=g.get("plan_digest", ""),
             pending_join_ms=int(g.get("pending_join_ms", 0)),
+            summary=g.get("summary", ""),
         )
 
 

@@ -214,7 +214,7 @@ def cmd_events(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from shoal.demo import run_demo
 
-    return run_demo(duration=args.duration)
+    return run_demo(duration=args.duration, epochs=args.epochs)
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_events)
 
     dm = sub.add_parser("demo", help="embedded Redis + coordinator + 3 workers, with a kill and a join")
-    dm.add_argument("--duration", type=float, default=None, help="seconds (default: until the job ends)")
+    dm.add_argument("--duration", type=float, default=None, help="give up after this many seconds (default 600)")
+    dm.add_argument("--epochs", type=int, default=8)
     dm.set_defaults(func=cmd_demo)
 
     cl = sub.add_parser("cluster", help="validate or show a cluster.yaml")

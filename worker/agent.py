@@ -133,7 +133,8 @@ class NodeAgent:
         over = self._draining or self._job_over()
         will_restart = not over and slot.restarts < self.max_restarts
         slot.gave_up = not over and not will_restart
-        tail = _tail(slot.log_file(self.run_dir))
+        # a signal leaves no traceback; the log tail then is only the last ordinary line
+        tail = _tail(slot.log_file(self.run_dir)) if rc > 0 else ""
         how = f"signal {signal.Signals(sig).name}" if sig else f"exit code {rc}"
         log.warning("slot %d: worker %s (pid %d) died with %s%s", slot.index, wid, proc.pid, how,
                     "; restarting" if will_restart else ("; giving up" if slot.gave_up else ""))

@@ -42,6 +42,7 @@ from worker.engine import StepEngine, resync_state
 from worker.errors import CollectiveFailed, RendezvousFailed, StateMismatch, StepAborted
 from worker.faults import FaultPlan
 from worker.heartbeat import Heartbeater
+from worker.ledger import Ledger
 from worker.membership import Membership
 from worker.userapi import load_entrypoint
 
@@ -60,7 +61,7 @@ class TrainingWorker:
         self.join_timeout = join_timeout
         self.stop = threading.Event()
         self.faults = FaultPlan.from_env()
-        self.ledger = _Ledger.from_env()
+        self.ledger = Ledger.from_env()
         self.hb: Heartbeater | None = None
         self.step = 0
         self.cursor = 0
@@ -274,27 +275,3 @@ class TrainingWorker:
             self.hb.beat()
         log.info("finished: %s", json.dumps(summary))
         return 0
-
-
-class _Ledger:
-    """Optional per-worker record of committed steps (``SHOAL_LEDGER_DIR``), one JSON line
-    per commit: step, cursor, epoch, generation, worker and the dataset indices used."""
-
-    def __init__(self, path: Path | None):
-        self.path = path
-        self._fh = open(path, "a", buffering=1) if path else None
-
-    @classmethod
-    def from_env(cls) -> "_Ledger":
-        d = os.environ.get("SHOAL_LEDGER_DIR")
-        if not d:
-            return cls(None)
-        Path(d).mkdir(parents=True, exist_ok=True)
-        return cls(Path(d) / f"ledger-{os.getpid()}.jsonl")
-
-    def commit(self, worker_id, step, batch, generation, local) -> None:
-        if self._fh is None:
-            return
-        self._fh.write(json.dumps({"worker": worker_id, "pid": os.getpid(), "step": step, "cursor": batch.cursor,
-                                   "epoch": batch.epoch, "generation": generation, "count": batch.count,
-                                   "batch": [int(i) for i in batch.indices], "indices": [int(i) for i in local]}) + "\n")

@@ -1,0 +1,79 @@
+"""The ledger of committed steps: proof that every sample was used exactly once.
+
+When ``SHOAL_LEDGER_DIR`` is set, every worker appends one JSON line per committed step:
+step, cursor, epoch, generation, worker, pid, the whole global batch and its own slice.
+:func:`verify` checks a run's ledgers: each step committed in one generation only, the
+ranks' slices partition the step's batch, and each complete epoch used every sample once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class Ledger:
+    """Appends committed steps to ``ledger-<pid>.jsonl`` in ``SHOAL_LEDGER_DIR`` (no-op when unset)."""
+
+    def __init__(self, path: Path | None):
+        self._fh = open(path, "a", buffering=1) if path else None
+
+    @classmethod
+    def from_env(cls) -> "Ledger":
+        d = os.environ.get("SHOAL_LEDGER_DIR")
+        if not d:
+            return cls(None)
+        Path(d).mkdir(parents=True, exist_ok=True)
+        return cls(Path(d) / f"ledger-{os.getpid()}.jsonl")
+
+    def commit(self, worker_id: str, step: int, batch, generation: int, local) -> None:
+        if self._fh is None:
+            return
+        self._fh.write(json.dumps({"worker": worker_id, "pid": os.getpid(), "step": step, "cursor": batch.cursor,
+                                   "epoch": batch.epoch, "generation": generation, "count": batch.count,
+                                   "batch": [int(i) for i in batch.indices], "indices": [int(i) for i in local]}) + "\n")
+
+
+def read(directory: Path) -> list[dict]:
+    return [json.loads(line) for f in sorted(Path(directory).glob("ledger-*.jsonl")) for line in f.read_text().splitlines() if line]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    steps: int
+    epochs_complete: int
+    problem: str = ""
+
+
+def verify(entries: list[dict], num_samples: int) -> Verdict:
+    """Check the exactly-once invariants over a run's ledger entries (see module doc)."""
+    by_step: dict[int, list[dict]] = defaultdict(list)
+    for e in entries:
+        by_step[e["step"]].append(e)
+    steps = sorted(by_step)
+    if steps != list(range(1, len(steps) + 1)):
+        return Verdict(False, len(steps), 0, "committed step numbers have gaps")
+    used: dict[int, list[int]] = defaultdict(list)
+    for step in steps:
+        group = by_step[step]
+        if len({e["generation"] for e in group}) != 1:
+            return Verdict(False, len(steps), 0, f"step {step} committed in two generations")
+        batch = group[0]["batch"]
+        if any(e["batch"] != batch or e["cursor"] != group[0]["cursor"] for e in group):
+            return Verdict(False, len(steps), 0, f"ranks disagree on the batch of step {step}")
+        if sorted(i for e in group for i in e["indices"]) != sorted(batch):
+            return Verdict(False, len(steps), 0, f"the ranks' slices of step {step} do not partition its batch")
+        used[group[0]["epoch"]] += batch
+    complete = 0
+    for epoch, indices in sorted(used.items()):
+        if len(indices) >= num_samples or epoch < max(used):
+            if sorted(indices) != list(range(num_samples)):
+                return Verdict(False, len(steps), complete, f"epoch {epoch}: a sample missing or used twice")
+            complete += 1
+        elif len(set(indices)) != len(indices):
+            return Verdict(False, len(steps), complete, f"epoch {epoch}: a sample used twice")
+    return Verdict(True, len(steps), complete)
