@@ -83,6 +83,8 @@ class JobSpec(BaseModel):
             raise ValueError(
                 f"heartbeat_ttl ({self.heartbeat_ttl}) must exceed heartbeat_interval ({self.heartbeat_interval})"
             )
+        if self.entrypoint != "simulate" and self.num_samples not in (None, self.global_batch_size):
+            raise ValueError("num_samples applies to simulated jobs only: training shards each global batch")
         return self
 
     @property

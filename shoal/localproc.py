@@ -54,6 +54,7 @@ class LocalProcs:
         env.update(self.extra_env)
         env["REDIS_URL"] = self.redis_url
         env["PYTHONUNBUFFERED"] = "1"
+        env.setdefault("OMP_NUM_THREADS", "1")  # several CPU workers share this machine
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         return env
 

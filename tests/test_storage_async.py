@@ -131,3 +131,33 @@ def test_close_waits_then_refuses_new_saves() -> None:
     assert saver.close(TIMEOUT) is True
     with pytest.raises(RuntimeError, match="closed"):
         saver.save_async(tiny_state(2))
+
+
+def test_snapshot_buffers_are_reused_only_when_compatible() -> None:
+    live = TrainState(step=1, model={"w": torch.ones(1000), "b": torch.zeros(3)})
+    first = live.snapshot()
+    assert first.model["w"].data_ptr() != live.model["w"].data_ptr()
+    live.model["w"].mul_(3)
+    live.model["b"] = torch.zeros(4)  # shape changed: must not reuse
+    second = live.snapshot(reuse=first)
+    assert second.model["w"].data_ptr() == first.model["w"].data_ptr()
+    assert torch.equal(second.model["w"], torch.full((1000,), 3.0))
+    assert second.model["b"].shape == (4,)
+    # never "reuse" the live tensor itself as the staging buffer
+    third = live.snapshot(reuse=live)
+    assert third.model["w"].data_ptr() != live.model["w"].data_ptr()
+
+
+def test_consecutive_async_saves_with_reused_buffers_keep_each_step() -> None:
+    store = MemoryStore()
+    saver = AsyncCheckpointer(store, keep_last=None)
+    model = torch.nn.Linear(64, 64)
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        assert saver.save_async(TrainState.capture(model, step=step), wait_s=TIMEOUT)
+    assert saver.wait(TIMEOUT) and saver.last_error is None
+    from storage.checkpoint import load_checkpoint
+
+    for step in (1, 2, 3):
+        assert torch.equal(load_checkpoint(store, step)[0].model["weight"], torch.full((64, 64), float(step)))

@@ -84,3 +84,52 @@ def test_keys_cannot_escape_the_root(tmp_path: Path) -> None:
         with pytest.raises(ValueError):
             s.put_bytes(bad, b"x")
     assert not (tmp_path / "outside").exists()
+
+
+def test_large_writes_are_flushed_in_the_background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import storage.durable_file as durable_file
+
+    flushed = threading.Event()
+    threads: list[str] = []
+    real = durable_file._fdatasync
+
+    def spy(fd: int) -> None:
+        threads.append(threading.current_thread().name)
+        real(fd)
+        flushed.set()
+
+    monkeypatch.setattr(durable_file, "_fdatasync", spy)
+    s = LocalStore(tmp_path / "root")
+    chunk = os.urandom(durable_file.FLUSH_EVERY)
+    with s.open_write("big") as f:
+        f.write(chunk)
+        assert flushed.wait(20), "no background flush after FLUSH_EVERY bytes"
+        f.write(chunk)
+    assert threads and all(name == "shoal-fdatasync" for name in threads)
+    assert s.size("big") == 2 * len(chunk)
+
+
+def test_failed_background_flush_fails_the_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import storage.durable_file as durable_file
+
+    failed = threading.Event()
+
+    def broken(fd: int) -> None:
+        failed.set()
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(durable_file, "_fdatasync", broken)
+    s = LocalStore(tmp_path / "root")
+    s.put_bytes("big", b"old")
+    chunk = bytes(durable_file.FLUSH_EVERY)
+    with pytest.raises(StorageError, match="EIO"):
+        with s.open_write("big") as f:
+            f.write(chunk)
+            assert failed.wait(20)
+            f.write(chunk)
+    assert s.get_bytes("big") == b"old"
+    assert os.listdir(tmp_path / "root") == ["big"]

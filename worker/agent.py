@@ -102,6 +102,8 @@ class NodeAgent:
 
     def _spawn(self, slot: Slot) -> None:
         env = dict(os.environ)
+        # the node's cores are shared by its workers: don't let each start one thread per core
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(self.slots))))
         env.update(self.extra_env)
         env.update({"REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1",
                     "SHOAL_WORKER_ID_FILE": str(slot.id_file(self.run_dir)),
