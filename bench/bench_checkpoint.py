@@ -48,7 +48,11 @@ def make_state(size_mb: int, step: int) -> TrainState:
     torch.manual_seed(step)
     model = {f"layer{i}.weight": torch.randn(per_layer) for i in range(n_layers)}
     opt_state = {
-        i: {"step": torch.tensor(float(step)), "exp_avg": torch.randn(per_layer // 2), "exp_avg_sq": torch.rand(per_layer // 2)}
+        i: {
+            "step": torch.tensor(float(step)),
+            "exp_avg": torch.randn(per_layer // 2),
+            "exp_avg_sq": torch.rand(per_layer // 2),
+        }
         for i in range(n_layers)
     }
     return TrainState(
@@ -130,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         save_bw = nbytes / sync_med
         stall = blocked_med / sync_med
         tput = save_bw / dd_med
+        def verdict(ok: bool) -> str:
+            return "PASS" if ok else "FAIL"
+
         def ms(xs: list[float]) -> str:
             return f"{min(xs) * 1000:.0f}-{max(xs) * 1000:.0f} ms"
 
@@ -138,11 +145,11 @@ def main(argv: list[str] | None = None) -> int:
             ("sync save_checkpoint (local, fsync)", f"{sync_med * 1000:.0f} ms", ms(sync_s)),
             ("async: training blocked (snapshot)", f"{blocked_med * 1000:.1f} ms", ms(blocked_s)),
             ("async: background save done after", f"{statistics.median(background_s) * 1000:.0f} ms", ms(background_s)),
-            ("async stall ratio (blocked / sync)", f"{stall:.3f}", f"target <= 0.10: {'PASS' if stall <= 0.10 else 'FAIL'}"),
+            ("async stall ratio (blocked / sync)", f"{stall:.3f}", f"target <= 0.10: {verdict(stall <= 0.10)}"),
             ("save throughput", f"{save_bw / MiB:.0f} MiB/s", ""),
             ("raw dd conv=fsync bandwidth", f"{dd_med / MiB:.0f} MiB/s",
              f"{min(dd_bw) / MiB:.0f}-{max(dd_bw) / MiB:.0f} MiB/s"),
-            ("throughput ratio (save / dd)", f"{tput:.2f}", f"target >= 0.5: {'PASS' if tput >= 0.5 else 'FAIL'}"),
+            ("throughput ratio (save / dd)", f"{tput:.2f}", f"target >= 0.5: {verdict(tput >= 0.5)}"),
         ]
         w0 = max(len(r[0]) for r in rows)
         w1 = max(len(r[1]) for r in rows)

@@ -21,6 +21,7 @@ class Proc:
     name: str
     popen: subprocess.Popen
     log_path: Path
+    role: str = ""
 
     @property
     def pid(self) -> int:
@@ -67,7 +68,7 @@ class LocalProcs:
             stdin=subprocess.DEVNULL, cwd=str(ROOT),
         )
         out.close()
-        proc = Proc(name, popen, log_path)
+        proc = Proc(name, popen, log_path, role=args[0] if args else "")
         self.procs.append(proc)
         return proc
 
@@ -78,15 +79,20 @@ class LocalProcs:
         return self.start(name, "worker", job, *extra)
 
     def stop_all(self, timeout: float = 10.0) -> None:
-        for p in self.procs:
-            p.signal(signal.SIGCONT)
-            p.signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                p.signal(signal.SIGKILL)
-                p.wait(timeout)
+        """SIGTERM workers and agents first (they drain through a live coordinator), then
+        coordinators; SIGKILL whatever is still running after ``timeout``."""
+        workers = [p for p in self.procs if p.role != "coordinator"]
+        coordinators = [p for p in self.procs if p.role == "coordinator"]
+        for group in (workers, coordinators):
+            for p in group:
+                p.signal(signal.SIGCONT)
+                p.signal(signal.SIGTERM)
+            for p in group:
+                try:
+                    p.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    p.signal(signal.SIGKILL)
+                    p.wait(timeout)
 
     def __enter__(self) -> "LocalProcs":
         return self

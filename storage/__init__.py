@@ -14,6 +14,7 @@ Modules (each small, named for what it holds):
 ``checkpoint``   ``save_checkpoint`` / ``load_checkpoint`` / ``load_latest``
 ``latest_object`` the store's LATEST object; ``latest`` the Redis pointer
 ``retention``    keep-last-K and garbage collection
+``durable_file`` background fdatasync for large local writes
 ``resume``       Redis pointer -> store LATEST -> scan
 ``async_saver``  background checkpointing
 ``datasets``     verified, cached dataset shards

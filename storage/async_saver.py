@@ -33,8 +33,9 @@ class AsyncCheckpointer:
     """Background checkpoint writer for one store; use from the training thread.
 
     ``on_saved(manifest)`` runs in the background thread after LATEST moved (e.g. to publish
-    the Redis pointer); ``on_error(exc)`` runs there after a failure. Exceptions raised by
-    these hooks are logged, never propagated into training.
+    the Redis pointer); ``on_error(exc)`` runs there after a failure. An exception from
+    ``on_saved`` counts as a failed save; one from ``on_error`` is logged. Nothing is ever
+    raised into the training thread.
 
     With ``reuse_buffers`` (default) the CPU copy of the last save is kept and overwritten
     by the next snapshot instead of allocating a new one: one state-sized CPU buffer stays

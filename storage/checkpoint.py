@@ -9,8 +9,9 @@ Write order of :func:`save_checkpoint` (each object is written atomically by the
 4. ``LATEST`` (never backwards);
 5. retention (:mod:`storage.retention`).
 
-A crash anywhere leaves LATEST naming the previous complete checkpoint, and a directory
-without a manifest, which nothing loads and retention removes later.
+A crash before step 4 leaves LATEST naming the previous complete checkpoint; the new
+directory either has no manifest (nothing loads it, retention removes it) or is complete
+but unpublished (ignored while LATEST is valid).
 
 Reading verifies before deserializing: the manifest parses (strict JSON) and, when an HMAC
 key is configured, authenticates; every file exists with the recorded size and sha256; only
@@ -24,8 +25,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from storage.backend import ObjectStore
-from storage.errors import CheckpointCorrupt, NoCheckpoint, StorageError
+from storage.errors import CheckpointCorrupt, LatestRegression, NoCheckpoint, StorageError
 from storage.latest_object import read_latest_step, write_latest
 from storage.layout import file_key, manifest_key
 from storage.manifest import FROM_ENV, FileEntry, HmacKey, Manifest, resolve_hmac_key
@@ -33,7 +36,6 @@ from storage.retention import apply_retention
 from storage.safe_load import check_saveable, load_state_bytes
 from storage.train_state import FILES, TrainState
 from storage.verify import Warn, ignore_warning, list_checkpoint_steps, read_manifest, read_verified_files
-
 
 _OVERLAP_MIN = 1024 * 1024
 _hash_pool: ThreadPoolExecutor | None = None
@@ -81,8 +83,6 @@ class _HashingWriter:
 
 
 def _write_state_file(store: ObjectStore, key: str, obj: Any) -> FileEntry:
-    import torch
-
     with store.open_write(key) as f:
         w = _HashingWriter(f)
         torch.save(obj, w)
@@ -100,31 +100,26 @@ def save_checkpoint(
     """Write ``state`` as the checkpoint of ``state.step``, publish it in LATEST, then apply
     retention (``keep_last`` newest; None disables). Returns the manifest written.
 
-    Errors: ``ValueError`` for state that could not be loaded back (nothing written);
-    StorageError from the store (the checkpoint stays invisible, LATEST unchanged);
-    LatestRegression when LATEST names a higher step (the checkpoint is complete but not
-    published, nothing deleted). Retention failures do not fail the save: they go to
-    ``on_warning``.
+    Errors: ``ValueError`` for state that could not be loaded back and LatestRegression
+    when LATEST already names a higher step (both: nothing written); StorageError from
+    the store (the checkpoint stays invisible, LATEST unchanged). Retention failures do
+    not fail the save: they go to ``on_warning``.
     """
-    state.check_counters()
+    fields = state.manifest_fields()
     parts = state.components()
     for name, obj in parts.items():
         check_saveable(obj, name)
     key = resolve_hmac_key(hmac_key)
     step = state.step
+    current = read_latest_step(store)
+    if current is not None and current > step:
+        raise LatestRegression(f"{store.uri}/LATEST is at step {current}; refusing to save step {step}")
 
     store.delete(manifest_key(step))
     files = {name: _write_state_file(store, file_key(step, name), obj) for name, obj in parts.items()}
-    manifest = Manifest.create(
-        step=step,
-        epoch=state.epoch,
-        data_cursor=state.data_cursor,
-        generation=state.generation,
-        world_size=state.world_size,
-        files=files,
-    ).signed(key)
+    manifest = Manifest.create(files=files, **fields).signed(key)
     store.put_bytes(manifest_key(step), manifest.to_json())
-    write_latest(store, step)
+    write_latest(store, step)  # checks again: another writer may have moved it meanwhile
 
     if keep_last is not None:
         try:

@@ -119,7 +119,7 @@ def _read_credentials_file(path: str | None) -> dict[str, object]:
             data = json.load(f)
     except OSError as exc:
         raise StorageConfigError(f"cannot read S3_CREDENTIALS_FILE {path}: {exc.strerror}") from exc
-    except ValueError as exc:
+    except ValueError:
         # The message of a JSON error may quote file content (the secret): do not chain it.
         raise StorageConfigError(f"S3_CREDENTIALS_FILE {path} is not valid JSON") from None
     if not isinstance(data, dict):

@@ -120,18 +120,27 @@ class TrainState:
         parts = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "rng": self.rng}
         return {FILES[k]: v for k, v in parts.items() if v is not None}
 
-    def check_counters(self) -> None:
-        """Raise ``ValueError`` if a counter is negative or the cursor is not JSON."""
+    def manifest_fields(self) -> dict[str, Any]:
+        """The counters as the manifest records them. The cursor goes through JSON (tuples
+        become lists, dict keys strings). ``ValueError`` if a counter is not an int in range
+        or the cursor is not JSON-serializable (NaN/inf included)."""
         for name in ("step", "epoch", "generation"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"TrainState.{name} must be an int >= 0, got {value!r}")
-        if not isinstance(self.world_size, int) or self.world_size < 1:
+        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
             raise ValueError(f"TrainState.world_size must be an int >= 1, got {self.world_size!r}")
         try:
-            json.dumps(self.data_cursor, allow_nan=False)
+            cursor = json.loads(json.dumps(self.data_cursor, allow_nan=False))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"TrainState.data_cursor must be JSON-serializable: {exc}") from exc
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "data_cursor": cursor,
+            "generation": self.generation,
+            "world_size": self.world_size,
+        }
 
 
 def cpu_copy(obj: Any, into: Any = None) -> Any:
@@ -156,27 +165,12 @@ def cpu_copy(obj: Any, into: Any = None) -> Any:
         return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
     if isinstance(obj, (list, tuple)):
         sub = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else [None] * len(obj)
-        copied = [cpu_copy(v, w) for v, w in zip(obj, sub)]
+        copied = [cpu_copy(v, w) for v, w in zip(obj, sub, strict=True)]
         return copied if isinstance(obj, list) else tuple(copied)
     return copy.deepcopy(obj)
 
 
 def _copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """``dst.copy_(src)``; for two contiguous CPU tensors a plain single-threaded memcpy.
-
-    Intra-op-parallel ``copy_`` waits for its slowest thread: on a box whose cores are busy
-    (training's own threads, other processes) it measured ~3x slower than one memcpy for
-    128 MiB. Device-to-host copies and strided tensors keep ``copy_``."""
-    if (
-        src.device.type == "cpu"
-        and src.is_contiguous()
-        and dst.is_contiguous()
-        and src.numel() > 0
-        and not src.is_conj()
-        and not src.is_neg()
-    ):
-        np.copyto(_bytes_view(dst), _bytes_view(src), casting="no")
-        return dst
     return dst.copy_(src)
 
 

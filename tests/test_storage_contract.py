@@ -10,10 +10,15 @@ import os
 from pathlib import Path
 
 import pytest
-from test_storage_support import store  # noqa: F401  (fixture, parametrized over backends)
+from test_storage_support import BACKENDS, make_store
 
 from storage.backend import ObjectStore
 from storage.errors import ObjectNotFound, StorageError
+
+
+@pytest.fixture(params=BACKENDS)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    return make_store(request.param, tmp_path)
 
 
 def test_put_get_roundtrip_binary_and_empty(store: ObjectStore) -> None:
@@ -44,16 +49,14 @@ def test_open_write_publishes_only_on_clean_exit(store: ObjectStore) -> None:
         assert not store.exists("fresh")
     assert store.get_bytes("obj") == b"v2-part2"
 
-    with pytest.raises(RuntimeError, match="boom"):
-        with store.open_write("obj") as f:
-            f.write(b"half written")
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), store.open_write("obj") as f:
+        f.write(b"half written")
+        raise RuntimeError("boom")
     assert store.get_bytes("obj") == b"v2-part2"
 
-    with pytest.raises(RuntimeError):
-        with store.open_write("fresh") as f:
-            f.write(b"x")
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), store.open_write("fresh") as f:
+        f.write(b"x")
+        raise RuntimeError("boom")
     assert not store.exists("fresh")
     assert store.list() == ["obj"]
 

@@ -15,6 +15,7 @@ bounded. The restarted writer must resume at exactly LATEST.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -103,7 +104,8 @@ def _killing_store(inner, crash_point: str, armed: threading.Event):
 
         def delete(self, key: str) -> None:
             inner.delete(key)
-            if armed.is_set() and crash_point == "mid-retention" and key.endswith("/manifest.json") and inner.list(key.split("/")[0] + "/"):
+            old_files_left = key.endswith("/manifest.json") and inner.list(key.split("/")[0] + "/")
+            if armed.is_set() and crash_point == "mid-retention" and old_files_left:
                 _die()
 
         def get_bytes(self, key: str) -> bytes:
@@ -228,10 +230,8 @@ class Supervisor:
 
     def kill_child(self) -> None:
         if self.child is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # already dead, not yet reported
                 os.kill(self.child, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     def line(self) -> list[str]:
         """Next stdout line, split; everything is killed (EOF -> []) past the deadline."""

@@ -7,11 +7,16 @@ import os
 from pathlib import Path
 
 import pytest
-from test_storage_support import HookedStore, store  # noqa: F401
+from test_storage_support import BACKENDS, HookedStore, make_store
 
 from storage.backend import ObjectStore
 from storage.datasets import ShardReader, build_index
 from storage.errors import ObjectNotFound, ShardCorrupt
+
+
+@pytest.fixture(params=BACKENDS)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    return make_store(request.param, tmp_path)
 
 SHARDS = {f"train-{i:05d}.bin": os.urandom(1000 + i) for i in range(3)}
 
@@ -81,7 +86,8 @@ def test_bad_index_and_unknown_shards(tmp_path: Path) -> None:
     s = MemoryStore()
     with pytest.raises(ObjectNotFound):
         ShardReader(s, tmp_path / "c")
-    s.put_bytes("index.json", json.dumps({"format": 1, "shards": [{"name": "../x", "size": 1, "sha256": "0" * 64}]}).encode())
+    escaping = {"format": 1, "shards": [{"name": "../x", "size": 1, "sha256": "0" * 64}]}
+    s.put_bytes("index.json", json.dumps(escaping).encode())
     with pytest.raises(ShardCorrupt, match="invalid dataset index"):
         ShardReader(s, tmp_path / "c")
     s.put_bytes("a.bin", b"abc")

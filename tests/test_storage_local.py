@@ -44,13 +44,12 @@ def test_new_directories_are_fsynced_into_their_parents(tmp_path: Path, monkeypa
 
 def test_temporaries_are_invisible_and_cleaned_on_failure(tmp_path: Path) -> None:
     s = LocalStore(tmp_path / "root")
-    with pytest.raises(RuntimeError):
-        with s.open_write("d/obj") as f:
-            f.write(b"partial")
-            names = os.listdir(tmp_path / "root" / "d")
-            assert len(names) == 1 and names[0].startswith(".tmp-obj.")
-            assert s.list() == []
-            raise RuntimeError("crash")
+    with pytest.raises(RuntimeError), s.open_write("d/obj") as f:
+        f.write(b"partial")
+        names = os.listdir(tmp_path / "root" / "d")
+        assert len(names) == 1 and names[0].startswith(".tmp-obj.")
+        assert s.list() == []
+        raise RuntimeError("crash")
     assert os.listdir(tmp_path / "root" / "d") == []
     with pytest.raises(ValueError):
         s.put_bytes(".tmp-sneaky", b"x")
@@ -126,10 +125,9 @@ def test_failed_background_flush_fails_the_write(tmp_path: Path, monkeypatch: py
     s = LocalStore(tmp_path / "root")
     s.put_bytes("big", b"old")
     chunk = bytes(durable_file.FLUSH_EVERY)
-    with pytest.raises(StorageError, match="EIO"):
-        with s.open_write("big") as f:
-            f.write(chunk)
-            assert failed.wait(20)
-            f.write(chunk)
+    with pytest.raises(StorageError, match="EIO"), s.open_write("big") as f:
+        f.write(chunk)
+        assert failed.wait(20)
+        f.write(chunk)
     assert s.get_bytes("big") == b"old"
     assert os.listdir(tmp_path / "root") == ["big"]

@@ -7,7 +7,8 @@ import os
 import time
 from pathlib import Path
 
-from test_storage_support import HookedStore, store, tiny_state  # noqa: F401
+import pytest
+from test_storage_support import BACKENDS, HookedStore, make_store, tiny_state
 
 from storage.backend import ObjectStore
 from storage.checkpoint import load_latest, save_checkpoint
@@ -16,6 +17,11 @@ from storage.local import LocalStore
 from storage.memory import MemoryStore
 from storage.retention import apply_retention
 from storage.verify import list_checkpoint_steps
+
+
+@pytest.fixture(params=BACKENDS)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    return make_store(request.param, tmp_path)
 
 
 def _point_latest(s: ObjectStore, step: int) -> None:

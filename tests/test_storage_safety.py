@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_storage_support import Warnings, store, tiny_state  # noqa: F401
+from test_storage_support import BACKENDS, Warnings, make_store, tiny_state
 
 from storage.backend import ObjectStore
 from storage.checkpoint import load_checkpoint, load_latest, save_checkpoint
@@ -20,6 +20,11 @@ from storage.layout import file_key, manifest_key
 from storage.manifest import HMAC_ENV
 from storage.memory import MemoryStore
 from storage.resume import resume
+
+
+@pytest.fixture(params=BACKENDS)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    return make_store(request.param, tmp_path)
 
 HMAC_SECRET = "hmac-key-that-must-never-show-up"
 

@@ -2,7 +2,8 @@
 
 * :func:`moto_endpoint` -- a real S3-compatible HTTP server (moto) on loopback, started once
   per process and stopped at exit. The S3 backend talks to it through the real minio client.
-* :func:`make_store` -- a fresh store of a given kind (``memory``, ``local``, ``s3``).
+* :func:`make_store` -- a fresh store of a given kind (one of :data:`BACKENDS`); test
+  modules parametrize their own ``store`` fixture over it.
 * :class:`HookedStore` -- a store wrapper that records operations and can block or fail
   them, for ordering, async and failure tests.
 * :func:`tiny_state` -- a small deterministic TrainState whose content encodes its step.
@@ -20,7 +21,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-import pytest
 import torch
 
 from storage.backend import ObjectStore
@@ -76,12 +76,6 @@ def make_store(kind: str, tmp_path: Path) -> ObjectStore:
     if kind == "s3":
         return make_s3_store()
     raise ValueError(kind)
-
-
-@pytest.fixture(params=BACKENDS)
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
-    """One fresh store per backend kind (import this fixture into a test module)."""
-    return make_store(request.param, tmp_path)
 
 
 class HookedStore(ObjectStore):

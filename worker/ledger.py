@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ class Ledger:
     def commit(self, worker_id: str, step: int, batch, generation: int, local) -> None:
         if self._fh is None:
             return
-        self._fh.write(json.dumps({"worker": worker_id, "pid": os.getpid(), "step": step, "cursor": batch.cursor,
+        self._fh.write(json.dumps({"t": time.time(), "worker": worker_id, "pid": os.getpid(), "step": step, "cursor": batch.cursor,
                                    "epoch": batch.epoch, "generation": generation, "count": batch.count,
                                    "batch": [int(i) for i in batch.indices], "indices": [int(i) for i in local]}) + "\n")
 

@@ -122,10 +122,10 @@ class TrainingWorker:
             self.draining = True
             self.m.leave("SIGTERM")
             log.info("draining after step %d", self.step)
-        table = self.m.current_table()
+        table, job_state = self.m.poll()
         if table is not None:
             self.seen_gen = max(self.seen_gen, table.generation)
-        if self.m.job_state() in TERMINAL:
+        if job_state in TERMINAL:
             return 0
         if self.group_gen == 0 or self.switch_to > self.group_gen:
             return self._switch()

@@ -1,0 +1,187 @@
+"""Elastic training, measured side by side in one run against plain torchrun DDP.
+
+    python3 scripts/dev.py python bench/elastic_bench.py [--steps 150]
+
+Same model (bench.models: digits data, 64-1024-1024-10 MLP), same global batch, same
+number of CPU workers (OMP_NUM_THREADS=1 each). Prints a table of:
+
+- steady-state steps/s, shoal / torchrun DDP (target >= 0.95);
+- launch -> first committed step, for both;
+- recovery after ``kill -9`` of one of 3 workers, to the survivors' first committed step of
+  the new generation: under a node agent (it reports the death at once; target <= 0.5 s)
+  and without one (only the heartbeat TTL tells; target <= TTL + 0.5 s); steps redone;
+- scale-up: the agent's replacement process launch -> its first committed step (<= 3 s);
+- the survivors' pause while a worker joins (longest gap between their committed steps
+  around the switch, minus the median step time; target <= 0.1 s).
+
+All times come from the workers' ledgers (wall-clock time of each committed step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from shoal.embedded import start_server  # noqa: E402
+from shoal.jobs import create_job  # noqa: E402
+from shoal.jobspec import JobSpec  # noqa: E402
+from shoal.localproc import LocalProcs  # noqa: E402
+from tests.helpers import ControlWatcher  # noqa: E402
+from worker import ledger  # noqa: E402
+
+BATCH = 64
+TTL = 1.0
+
+
+def steady_rate(times: list[float], skip: int = 10) -> float:
+    t = sorted(times)[skip:]
+    return (len(t) - 1) / (t[-1] - t[0])
+
+
+def run_ddp(steps: int, workers: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    launched = time.time()
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
+                          str(ROOT / "bench" / "ddp_baseline.py"), "--steps", str(steps), "--batch", str(BATCH)],
+                         env=env, capture_output=True, text=True, timeout=900, check=True)
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"steps_per_s": steady_rate(data["times"]), "launch_to_first_step": data["times"][0] - launched}
+
+
+def _spec(job: str, **kw) -> JobSpec:
+    base = dict(name=job, entrypoint="bench.models:build", global_batch_size=BATCH, min_workers=1, max_workers=3,
+                heartbeat_interval=0.2, heartbeat_ttl=TTL, epochs=100)
+    return JobSpec(**(base | kw))
+
+
+def by_worker(entries: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for e in sorted(entries, key=lambda e: e["t"]):
+        out.setdefault(e["worker"], []).append(e)
+    return out
+
+
+def run_shoal_steady(url: str, tmp: Path, steps: int, workers: int) -> dict:
+    client = redis.Redis.from_url(url)
+    job = "steady"
+    create_job(client, _spec(job, max_steps=steps, min_workers=workers, max_workers=workers))
+    watch = ControlWatcher(client, job)
+    with LocalProcs(url, tmp / "logs-steady", extra_env={"SHOAL_LEDGER_DIR": str(tmp / "ledger-steady")}) as procs:
+        procs.coordinator("coord-steady")
+        time.sleep(0.5)  # the coordinator is infrastructure: up before the job is launched
+        launched = time.time()
+        for i in range(workers):
+            procs.worker(job, f"w{i}")
+        watch.wait_for(lambda d: d["job_state"] == "completed", 900)
+    entries = ledger.read(tmp / "ledger-steady")
+    first = by_worker(entries)["w0"]
+    return {"steps_per_s": steady_rate([e["t"] for e in first]), "launch_to_first_step": first[0]["t"] - launched}
+
+
+def run_recovery(url: str, tmp: Path, with_agent: bool) -> dict:
+    """3 workers; kill -9 one after warm-up; measure recovery, redone steps, and (with the
+    agent, which starts a replacement) scale-up and the survivors' pause."""
+    client = redis.Redis.from_url(url)
+    job = "agent" if with_agent else "noagent"
+    create_job(client, _spec(job, max_restarts=1))
+    watch = ControlWatcher(client, job)
+    lg = tmp / f"ledger-{job}"
+    with LocalProcs(url, tmp / f"logs-{job}", extra_env={"SHOAL_LEDGER_DIR": str(lg)}) as procs:
+        procs.coordinator(f"coord-{job}")
+        if with_agent:
+            procs.start("agent", "agent", job, "--workers", "3", "--backoff", "0.5", "--run-dir", str(tmp / "agent"))
+        else:
+            for i in range(3):
+                procs.worker(job, f"p{i}")
+        watch.wait_for(lambda d: "world size 3" in d["reason"], 300)
+        time.sleep(3.0)  # steady state
+        records = watch.workers()
+        victim_id = sorted(w for w, r in records.items() if r["state"] == "Active")[1]
+        gen_before = int(client.hget(f"shoal:{{{job}}}:state", "generation"))
+        killed_at = time.time()
+        os.kill(records[victim_id]["pid"], signal.SIGKILL)
+        watch.wait_for(lambda d: "world size 2" in d["reason"], 60)
+        result: dict = {}
+        if with_agent:
+            watch.wait_for(lambda d: "world size 3" in d["reason"], 120)
+            time.sleep(2.0)
+        else:
+            time.sleep(2.0)
+        client.xadd(f"shoal:{{{job}}}:events", {"data": json.dumps({"kind": "stop", "job_id": job, "reason": "bench done"})})
+        watch.wait_for(lambda d: d["job_state"] == "stopped", 60)
+    entries = ledger.read(lg)
+    per = by_worker(entries)
+    survivors = [w for w in per if w != victim_id and per[w][0]["t"] < killed_at]
+    after = [e for w in survivors for e in per[w] if e["generation"] > gen_before]
+    result["recovery_s"] = min(e["t"] for e in after) - killed_at
+    verdict = ledger.verify(entries, 5000)
+    steps = [e["step"] for e in per[survivors[0]]]
+    result["steps_redone"] = len(steps) - len(set(steps))
+    result["exactly_once"] = verdict.ok
+    if with_agent:
+        newcomer = next(w for w in per if w not in records)
+        pid = per[newcomer][0]["pid"]
+        launched = psutil.Process(pid).create_time() if psutil.pid_exists(pid) else None
+        first = per[newcomer][0]
+        if launched is not None:
+            result["scale_up_s"] = first["t"] - launched
+        s0 = [e["t"] for e in per[survivors[0]]]
+        gaps = [b - a for a, b in zip(s0, s0[1:])]
+        median = statistics.median(gaps)
+        around = [b - a for a, b in zip(s0, s0[1:]) if first["t"] - 5 < b < first["t"] + 1]
+        result["join_pause_s"] = max(around) - median if around else float("nan")
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="shoal elastic training vs torchrun DDP")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--workers", type=int, default=2)
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="shoal-elastic-bench-") as t:
+        tmp = Path(t)
+        server = start_server(tmp / "redis", appendonly=False)
+        try:
+            ddp = run_ddp(args.steps, args.workers)
+            sh = run_shoal_steady(server.url, tmp, args.steps, args.workers)
+            agent = run_recovery(server.url, tmp, with_agent=True)
+            ttl = run_recovery(server.url, tmp, with_agent=False)
+        finally:
+            server.stop()
+    ratio = sh["steps_per_s"] / ddp["steps_per_s"]
+    rows = [
+        ("steady steps/s (shoal / torchrun DDP)", f"{sh['steps_per_s']:.1f} / {ddp['steps_per_s']:.1f} = {ratio:.3f}", ">= 0.95"),
+        ("launch -> first step, shoal", f"{sh['launch_to_first_step']:.2f} s", "<= 5 s"),
+        ("launch -> first step, torchrun DDP", f"{ddp['launch_to_first_step']:.2f} s", "(35.7 s elastic)"),
+        ("recovery, kill -9 seen by agent", f"{agent['recovery_s']:.3f} s", "<= 0.5 s"),
+        (f"recovery, kill -9 seen by TTL ({TTL} s)", f"{ttl['recovery_s']:.3f} s", f"<= {TTL + 0.5} s"),
+        ("committed steps redone", f"{agent['steps_redone']} / {ttl['steps_redone']}", "0"),
+        ("samples exactly once", f"{agent['exactly_once']} / {ttl['exactly_once']}", "True"),
+        ("scale-up: launch -> participating", f"{agent.get('scale_up_s', float('nan')):.2f} s", "<= 3 s"),
+        ("survivors' pause while a worker joins", f"{agent['join_pause_s']:.3f} s", "<= 0.1 s"),
+    ]
+    print(f"\nshoal elastic bench: {args.workers} workers steady, 3 for recovery, batch {BATCH}, {os.cpu_count()} cores\n")
+    w = max(len(r[0]) for r in rows)
+    print(f"{'measure':<{w}}  {'result':<28} target")
+    for name, value, target in rows:
+        print(f"{name:<{w}}  {value:<28} {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
