@@ -151,6 +151,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description="shoal elastic training vs torchrun DDP")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--steady-only", action="store_true", help="skip the recovery scenarios")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="shoal-elastic-bench-") as t:
@@ -159,6 +160,11 @@ def main() -> int:
         try:
             ddp = run_ddp(args.steps, args.workers)
             sh = run_shoal_steady(server.url, tmp, args.steps, args.workers)
+            if args.steady_only:
+                print(f"steady steps/s shoal {sh['steps_per_s']:.1f} / DDP {ddp['steps_per_s']:.1f} = "
+                      f"{sh['steps_per_s'] / ddp['steps_per_s']:.3f}; launch->first step {sh['launch_to_first_step']:.2f} s "
+                      f"vs {ddp['launch_to_first_step']:.2f} s")
+                return 0
             agent = run_recovery(server.url, tmp, with_agent=True)
             ttl = run_recovery(server.url, tmp, with_agent=False)
         finally:

@@ -21,6 +21,11 @@ JOBS = f"{PREFIX}:jobs"
 #: RQ queue on which launch work for node agents is enqueued.
 LAUNCH_QUEUE = "shoal-launch"
 
+#: Prefix of the RQ job id of every launch unit (RQ stores the unit at ``rq:job:<id>``).
+#: Writer: ``shoal submit`` and the coordinator's launcher. Reader: ``shoal agent --queue``.
+LAUNCH_UNIT_PREFIX = "shoal-launch-"
+_UNIT_SUFFIX = re.compile(r"^[0-9a-f]{12}$")
+
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -121,6 +126,19 @@ class JobKeys:
         """STREAM of worker process failures reported by node agents (exit code, signal, traceback)."""
         return f"{self.base}:failures"
 
+    @property
+    def launch(self) -> str:
+        """HASH launch settings of a queue-launched job (``workers`` per launch unit, ``units``).
+        Writer: ``shoal submit`` (in the transaction that registers the job). Reader: the
+        coordinator's launcher, which re-enqueues launch units only for jobs that have it."""
+        return f"{self.base}:launch"
+
+    @property
+    def relaunch(self) -> str:
+        """STRING launcher replica id, PX = the re-enqueue cooldown. Writer: the launcher
+        (SET NX): at most one re-enqueue of a job's launch units per cooldown, across replicas."""
+        return f"{self.base}:relaunch"
+
     def rendezvous(self, generation: int) -> str:
         """Prefix of the torch.distributed store keys of one generation (fresh per generation)."""
         return f"{self.base}:rdzv:{generation}:"
@@ -148,3 +166,41 @@ def job_of_key(key: str) -> str | None:
     """The job id embedded in a shoal key, or None for a global/foreign key."""
     m = _JOB_FROM_KEY.match(key)
     return m.group(1) if m else None
+
+
+def launch_unit_id(job_id: str, unique: str) -> str:
+    """RQ job id of one launch unit of ``job_id``: ``shoal-launch-<job>-<unique>``.
+
+    RQ ids allow only letters, digits, ``_`` and ``-``, so the job id is escaped reversibly
+    (``_`` -> ``__``, ``.`` -> ``_d``); ``unique`` is 12 lowercase hex digits."""
+    if not valid_job_id(job_id):
+        raise ValueError(f"invalid job id {job_id!r}")
+    if not _UNIT_SUFFIX.match(unique):
+        raise ValueError(f"launch unit suffix must be 12 hex digits, got {unique!r}")
+    return f"{LAUNCH_UNIT_PREFIX}{job_id.replace('_', '__').replace('.', '_d')}-{unique}"
+
+
+def job_of_launch_unit(rq_id: str) -> str | None:
+    """The job id a launch unit's RQ id belongs to, or None for any other RQ job id."""
+    if not rq_id.startswith(LAUNCH_UNIT_PREFIX) or len(rq_id) < len(LAUNCH_UNIT_PREFIX) + 14:
+        return None
+    body, sep, unique = rq_id[len(LAUNCH_UNIT_PREFIX):-13], rq_id[-13], rq_id[-12:]
+    if sep != "-" or not _UNIT_SUFFIX.match(unique):
+        return None
+    out, i = [], 0
+    while i < len(body):
+        c = body[i]
+        if c == "_":
+            nxt = body[i + 1:i + 2]
+            if nxt == "_":
+                out.append("_")
+            elif nxt == "d":
+                out.append(".")
+            else:
+                return None
+            i += 2
+        else:
+            out.append(c)
+            i += 1
+    job_id = "".join(out)
+    return job_id if valid_job_id(job_id) else None

@@ -65,15 +65,52 @@ def _stop_on_signals(stop: threading.Event) -> None:
 # ---- subcommands ----------------------------------------------------------------------------
 
 
+def _every(stop: threading.Event, interval: float, fn, name: str) -> threading.Thread:
+    """Run ``fn`` every ``interval`` s in a daemon thread until ``stop``; errors are logged."""
+
+    def loop() -> None:
+        while not stop.wait(interval):
+            try:
+                fn()
+            except redis.RedisError as exc:
+                log.warning("%s: Redis error: %s", name, exc)
+            except Exception:  # a launcher bug must not take the coordinator down
+                log.exception("%s failed", name)
+
+    t = threading.Thread(target=loop, name=name, daemon=True)
+    t.start()
+    return t
+
+
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from coordinator.loop import Coordinator
 
+    if not 0 <= args.metrics_port <= 65535:
+        raise ConfigError(f"--metrics-port must be 0..65535, got {args.metrics_port}")
+    if args.launch_interval <= 0:
+        raise ConfigError("--launch-interval must be > 0")
     stop = threading.Event()
     _stop_on_signals(stop)
     with redis_client(start_embedded=True) as client:
         coord = Coordinator(client, instance_id=args.id, lease_ttl=args.lease_ttl, tick_interval=args.tick)
+        metrics = None
+        if args.metrics_port:
+            from shoal.metrics import MetricsServer
+
+            metrics = MetricsServer(client, coord, host=args.metrics_host, port=args.metrics_port).start()
+        if args.launcher:
+            # not part of the fenced decision path: it only enqueues RQ launch units
+            from coordinator.launcher import Launcher
+
+            launcher = Launcher(client, instance_id=coord.instance_id, cooldown=args.launch_cooldown)
+            _every(stop, args.launch_interval, launcher.run_once, "launcher")
         log.info("coordinator %s serving (lease ttl %.1fs)", coord.instance_id, args.lease_ttl)
-        coord.run(stop)
+        try:
+            coord.run(stop)
+        finally:
+            stop.set()
+            if metrics is not None:
+                metrics.stop()
     return 0
 
 
@@ -97,7 +134,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
             runner = SimulatedWorker(membership, spec, join_timeout=args.join_timeout)
         signal.signal(signal.SIGTERM, lambda *_: runner.stop.set())
         signal.signal(signal.SIGINT, lambda *_: runner.stop.set())
-        return runner.run()
+        from worker.loghandler import redis_logging  # log lines also go to keys.logs (`shoal logs`)
+
+        with redis_logging(client, args.job, lambda: membership.worker_id or f"pid{os.getpid()}"):
+            return runner.run()
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
@@ -105,6 +145,18 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from shoal.jobspec import JobSpec
     from worker.agent import NodeAgent
 
+    if args.queue or args.job is None:
+        if args.job is not None:
+            raise ConfigError("give a JOB (direct mode) or --queue, not both")
+        if args.workers is not None:
+            raise ConfigError("--workers applies to direct mode: each launch unit says how many workers it runs")
+        return _agent_queue(args)
+    if args.burst:
+        raise ConfigError("--burst applies to --queue mode only")
+    args.workers = 1 if args.workers is None else args.workers
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    _job_keys(args.job)
     with redis_client(start_embedded=False) as client:
         raw = client.get(job_keys(args.job).spec)
         if raw is None:
@@ -118,6 +170,171 @@ def cmd_agent(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
         signal.signal(signal.SIGINT, lambda *_: agent.stop.set())
         return agent.run()
+
+
+def _agent_queue(args: argparse.Namespace) -> int:
+    """The node agent as an RQ worker on the launch queue: each launch unit it takes runs
+    ``shoal.launch.run_launch`` (a NodeAgent for that job) in RQ's forked work horse."""
+    from events.keys import LAUNCH_QUEUE
+    from shoal.launch import launch_worker
+
+    with redis_client(start_embedded=False) as client:
+        url = url_from_env() or f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/0"
+        os.environ["REDIS_URL"] = url  # work horses inherit it: run_launch connects with it
+        if args.node:
+            os.environ["SHOAL_NODE"] = args.node
+        if args.run_dir:
+            os.environ["SHOAL_AGENT_DIR"] = str(Path(args.run_dir).resolve())
+        worker = launch_worker(client, name=args.name)
+        log.info("agent %s serving RQ queue %s at %s%s", worker.name, LAUNCH_QUEUE, redact_url(url),
+                 " (burst: until the queue is empty)" if args.burst else "")
+        worker.work(burst=args.burst, logging_level="DEBUG" if args.verbose else "INFO", with_scheduler=False)
+    return 0
+
+
+def _job_keys(job_id: str):
+    from events.keys import job_keys
+
+    try:
+        return job_keys(job_id)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from events.keys import LAUNCH_QUEUE
+    from shoal.jobspec import load_spec
+    from shoal.submit import submit
+
+    spec = load_spec(args.spec)  # refused here, before anything is written or queued
+    with redis_client(start_embedded=True) as client:
+        done = submit(client, spec, workers_per_unit=args.workers)
+    print(done.job_id)
+    print(f"shoal: job {done.job_id} registered; {len(done.unit_ids)} launch unit(s) queued on {LAUNCH_QUEUE} "
+          f"(workers per unit: {', '.join(map(str, done.sizes))}); run 'shoal agent --queue' on each node",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from coordinator.launcher import cancel_queued, launch_queue
+    from events import bus
+    from events.models import StopJob
+
+    keys = _job_keys(args.job)
+    if args.wait is not None and args.wait <= 0:
+        raise ConfigError("--wait must be > 0 seconds")
+    with redis_client(start_embedded=False) as client:
+        if client.get(keys.spec) is None:
+            raise ConfigError(f"no job {args.job!r} in this Redis")
+        state = (client.hget(keys.state, "state") or b"pending").decode()
+        if state in ("completed", "failed", "stopped"):
+            print(f"job {args.job} is already {state}; nothing to stop")
+            return 0
+        bus.publish(client, keys.events, StopJob(job_id=args.job, reason=args.reason))
+        dropped = cancel_queued(launch_queue(client), args.job)
+        print(f"stop requested for job {args.job} (was {state})"
+              + (f"; dropped {dropped} queued launch unit(s)" if dropped else ""))
+        if args.wait is None:
+            return 0
+        deadline = time.monotonic() + args.wait
+        while time.monotonic() < deadline:
+            state = (client.hget(keys.state, "state") or b"pending").decode()
+            if state in ("completed", "failed", "stopped"):
+                print(f"job {args.job} is {state}")
+                return 0
+            time.sleep(0.2)
+        raise ShoalError(f"job {args.job} is still {state} after {args.wait:g} s (is a coordinator running?)")
+
+
+def cmd_purge(args: argparse.Namespace) -> int:
+    from coordinator.launcher import cancel_queued, launch_queue
+    from shoal.jobs import delete_job, job_states, list_jobs
+
+    finished = ("completed", "failed", "stopped")
+    wanted = [w.strip() for w in args.state.split(",") if w.strip()]
+    bad = [w for w in wanted if w not in finished]
+    if not wanted or bad:
+        raise ConfigError(f"--state takes finished states only ({', '.join(finished)}), got {args.state!r}")
+    with redis_client(start_embedded=False) as client:
+        states = job_states(client, list_jobs(client))
+        targets = [j for j, st in states.items() if st in wanted]
+        if not targets:
+            print(f"no {'/'.join(wanted)} jobs")
+            return 0
+        for j in targets:
+            print(f"{j:<24} {states[j]}")
+        if not args.yes:
+            print(f"dry run: pass --yes to delete these {len(targets)} job(s) (their checkpoints are kept)")
+            return 0
+        n = 0
+        queue = launch_queue(client)
+        for j in targets:
+            n += delete_job(client, j)
+            cancel_queued(queue, j)
+    print(f"purged {len(targets)} job(s) ({n} keys); checkpoints were not touched")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from collections import deque
+
+    keys = _job_keys(args.job)
+    if args.tail is not None and args.tail < 1:
+        raise ConfigError("--tail must be >= 1")
+
+    def lines(entries) -> Iterator[str]:
+        for _sid, f in entries:
+            d = {k.decode(): v.decode(errors="replace") for k, v in f.items()}
+            if args.worker and d.get("worker") != args.worker:
+                continue
+            try:
+                ts = time.strftime("%H:%M:%S", time.localtime(float(d.get("ts") or 0)))
+            except (ValueError, OverflowError):
+                ts = "--:--:--"
+            yield f"{ts} {d.get('worker', '-'):<8} {d.get('level', ''):<7} {d.get('msg', '')}"
+
+    with redis_client(start_embedded=False) as client:
+        if client.get(keys.spec) is None and not client.exists(keys.logs):
+            raise ConfigError(f"no job {args.job!r} in this Redis")
+        # what is there now (the stream is capped at ~10000 lines), then new lines with --follow
+        shown: deque = deque(maxlen=args.tail)
+        last, start = "0-0", "-"
+        while True:
+            chunk = client.xrange(keys.logs, min=start, count=1000)
+            if not chunk:
+                break
+            last = chunk[-1][0].decode()
+            start = "(" + last
+            shown.extend(lines(chunk))
+        for line in shown:
+            print(line)
+        if not args.follow:
+            return 0
+        sys.stdout.flush()
+        quiet_since = time.monotonic()
+        while True:
+            resp = client.xread({keys.logs: last}, count=500, block=1000)
+            for _s, entries in resp or []:
+                last = entries[-1][0].decode()
+                for line in lines(entries):
+                    print(line, flush=True)
+            if resp:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since > 2.0:
+                state = (client.hget(keys.state, "state") or b"").decode()
+                if state in ("completed", "failed", "stopped"):
+                    return 0  # the job ended and its workers went quiet
 
 
 def cmd_create(args: argparse.Namespace) -> int:
@@ -228,8 +445,15 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 # ---- parser ---------------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line (``shoal: ...``) with exit status 2, like every other error."""
+
+    def error(self, message: str):
+        self.exit(2, f"shoal: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shoal", description="Elastic, fault-tolerant data-parallel training over Redis.")
+    p = _Parser(prog="shoal", description="Elastic, fault-tolerant data-parallel training over Redis.")
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -237,6 +461,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--id", help="replica name (default: random)")
     c.add_argument("--lease-ttl", type=float, default=2.0, help="leadership lease TTL in seconds")
     c.add_argument("--tick", type=float, default=0.1, help="heartbeat scan interval in seconds")
+    c.add_argument("--launcher", action=argparse.BooleanOptionalAction, default=True,
+                   help="re-enqueue launch units of submitted jobs that lost their node agents (default: on)")
+    c.add_argument("--launch-interval", type=float, default=5.0, help="seconds between launcher passes")
+    c.add_argument("--launch-cooldown", type=float, default=30.0,
+                   help="at most one re-enqueue per job per this many seconds (all replicas together)")
+    c.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
+    c.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds to")
     c.set_defaults(func=cmd_coordinator)
 
     w = sub.add_parser("worker", help="run one worker process of a job")
@@ -245,14 +476,42 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--join-timeout", type=float, default=30.0)
     w.set_defaults(func=cmd_worker)
 
-    ag = sub.add_parser("agent", help="run and supervise this node's worker processes of a job")
-    ag.add_argument("job")
-    ag.add_argument("--workers", "-n", type=int, default=1)
+    ag = sub.add_parser("agent", help="run this node's workers of a job, or (--queue) serve the launch queue")
+    ag.add_argument("job", nargs="?", help="direct mode: the job to run workers of (omit with --queue)")
+    ag.add_argument("--queue", action="store_true",
+                    help="run as an RQ worker on the launch queue (also the mode when no JOB is given)")
+    ag.add_argument("--burst", action="store_true", help="--queue: exit once the queue is empty")
+    ag.add_argument("--name", help="--queue: RQ worker name (default: random)")
+    ag.add_argument("--workers", "-n", type=int, default=None, help="direct mode: worker processes (default 1)")
     ag.add_argument("--max-restarts", type=int, default=None, help="default: the job spec's max_restarts")
     ag.add_argument("--backoff", type=float, default=0.5, help="first restart delay; doubles each time")
     ag.add_argument("--node", help="node name (default: host name)")
     ag.add_argument("--run-dir", help="where worker logs go (default: ~/.shoal/agent/JOB)")
     ag.set_defaults(func=cmd_agent)
+
+    sb = sub.add_parser("submit", help="validate a job spec, register the job and queue its launch units")
+    sb.add_argument("spec", help="job spec YAML")
+    sb.add_argument("--workers", "-n", type=_positive_int, default=1,
+                    help="worker processes per launch unit, i.e. per node agent (default 1)")
+    sb.set_defaults(func=cmd_submit)
+
+    st = sub.add_parser("stop", help="stop a job gracefully (workers see 'stopped' and exit)")
+    st.add_argument("job")
+    st.add_argument("--reason", default="stopped by operator")
+    st.add_argument("--wait", type=float, metavar="SECONDS", help="wait up to this long for the job to be stopped")
+    st.set_defaults(func=cmd_stop)
+
+    pg = sub.add_parser("purge", help="delete the keys of finished jobs (checkpoints stay)")
+    pg.add_argument("--state", required=True, help="comma-separated: completed, failed, stopped")
+    pg.add_argument("--yes", action="store_true", help="really delete (default: list what would go)")
+    pg.set_defaults(func=cmd_purge)
+
+    lg = sub.add_parser("logs", help="workers' log lines of a job")
+    lg.add_argument("job")
+    lg.add_argument("--worker", "-w", help="only this worker id (e.g. w3)")
+    lg.add_argument("--follow", "-f", action="store_true", help="wait for new lines (ends once the job ended)")
+    lg.add_argument("--tail", type=int, help="start with the last N lines")
+    lg.set_defaults(func=cmd_logs)
 
     cr = sub.add_parser("create", help="register a job from a spec file or options (no queue)")
     cr.add_argument("spec", nargs="?", help="job spec YAML")

@@ -15,6 +15,7 @@ Modules (each small, named for what it holds):
 ``latest_object`` the store's LATEST object; ``latest`` the Redis pointer
 ``retention``    keep-last-K and garbage collection
 ``durable_file`` background fdatasync for large local writes
+``memcopy``      fast batched CPU tensor copy for snapshots
 ``resume``       Redis pointer -> store LATEST -> scan
 ``async_saver``  background checkpointing
 ``datasets``     verified, cached dataset shards

@@ -4,7 +4,8 @@ Write order of :func:`save_checkpoint` (each object is written atomically by the
 
 1. delete an existing ``manifest.json`` at this step (re-saving a step makes it invisible
    first, so old manifest + new files can never be mistaken for a checkpoint);
-2. every state file (``torch.save``, size and sha256 computed while writing);
+2. every state file (``torch.save``, size and sha256 computed while writing; files are
+   written concurrently, all have ended before the next step);
 3. ``manifest.json`` -- from this moment the checkpoint exists;
 4. ``LATEST`` (never backwards);
 5. retention (:mod:`storage.retention`).
@@ -38,6 +39,7 @@ from storage.train_state import FILES, TrainState
 from storage.verify import Warn, ignore_warning, list_checkpoint_steps, read_manifest, read_verified_files
 
 _OVERLAP_MIN = 1024 * 1024
+_MAX_PARALLEL_FILES = 4
 _hash_pool: ThreadPoolExecutor | None = None
 _hash_pool_lock = threading.Lock()
 
@@ -46,7 +48,7 @@ def _hasher() -> ThreadPoolExecutor:
     global _hash_pool
     with _hash_pool_lock:
         if _hash_pool is None:
-            _hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-sha256")
+            _hash_pool = ThreadPoolExecutor(max_workers=_MAX_PARALLEL_FILES, thread_name_prefix="shoal-sha256")
         return _hash_pool
 
 
@@ -89,6 +91,20 @@ def _write_state_file(store: ObjectStore, key: str, obj: Any) -> FileEntry:
     return w.entry()
 
 
+def _write_state_files(store: ObjectStore, step: int, parts: dict[str, Any]) -> dict[str, FileEntry]:
+    """Write all state files concurrently (one thread each: serializing, hashing and
+    writing overlap across files). Returns only when every write has ended; the first
+    failure is raised after the others finished, so nothing is still writing afterwards."""
+    if len(parts) == 1:
+        ((name, obj),) = parts.items()
+        return {name: _write_state_file(store, file_key(step, name), obj)}
+    with ThreadPoolExecutor(max_workers=min(len(parts), _MAX_PARALLEL_FILES),
+                            thread_name_prefix="shoal-save") as pool:
+        futures = {name: pool.submit(_write_state_file, store, file_key(step, name), obj)
+                   for name, obj in parts.items()}
+    return {name: f.result() for name, f in futures.items()}
+
+
 def save_checkpoint(
     store: ObjectStore,
     state: TrainState,
@@ -116,7 +132,7 @@ def save_checkpoint(
         raise LatestRegression(f"{store.uri}/LATEST is at step {current}; refusing to save step {step}")
 
     store.delete(manifest_key(step))
-    files = {name: _write_state_file(store, file_key(step, name), obj) for name, obj in parts.items()}
+    files = _write_state_files(store, step, parts)
     manifest = Manifest.create(files=files, **fields).signed(key)
     store.put_bytes(manifest_key(step), manifest.to_json())
     write_latest(store, step)  # checks again: another writer may have moved it meanwhile

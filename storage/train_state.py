@@ -15,9 +15,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 
+from storage.memcopy import copy_tensors
 from storage.rng import capture_rng, restore_rng
 
 #: Component -> file name inside a checkpoint directory. ``model.pt`` is mandatory.
@@ -147,7 +147,17 @@ def cpu_copy(obj: Any, into: Any = None) -> Any:
     """Deep copy of nested dict/list/tuple containers with tensors detached and copied to
     CPU memory that is not shared with ``obj``. Where ``into`` (same structure) has a CPU
     tensor of the same shape and dtype at the same place, that tensor is overwritten and
-    reused instead of allocating a new one."""
+    reused instead of allocating a new one. Tensor data is copied in one batch
+    (:func:`storage.memcopy.copy_tensors`)."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    out = _plan_copy(obj, into, pairs)
+    copy_tensors(pairs)
+    return out
+
+
+def _plan_copy(obj: Any, into: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """The copied structure, with each tensor's destination allocated (or reused) and the
+    (destination, source) pair queued in ``pairs``; data is not copied yet."""
     if isinstance(obj, torch.Tensor):
         src = obj.detach()
         if not (
@@ -158,21 +168,14 @@ def cpu_copy(obj: Any, into: Any = None) -> Any:
             and into.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
         ):
             into = torch.empty(src.shape, dtype=src.dtype, device="cpu")
-        return _copy_tensor(into, src)
+        pairs.append((into, src))
+        return into
     if isinstance(obj, dict):
         sub = into if isinstance(into, dict) else {}
-        items = ((k, cpu_copy(v, sub.get(k))) for k, v in obj.items())
+        items = ((k, _plan_copy(v, sub.get(k), pairs)) for k, v in obj.items())
         return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
     if isinstance(obj, (list, tuple)):
         sub = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else [None] * len(obj)
-        copied = [cpu_copy(v, w) for v, w in zip(obj, sub, strict=True)]
+        copied = [_plan_copy(v, w, pairs) for v, w in zip(obj, sub, strict=True)]
         return copied if isinstance(obj, list) else tuple(copied)
     return copy.deepcopy(obj)
-
-
-def _copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    return dst.copy_(src)
-
-
-def _bytes_view(t: torch.Tensor) -> np.ndarray:
-    return t.reshape(-1).view(torch.uint8).numpy()

@@ -161,3 +161,22 @@ def test_consecutive_async_saves_with_reused_buffers_keep_each_step() -> None:
 
     for step in (1, 2, 3):
         assert torch.equal(load_checkpoint(store, step)[0].model["weight"], torch.full((64, 64), float(step)))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_copy_tensors_handles_chunks_odd_sizes_and_strided_views(threads: int) -> None:
+    from storage.memcopy import CHUNK, copy_tensors
+
+    srcs = [
+        torch.randn(CHUNK // 4 * 3 + 7),  # several chunks, ragged tail
+        torch.randn(5, 7).t(),  # strided: falls back to copy_
+        torch.randn(3, dtype=torch.complex64).conj(),  # lazy conjugate: copy_
+        torch.arange(11, dtype=torch.int16),
+        torch.zeros(0),
+        torch.tensor(True),
+    ]
+    dsts = [torch.empty(s.shape, dtype=s.dtype) for s in srcs]
+    copy_tensors(list(zip(dsts, srcs, strict=True)), threads=threads)
+    for d, s in zip(dsts, srcs, strict=True):
+        assert torch.equal(d, s)
+        assert d.numel() == 0 or d.data_ptr() != s.data_ptr()

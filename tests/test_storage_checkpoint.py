@@ -243,3 +243,20 @@ def test_list_checkpoint_steps_includes_partials() -> None:
     s.put_bytes(file_key(10, "model.pt"), b"partial")
     s.put_bytes("unrelated/file", b"x")
     assert list_checkpoint_steps(s) == [3, 10]
+
+
+def test_failed_state_file_write_publishes_nothing() -> None:
+    from storage.errors import StorageError
+
+    inner = MemoryStore()
+    save_checkpoint(inner, tiny_state(1))
+
+    def fail_optimizer(key: str) -> None:
+        if key.endswith("optimizer.pt"):
+            raise StorageError(f"injected failure writing {key}")
+
+    with pytest.raises(StorageError, match="injected"):
+        save_checkpoint(HookedStore(inner, before_write=fail_optimizer), tiny_state(2))
+    assert not inner.exists(manifest_key(2))
+    assert read_latest_step(inner) == 1
+    assert load_latest(inner)[0].step == 1

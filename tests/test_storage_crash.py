@@ -264,16 +264,18 @@ class Supervisor:
         return self.proc.stderr.read()  # type: ignore[union-attr]
 
 
-@pytest.mark.slow
-def test_sigkill_during_checkpointing_never_exposes_a_partial_checkpoint(tmp_path: Path) -> None:
-    rng = random.Random(int(os.environ.get("SHOAL_CRASH_SEED", "20261121")))
-    sup = Supervisor(tmp_path / "ck", deadline=time.monotonic() + 120)
-    # random external kills, with the self-kill points mixed in
-    plan = [""] * 3 + ["mid-model"] + [""] * 3 + ["before-manifest"] + [""] * 3 + ["before-latest"] \
-        + [""] * 2 + ["mid-latest"] + [""] * 2 + ["mid-retention"] + [""] * 2
+SELF_KILLS = ["mid-model", "before-manifest", "before-latest", "mid-latest", "mid-retention"]
+
+
+def _campaign(root: Path, plan: list[str], min_saves: int, seed: int, budget_s: float) -> tuple[int, int]:
+    """Run writers per ``plan`` ("" = killed from outside at a random point, else a
+    self-kill point), then more random kills until ``min_saves`` saves happened; check the
+    store after every kill. Returns (saves, runs)."""
+    rng = random.Random(seed)
+    sup = Supervisor(root, deadline=time.monotonic() + budget_s)
     latest, total_saves, runs = 0, 0, 0
     try:
-        while runs < len(plan) or total_saves < 100:
+        while runs < len(plan) or total_saves < min_saves:
             crash_point = plan[runs] if runs < len(plan) else ""
             runs += 1
             sup.start_writer(crash_point)
@@ -297,11 +299,30 @@ def test_sigkill_during_checkpointing_never_exposes_a_partial_checkpoint(tmp_pat
             if crash_point:
                 assert saves == 3, f"self-kill at {crash_point} should hit the 4th save, got {saves} saves"
             total_saves += saves
-            latest = _check_store(tmp_path / "ck", latest)
+            latest = _check_store(root, latest)
     finally:
         stderr = sup.close()
     assert "Traceback" not in stderr, stderr[-3000:]
-    assert total_saves >= 100 and runs >= len(plan), f"only {total_saves} saves in {runs} runs"
+    return total_saves, runs
+
+
+def _seed() -> int:
+    return int(os.environ.get("SHOAL_CRASH_SEED", "20261121"))
+
+
+@pytest.mark.slow
+def test_sigkill_during_checkpointing_never_exposes_a_partial_checkpoint(tmp_path: Path) -> None:
+    # 3 random external kills before each self-kill point, 2 more at the end: 22 kills
+    plan = [k for point in SELF_KILLS for k in ("", "", "", point)] + ["", ""]
+    saves, runs = _campaign(tmp_path / "ck", plan, min_saves=100, seed=_seed(), budget_s=120)
+    assert saves >= 100 and runs >= 22, f"only {saves} saves in {runs} runs"
+
+
+@pytest.mark.soak
+def test_sigkill_soak(tmp_path: Path) -> None:
+    plan = [k for _ in range(20) for point in SELF_KILLS for k in ("", "", "", point)]
+    saves, runs = _campaign(tmp_path / "ck", plan, min_saves=1000, seed=_seed() + 1, budget_s=1800)
+    assert saves >= 1000 and runs >= 400
 
 
 if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "--supervisor":

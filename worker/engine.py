@@ -144,6 +144,15 @@ class StepEngine:
         wide = any(p.dtype == torch.float64 for p in self.params)
         self.bucket_dtype = torch.float64 if wide else torch.float32
         self._numel = sum(p.numel() for p in self.params)
+        # one persistent bucket; gradients of bucket-dtype parameters live in views of it,
+        # so backward accumulates straight into what is all-reduced (no flatten/unflatten copy)
+        self._bucket = torch.zeros(self._numel + 3, dtype=self.bucket_dtype, device=self.device)
+        self._views: list[torch.Tensor | None] = []
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            self._views.append(self._bucket[offset : offset + n].view_as(p) if p.dtype == self.bucket_dtype else None)
+            offset += n
 
     @classmethod
     def from_setup(
@@ -168,12 +177,22 @@ class StepEngine:
         )
 
     # --- the step -------------------------------------------------------------------------
-    def step(self, local_indices: Sequence[int] | np.ndarray, global_count: int, generation: int) -> StepResult:
+    def step(
+        self,
+        local_indices: Sequence[int] | np.ndarray,
+        global_count: int,
+        generation: int,
+        *,
+        base_generation: int | None = None,
+    ) -> StepResult:
         """Train on this rank's ``local_indices`` of a global batch of ``global_count`` samples.
 
         Every rank of the current group must call it for the same step (same cursor) with its
         own slice; ``generation`` is the newest generation this rank has seen (the returned
-        ``max_generation`` is the maximum over ranks). Returns after the optimizer stepped on
+        ``max_generation`` is the maximum over ranks). With ``base_generation`` (the group's
+        own generation) the step uses ONE collective: the bucket carries how far each rank's
+        seen generation is ahead of the base, and ``max_generation`` is then only known to be
+        ``base + 1`` when any rank saw a newer one (the caller reads the newest table itself). Returns after the optimizer stepped on
         this rank (the step is committed: advance the cursor by ``global_count``).
 
         Raises StepAborted (nothing applied; redo in the next generation) when a collective
@@ -193,7 +212,7 @@ class StepEngine:
             raise StepAborted("step: not in a process group (join_group first)")
 
         buffers = [b.detach().clone() for b in self.model.buffers()]
-        self.optimizer.zero_grad(set_to_none=True)
+        self._attach_grads()
         t0 = time.perf_counter()
         try:
             local_sum = self._forward_backward(local)
@@ -204,15 +223,22 @@ class StepEngine:
 
         bucket = self._flatten_grads(local_sum, len(local))
         gen = torch.tensor([generation], dtype=torch.int64, device=self.device)
+        one_collective = base_generation is not None
+        if one_collective:
+            bucket[-3] = float(max(0, generation - base_generation))
         if distributed:
             try:
-                pg.all_reduce(gen, dist.ReduceOp.MAX)
+                if not one_collective:
+                    pg.all_reduce(gen, dist.ReduceOp.MAX)
                 pg.all_reduce(bucket, dist.ReduceOp.SUM)
             except CollectiveFailed as exc:
                 self._rollback(buffers)
                 raise StepAborted(f"step aborted, nothing applied: {exc}") from exc
         t2 = time.perf_counter()
 
+        if one_collective:
+            ahead = float(bucket[-3]) > 0 if distributed else generation > base_generation
+            gen.fill_(base_generation + 1 if ahead else base_generation)
         loss_sum = float(bucket[-2])
         reduced_count = int(round(float(bucket[-1])))
         if reduced_count != global_count:
@@ -262,26 +288,36 @@ class StepEngine:
             total += float(loss.detach())
         return total
 
+    def _attach_grads(self) -> None:
+        """Zero the bucket and make each bucket-dtype parameter's ``.grad`` a view of it."""
+        self._bucket.zero_()
+        for p, view in zip(self.params, self._views):
+            p.grad = view  # None for parameters of another dtype: they accumulate on their own
+
     def _flatten_grads(self, local_sum: float, local_count: int) -> torch.Tensor:
-        bucket = torch.empty(self._numel + 2, dtype=self.bucket_dtype, device=self.device)
+        bucket = self._bucket
         offset = 0
-        for p in self.params:
+        for p, view in zip(self.params, self._views):
             n = p.numel()
             if p.grad is None:
                 bucket[offset : offset + n].zero_()
-            else:
-                bucket[offset : offset + n].copy_(p.grad.reshape(-1))
+            elif view is None or p.grad.data_ptr() != view.data_ptr():
+                bucket[offset : offset + n].copy_(p.grad.reshape(-1))  # user code replaced .grad
             offset += n
+        bucket[-3] = 0.0
         bucket[-2] = local_sum
         bucket[-1] = local_count
         return bucket
 
     def _unflatten_grads(self, bucket: torch.Tensor, count: int) -> None:
-        bucket = bucket[: self._numel].div_(count)
+        bucket[: self._numel].div_(count)
         offset = 0
-        for p in self.params:
+        for p, view in zip(self.params, self._views):
             n = p.numel()
-            p.grad = bucket[offset : offset + n].view_as(p).to(p.dtype).clone()
+            if view is not None:
+                p.grad = view
+            else:
+                p.grad = bucket[offset : offset + n].view_as(p).to(p.dtype).clone()
             offset += n
 
     def _rollback(self, buffers: list[torch.Tensor]) -> None:

@@ -49,7 +49,7 @@ from worker.userapi import load_entrypoint
 log = logging.getLogger("shoal.worker")
 
 TERMINAL = {"completed", "failed", "stopped"}
-DIGEST_EVERY = 10
+DIGEST_EVERY = 50  # sha256 of every parameter: cheap for small models, not free for large
 
 
 class TrainingWorker:
@@ -137,7 +137,7 @@ class TrainingWorker:
         self.faults.at(wid, self.step, "mid_step")
         aborted = ""
         try:
-            result = self.engine.step(local, batch.count, self.seen_gen)
+            result = self.engine.step(local, batch.count, self.seen_gen, base_generation=self.group_gen)
         except StepAborted as exc:
             aborted = str(exc)
         if aborted:

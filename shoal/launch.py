@@ -1,0 +1,202 @@
+"""The launch unit: the RQ job function a node runs for a submitted job.
+
+``run_launch(job_id, workers)`` runs a :class:`worker.agent.NodeAgent` with ``workers``
+worker processes of the job on this node until they are done (the job ended, or the node
+was asked to drain with SIGTERM), reports progress in the RQ job's ``meta`` every few
+seconds, and returns the job's summary as the RQ result. It connects with ``REDIS_URL``
+from this node's environment: the RQ payload holds only the job id and the worker count.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import redis
+
+from events.keys import job_keys
+from events.models import ShardTable
+from shoal.connection import connect, redact_url, url_from_env
+from shoal.embedded import default_run_dir
+from shoal.errors import ConfigError
+from shoal.jobspec import JobSpec
+
+log = logging.getLogger("shoal.launch")
+
+TERMINAL = {"completed", "failed", "stopped"}
+#: Seconds between two progress reports in the RQ job's meta.
+META_INTERVAL = 3.0
+
+
+class Progress:
+    """Job-level progress (step, loss, generation, steps/s, ETA) from the shard table,
+    the state hash and the members' heartbeats: three reads per report."""
+
+    def __init__(self, client: redis.Redis, job_id: str, spec: JobSpec):
+        self.client = client
+        self.keys = job_keys(job_id)
+        self.spec = spec
+        self._last: tuple[float, int] | None = None
+        self.rate: float | None = None
+        self.max_step = 0
+
+    def sample(self) -> dict:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(self.keys.shard)
+        pipe.hmget(self.keys.state, ["state", "generation"])
+        raw, (state, gen) = pipe.execute()
+        table = ShardTable.model_validate_json(raw) if raw else None
+        members = sorted(table.members, key=lambda m: m.rank) if table else []
+        hbs = self.client.mget([self.keys.heartbeat(m.worker_id) for m in members]) if members else []
+        beats = [json.loads(h) for h in hbs if h]
+        step = max((int(b.get("step") or 0) for b in beats), default=self.max_step)
+        self.max_step = max(self.max_step, step)
+        loss = next((b.get("loss") for b in beats if b.get("loss") is not None), None)
+        now = time.monotonic()
+        if self._last is not None and now > self._last[0] and step >= self._last[1]:
+            inst = (step - self._last[1]) / (now - self._last[0])
+            self.rate = inst if self.rate is None else 0.5 * self.rate + 0.5 * inst
+        self._last = (now, step)
+        eta = None
+        if self.spec.max_steps and self.rate:
+            eta = round(max(0, self.spec.max_steps - self.max_step) / self.rate, 1)
+        return {
+            "state": state.decode() if state else "pending",
+            "generation": int(gen or 0),
+            "world_size": table.world_size if table else 0,
+            "step": self.max_step,
+            "loss": loss,
+            "steps_per_s": round(self.rate, 3) if self.rate is not None else None,
+            "eta_s": eta,
+            "updated_at": time.time(),
+        }
+
+
+def job_summary(client: redis.Redis, job_id: str, *, steps: int = 0) -> dict:
+    """What a launch unit returns: state, reason, generation, steps and the summary the
+    job's rank 0 reported at completion (``summary`` in the state hash, JSON)."""
+    keys = job_keys(job_id)
+    h = {k.decode(): v.decode() for k, v in client.hgetall(keys.state).items()}
+    summary = None
+    if h.get("summary"):
+        try:
+            summary = json.loads(h["summary"])
+        except ValueError:
+            summary = None
+    if isinstance(summary, dict) and isinstance(summary.get("step"), int):
+        steps = summary["step"]
+    return {
+        "job_id": job_id,
+        "state": h.get("state", "pending"),
+        "reason": h.get("reason", ""),
+        "generation": int(h.get("generation", 0) or 0),
+        "steps": steps,
+        "summary": summary,
+    }
+
+
+def _save_meta(rq_job, fields: dict) -> None:
+    if rq_job is None:
+        return
+    try:
+        rq_job.meta.update(fields)
+        rq_job.save_meta()
+    except redis.RedisError as exc:  # progress is best effort; the workers keep training
+        log.warning("could not update the launch unit's progress: %s", exc)
+
+
+def run_launch(job_id: str, workers: int, *, meta_interval: float = META_INTERVAL) -> dict:
+    """Run ``workers`` worker processes of ``job_id`` on this node until they are done;
+    returns :func:`job_summary` plus ``node``, ``workers`` and ``agent_exit_code``."""
+    from rq import get_current_job
+
+    from worker.agent import NodeAgent
+
+    url = url_from_env()
+    if not url:
+        raise ConfigError("REDIS_URL is not set on this node")
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ConfigError(f"workers must be a positive integer, got {workers!r}")
+    keys = job_keys(job_id)
+    rq_job = get_current_job()
+    client = connect(url)
+    try:
+        raw = client.get(keys.spec)
+        if raw is None:
+            log.warning("job %s does not exist (deleted?): nothing to launch", job_id)
+            return {"job_id": job_id, "state": "missing", "reason": "job does not exist", "generation": 0,
+                    "steps": 0, "summary": None, "node": "", "workers": 0, "agent_exit_code": None}
+        spec = JobSpec.from_stored(raw)
+        state = client.hget(keys.state, "state")
+        if state is not None and state.decode() in TERMINAL:
+            log.info("job %s already %s: no workers started", job_id, state.decode())
+            return {**job_summary(client, job_id), "node": "", "workers": 0, "agent_exit_code": None}
+        unit = rq_job.id if rq_job is not None else f"direct-{uuid.uuid4().hex[:12]}"
+        run_dir = Path(os.environ.get("SHOAL_AGENT_DIR") or default_run_dir().parent / "agent") / job_id / unit
+        agent = NodeAgent(client, url, job_id, workers, run_dir=run_dir, max_restarts=spec.max_restarts,
+                          node=os.environ.get("SHOAL_NODE") or None)
+        log.info("launch unit %s: %d worker(s) of job %s on node %s (Redis %s, logs in %s)",
+                 unit, workers, job_id, agent.node, redact_url(url), run_dir)
+        progress = Progress(client, job_id, spec)
+        base = {"job_id": job_id, "node": agent.node, "workers": workers, "run_dir": str(run_dir)}
+        _save_meta(rq_job, {**base, "state": "starting", "step": 0, "updated_at": time.time()})
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM to the unit (e.g. forwarded by `shoal agent --queue` on shutdown) drains the workers
+            previous = signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
+        next_report = time.monotonic() + meta_interval
+        try:
+            while agent.run_once(timeout=0.5):
+                if time.monotonic() >= next_report:
+                    next_report = time.monotonic() + meta_interval
+                    try:
+                        _save_meta(rq_job, {**base, **progress.sample()})
+                    except (redis.RedisError, ValueError) as exc:
+                        log.warning("progress sample failed: %s", exc)
+        finally:
+            for s in agent.slots:
+                if s.proc is not None:
+                    s.proc.kill()
+                    s.proc.wait()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        rc = 1 if any(s.gave_up for s in agent.slots) else 0
+        try:
+            final = progress.sample()
+        except (redis.RedisError, ValueError):
+            final = {}
+        result = {**job_summary(client, job_id, steps=progress.max_step), "node": agent.node,
+                  "workers": workers, "agent_exit_code": rc}
+        _save_meta(rq_job, {**base, **final, "state": result["state"], "step": result["steps"], "done": True})
+        log.info("launch unit %s done: job %s is %s (%s)", unit, job_id, result["state"], result["reason"])
+        return result
+    finally:
+        client.close()
+
+
+def launch_worker(client: redis.Redis, *, name: str | None = None):
+    """An RQ worker on the launch queue (JSON payloads) whose warm shutdown also drains the
+    running launch unit: SIGTERM is forwarded to the work horse, whose agent asks its
+    workers to leave the job; a second SIGTERM is RQ's cold shutdown (kills the horse's
+    process group, workers included)."""
+    from rq import Worker
+    from rq.serializers import JSONSerializer
+
+    from coordinator.launcher import launch_queue
+
+    class LaunchWorker(Worker):
+        def request_stop(self, signum, frame):
+            if self.horse_pid:
+                try:
+                    os.kill(self.horse_pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            super().request_stop(signum, frame)
+
+    return LaunchWorker([launch_queue(client)], connection=client, serializer=JSONSerializer, name=name)
