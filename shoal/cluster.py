@@ -28,10 +28,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shoal.errors import ConfigError, ShoalError
+from shoal.yamlfile import read_yaml
 
 
 class Transport(str, Enum):
@@ -246,23 +246,7 @@ def parse_cluster(data: object, source: str = "cluster file") -> Cluster:
 
 def load_cluster(path: str | Path) -> Cluster:
     """Read and validate a YAML cluster file; every failure is a one-line ConfigError."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read cluster file {p}: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"cannot read cluster file {p}: not UTF-8 text") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        where = ""
-        mark = getattr(exc, "problem_mark", None)
-        if mark is not None:
-            where = f" at line {mark.line + 1}, column {mark.column + 1}"
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{p}: not valid YAML{where}: {problem}") from exc
-    return parse_cluster(data, str(p))
+    return parse_cluster(read_yaml(path, "cluster file"), str(path))
 
 
 # --- capacity ---------------------------------------------------------------------------------

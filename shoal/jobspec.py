@@ -12,11 +12,11 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from events.keys import valid_job_id
 from shoal.errors import ConfigError
+from shoal.yamlfile import read_yaml
 
 
 class ShardStrategy(str, Enum):
@@ -124,13 +124,4 @@ def parse_spec(data: object, source: str = "job spec") -> JobSpec:
 
 def load_spec(path: str | Path) -> JobSpec:
     """Read and validate a YAML job spec file; every failure is a one-line ConfigError."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read job spec {p}: {exc.strerror}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML: {str(exc).splitlines()[0]}") from exc
-    return parse_spec(data, str(p))
+    return parse_spec(read_yaml(path, "job spec"), str(path))

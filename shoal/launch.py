@@ -111,13 +111,20 @@ def _save_meta(rq_job, fields: dict) -> None:
         log.warning("could not update the launch unit's progress: %s", exc)
 
 
-def run_launch(job_id: str, workers: int, *, meta_interval: float = META_INTERVAL) -> dict:
+def run_launch(job_id: str, workers: int, *, meta_interval: float | None = None) -> dict:
     """Run ``workers`` worker processes of ``job_id`` on this node until they are done;
-    returns :func:`job_summary` plus ``node``, ``workers`` and ``agent_exit_code``."""
+    returns :func:`job_summary` plus ``node``, ``workers`` and ``agent_exit_code``.
+    Progress goes to the RQ job's meta every ``meta_interval`` s (default: the node's
+    ``SHOAL_LAUNCH_META_INTERVAL``, else 3)."""
     from rq import get_current_job
 
     from worker.agent import NodeAgent
 
+    if meta_interval is None:
+        try:
+            meta_interval = max(0.1, float(os.environ.get("SHOAL_LAUNCH_META_INTERVAL") or META_INTERVAL))
+        except ValueError:
+            meta_interval = META_INTERVAL
     url = url_from_env()
     if not url:
         raise ConfigError("REDIS_URL is not set on this node")

@@ -115,6 +115,13 @@ class RedisLogHandler(logging.Handler):
         finally:
             self._stop.set()
             self._thread.join(timeout)
+            while True:  # what could not be sent in time is dropped
+                try:
+                    self._q.get_nowait()
+                except queue.Empty:
+                    break
+                self.dropped += 1
+                self._q.task_done()
             super().close()
 
 

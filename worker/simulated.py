@@ -9,43 +9,26 @@ The training runtime follows the same protocol with real steps.
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 
 from events.models import ShardTable
 from shoal.jobspec import JobSpec
-from worker.heartbeat import Heartbeater
 from worker.membership import Membership
+from worker.runner import TERMINAL, WorkerRunner
 
 log = logging.getLogger("shoal.worker")
 
-TERMINAL = {"completed", "failed", "stopped"}
 
-
-class SimulatedWorker:
+class SimulatedWorker(WorkerRunner):
     """Drive with :meth:`run_once` (tests) or :meth:`run`. ``stop`` requests a drain."""
 
     def __init__(self, membership: Membership, spec: JobSpec, *, join_timeout: float = 30.0):
-        self.m = membership
-        self.spec = spec
-        self.join_timeout = join_timeout
-        self.stop = threading.Event()
+        super().__init__(membership, spec, join_timeout=join_timeout)
         self.table: ShardTable | None = None
         self.step = 0
-        self.hb: Heartbeater | None = None
         self.exit_code: int | None = None
         self._draining = False
         self._drain_deadline = 0.0
-
-    def start(self) -> str:
-        wid = self.m.join(self.join_timeout)
-        self.hb = Heartbeater(self.m.client, self.m.keys, wid, interval=self.spec.heartbeat_interval,
-                              ttl=self.spec.heartbeat_ttl, pid=os.getpid())
-        self.hb.beat()
-        self.hb.start()
-        log.info("joined job %s as %s", self.m.job_id, wid)
-        return wid
 
     @property
     def member(self):
@@ -53,7 +36,7 @@ class SimulatedWorker:
 
     def run_once(self) -> int | None:
         """One bounded iteration; returns an exit code when the worker should end."""
-        if self.hb is not None and self.hb.evicted:
+        if self.evicted:
             log.error("evicted by the coordinator (declared failed); exiting")
             return 1
         if self.stop.is_set() and not self._draining:
@@ -85,14 +68,3 @@ class SimulatedWorker:
             if self.hb is not None:
                 self.hb.update(step=self.step, generation=self.table.generation, step_time=time.monotonic() - started)
         return None
-
-    def run(self) -> int:
-        self.start()
-        try:
-            while True:
-                code = self.run_once()
-                if code is not None:
-                    return code
-        finally:
-            if self.hb is not None:
-                self.hb.stop()

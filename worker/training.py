@@ -26,7 +26,6 @@ import gc
 import json
 import logging
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -41,28 +40,23 @@ from worker.digest import state_digest
 from worker.engine import StepEngine, resync_state
 from worker.errors import CollectiveFailed, RendezvousFailed, StateMismatch, StepAborted
 from worker.faults import FaultPlan
-from worker.heartbeat import Heartbeater
 from worker.ledger import Ledger
 from worker.membership import Membership
+from worker.runner import TERMINAL, WorkerRunner
 from worker.userapi import load_entrypoint
 
 log = logging.getLogger("shoal.worker")
 
-TERMINAL = {"completed", "failed", "stopped"}
 DIGEST_EVERY = 50  # sha256 of every parameter: cheap for small models, not free for large
 
 
-class TrainingWorker:
+class TrainingWorker(WorkerRunner):
     """One worker process of a training job. Drive with :meth:`run`; ``stop`` drains."""
 
     def __init__(self, membership: Membership, spec: JobSpec, *, join_timeout: float = 30.0):
-        self.m = membership
-        self.spec = spec
-        self.join_timeout = join_timeout
-        self.stop = threading.Event()
+        super().__init__(membership, spec, join_timeout=join_timeout)
         self.faults = FaultPlan.from_env()
         self.ledger = Ledger.from_env()
-        self.hb: Heartbeater | None = None
         self.step = 0
         self.cursor = 0
         self.has_state = False
@@ -75,7 +69,7 @@ class TrainingWorker:
 
     # ---- setup -------------------------------------------------------------------------------
 
-    def _build(self) -> None:
+    def prepare(self) -> None:
         setup = load_entrypoint(self.spec.entrypoint, self.spec.seed)
         self.setup = setup
         self.engine = StepEngine.from_setup(setup, device=None, require_group=True)
@@ -85,29 +79,8 @@ class TrainingWorker:
         self.has_state = True  # the seeded initial model: identical on every worker
         log.info("built %s: %d samples, %d steps/epoch", self.spec.entrypoint, n, self.order.steps_per_epoch())
 
-    def start(self) -> str:
-        self._build()
-        wid = self.m.join(self.join_timeout)
-        self.hb = Heartbeater(self.m.client, self.m.keys, wid, interval=self.spec.heartbeat_interval,
-                              ttl=self.spec.heartbeat_ttl, pid=os.getpid())
-        self.hb.beat()
-        self.hb.start()
-        log.info("joined job %s as %s", self.m.job_id, wid)
-        return wid
-
-    # ---- main loop ---------------------------------------------------------------------------
-
-    def run(self) -> int:
-        self.start()
-        try:
-            while True:
-                code = self.run_once()
-                if code is not None:
-                    return code
-        finally:
-            pg.leave_group()
-            if self.hb is not None:
-                self.hb.stop()
+    def cleanup(self) -> None:
+        pg.leave_group()
 
     def _done(self) -> bool:
         return self.cursor >= self.total_samples or (self.spec.max_steps is not None and self.step >= self.spec.max_steps)
@@ -115,7 +88,7 @@ class TrainingWorker:
     def run_once(self) -> int | None:
         """One step (or one switch / wait). Returns an exit code when the worker should end."""
         wid = self.m.worker_id
-        if self.hb is not None and self.hb.evicted:
+        if self.evicted:
             log.error("evicted by the coordinator (declared failed); exiting")
             return 1
         if self.stop.is_set() and not self.draining:
@@ -169,7 +142,7 @@ class TrainingWorker:
     def _wait_newer(self, generation: int) -> ShardTable | None:
         """Block (bounded) until a table newer than ``generation`` exists."""
         deadline = time.monotonic() + 5 * self.spec.heartbeat_ttl + 5
-        while time.monotonic() < deadline and not (self.hb and self.hb.evicted):
+        while time.monotonic() < deadline and not self.evicted:
             table = self.m.next_table(generation, timeout=min(1.0, self.spec.heartbeat_ttl))
             if table is not None:
                 self.seen_gen = max(self.seen_gen, table.generation)
@@ -241,7 +214,7 @@ class TrainingWorker:
                 self.seen_gen = max(self.seen_gen, newest.generation)
                 self.switch_to = newest.generation
                 return False
-            if self.hb and self.hb.evicted:
+            if self.evicted:
                 return False
             time.sleep(0.002)
         return False

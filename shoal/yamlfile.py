@@ -1,0 +1,30 @@
+"""Reading a user's YAML file (job spec, cluster file): every failure is one ConfigError line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from shoal.errors import ConfigError
+
+
+def read_yaml(path: str | Path, what: str) -> object:
+    """Parse ``path`` with ``yaml.safe_load``; ConfigError names the file, and for a syntax
+    error the line and column, when it is unreadable, not UTF-8 or not YAML."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {p}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"cannot read {what} {p}: not UTF-8 text") from exc
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = ""
+        mark = getattr(exc, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{p}: not valid YAML{where}: {problem}") from exc
