@@ -35,6 +35,7 @@ from coordinator.states import (
     check_job_move,
 )
 from events.models import (
+    Checkpointed,
     EventBase,
     JobCompleted,
     JoinReply,
@@ -49,6 +50,7 @@ from events.models import (
     WorkerExited,
 )
 from shoal.jobspec import JobSpec
+from storage.latest import LatestPointer
 
 SETTLE_MS = 300
 
@@ -101,7 +103,14 @@ class Forget:
     worker_id: str
 
 
-Action = ReplyJoin | Publish | Watch | Forget
+@dataclass(frozen=True)
+class SetLatest:
+    """Point the job's Redis LATEST at a complete checkpoint (only ever forwards)."""
+
+    pointer_json: str
+
+
+Action = ReplyJoin | Publish | Watch | Forget | SetLatest
 
 
 @dataclass(frozen=True)
@@ -216,6 +225,13 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
         reason = f"completed at step {ev.step} (reported by {wid})"
         status = replace(_set_job(state.status, JobState.COMPLETED, now_ms), reason=reason, summary=json.dumps(ev.summary))
         return Decision(replace(state, status=status), (), reason)
+    if isinstance(ev, Checkpointed):
+        if ev.step <= state.status.latest_step:
+            return _unchanged(state, f"checkpoint of step {ev.step} ignored: LATEST is at step {state.status.latest_step}")
+        pointer = LatestPointer(step=ev.step, store=ev.store, generation=ev.generation).to_json()
+        reason = f"LATEST -> checkpoint of step {ev.step} in {ev.store}"
+        state = replace(state, status=replace(state.status, latest_step=ev.step))
+        return Decision(state, (SetLatest(pointer),), reason)
     if rec is None:
         return _unchanged(state, f"{ev.kind} from unknown worker {wid!r} ignored")
     if isinstance(ev, Ready):

@@ -10,7 +10,7 @@ import json
 
 import redis
 
-from coordinator.decide import Decision, Forget, Publish, ReplyJoin, Watch
+from coordinator.decide import Decision, Forget, Publish, ReplyJoin, SetLatest, Watch
 from coordinator.fenced import FencedBatch
 from coordinator.states import CoordState, JobStatus, WorkerRecord
 from events.keys import JobKeys
@@ -56,6 +56,8 @@ def decision_batch(
             batch.xadd(keys.generations, {"data": doc}, maxlen=GENERATIONS_MAXLEN)
         elif isinstance(action, Watch):
             batch.add("ZADD", keys.last_seen, action.now_ms, action.worker_id)
+        elif isinstance(action, SetLatest):
+            batch.add("SET", keys.latest, action.pointer_json)
         elif isinstance(action, Forget):
             batch.add("ZREM", keys.last_seen, action.worker_id)
             batch.add("DEL", keys.heartbeat(action.worker_id))

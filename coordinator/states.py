@@ -133,6 +133,8 @@ class JobStatus:
     pending_join_ms: int = 0
     #: JSON summary reported with the job's completion (final loss, accuracy, digest...).
     summary: str = ""
+    #: Step of the newest checkpoint the Redis LATEST pointer names (0: none yet).
+    latest_step: int = 0
 
     def to_hash(self) -> dict[str, str]:
         return {
@@ -146,6 +148,7 @@ class JobStatus:
             "plan_digest": self.plan_digest,
             "pending_join_ms": str(self.pending_join_ms),
             "summary": self.summary,
+            "latest_step": str(self.latest_step),
         }
 
     @classmethod
@@ -164,6 +167,7 @@ class JobStatus:
             plan_digest=g.get("plan_digest", ""),
             pending_join_ms=int(g.get("pending_join_ms", 0)),
             summary=g.get("summary", ""),
+            latest_step=int(g.get("latest_step", 0)),
         )
 
 

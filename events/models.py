@@ -99,6 +99,16 @@ class JobCompleted(EventBase):
     summary: dict = Field(default_factory=dict)
 
 
+class Checkpointed(EventBase):
+    """A complete checkpoint of ``step`` exists in ``store`` (manifest and LATEST written);
+    the coordinator moves the job's Redis LATEST pointer to it, never backwards."""
+
+    kind: Literal["checkpoint"] = "checkpoint"
+    step: Annotated[int, Field(ge=0)]
+    store: Annotated[str, Field(max_length=1000)]
+    generation: int = 0
+
+
 class StopJob(EventBase):
     """An operator asked the job to stop (``shoal stop``); ``worker_id`` is None."""
 
@@ -107,7 +117,7 @@ class StopJob(EventBase):
 
 
 WorkerEvent = Annotated[
-    Union[JoinRequest, Ready, LeaveRequest, Left, WorkerExited, StepFailed, JobCompleted, StopJob],
+    Union[JoinRequest, Ready, LeaveRequest, Left, WorkerExited, StepFailed, JobCompleted, StopJob, Checkpointed],
     Field(discriminator="kind"),
 ]
 _EVENT_ADAPTER: TypeAdapter = TypeAdapter(WorkerEvent)

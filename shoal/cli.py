@@ -259,7 +259,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 def cmd_purge(args: argparse.Namespace) -> int:
     from coordinator.launcher import cancel_queued, launch_queue
-    from shoal.jobs import delete_job, job_states, list_jobs
+    from shoal.jobs import delete_jobs, job_states, list_jobs
 
     finished = ("completed", "failed", "stopped")
     wanted = [w.strip() for w in args.state.split(",") if w.strip()]
@@ -277,10 +277,9 @@ def cmd_purge(args: argparse.Namespace) -> int:
         if not args.yes:
             print(f"dry run: pass --yes to delete these {len(targets)} job(s) (their checkpoints are kept)")
             return 0
-        n = 0
+        n = delete_jobs(client, targets)  # waits for their coordinator leases to lapse (~lease TTL)
         queue = launch_queue(client)
         for j in targets:
-            n += delete_job(client, j)
             cancel_queued(queue, j)
     print(f"purged {len(targets)} job(s) ({n} keys); checkpoints were not touched")
     return 0

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import redis
 from redis.client import Pipeline
 
 from events.keys import JOBS, job_keys
-from shoal.errors import ConfigError
+from shoal.errors import ConfigError, ShoalError
 from shoal.jobspec import JobSpec
 
 
@@ -41,20 +42,47 @@ def create_job(client: redis.Redis, spec: JobSpec, *, also: Callable[[Pipeline],
     return spec.name
 
 
-def delete_job(client: redis.Redis, job_id: str, *, batch: int = 500) -> int:
-    """Remove every key of the job and unregister it. Returns the number of keys deleted."""
-    keys = job_keys(job_id)
-    client.srem(JOBS, job_id)
+def delete_job(client: redis.Redis, job_id: str, *, batch: int = 500, lease_wait: float = 30.0) -> int:
+    """Remove every key of the job and unregister it. Returns the number of keys deleted.
+    See :func:`delete_jobs` (this waits for the job's coordinator lease to lapse first)."""
+    return delete_jobs(client, [job_id], batch=batch, lease_wait=lease_wait)
+
+
+def delete_jobs(client: redis.Redis, job_ids: list[str], *, batch: int = 500, lease_wait: float = 30.0) -> int:
+    """Unregister the jobs, wait until no coordinator leads them, then delete their keys.
+
+    A coordinator leading a job reads its event stream through a consumer group, so the
+    keys must not vanish under it: once a job is out of the registry no replica renews its
+    lease, and the lease (a PX key) lapses within the lease TTL; only then are the keys
+    deleted. If a lease is still there after ``lease_wait`` s (someone registered the job
+    again), the jobs are registered again and nothing is deleted (ShoalError). Returns the
+    number of keys deleted."""
+    if not job_ids:
+        return 0
+    keys = [job_keys(j) for j in job_ids]
+    client.srem(JOBS, *job_ids)
+    deadline = time.monotonic() + lease_wait
+    while True:
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            pipe.exists(k.lease)
+        if not any(pipe.execute()):
+            break
+        if time.monotonic() >= deadline:
+            client.sadd(JOBS, *job_ids)
+            raise ShoalError(f"a coordinator still leads {', '.join(job_ids)} after {lease_wait:g} s; nothing deleted")
+        time.sleep(0.1)
     n = 0
-    for pattern in keys.all_patterns():
-        chunk = []
-        for key in client.scan_iter(match=pattern, count=batch):
-            chunk.append(key)
-            if len(chunk) >= batch:
+    for k in keys:
+        for pattern in k.all_patterns():
+            chunk = []
+            for key in client.scan_iter(match=pattern, count=batch):
+                chunk.append(key)
+                if len(chunk) >= batch:
+                    n += client.delete(*chunk)
+                    chunk = []
+            if chunk:
                 n += client.delete(*chunk)
-                chunk = []
-        if chunk:
-            n += client.delete(*chunk)
     return n
 
 

@@ -147,3 +147,15 @@ def test_agent_report_after_a_heartbeat_timeout_becomes_the_root_cause() -> None
     d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w0", exit_code=1, traceback="x\nValueError: bad")), T0 + 5001, SPEC)
     assert d.state.status.first_failure == "w0 failed: process ended with exit code 1 (ValueError: bad)"
     assert d.state.workers["w0"].state == WorkerState.FAILED
+
+
+def test_latest_pointer_only_moves_forward() -> None:
+    from events.models import Checkpointed
+    from storage.latest import LatestPointer
+
+    s = three_workers()
+    d = decide(s, _ev(Checkpointed(job_id="j", worker_id="w0", step=20, store="file:///c", generation=1)), T0, SPEC)
+    (act,) = d.actions
+    assert LatestPointer.from_json(act.pointer_json) == LatestPointer(step=20, store="file:///c", generation=1)
+    d2 = decide(d.state, _ev(Checkpointed(job_id="j", worker_id="w0", step=10, store="file:///c")), T0, SPEC)
+    assert not d2.changed and not d2.actions and "LATEST is at step 20" in d2.reason

@@ -124,7 +124,7 @@ def wait_until(pred, timeout: float, what: str):
 def test_drained_agent_is_relaunched_then_stop_is_graceful_and_purge_removes_the_job(
         r, env, tmp_path, job_id, procs, queue) -> None:
     watch = ControlWatcher(r, job_id)
-    procs.coordinator("coord", "--launch-interval", "0.3", "--launch-cooldown", "5")
+    coord = procs.coordinator("coord", "--launch-interval", "0.3", "--launch-cooldown", "5")
     spec = write_spec(tmp_path / "sim.yaml", name=job_id, entrypoint="simulate", min_workers=1, max_workers=2,
                       global_batch_size=20, heartbeat_interval=0.2, heartbeat_ttl=1.0, max_steps=100000,
                       simulate_step_time=0.02)
@@ -175,3 +175,5 @@ def test_drained_agent_is_relaunched_then_stop_is_graceful_and_purge_removes_the
     assert done.returncode == 0 and "purged" in done.stdout, done.stderr
     assert not r.sismember(JOBS, job_id)
     assert list(r.scan_iter(match=f"shoal:{{{job_id}}}:*")) == []
+    time.sleep(0.5)  # the coordinator that led the job let go of it before its keys went
+    assert coord.popen.poll() is None, coord.log_tail()

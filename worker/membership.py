@@ -15,6 +15,7 @@ import redis
 from events import bus
 from events.keys import JobKeys, job_keys
 from events.models import (
+    Checkpointed,
     EventBase,
     JobCompleted,
     JoinReply,
@@ -135,6 +136,9 @@ class Membership:
 
     def step_failed(self, generation: int, step: int, error: str) -> None:
         self.send(StepFailed(job_id=self.job_id, worker_id=self.worker_id, generation=generation, step=step, error=error[:2000]))
+
+    def checkpointed(self, step: int, store: str, generation: int) -> None:
+        self.send(Checkpointed(job_id=self.job_id, worker_id=self.worker_id, step=step, store=store, generation=generation))
 
     def completed(self, step: int, summary: dict) -> None:
         self.send(JobCompleted(job_id=self.job_id, worker_id=self.worker_id, step=step, summary=summary))

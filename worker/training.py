@@ -40,6 +40,7 @@ from worker.digest import state_digest
 from worker.engine import StepEngine, resync_state
 from worker.errors import CollectiveFailed, RendezvousFailed, StateMismatch, StepAborted
 from worker.faults import FaultPlan
+from worker.checkpoints import Checkpoints
 from worker.ledger import Ledger
 from worker.membership import Membership
 from worker.runner import TERMINAL, WorkerRunner
@@ -78,9 +79,30 @@ class TrainingWorker(WorkerRunner):
         self.total_samples = n * self.spec.epochs
         self.has_state = True  # the seeded initial model: identical on every worker
         log.info("built %s: %d samples, %d steps/epoch", self.spec.entrypoint, n, self.order.steps_per_epoch())
+        self.ckpt = Checkpoints.open(self.spec, self.m) if self.spec.checkpoint_uri else None
+        if self.ckpt is not None:
+            resumed = self.ckpt.resume(self.engine)
+            if resumed is not None:
+                self.step, self.cursor = resumed
 
     def cleanup(self) -> None:
         pg.leave_group()
+        if getattr(self, "ckpt", None) is not None:
+            self.ckpt.close()
+
+    @property
+    def is_rank0(self) -> bool:
+        member = self._table.member(self.m.worker_id) if self.group_gen else None
+        return member is not None and member.rank == 0
+
+    def _checkpoint(self, *, final: bool = False) -> None:
+        """Rank 0 saves (async) at the job's interval; ``final`` waits for it to be written."""
+        if self.ckpt is None or not self.is_rank0:
+            return
+        interval = self.spec.checkpoint_interval
+        if final or (interval and self.step % interval == 0):
+            self.ckpt.save(self.engine, step=self.step, cursor=self.cursor, epoch=self.cursor // self.order.num_samples,
+                           generation=self.group_gen, world_size=self._table.world_size, wait=final)
 
     def _done(self) -> bool:
         return self.cursor >= self.total_samples or (self.spec.max_steps is not None and self.step >= self.spec.max_steps)
@@ -99,6 +121,8 @@ class TrainingWorker(WorkerRunner):
         if table is not None:
             self.seen_gen = max(self.seen_gen, table.generation)
         if job_state in TERMINAL:
+            if job_state == "stopped":
+                self._checkpoint(final=True)  # a graceful stop keeps the progress
             return 0
         if self.group_gen == 0 or self.switch_to > self.group_gen:
             return self._switch()
@@ -128,6 +152,7 @@ class TrainingWorker(WorkerRunner):
         self.ledger.commit(wid, self.step, batch, self.group_gen, local)
         self.faults.at(wid, self.step, "after_commit")
         self.switch_to = result.max_generation
+        self._checkpoint()
         if self.hb is not None:
             fields = dict(step=self.step, generation=self.group_gen, step_time=time.monotonic() - started, loss=result.loss)
             if self.step % DIGEST_EVERY == 0:
@@ -237,6 +262,7 @@ class TrainingWorker(WorkerRunner):
         summary = {"step": self.step, "cursor": self.cursor, "digest": state_digest(self.engine.model)}
         if self.setup.eval_fn is not None:
             summary.update({k: float(v) for k, v in self.engine.evaluate(self.setup.eval_fn).items()})
+        self._checkpoint(final=True)
         export = os.environ.get("SHOAL_EXPORT_DIR")
         if export:  # tests and tools compare final weights across runs
             Path(export).mkdir(parents=True, exist_ok=True)
