@@ -114,15 +114,15 @@ def run_point(n_workers: int, n_jobs: int, ttl: float, interval: float, kills: i
         loaders: list[mp.Process] = []
         try:
             t0 = time.monotonic()
-            members = join_all(client, jobs, per_job, timeout=600)
-            join_s = time.monotonic() - t0
-            flat = [(j, w) for j in jobs for w in members[j]]
-            n_gen = 2
-            chunks = [flat[i::n_gen] for i in range(n_gen)]
-            for chunk in chunks:
+            flat = []
+            for job in jobs:  # like real workers, each starts heartbeating as soon as it joined
+                members = join_all(client, [job], per_job, timeout=600)[job]
+                chunk = [(job, w) for w in members]
+                flat += chunk
                 p = mp.Process(target=heartbeat_loop, args=(server.url, chunk, interval, int(ttl * 1000), stop, killed), daemon=True)
                 p.start()
                 loaders.append(p)
+            join_s = time.monotonic() - t0
             time.sleep(3 * interval)  # every worker has beaten at least twice
             cpu_proc = psutil.Process(coord.pid)
             c0, w0 = cpu_proc.cpu_times(), time.monotonic()

@@ -27,7 +27,7 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from coordinator.persist import load_state
-from coordinator.states import PLANNED, CoordState, JobState
+from coordinator.states import PLANNED, TERMINAL_JOB_STATES, CoordState, JobState
 from events.keys import JOBS, LAUNCH_QUEUE, job_keys, job_of_launch_unit, launch_unit_id
 from shoal.jobspec import JobSpec
 
@@ -41,7 +41,9 @@ NO_TIMEOUT = -1
 RESULT_TTL = 7 * 24 * 3600
 #: States in which a job wants workers (re-enqueue applies to these only).
 WANTS_WORKERS = frozenset({JobState.RUNNING, JobState.PAUSED})
-TERMINAL = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.STOPPED})
+TERMINAL = TERMINAL_JOB_STATES
+_TERMINAL_NAMES = frozenset(s.value for s in TERMINAL)
+_WANTING_NAMES = frozenset(s.value for s in WANTS_WORKERS)
 
 
 def launch_queue(client: redis.Redis) -> Queue:
@@ -89,9 +91,11 @@ def enqueue_units(queue: Queue, job_id: str, sizes: Iterable[int], *, pipeline=N
 
 
 def count_launches(queue: Queue) -> Counter:
-    """Launch units per job id that are queued or running (RQ's queue + started registry;
-    a unit whose node vanished stays "running" until RQ's heartbeat for it expires)."""
+    """Launch units per job id that are queued or running (RQ's queue, its intermediate
+    queue of units a worker is taking, and the started registry; a unit whose node vanished
+    stays "running" until RQ's heartbeat for it expires)."""
     ids = list(queue.get_job_ids())
+    ids += queue.intermediate_queue.get_job_ids()
     ids += StartedJobRegistry(queue=queue).get_job_ids()
     counts: Counter = Counter()
     for rq_id in ids:
@@ -142,21 +146,24 @@ class Launcher:
         todo = []
         for keys, launch, state in zip(managed, replies[0::2], replies[1::2]):
             if launch:
-                per_unit = int(launch.get(b"workers", b"1"))
-                todo.append((keys, per_unit, state.decode() if state else "pending"))
+                try:
+                    per_unit = max(1, int(launch.get(b"workers", b"1")))
+                except ValueError:
+                    per_unit = 1
+                todo.append((keys, per_unit, state.decode() if state else JobState.PENDING.value))
         if not todo:
             return {}
         counts = count_launches(self.queue)
         done: dict[str, int] = {}
         for keys, per_unit, state in todo:
             jid = keys.job_id
-            if state in {s.value for s in TERMINAL}:
+            if state in _TERMINAL_NAMES:
                 if counts[jid]:
                     n = cancel_queued(self.queue, jid)
                     if n:
                         log.info("job %s is %s: dropped %d queued launch unit(s)", jid, state, n)
                 continue
-            if state not in {s.value for s in WANTS_WORKERS} or counts[jid]:
+            if state not in _WANTING_NAMES or counts[jid]:
                 continue
             raw = self.client.get(keys.spec)
             if raw is None:

@@ -111,7 +111,7 @@ def start_server(
         "--protected-mode", "yes",
     ]
     if password:
-        # passed on stdin-free argv is visible in ps; use a config file readable by us only
+        # a password on the command line is visible in ps: use a config file only we can read
         conf = run_dir / "auth.conf"
         conf.write_text(f"requirepass {password}\n")
         conf.chmod(0o600)
@@ -131,8 +131,6 @@ def start_server(
                 tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
                 raise ConnectionFailed(f"embedded Redis did not start on port {port}: {exc}; log: {' | '.join(tail)}") from exc
             time.sleep(0.02)
-        finally:
-            pass
     client.close()
     (run_dir / "port").write_text(str(port))
     return server

@@ -130,7 +130,10 @@ def run_launch(job_id: str, workers: int, *, meta_interval: float | None = None)
         raise ConfigError("REDIS_URL is not set on this node")
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ConfigError(f"workers must be a positive integer, got {workers!r}")
-    keys = job_keys(job_id)
+    try:
+        keys = job_keys(job_id)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     rq_job = get_current_job()
     client = connect(url)
     try:
@@ -170,7 +173,7 @@ def run_launch(job_id: str, workers: int, *, meta_interval: float | None = None)
             for s in agent.slots:
                 if s.proc is not None:
                     s.proc.kill()
-                    s.proc.wait()
+                    s.proc.wait(timeout=10)
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
         rc = 1 if any(s.gave_up for s in agent.slots) else 0

@@ -84,6 +84,8 @@ def queue(r):
     q.empty()
     yield q
     q.empty()
+    for rq_id in q.intermediate_queue.get_job_ids():
+        q.intermediate_queue.remove(rq_id)
 
 
 @pytest.fixture
@@ -108,6 +110,11 @@ def test_submit_registers_and_queues_in_one_transaction(r, job_id, queue, cleanu
         assert list(job.args) == [job_id, n] and job.kwargs == {}  # only the job id and a count
         assert job.timeout == NO_TIMEOUT and job.result_ttl == RESULT_TTL
     assert count_launches(queue)[job_id] == 3
+    # a unit a node is taking right now (RQ's intermediate queue) still counts
+    type(queue).lmove(r, queue.key, None)
+    assert count_launches(queue)[job_id] == 3
+    queue.intermediate_queue.remove(done.unit_ids[0])
+    queue.push_job_id(done.unit_ids[0], at_front=True)
 
     # a second submit of the same name changes nothing: no spec overwrite, no extra unit
     with pytest.raises(ConfigError, match="already exists"):

@@ -68,6 +68,11 @@ def test_invalid_spec_is_refused_before_anything_is_queued(r, env, tmp_path, job
     assert res.returncode == 2 and res.stderr.startswith("shoal: cannot read job spec")
     assert not r.sismember(JOBS, job_id) and not r.exists(job_keys(job_id).spec)
     assert queue.count == 0 and units_of(queue, job_id) == []
+    # an unreachable server: one line, exit 3, and the password in REDIS_URL is never printed
+    good = write_spec(tmp_path / "good.yaml", name=job_id, entrypoint="simulate")
+    res = shoal({**env, "REDIS_URL": f"redis://user:s3cret-pw@127.0.0.1:{free_port()}/0"}, "submit", good)
+    assert res.returncode == 3 and res.stderr.count("\n") == 1 and "s3cret-pw" not in res.stderr + res.stdout
+    assert "user:***@" in res.stderr
     # bad input to the other new commands: one line, non-zero, nothing changed
     for args in (["stop", job_id], ["logs", job_id], ["stop", "bad{id}"], ["purge", "--state", "running"],
                  ["agent", job_id, "--queue"], ["coordinator", "--metrics-port", "70000"]):
