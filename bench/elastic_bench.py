@@ -30,7 +30,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,6 +91,15 @@ def run_shoal_steady(url: str, tmp: Path, steps: int, workers: int) -> dict:
     return {"steps_per_s": steady_rate([e["t"] for e in first]), "launch_to_first_step": first[0]["t"] - launched}
 
 
+def _agent_spawn_time(log_path: Path, pid: int) -> float | None:
+    """When the node agent started ``pid``, from its log line's timestamp."""
+    for line in log_path.read_text().splitlines():
+        if f"started worker pid {pid} " in line:
+            stamp = line[:23]  # "2026-11-21 23:28:25,043"
+            return time.mktime(time.strptime(stamp[:19], "%Y-%m-%d %H:%M:%S")) + int(stamp[20:23]) / 1000
+    return None
+
+
 def run_recovery(url: str, tmp: Path, with_agent: bool) -> dict:
     """3 workers; kill -9 one after warm-up; measure recovery, redone steps, and (with the
     agent, which starts a replacement) scale-up and the survivors' pause."""
@@ -134,9 +142,8 @@ def run_recovery(url: str, tmp: Path, with_agent: bool) -> dict:
     result["exactly_once"] = verdict.ok
     if with_agent:
         newcomer = next(w for w in per if w not in records)
-        pid = per[newcomer][0]["pid"]
-        launched = psutil.Process(pid).create_time() if psutil.pid_exists(pid) else None
         first = per[newcomer][0]
+        launched = _agent_spawn_time(tmp / f"logs-{job}" / "agent.log", first["pid"])
         if launched is not None:
             result["scale_up_s"] = first["t"] - launched
         s0 = [e["t"] for e in per[survivors[0]]]
