@@ -140,6 +140,8 @@ def run_recovery(url: str, tmp: Path, with_agent: bool) -> dict:
     steps = [e["step"] for e in per[survivors[0]]]
     result["steps_redone"] = len(steps) - len(set(steps))
     result["exactly_once"] = verdict.ok
+    result["problem"] = verdict.problem
+    result["partial_commits"] = verdict.partial_commits
     if with_agent:
         newcomer = next(w for w in per if w not in records)
         first = per[newcomer][0]

@@ -39,3 +39,13 @@ def test_slices_that_do_not_partition_the_batch_are_caught() -> None:
 
 def test_gaps_in_committed_steps_are_caught() -> None:
     assert "gaps" in verify([_entry(2, 1, [0], [0])], N).problem
+
+
+def test_a_step_committed_by_some_ranks_only_is_accepted_if_disjoint() -> None:
+    # a peer died in the last exchange: rank 0 committed (holding every rank's gradient), rank 1 adopted it
+    partial = [dict(_entry(1, 1, [4, 1, 0], [4, 1]), world=3), _entry(2, 2, [5, 3, 2], [5, 3, 2])]
+    v = verify(partial, N)
+    assert v.ok and v.partial_commits == 1
+    overlapping = [dict(_entry(1, 1, [4, 1, 0], [4, 1]), world=3), dict(_entry(1, 1, [4, 1, 0], [1]), world=3),
+                   _entry(2, 2, [5, 3, 2], [5, 3, 2])]
+    assert "overlap" in verify(overlapping, N).problem

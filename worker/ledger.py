@@ -30,10 +30,10 @@ class Ledger:
         Path(d).mkdir(parents=True, exist_ok=True)
         return cls(Path(d) / f"ledger-{os.getpid()}.jsonl")
 
-    def commit(self, worker_id: str, step: int, batch, generation: int, local) -> None:
+    def commit(self, worker_id: str, step: int, batch, generation: int, local, world: int = 0) -> None:
         if self._fh is None:
             return
-        self._fh.write(json.dumps({"t": time.time(), "worker": worker_id, "pid": os.getpid(), "step": step, "cursor": batch.cursor,
+        self._fh.write(json.dumps({"t": time.time(), "world": world, "worker": worker_id, "pid": os.getpid(), "step": step, "cursor": batch.cursor,
                                    "epoch": batch.epoch, "generation": generation, "count": batch.count,
                                    "batch": [int(i) for i in batch.indices], "indices": [int(i) for i in local]}) + "\n")
 
@@ -48,6 +48,8 @@ class Verdict:
     steps: int
     epochs_complete: int
     problem: str = ""
+    #: steps committed by only some ranks of their generation (see verify)
+    partial_commits: int = 0
 
 
 def verify(entries: list[dict], num_samples: int) -> Verdict:
@@ -59,6 +61,7 @@ def verify(entries: list[dict], num_samples: int) -> Verdict:
     if steps != list(range(1, len(steps) + 1)):
         return Verdict(False, len(steps), 0, "committed step numbers have gaps")
     used: dict[int, list[int]] = defaultdict(list)
+    partial = 0
     for step in steps:
         group = by_step[step]
         if len({e["generation"] for e in group}) != 1:
@@ -66,8 +69,18 @@ def verify(entries: list[dict], num_samples: int) -> Verdict:
         batch = group[0]["batch"]
         if any(e["batch"] != batch or e["cursor"] != group[0]["cursor"] for e in group):
             return Verdict(False, len(steps), 0, f"ranks disagree on the batch of step {step}")
-        if sorted(i for e in group for i in e["indices"]) != sorted(batch):
-            return Verdict(False, len(steps), 0, f"the ranks' slices of step {step} do not partition its batch")
+        recorded = sorted(i for e in group for i in e["indices"])
+        world = group[0].get("world") or len(group)
+        if len(group) >= world:
+            if recorded != sorted(batch):
+                return Verdict(False, len(steps), 0, f"the ranks' slices of step {step} do not partition its batch")
+        else:
+            # a peer died during the step's last exchange: the all-reduce completed on some ranks
+            # (their update holds every rank's gradient) and the others adopted it at the next
+            # generation's resync, so fewer ranks recorded the step; their slices must not overlap
+            if len(set(recorded)) != len(recorded) or not set(recorded) <= set(batch):
+                return Verdict(False, len(steps), 0, f"the recorded slices of step {step} overlap or leave its batch")
+            partial += 1
         used[group[0]["epoch"]] += batch
     complete = 0
     for epoch, indices in sorted(used.items()):
@@ -77,4 +90,4 @@ def verify(entries: list[dict], num_samples: int) -> Verdict:
             complete += 1
         elif len(set(indices)) != len(indices):
             return Verdict(False, len(steps), complete, f"epoch {epoch}: a sample used twice")
-    return Verdict(True, len(steps), complete)
+    return Verdict(True, len(steps), complete, partial_commits=partial)

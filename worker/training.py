@@ -149,7 +149,7 @@ class TrainingWorker(WorkerRunner):
             return None
         self.step += 1
         self.cursor = batch.next_cursor
-        self.ledger.commit(wid, self.step, batch, self.group_gen, local)
+        self.ledger.commit(wid, self.step, batch, self.group_gen, local, self._table.world_size)
         self.faults.at(wid, self.step, "after_commit")
         self.switch_to = result.max_generation
         self._checkpoint()
