@@ -56,8 +56,6 @@ class Membership:
         self.node = node
         self.worker_id: str | None = None
         self._gen_cursor = "0-0"
-        self._last_raw: bytes | None = None
-        self._last_table: ShardTable | None = None
 
     def send(self, event: EventBase) -> str:
         return bus.publish(self.client, self.keys.events, event)
@@ -104,18 +102,6 @@ class Membership:
                 if table.generation > after_generation and (newest is None or table.generation > newest.generation):
                     newest = table
         return newest
-
-    def poll(self) -> tuple[ShardTable | None, str]:
-        """The current table and job state in one round trip (the per-step check).
-        The table is parsed only when it changed since the last poll."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.get(self.keys.shard)
-        pipe.hget(self.keys.state, "state")
-        raw, state = pipe.execute()
-        if raw != self._last_raw:
-            self._last_raw = raw
-            self._last_table = ShardTable.model_validate_json(raw) if raw else None
-        return self._last_table, state.decode() if state else "pending"
 
     def job_state(self) -> str:
         v = self.client.hget(self.keys.state, "state")

@@ -45,6 +45,7 @@ from worker.ledger import Ledger
 from worker.membership import Membership
 from worker.runner import TERMINAL, WorkerRunner
 from worker.userapi import load_entrypoint
+from worker.watcher import GenerationWatcher
 
 log = logging.getLogger("shoal.worker")
 
@@ -85,7 +86,16 @@ class TrainingWorker(WorkerRunner):
             if resumed is not None:
                 self.step, self.cursor = resumed
 
+    def start(self) -> str:
+        wid = super().start()
+        # the client's pool gives the watcher's blocking XREAD a connection of its own
+        self.watcher = GenerationWatcher(self.m.client, self.m.keys, interval=min(1.0, self.spec.heartbeat_interval * 2))
+        self.watcher.start()
+        return wid
+
     def cleanup(self) -> None:
+        if getattr(self, "watcher", None) is not None:
+            self.watcher.stop()
         pg.leave_group()
         if getattr(self, "ckpt", None) is not None:
             self.ckpt.close()
@@ -117,9 +127,8 @@ class TrainingWorker(WorkerRunner):
             self.draining = True
             self.m.leave("SIGTERM")
             log.info("draining after step %d", self.step)
-        table, job_state = self.m.poll()
-        if table is not None:
-            self.seen_gen = max(self.seen_gen, table.generation)
+        self.seen_gen = max(self.seen_gen, self.watcher.latest)
+        job_state = self.watcher.job_state
         if job_state in TERMINAL:
             if job_state == "stopped":
                 self._checkpoint(final=True)  # a graceful stop keeps the progress

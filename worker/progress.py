@@ -1,0 +1,64 @@
+"""The progress history ``shoal report`` draws: rank 0 appends committed steps to a stream.
+
+:class:`ProgressRecorder` writes one entry (``step``, ``loss``, ``generation``,
+``world_size``, ``t``) to ``job_keys(J).progress`` at most every ``interval`` seconds, plus
+the first committed step of every generation (so a report sees exactly when training went on
+after a membership change). The entry id is Redis server time, the clock the coordinator's
+``control`` stream uses. Recording never raises into the training loop: on a Redis error the
+entry is dropped and recording pauses for ``error_backoff`` seconds. Nothing in the
+coordinator reads this stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import redis
+
+from events.keys import JobKeys
+
+log = logging.getLogger("shoal.worker.progress")
+
+MAXLEN = 100_000
+
+
+class ProgressRecorder:
+    def __init__(self, client: redis.Redis, keys: JobKeys, *, interval: float = 0.5, error_backoff: float = 5.0):
+        self.client = client
+        self.keys = keys
+        self.interval = interval
+        self.error_backoff = error_backoff
+        self._last_t: float | None = None
+        self._last_generation: int | None = None
+        self._quiet_until = 0.0
+        self.recorded = 0
+        self.dropped = 0
+
+    def record(self, step: int, loss: float | None, generation: int, world_size: int, t: float | None = None) -> bool:
+        """Append this committed step if due; True when an entry was written. Never raises."""
+        try:
+            now = time.time() if t is None else float(t)
+            new_generation = generation != self._last_generation
+            if not new_generation and self._last_t is not None and now - self._last_t < self.interval:
+                return False
+            if now < self._quiet_until:
+                return False
+            loss_s = "nan" if loss is None or not math.isfinite(float(loss)) else repr(float(loss))
+            fields = {"step": str(int(step)), "loss": loss_s, "generation": str(int(generation)),
+                      "world_size": str(int(world_size)), "t": f"{now:.3f}"}
+            self.client.xadd(self.keys.progress, fields, maxlen=MAXLEN, approximate=True)
+        except redis.RedisError as exc:
+            self.dropped += 1
+            self._quiet_until = (time.time() if t is None else float(t)) + self.error_backoff
+            log.debug("progress entry of step %s dropped: %s", step, exc)
+            return False
+        except (TypeError, ValueError) as exc:  # a bad value must not stop training either
+            self.dropped += 1
+            log.debug("progress entry of step %s dropped: %s", step, exc)
+            return False
+        self._last_t = now
+        self._last_generation = generation
+        self.recorded += 1
+        return True
