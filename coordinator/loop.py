@@ -255,6 +255,9 @@ class Coordinator:
         except InvalidEvent as exc:
             self._dead_letter(lead, sid, fields, exc.reason, now)
             return
+        except Exception as exc:  # a decoder bug must not kill the consumer either
+            self._dead_letter(lead, sid, fields, f"undecodable: {type(exc).__name__}: {exc}", now)
+            return
         try:
             decision = decide(lead.state, EventInput(sid, event), now, lead.spec, lead.epoch)
         except Exception as exc:  # a bug in a handler must not kill the consumer

@@ -122,6 +122,15 @@ class JobKeys:
         return f"{self.base}:logs"
 
     @property
+    def progress(self) -> str:
+        """STREAM of committed progress: ``step``, ``loss``, ``generation``, ``world_size``, ``t``
+        (the worker's unix time); the entry id is Redis server time, the clock of ``control``.
+        Writer: rank 0 of the training worker (``worker/progress.py``: at most one entry per
+        0.5 s, plus the first step of each generation; dropped when Redis is down). Reader:
+        ``shoal report``. Capped at ~100000 entries. The coordinator never reads it."""
+        return f"{self.base}:progress"
+
+    @property
     def failures(self) -> str:
         """STREAM of worker process failures reported by node agents (exit code, signal, traceback)."""
         return f"{self.base}:failures"

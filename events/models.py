@@ -143,7 +143,7 @@ def decode_event(fields: dict[bytes | str, bytes | str], expected_job: str | Non
     matches one of the event models, its schema version is one we can read, and its
     ``job_id`` matches the stream it came from.
     """
-    norm = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}
+    norm = {(k.decode("utf-8", "replace") if isinstance(k, bytes) else str(k)): v for k, v in fields.items()}
     raw = norm.get("data")
     if raw is None:
         raise InvalidEvent(f"no 'data' field (fields: {sorted(norm)[:5]})")

@@ -37,6 +37,7 @@ def test_round_trip_and_unknown_fields_are_tolerated() -> None:
     "fields, reason",
     [
         ({b"foo": b"bar"}, "no 'data' field"),
+        ({b"\xdf\x00": b"bar"}, "no 'data' field"),
         ({b"data": b"\xff\xfe garbage"}, "not JSON"),
         ({b"data": b'{"kind": "ready", "job_id": "j", "gener'}, "not JSON"),
         ({b"data": b"[1, 2]"}, "not a JSON object"),
