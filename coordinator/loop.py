@@ -223,6 +223,14 @@ class Coordinator:
                 self._last_lease_ms = 0
                 stop.wait(backoff)
                 backoff = min(max_backoff, backoff * 2)
+            except redis.ResponseError as exc:
+                # e.g. NOGROUP: a job's keys were deleted under us. Forget everything we
+                # cached and start over from Redis rather than die.
+                log.error("Redis refused a command (%s); reloading every lead", exc)
+                self.leads.clear()
+                self._last_lease_ms = 0
+                stop.wait(backoff)
+                backoff = min(max_backoff, backoff * 2)
         try:
             self.release_all()
         except redis.RedisError:

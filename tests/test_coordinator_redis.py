@@ -139,3 +139,25 @@ def test_trim_never_drops_unacknowledged_entries(r, redis_url, job_id) -> None:
     remaining = [sid.decode() for sid, _ in r.xrange(keys.events)]
     assert later in remaining and len(remaining) == 2  # handled joins trimmed, the rest kept
     assert r.xpending(keys.events, COORDINATOR_GROUP)["pending"] == 1
+
+
+def test_keys_deleted_under_a_running_coordinator_do_not_kill_it(r, redis_url, job_id) -> None:
+    keys = job_keys(job_id)
+    create_job(r, _spec(job_id))
+    c = Coordinator(redis.Redis.from_url(redis_url), instance_id="c", lease_ttl=5, block_ms=10)
+    c.run_once(block_ms=1)
+    assert job_id in c.leads
+    r.delete(keys.events)  # its stream and consumer group vanish (a purge racing the leader)
+    r.srem("shoal:jobs", job_id)
+    stop = threading.Event()
+    t = threading.Thread(target=c.run, args=(stop,), daemon=True)
+    t.start()
+    other = job_id + "-b"
+    create_job(r, _spec(other))
+    ev = JoinRequest(job_id=other, host="h", pid=1)
+    bus.publish(r, job_keys(other).events, ev)
+    got = r.blpop([job_keys(other).join_reply(ev.event_id)], timeout=15)
+    stop.set()
+    t.join(10)
+    assert got is not None  # still serving other jobs
+    assert job_id not in c.leads
