@@ -50,6 +50,9 @@ class JobLead:
     attempts: dict[str, int] = field(default_factory=dict)
     last_trim_ms: int = 0
     last_reclaim_ms: int = 0
+    #: Redis ms when this replica took the job. Heartbeats older than that are counted from
+    #: it: after a Redis outage or a takeover, workers get a full TTL to be seen again.
+    taken_ms: int = 0
     last_progress_ms: int = 0
 
     @property
@@ -149,7 +152,8 @@ class Coordinator:
             return
         bus.ensure_group(self.client, keys.events)
         state = load_state(self.client, keys)
-        self.leads[keys.job_id] = JobLead(keys=keys, spec=spec, writer=FencedWriter(self.client, keys, self.token, epoch), state=state)
+        self.leads[keys.job_id] = JobLead(keys=keys, spec=spec, writer=FencedWriter(self.client, keys, self.token, epoch),
+                                          state=state, taken_ms=server_ms(self.client))
         self.stats.takeovers += 1
         log.info("job %s: leading with epoch %d (state %s, generation %d)", keys.job_id, epoch, state.status.state.value, state.status.generation)
 
@@ -350,7 +354,7 @@ class Coordinator:
         for lead, stale in zip(leads, stale_lists):
             if lead.keys.job_id not in self.leads:
                 continue
-            last_seen = {(w.decode() if isinstance(w, bytes) else w): int(score) for w, score in stale}
+            last_seen = {(w.decode() if isinstance(w, bytes) else w): max(int(score), lead.taken_ms) for w, score in stale}
             step_times = _step_times(lead, progress.get(lead.keys.job_id))
             if not last_seen and not step_times and not lead.state.status.pending_join_ms:
                 continue

@@ -23,10 +23,14 @@ from shoal.errors import ConfigError, ConnectionFailed, ShoalError
 
 log = logging.getLogger("shoal.cli")
 
+#: How long workers and agents keep retrying Redis commands through an outage.
+RIDE_OUT_S = 60.0
+
 
 @contextlib.contextmanager
-def redis_client(*, start_embedded: bool) -> Iterator[redis.Redis]:
-    """A client for ``REDIS_URL``, or for the embedded server (started if allowed)."""
+def redis_client(*, start_embedded: bool, ride_out: float = 0.0) -> Iterator[redis.Redis]:
+    """A client for ``REDIS_URL``, or for the embedded server (started if allowed).
+    ``ride_out``: see :func:`shoal.connection.connect`."""
     url = url_from_env()
     server = None
     if url is None:
@@ -37,7 +41,7 @@ def redis_client(*, start_embedded: bool) -> Iterator[redis.Redis]:
         url = server.url
         if server.owned:
             log.info("started embedded Redis at %s (AOF in %s)", url, run_dir)
-    client = connect(url)
+    client = connect(url, ride_out=ride_out)
     try:
         yield client
     finally:
@@ -120,7 +124,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from worker.membership import Membership, MembershipError
     from worker.simulated import SimulatedWorker
 
-    with redis_client(start_embedded=False) as client:
+    # a worker lives through a Redis restart: its commands retry while training goes on
+    with redis_client(start_embedded=False, ride_out=RIDE_OUT_S) as client:
         raw = client.get(job_keys(args.job).spec)
         if raw is None:
             raise MembershipError(f"job {args.job!r} does not exist")
@@ -157,7 +162,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     _job_keys(args.job)
-    with redis_client(start_embedded=False) as client:
+    with redis_client(start_embedded=False, ride_out=RIDE_OUT_S) as client:
         raw = client.get(job_keys(args.job).spec)
         if raw is None:
             raise ConfigError(f"job {args.job!r} does not exist")
@@ -427,10 +432,24 @@ def cmd_events(args: argparse.Namespace) -> int:
                 return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from shoal.report import write_report
+
+    _job_keys(args.job)
+    with redis_client(start_embedded=False) as client:
+        marks = write_report(client, args.job, args.output)
+    failures = [m for m in marks if m.kind == "failure"]
+    changes = [m for m in marks if m.kind != "end"]
+    print(f"wrote {args.output}: {len(changes)} generation change(s), {len(failures)} failure(s)"
+          + "".join(f"\n  {m.label}" + (f" (recovered in {m.recovery_s:.2f} s)" if m.recovery_s is not None else "")
+                    for m in marks))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from shoal.demo import run_demo
 
-    return run_demo(duration=args.duration, epochs=args.epochs)
+    return run_demo(duration=args.duration, epochs=args.epochs, report=args.report or None)
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
@@ -539,8 +558,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     dm = sub.add_parser("demo", help="embedded Redis + coordinator + 3 workers, with a kill and a join")
     dm.add_argument("--duration", type=float, default=None, help="give up after this many seconds (default 600)")
-    dm.add_argument("--epochs", type=int, default=8)
+    dm.add_argument("--epochs", type=int, default=40)
+    dm.add_argument("--report", metavar="PATH", default="report.png",
+                    help="write the run's report (shoal report) here at the end ('' : none)")
     dm.set_defaults(func=cmd_demo)
+
+    rp = sub.add_parser("report", help="a PNG of a job's loss and throughput with its membership changes")
+    rp.add_argument("job")
+    rp.add_argument("-o", "--output", default="report.png", help="PNG file to write (default report.png)")
+    rp.set_defaults(func=cmd_report)
 
     cl = sub.add_parser("cluster", help="validate or show a cluster.yaml")
     cl.add_argument("action", choices=["validate", "show"])

@@ -11,6 +11,8 @@ import os
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from shoal.errors import ConnectionFailed
 
@@ -29,19 +31,31 @@ def redact_url(url: str) -> str:
     return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, parts.fragment))
 
 
-def connect(url: str, *, timeout: float = 5.0, check: bool = True) -> redis.Redis:
+def connect(url: str, *, timeout: float = 5.0, check: bool = True, ride_out: float = 0.0) -> redis.Redis:
     """A client for ``url`` with explicit socket timeouts; with ``check`` it PINGs first.
+
+    ``ride_out`` > 0 makes every command retry connection errors with exponential backoff
+    for about that many seconds (workers use it to live through a Redis restart without
+    losing their process); 0 makes errors surface at once (the coordinator handles outages
+    itself, so that it knows to reload its state).
 
     Raises ConnectionFailed (naming the redacted URL and the cause) when the server cannot be
     reached, refuses authentication, or the URL is malformed.
     """
+    retrying: dict = {}
+    if ride_out > 0:
+        cap, base = 1.0, 0.05
+        errors = (redis.ConnectionError, redis.TimeoutError)
+        retrying = dict(retry=Retry(ExponentialBackoff(cap=cap, base=base), retries=max(1, int(ride_out / cap) + 5),
+                                    supported_errors=errors),
+                        retry_on_error=list(errors))
     try:
         client = redis.Redis.from_url(
             url,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
             health_check_interval=30,
-            retry_on_timeout=False,
+            **retrying,
         )
     except ValueError as exc:
         raise ConnectionFailed(f"bad Redis URL {redact_url(url)}: {exc}") from exc
