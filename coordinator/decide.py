@@ -258,6 +258,8 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
         state, actions, reason = replan(state, spec, now_ms, epoch, why)
         return Decision(state, (Forget(wid), *actions), reason)
     if isinstance(ev, WorkerExited):
+        if ev.pid and rec.pid and ev.pid != rec.pid:
+            return _unchanged(state, f"exit of pid {ev.pid} ignored: {wid} is pid {rec.pid}")
         how = f"signal {ev.signal}" if ev.signal else f"exit code {ev.exit_code}"
         tail = ev.traceback.strip().splitlines()[-1] if ev.traceback.strip() else ""
         why = f"{wid} failed: process ended with {how}" + (f" ({tail})" if tail else "")
@@ -305,6 +307,9 @@ def _on_join(state: CoordState, ev: JoinRequest, now_ms: int, spec: JobSpec, epo
     if len(planned) >= spec.max_workers:
         reason = f"join rejected: job already has {len(planned)} workers (max_workers={spec.max_workers})"
         return Decision(state, (ReplyJoin(ev.event_id, JoinReply(accepted=False, reason=reason)),), reason)
+    if ev.last_generation > status.generation:
+        # Redis lost the job and a surviving process rejoins: number on above what it saw
+        status = replace(status, generation=ev.last_generation)
     wid = f"w{status.next_worker}"
     rec = WorkerRecord(
         worker_id=wid, state=WorkerState.SYNCING, joined_ms=now_ms, host=ev.host, pid=ev.pid, node=ev.node,

@@ -30,6 +30,7 @@ from coordinator.states import TERMINAL_JOB_STATES, CoordState, WorkerState
 from events import bus
 from events.keys import COORDINATOR_GROUP, JOBS, JobKeys, job_keys
 from events.models import InvalidEvent, decode_event
+from shoal.faults import FaultPlan
 from shoal.jobspec import JobSpec
 
 log = logging.getLogger("shoal.coordinator")
@@ -108,6 +109,7 @@ class Coordinator:
         self._last_lease_ms = 0
         self._last_tick_ms = 0
         self._broken: dict[str, str] = {}
+        self.faults = FaultPlan.for_coordinator()
 
     # ---- leadership -------------------------------------------------------------------------
 
@@ -270,6 +272,7 @@ class Coordinator:
         except Exception as exc:  # a decoder bug must not kill the consumer either
             self._dead_letter(lead, sid, fields, f"undecodable: {type(exc).__name__}: {exc}", now)
             return
+        self.faults.count(event.kind, "before_apply")
         try:
             decision = decide(lead.state, EventInput(sid, event), now, lead.spec, lead.epoch)
         except Exception as exc:  # a bug in a handler must not kill the consumer
@@ -284,6 +287,7 @@ class Coordinator:
             return
         self._record(lead, decision, kind=event.kind, source_id=sid, now=now)
         self.stats.events_handled += 1
+        self.faults.count(event.kind, "after_apply")
 
     def _record(self, lead: JobLead, decision: Decision, *, kind: str, source_id: str, now: int) -> None:
         """Persist a decision through the fence (plus ``applied``/XACK for stream entries)."""

@@ -47,6 +47,10 @@ class JoinRequest(EventBase):
     node: Annotated[str, Field(max_length=255)] = ""
     #: A worker restarted by its agent asks for its old id back (restart budget is per id).
     previous_worker_id: Annotated[str | None, Field(max_length=64)] = None
+    #: The newest generation this process has been a member of (0: none). A process that
+    #: rejoins after Redis lost the job asks the coordinator to number on above it, so a
+    #: generation (and its rendezvous prefix) never repeats for a live process.
+    last_generation: Annotated[int, Field(ge=0)] = 0
 
 
 class Ready(EventBase):
@@ -80,6 +84,9 @@ class WorkerExited(EventBase):
     #: The agent spent the restart budget on this worker's slot and will not restart it.
     gave_up: bool = False
     restarts: int = 0
+    #: The dead process's pid (0: unknown). A report about a pid other than the one the
+    #: worker id joined with (ids restart after Redis lost a job) is ignored.
+    pid: int = 0
 
 
 class StepFailed(EventBase):

@@ -14,6 +14,8 @@ is the same training as a plain torchrun DDP script; ``examples/README.md`` comp
 from __future__ import annotations
 
 import argparse
+import time
+import os
 
 import numpy as np
 import torch
@@ -111,6 +113,22 @@ def build() -> TrainingSetup:
         loss_fn=nn.CrossEntropyLoss(reduction="sum"),  # SUM: shoal divides by the global batch
         eval_fn=evaluate,
     )
+
+
+def build_paced() -> TrainingSetup:
+    """``build`` with a fixed pause in every step (``SHOAL_STEP_PACE`` seconds, default 0.03):
+    the chaos soak's job (``shoal chaos``), whose steps/s must not depend much on how busy a
+    shared machine is. The arithmetic is exactly ``build``'s."""
+    setup = build()
+    pace = float(os.environ.get("SHOAL_STEP_PACE", "0.03"))
+    summed = setup.loss_fn
+
+    def loss_fn(outputs, targets):
+        time.sleep(pace)
+        return summed(outputs, targets)
+
+    setup.loss_fn = loss_fn
+    return setup
 
 
 def train_locally(epochs: int = 3, global_batch: int = 64, seed: int = 0, log=print) -> list[dict[str, float]]:

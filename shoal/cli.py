@@ -171,7 +171,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         run_dir = Path(args.run_dir or default_run_dir().parent / "agent" / args.job)
         agent = NodeAgent(client, url, args.job, args.workers, run_dir=run_dir,
                           max_restarts=spec.max_restarts if args.max_restarts is None else args.max_restarts,
-                          backoff=args.backoff, node=args.node)
+                          backoff=args.backoff, node=args.node, spec=spec)
         signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
         signal.signal(signal.SIGINT, lambda *_: agent.stop.set())
         return agent.run()
@@ -214,6 +214,16 @@ def _positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
     return n
+
+
+def _positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {x:g}")
+    return x
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -446,6 +456,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from shoal.chaos import ChaosConfig, run_chaos
+
+    cfg = ChaosConfig(duration=args.duration, seed=args.seed, workers=args.workers, steps=args.steps,
+                      run_dir=Path(args.run_dir) if args.run_dir else None)
+    verdict = run_chaos(cfg)
+    print(f"\nchaos soak {'PASSED' if verdict.ok else 'FAILED'}")
+    return 0 if verdict.ok else 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from shoal.demo import run_demo
 
@@ -555,6 +575,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("job")
     e.add_argument("--follow", "-f", action="store_true")
     e.set_defaults(func=cmd_events)
+
+    ch = sub.add_parser("chaos", help="a job under random faults for a while, then a check of its end state")
+    ch.add_argument("--duration", type=_positive_float, default=60.0, help="seconds of fault injection (default 60)")
+    ch.add_argument("--seed", type=int, default=1, help="seeds the faults and the job (default 1)")
+    ch.add_argument("--workers", type=_positive_int, default=3, help="workers under the node agent (default 3)")
+    ch.add_argument("--steps", type=_positive_int, default=None, help="job length (default: outlasts --duration)")
+    ch.add_argument("--run-dir", help="keep logs, ledgers and checkpoints here (default: a temporary directory)")
+    ch.set_defaults(func=cmd_chaos)
 
     dm = sub.add_parser("demo", help="embedded Redis + coordinator + 3 workers, with a kill and a join")
     dm.add_argument("--duration", type=float, default=None, help="give up after this many seconds (default 600)")

@@ -31,7 +31,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shoal.errors import ConfigError, ShoalError
-from shoal.yamlfile import read_yaml
+from shoal.yamlfile import printable, read_yaml
 
 
 class Transport(str, Enum):
@@ -200,7 +200,7 @@ def _loc(loc: tuple[Any, ...], data: object) -> str:
     cur: object = data
     for part in loc:
         if isinstance(part, int):
-            label = str(part)
+            label = printable(part)
             if out == "nodes" and isinstance(cur, list) and part < len(cur):
                 name = cur[part].get("name") if isinstance(cur[part], dict) else None
                 names = [n.get("name") for n in cur if isinstance(n, dict)]
@@ -208,7 +208,7 @@ def _loc(loc: tuple[Any, ...], data: object) -> str:
                     label = name
             out += f"[{label}]"
         else:
-            out += f".{part}" if out else str(part)
+            out += f".{printable(part)}" if out else printable(part)
         if isinstance(cur, dict):
             cur = cur.get(part)
         elif isinstance(cur, list) and isinstance(part, int) and part < len(cur):
@@ -236,7 +236,7 @@ def parse_cluster(data: object, source: str = "cluster file") -> Cluster:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping with a 'nodes' list, got {type(data).__name__}")
     if "nodes" not in data and data:
-        found = ", ".join(str(k) for k in list(data)[:5]) + (", ..." if len(data) > 5 else "")
+        found = ", ".join(printable(k) for k in list(data)[:5]) + (", ..." if len(data) > 5 else "")
         raise ConfigError(f"{source}: not a cluster file: no 'nodes' list (found: {found})")
     try:
         return Cluster.model_validate(data)

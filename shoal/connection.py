@@ -8,10 +8,10 @@ never printed with their password: use :func:`redact_url`.
 from __future__ import annotations
 
 import os
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from shoal.errors import ConnectionFailed
@@ -19,16 +19,26 @@ from shoal.errors import ConnectionFailed
 ENV_URL = "REDIS_URL"
 
 
+#: Query parameters redis-py takes as secrets (``?password=`` works like ``user:password@``).
+_SECRET_PARAMS = frozenset({"password", "ssl_password"})
+
+
 def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (safe for logs, events and status)."""
-    parts = urlsplit(url)
-    if parts.password is None:
+    """``url`` with any password (in the user part or as a query parameter) replaced by
+    ``***``: safe for logs, events and status. Never raises, even for a malformed URL."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable Redis URL>"
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    netloc = f"{userinfo.partition(':')[0]}:***@{hostport}" if at and ":" in userinfo else parts.netloc
+    query = parts.query
+    pairs = parse_qsl(query, keep_blank_values=True)
+    if any(k in _SECRET_PARAMS for k, _v in pairs):
+        query = urlencode([(k, "***" if k in _SECRET_PARAMS else v) for k, v in pairs], safe="/*:")
+    if (netloc, query) == (parts.netloc, parts.query):
         return url
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    user = parts.username or ""
-    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, parts.fragment))
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 def connect(url: str, *, timeout: float = 5.0, check: bool = True, ride_out: float = 0.0) -> redis.Redis:
@@ -50,6 +60,10 @@ def connect(url: str, *, timeout: float = 5.0, check: bool = True, ride_out: flo
                                     supported_errors=errors),
                         retry_on_error=list(errors))
     try:
+        parts = urlsplit(url)
+        db = parts.path.strip("/")
+        if parts.scheme in ("redis", "rediss") and db and not db.isdigit():
+            raise ValueError(f"the database {db!r} is not a number")  # redis-py would use 0 instead
         client = redis.Redis.from_url(
             url,
             socket_timeout=timeout,
@@ -57,7 +71,9 @@ def connect(url: str, *, timeout: float = 5.0, check: bool = True, ride_out: flo
             health_check_interval=30,
             **retrying,
         )
-    except ValueError as exc:
+        # an unknown or bad query parameter (e.g. ``?ssl_certreqs=``) fails here, not at the first command
+        client.connection_pool.connection_class(**client.connection_pool.connection_kwargs)
+    except (ValueError, TypeError, redis.RedisError) as exc:
         raise ConnectionFailed(f"bad Redis URL {redact_url(url)}: {exc}") from exc
     if check:
         try:
@@ -67,6 +83,22 @@ def connect(url: str, *, timeout: float = 5.0, check: bool = True, ride_out: flo
         except redis.RedisError as exc:
             raise ConnectionFailed(f"cannot reach Redis at {redact_url(url)}: {exc}") from exc
     return client
+
+
+def without_retries(client: redis.Redis) -> redis.Redis:
+    """A client to the same server (same URL, credentials, TLS, timeouts) whose commands fail
+    at once instead of riding out an outage: for best-effort writes from a hot path, such as
+    progress entries from the training thread. It has its own connection pool."""
+    pool = client.connection_pool
+    kwargs = {k: v for k, v in pool.connection_kwargs.items() if k not in ("retry", "retry_on_error", "retry_on_timeout")}
+    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class,
+                                                            retry=Retry(NoBackoff(), 0), **kwargs))
+
+
+def server_run_id(client: redis.Redis) -> str:
+    """The server's ``run_id`` (INFO server): it changes whenever the server restarts, so a
+    key that vanished while it stayed the same was deleted on purpose."""
+    return str(client.info("server").get("run_id", ""))
 
 
 def url_from_env() -> str | None:

@@ -93,9 +93,12 @@ def start_server(
     appendonly: bool = True,
     password: str | None = None,
     timeout: float = 10.0,
+    fsync: str = "everysec",
 ) -> EmbeddedServer:
-    """Start a fresh server in ``run_dir`` on loopback; raises ConnectionFailed if it does not
-    answer PING within ``timeout`` (the server's log tail is included in the message)."""
+    """Start a server in ``run_dir`` on loopback (loading the AOF already there, if any);
+    raises ConnectionFailed if it does not answer PING within ``timeout`` (the server's log
+    tail is included in the message). ``fsync``: ``appendfsync`` (``always`` loses nothing
+    a client was told was written, even on SIGKILL)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     args = [
@@ -104,7 +107,7 @@ def start_server(
         "--port", str(port),
         "--dir", str(run_dir),
         "--appendonly", "yes" if appendonly else "no",
-        "--appendfsync", "everysec",
+        "--appendfsync", fsync,
         "--save", "",
         "--logfile", "server.log",
         "--daemonize", "no",

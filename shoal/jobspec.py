@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from events.keys import valid_job_id
 from shoal.errors import ConfigError
-from shoal.yamlfile import read_yaml
+from shoal.yamlfile import printable, read_yaml
 
 
 class ShardStrategy(str, Enum):
@@ -25,10 +25,16 @@ class ShardStrategy(str, Enum):
     hash = "hash"
 
 
+#: Upper bound of ``max_workers``: ``shoal submit`` queues up to that many launch units and
+#: the coordinator's launcher sizes re-enqueues from it, so it must stay a sane number.
+MAX_WORKERS = 4096
+
+
 class JobSpec(BaseModel):
     """A training job. Times are seconds. ``entrypoint`` is ``module:function``."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # no inf/nan: JSON cannot hold them, so the stored spec would not read back
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: Annotated[str, Field(min_length=1, max_length=64)]
     entrypoint: str = "examples.digits:build"
@@ -37,7 +43,7 @@ class JobSpec(BaseModel):
     max_steps: Annotated[int | None, Field(gt=0)] = None
     seed: int = 0
     min_workers: Annotated[int, Field(ge=1)] = 1
-    max_workers: Annotated[int, Field(ge=1)] = 8
+    max_workers: Annotated[int, Field(ge=1, le=MAX_WORKERS)] = 8
     heartbeat_interval: Annotated[float, Field(gt=0, le=60)] = 0.5
     heartbeat_ttl: Annotated[float, Field(gt=0, le=600)] = 2.0
     max_restarts: Annotated[int, Field(ge=0)] = 3
@@ -107,7 +113,7 @@ class JobSpec(BaseModel):
 def _format_errors(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
-        path = ".".join(str(p) for p in err["loc"]) or "(spec)"
+        path = ".".join(printable(p) for p in err["loc"]) or "(spec)"
         parts.append(f"{path}: {err['msg']}")
     return "; ".join(parts)
 

@@ -24,7 +24,7 @@ from events.keys import job_keys
 from events.models import ShardTable
 from shoal.connection import connect, redact_url, url_from_env
 from shoal.embedded import default_run_dir
-from shoal.errors import ConfigError
+from shoal.errors import ConfigError, ShoalError
 from shoal.jobspec import JobSpec
 
 log = logging.getLogger("shoal.launch")
@@ -138,11 +138,11 @@ def run_launch(job_id: str, workers: int, *, meta_interval: float | None = None)
     client = connect(url)
     try:
         raw = client.get(keys.spec)
-        if raw is None:
-            log.warning("job %s does not exist (deleted?): nothing to launch", job_id)
-            return {"job_id": job_id, "state": "missing", "reason": "job does not exist", "generation": 0,
-                    "steps": 0, "summary": None, "node": "", "workers": 0, "agent_exit_code": None}
+        if raw is None:  # the unit fails with this one line as its reason
+            raise ConfigError(f"job {job_id!r} does not exist in this Redis (deleted?): nothing to launch")
         spec = JobSpec.from_stored(raw)
+        if workers > spec.max_workers:  # never start more processes than the job can use
+            raise ConfigError(f"workers {workers} exceeds job {job_id!r}'s max_workers={spec.max_workers}")
         state = client.hget(keys.state, "state")
         if state is not None and state.decode() in TERMINAL:
             log.info("job %s already %s: no workers started", job_id, state.decode())
@@ -150,7 +150,7 @@ def run_launch(job_id: str, workers: int, *, meta_interval: float | None = None)
         unit = rq_job.id if rq_job is not None else f"direct-{uuid.uuid4().hex[:12]}"
         run_dir = Path(os.environ.get("SHOAL_AGENT_DIR") or default_run_dir().parent / "agent") / job_id / unit
         agent = NodeAgent(client, url, job_id, workers, run_dir=run_dir, max_restarts=spec.max_restarts,
-                          node=os.environ.get("SHOAL_NODE") or None)
+                          node=os.environ.get("SHOAL_NODE") or None, spec=spec)
         log.info("launch unit %s: %d worker(s) of job %s on node %s (Redis %s, logs in %s)",
                  unit, workers, job_id, agent.node, redact_url(url), run_dir)
         progress = Progress(client, job_id, spec)
@@ -190,17 +190,96 @@ def run_launch(job_id: str, workers: int, *, meta_interval: float | None = None)
         client.close()
 
 
+class LaunchRefused(ConfigError):
+    """An RQ job on the launch queue that is not a well-formed launch unit."""
+
+
+def _show(value: object) -> str:
+    text = repr(value).replace("\n", " ")
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def unit_args(func_name: object, args: object, kwargs: object) -> tuple[str, int]:
+    """``(job_id, workers)`` of a launch unit's payload, checked before anything is imported
+    or run: the function must be ``run_launch`` and the arguments exactly a valid job id and a
+    positive worker count. Anything else (another function, e.g. one pushed onto the queue
+    by hand) raises LaunchRefused with a one-line reason."""
+    from coordinator.launcher import LAUNCH_FUNC
+    from events.keys import valid_job_id
+
+    if func_name != LAUNCH_FUNC:
+        raise LaunchRefused(f"refused: {_show(func_name)} is not a launch unit (only {LAUNCH_FUNC} runs here)")
+    if kwargs:
+        raise LaunchRefused(f"refused: a launch unit takes no keyword arguments, got {_show(kwargs)}")
+    if not isinstance(args, (list, tuple)) or len(args) != 2:
+        raise LaunchRefused(f"refused: a launch unit's arguments are [job_id, workers], got {_show(args)}")
+    job_id, workers = args
+    if not isinstance(job_id, str) or not valid_job_id(job_id):
+        raise LaunchRefused(f"refused: job id must be 1-64 letters, digits, '_', '.', '-', got {_show(job_id)}")
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise LaunchRefused(f"refused: workers must be a positive integer, got {_show(workers)}")
+    return job_id, workers
+
+
 def launch_worker(client: redis.Redis, *, name: str | None = None):
     """An RQ worker on the launch queue (JSON payloads) whose warm shutdown also drains the
     running launch unit: SIGTERM is forwarded to the work horse, whose agent asks its
     workers to leave the job; a second SIGTERM is RQ's cold shutdown (kills the horse's
-    process group, workers included)."""
+    process group, workers included).
+
+    It runs launch units only (:func:`unit_args`), never whatever function a payload names.
+    A unit that is refused, or whose launch fails with a ShoalError (e.g. the job does not
+    exist), fails with that one line as its RQ failure reason; other exceptions are bugs and
+    keep their traceback."""
     from rq import Worker
+    from rq.exceptions import DeserializationError
+    from rq.job import Job
     from rq.serializers import JSONSerializer
 
     from coordinator.launcher import launch_queue
 
+    class LaunchUnit(Job):
+        shoal_error: str | None = None
+
+        @property
+        def func(self):
+            try:
+                job_id, workers = unit_args(self.func_name, self.args, self.kwargs)
+            except LaunchRefused as exc:
+                self.shoal_error = str(exc)
+                raise
+
+            def launch(*_args, **_kwargs):  # the checked arguments, whatever the payload says
+                try:
+                    return run_launch(job_id, workers)
+                except ShoalError as exc:
+                    self.shoal_error = str(exc)
+                    raise
+
+            return launch
+
+    def one_line(job) -> str | None:
+        if getattr(job, "shoal_error", None):
+            return job.shoal_error
+        try:
+            job.func_name
+        except DeserializationError:
+            return "refused: the payload is not an RQ JSON job (function, instance, args, kwargs)"
+        return None
+
     class LaunchWorker(Worker):
+        def handle_exception(self, job, *exc_info):
+            reason = one_line(job)
+            if reason is None:
+                return super().handle_exception(job, *exc_info)
+            self.log.warning("launch unit %s failed: %s", job.id, reason)
+
+        def handle_job_failure(self, job, queue, *args, **kwargs):
+            reason = one_line(job)
+            if reason is not None:
+                kwargs["exc_string"] = reason
+            return super().handle_job_failure(job, queue, *args, **kwargs)
+
         def request_stop(self, signum, frame):
             if self.horse_pid:
                 try:
@@ -209,4 +288,5 @@ def launch_worker(client: redis.Redis, *, name: str | None = None):
                     pass
             super().request_stop(signum, frame)
 
-    return LaunchWorker([launch_queue(client)], connection=client, serializer=JSONSerializer, name=name)
+    return LaunchWorker([launch_queue(client)], connection=client, serializer=JSONSerializer, name=name,
+                        job_class=LaunchUnit)

@@ -9,6 +9,16 @@ import yaml
 from shoal.errors import ConfigError
 
 
+def printable(value: object, limit: int = 60) -> str:
+    """A user's key or value as it may appear inside a one-line error message: as is when it
+    is printable text, else its escaped repr (so a newline or a terminal escape in a YAML key
+    cannot split or forge the message), cut to ``limit`` characters."""
+    text = str(value)
+    if not text.isprintable():
+        text = repr(text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def read_yaml(path: str | Path, what: str) -> object:
     """Parse ``path`` with ``yaml.safe_load``; ConfigError names the file, and for a syntax
     error the line and column, when it is unreadable, not UTF-8 or not YAML."""

@@ -35,7 +35,7 @@ class AsyncCheckpointer:
     ``on_saved(manifest)`` runs in the background thread after LATEST moved (e.g. to publish
     the Redis pointer); ``on_error(exc)`` runs there after a failure. An exception from
     ``on_saved`` counts as a failed save; one from ``on_error`` is logged. Nothing is ever
-    raised into the training thread.
+    raised into the training thread. ``on_phase`` is passed to ``save_checkpoint``.
 
     With ``reuse_buffers`` (default) the CPU copy of the last save is kept and overwritten
     by the next snapshot instead of allocating a new one: one state-sized CPU buffer stays
@@ -52,6 +52,7 @@ class AsyncCheckpointer:
         on_error: Callable[[BaseException], None] | None = None,
         on_warning: Callable[[str], None] | None = None,
         reuse_buffers: bool = True,
+        on_phase: Callable[[str, int], None] | None = None,
     ) -> None:
         self._store = store
         self._reuse_buffers = reuse_buffers
@@ -60,6 +61,7 @@ class AsyncCheckpointer:
         self._hmac_key = hmac_key
         self._on_saved = on_saved
         self._on_error = on_error
+        self._on_phase = on_phase
         self._on_warning = on_warning if on_warning is not None else log.warning
         self._idle = threading.Event()
         self._idle.set()
@@ -107,6 +109,7 @@ class AsyncCheckpointer:
                 keep_last=self._keep_last,
                 hmac_key=self._hmac_key,
                 on_warning=self._on_warning,
+                on_phase=self._on_phase,
             )
             self.last_manifest = manifest
             if self._on_saved is not None:

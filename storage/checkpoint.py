@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -84,23 +85,31 @@ class _HashingWriter:
         return FileEntry(size=self.size, sha256=self._sha.hexdigest())
 
 
-def _write_state_file(store: ObjectStore, key: str, obj: Any) -> FileEntry:
+#: ``on_phase(phase, step)``: called at the points of a save where a crash matters (fault
+#: injection; see shoal/faults.py): ``ckpt_write`` with a state file written but unpublished,
+#: ``ckpt_before_latest`` with the manifest written and LATEST not moved.
+PhaseHook = Callable[[str, int], None]
+
+
+def _write_state_file(store: ObjectStore, key: str, obj: Any, on_phase: PhaseHook | None = None, step: int = 0) -> FileEntry:
     with store.open_write(key) as f:
         w = _HashingWriter(f)
         torch.save(obj, w)
+        if on_phase is not None:
+            on_phase("ckpt_write", step)
     return w.entry()
 
 
-def _write_state_files(store: ObjectStore, step: int, parts: dict[str, Any]) -> dict[str, FileEntry]:
+def _write_state_files(store: ObjectStore, step: int, parts: dict[str, Any], on_phase: PhaseHook | None = None) -> dict[str, FileEntry]:
     """Write all state files concurrently (one thread each: serializing, hashing and
     writing overlap across files). Returns only when every write has ended; the first
     failure is raised after the others finished, so nothing is still writing afterwards."""
     if len(parts) == 1:
         ((name, obj),) = parts.items()
-        return {name: _write_state_file(store, file_key(step, name), obj)}
+        return {name: _write_state_file(store, file_key(step, name), obj, on_phase, step)}
     with ThreadPoolExecutor(max_workers=min(len(parts), _MAX_PARALLEL_FILES),
                             thread_name_prefix="shoal-save") as pool:
-        futures = {name: pool.submit(_write_state_file, store, file_key(step, name), obj)
+        futures = {name: pool.submit(_write_state_file, store, file_key(step, name), obj, on_phase, step)
                    for name, obj in parts.items()}
     return {name: f.result() for name, f in futures.items()}
 
@@ -112,9 +121,11 @@ def save_checkpoint(
     keep_last: int | None = 3,
     hmac_key: HmacKey = FROM_ENV,
     on_warning: Warn | None = None,
+    on_phase: PhaseHook | None = None,
 ) -> Manifest:
     """Write ``state`` as the checkpoint of ``state.step``, publish it in LATEST, then apply
     retention (``keep_last`` newest; None disables). Returns the manifest written.
+    ``on_phase``: see :data:`PhaseHook`; an exception from it fails the save.
 
     Errors: ``ValueError`` for state that could not be loaded back and LatestRegression
     when LATEST already names a higher step (both: nothing written); StorageError from
@@ -132,9 +143,11 @@ def save_checkpoint(
         raise LatestRegression(f"{store.uri}/LATEST is at step {current}; refusing to save step {step}")
 
     store.delete(manifest_key(step))
-    files = _write_state_files(store, step, parts)
+    files = _write_state_files(store, step, parts, on_phase)
     manifest = Manifest.create(files=files, **fields).signed(key)
     store.put_bytes(manifest_key(step), manifest.to_json())
+    if on_phase is not None:
+        on_phase("ckpt_before_latest", step)
     write_latest(store, step)  # checks again: another writer may have moved it meanwhile
 
     if keep_last is not None:

@@ -405,8 +405,81 @@ def test_elastic_three_rank_training_matches_one_process(job_id, subprocess_env,
     close("ref_n.pt", "el_n.pt")  # the failure and the joiner did not change the trajectory
 
 
+# --- catch_up_state: only the ranks behind receive, the others go on ---------------------------
+def _catchup_child(rank: int, job: str) -> None:
+    from shoal.connection import connect
+    from worker import process_group as pg
+    from worker.data import contiguous_table
+    from worker.engine import catch_up_state
+    from worker.errors import StateMismatch
+
+    torch.set_num_threads(1)
+    client = connect(os.environ["REDIS_URL"], timeout=10)
+    s = small_setup(seed=7 if rank == 2 else 0)  # rank 2 joins with other weights, no optimizer state
+    engine = StepEngine.from_setup(s, require_group=True)
+    step = -1 if rank == 2 else 3
+    if rank < 2:  # two survivors with identical histories (the same local steps)
+        local = StepEngine.from_setup(s, require_group=False)
+        for i in range(3):
+            local.step(list(range(8 * i, 8 * i + 8)), 8, 0)
+    out: dict[str, object] = {"rank": rank}
+    pg.join_group(client, job, 1, rank, 3, timeout=60, collective_timeout=30)
+    src, extra, behind = catch_up_state(s.model, s.optimizer, {"step": step, "cursor": 7 * (step + 1)}, step)
+    out.update(src=src, extra=extra, behind=behind, caught_up=state_digest(s.model))
+    # the first step: the ranks behind take no samples, the others split the batch
+    ready = [r for r in range(3) if r not in behind]
+    ranges = [] if rank in behind else contiguous_table(16, len(ready))[ready.index(rank)]
+    from worker.data import rank_slice
+
+    engine.step(rank_slice(list(range(16)), ranges), 16, 1)
+    engine.step(rank_slice(list(range(16, 32)), contiguous_table(16, 3)[rank]), 16, 1)
+    out["trained"] = state_digest(s.model)
+    out["adam_steps"] = sorted({int(v["step"]) for v in s.optimizer.state.values()})
+    # everyone equal: nothing moves
+    _, _, out["behind_when_equal"] = catch_up_state(s.model, s.optimizer, {"step": 5}, 5)
+    # a rank whose model differs in structure: every rank refuses, nobody hangs
+    other = nn.Linear(3, 3) if rank == 1 else s.model
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1) if rank == 1 else s.optimizer
+    try:
+        catch_up_state(other, other_opt, {"step": 6}, 6 if rank == 0 else 5)
+        out["mismatch"] = "accepted"
+    except StateMismatch:
+        out["mismatch"] = "StateMismatch"
+    out["after_mismatch"] = state_digest(s.model)
+    pg.leave_group()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+@pytest.mark.slow
+def test_catch_up_moves_state_only_to_the_ranks_behind(job_id, subprocess_env):
+    env = dict(subprocess_env, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, __file__, "catchup", str(r), job_id], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(3)]
+    results = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=120)
+            assert p.returncode == 0, stderr[-3000:]
+            results.append(json.loads([ln for ln in stdout.splitlines() if ln.startswith("RESULT ")][-1][7:]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    survivors, joiner = results[:2], results[2]
+    for r in results:
+        assert r["src"] == 0 and r["behind"] == [2] and r["behind_when_equal"] == []
+        assert r["caught_up"] == survivors[0]["caught_up"]  # the joiner holds the survivors' state
+        assert r["trained"] == survivors[0]["trained"]  # and stays bit-identical while training
+        assert r["mismatch"] == "StateMismatch" and r["after_mismatch"] == r["trained"]
+        assert r["adam_steps"] == [5]  # optimizer state (Adam's step counts) came along
+    assert joiner["extra"] == {"step": 3, "cursor": 28}  # the source's extra
+    assert survivors[1]["extra"] == {"step": 3, "cursor": 28}
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 6 and sys.argv[1] == "child":
         _child(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    elif len(sys.argv) == 4 and sys.argv[1] == "catchup":
+        _catchup_child(int(sys.argv[2]), sys.argv[3])
     else:
         sys.exit("usage: test_engine.py child ROLE RANK JOB_ID OUTDIR")

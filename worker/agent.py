@@ -30,10 +30,16 @@ import redis
 from events import bus
 from events.keys import job_keys
 from events.models import WorkerExited
+from shoal.connection import server_run_id
+from shoal.errors import ConfigError
+from shoal.jobs import create_job
+from shoal.jobspec import JobSpec
 
 log = logging.getLogger("shoal.agent")
 
 TERMINAL = {b"completed", b"failed", b"stopped"}
+#: How often the agent checks that its job still exists in Redis.
+JOB_CHECK_S = 1.0
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -82,6 +88,7 @@ class NodeAgent:
         backoff_max: float = 30.0,
         node: str | None = None,
         extra_env: dict[str, str] | None = None,
+        spec: JobSpec | None = None,
     ):
         self.client = client
         self.redis_url = redis_url
@@ -97,6 +104,36 @@ class NodeAgent:
         self.stop = threading.Event()
         self._draining = False
         run_dir.mkdir(parents=True, exist_ok=True)
+        self.spec = spec
+        self._server_id = server_run_id(client) if spec is not None else ""
+        self._next_job_check = 0.0
+        self.reregistered = 0
+
+    # ---- the job -----------------------------------------------------------------------------
+
+    def _check_job(self, now: float) -> None:
+        """Every JOB_CHECK_S: if the job's spec vanished, tell a Redis that lost its data (a
+        new server ``run_id``) from a deliberate ``shoal delete`` (same server). A lost job is
+        registered again from the spec this agent holds, so its running workers rejoin with
+        their state (see ``WorkerRunner.rejoin_lost_job``); a deleted one is drained."""
+        if self.spec is None or now < self._next_job_check or self._draining:
+            return
+        self._next_job_check = now + JOB_CHECK_S
+        if self.client.exists(self.keys.spec):
+            return
+        server = server_run_id(self.client)
+        if server == self._server_id:
+            log.warning("job %s was deleted; draining its workers", self.job_id)
+            self.stop.set()
+            return
+        try:
+            create_job(self.client, self.spec)
+            self.reregistered += 1
+            log.warning("job %s vanished with Redis's data (server %s -> %s); registered it again from its spec",
+                        self.job_id, self._server_id[:8], server[:8])
+        except ConfigError:
+            pass  # another agent of the job was first
+        self._server_id = server
 
     # ---- processes ---------------------------------------------------------------------------
 
@@ -143,7 +180,7 @@ class NodeAgent:
         if wid:
             ev = WorkerExited(job_id=self.job_id, worker_id=wid, exit_code=None if sig else rc, signal=sig,
                               traceback=tail[-8000:], will_restart=will_restart, gave_up=slot.gave_up,
-                              restarts=slot.restarts)
+                              restarts=slot.restarts, pid=proc.pid)
             bus.publish(self.client, self.keys.events, ev)
         if will_restart:
             delay = min(self.backoff_max, self.backoff * (2 ** slot.restarts))
@@ -159,6 +196,7 @@ class NodeAgent:
         """Start due slots, wait up to ``timeout`` for a child to exit, handle exits.
         Returns False once every slot is finished."""
         now = time.monotonic()
+        self._check_job(now)
         if self.stop.is_set() and not self._draining:
             self._draining = True
             for s in self.slots:

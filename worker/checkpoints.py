@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from shoal.faults import FaultPlan
 from storage.async_saver import AsyncCheckpointer
 from storage.errors import NoCheckpoint
 from storage.resume import resume
@@ -25,16 +26,21 @@ CLOSE_TIMEOUT_S = 120.0
 
 
 class Checkpoints:
-    def __init__(self, store, membership: Membership, keep: int):
+    def __init__(self, store, membership: Membership, keep: int, faults: FaultPlan | None = None):
         self.store = store
         self.m = membership
+        self.faults = faults or FaultPlan([])
         self._pending_generation = 0
         self.saver = AsyncCheckpointer(store, keep_last=keep, on_saved=self._saved,
-                                       on_error=lambda exc: log.error("checkpoint failed, LATEST not moved: %s", exc))
+                                       on_error=lambda exc: log.error("checkpoint failed, LATEST not moved: %s", exc),
+                                       on_phase=self._phase if self.faults else None)
 
     @classmethod
-    def open(cls, spec, membership: Membership) -> "Checkpoints":
-        return cls(open_store(spec.checkpoint_uri, create_bucket=True), membership, spec.checkpoint_keep)
+    def open(cls, spec, membership: Membership, faults: FaultPlan | None = None) -> "Checkpoints":
+        return cls(open_store(spec.checkpoint_uri, create_bucket=True), membership, spec.checkpoint_keep, faults)
+
+    def _phase(self, phase: str, step: int) -> None:
+        self.faults.at(self.m.worker_id, step, phase)
 
     def resume(self, engine: StepEngine) -> tuple[int, int] | None:
         """Load the newest verifying checkpoint into ``engine``; (step, cursor) or None."""
@@ -57,6 +63,7 @@ class Checkpoints:
             self.saver.wait(CLOSE_TIMEOUT_S)
 
     def _saved(self, manifest) -> None:
+        self._phase("ckpt_before_event", manifest.step)
         self.m.checkpointed(manifest.step, self.store.uri, self._pending_generation)
         log.info("checkpoint of step %d complete in %s", manifest.step, self.store.uri)
 

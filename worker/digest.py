@@ -11,6 +11,7 @@ changes it too.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 
 import torch
 
@@ -23,16 +24,26 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes()
 
 
+def _raw(t: torch.Tensor):
+    """A buffer over ``t``'s raw bytes (a view when ``t`` is a contiguous CPU tensor)."""
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
 def state_digest(model: torch.nn.Module, *, length: int = DIGEST_CHARS) -> str:
     """sha256 over ``model.state_dict()`` (name, dtype, shape, bytes of each entry), as the
     first ``length`` hex characters. Equal models give equal digests; any bit that differs
     changes it. Costs one pass over the weights (plus a device->host copy on GPU)."""
+    return digest_of(model.state_dict(), length=length)
+
+
+def digest_of(state: Mapping[str, torch.Tensor], *, length: int = DIGEST_CHARS) -> str:
+    """:func:`state_digest` of a ``state_dict()`` (or a copy of one): equal for equal models."""
     h = hashlib.sha256()
     with torch.no_grad():
-        for name, t in model.state_dict().items():
+        for name, t in state.items():
             h.update(name.encode())
             h.update(f"|{t.dtype}|{tuple(t.shape)}|".encode())
-            h.update(tensor_bytes(t))
+            h.update(_raw(t))  # the same bytes as tensor_bytes(t), without copying them
     return h.hexdigest()[:length]
 
 

@@ -38,10 +38,13 @@ State transfer
     :func:`broadcast_state` sends model weights and buffers, optimizer state, LR scheduler state
     and a JSON-able ``extra`` dict (step, cursor, ...) from one rank to all: a JSON header (as a
     uint8 tensor) describing the structure, then one flat buffer per dtype. No pickle.
+    :func:`catch_up_state` (what a generation switch uses) sends the same header point to
+    point, from the most advanced member to the members that are behind only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -153,6 +156,17 @@ class StepEngine:
             n = p.numel()
             self._views.append(self._bucket[offset : offset + n].view_as(p) if p.dtype == self.bucket_dtype else None)
             offset += n
+        self._before_update: list[Callable[[], None]] = []
+
+    def before_update(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once in the next :meth:`step`, once its collectives are over and before
+        anything is applied or rolled back (whether the step commits or aborts) - e.g. to wait
+        for a thread still reading the parameters, which do not change before that point."""
+        self._before_update.append(fn)
+
+    def _settle(self) -> None:
+        while self._before_update:
+            self._before_update.pop(0)()
 
     @classmethod
     def from_setup(
@@ -217,6 +231,7 @@ class StepEngine:
         try:
             local_sum = self._forward_backward(local)
         except Exception as exc:  # noqa: BLE001 - user code; translated
+            self._settle()
             self._rollback(buffers)
             raise UserCodeError(f"training step raised {type(exc).__name__}: {exc}") from exc
         t1 = time.perf_counter()
@@ -232,9 +247,11 @@ class StepEngine:
                     pg.all_reduce(gen, dist.ReduceOp.MAX)
                 pg.all_reduce(bucket, dist.ReduceOp.SUM)
             except CollectiveFailed as exc:
+                self._settle()
                 self._rollback(buffers)
                 raise StepAborted(f"step aborted, nothing applied: {exc}") from exc
         t2 = time.perf_counter()
+        self._settle()
 
         if one_collective:
             ahead = float(bucket[-3]) > 0 if distributed else generation > base_generation
@@ -547,3 +564,142 @@ def resync_state(
     pg.all_reduce(key, dist.ReduceOp.MAX)
     src = world - 1 - int(key) % world
     return src, broadcast_state(model, optimizer, extra, src, lr_scheduler=lr_scheduler)
+
+
+def _fingerprint(structure: dict[str, Any]) -> int:
+    """A signed 64-bit hash of :func:`_structure`'s result (equal structures, equal numbers)."""
+    return int.from_bytes(hashlib.sha256(json.dumps(structure).encode()).digest()[:8], "big", signed=True)
+
+
+def _wire(dtype: torch.dtype) -> torch.dtype:
+    return torch.uint8 if dtype == torch.bool else dtype
+
+
+def catch_up_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any] | None,
+    committed_step: int,
+    *,
+    lr_scheduler: Any | None = None,
+) -> tuple[int, dict[str, Any], list[int]]:
+    """Start a generation from the most advanced member's state, moving it only where needed.
+
+    Collective: every rank of the current group calls it first thing in a generation with its
+    number of committed steps (``-1``: a joiner with no state). One 16-byte-per-rank SUM
+    all-reduce gathers every rank's step count and a fingerprint of its model/optimizer
+    structure; every rank derives the same plan from it:
+
+    * ``src``: the lowest rank with the most committed steps; ``behind``: the ranks with fewer;
+    * nobody behind (the usual case after a failure or a leave): nothing moves;
+    * structures differ: :func:`broadcast_state` runs, which raises StateMismatch on every rank
+      (naming the difference) before any tensor moves;
+    * otherwise ``src`` posts its state point to point to each rank behind (the
+      :func:`broadcast_state` header, then each tensor as a message; weights and optimizer
+      state without a copy) and returns at once (:func:`worker.process_group.isend`; the
+      next all-reduce reaps the sends); each rank behind receives everything, then loads
+      it, before returning. The other ranks take no part - their state equals ``src``'s -
+      and go on to their next step, whose all-reduce waits for the ranks behind.
+
+    Returns ``(src, extra, behind)``: ``extra`` is ``src``'s (received on the ranks behind,
+    the caller's own elsewhere). Raises StateMismatch as above (or on ``src`` and the ranks
+    behind when ``src`` cannot encode its state), CollectiveFailed when a peer fails.
+    """
+    rank, world = pg.world()
+    if committed_step < -1:
+        raise ValueError(f"committed_step must be >= -1, got {committed_step}")
+    if world == 1:
+        return 0, dict(extra or {}), []
+    group = pg.current_group()
+    comm = group.device if group else torch.device("cpu")
+    mine = _structure(model, optimizer)
+    table = torch.zeros(world, 2, dtype=torch.int64, device=comm)
+    table[rank, 0] = committed_step
+    table[rank, 1] = _fingerprint(mine)
+    pg.all_reduce(table, dist.ReduceOp.SUM)
+    steps = [int(v) for v in table[:, 0].tolist()]
+    fingerprints = set(table[:, 1].tolist())
+    top = max(steps)
+    src = steps.index(top)
+    if len(fingerprints) > 1:
+        return src, broadcast_state(model, optimizer, extra, src, lr_scheduler=lr_scheduler), [r for r in range(world) if r != src]
+    behind = [r for r, s in enumerate(steps) if s < top]
+    if rank == src and behind:
+        _send_state(model, optimizer, extra, lr_scheduler, behind, comm)
+    elif rank in behind:
+        return src, _recv_state(model, optimizer, lr_scheduler, src, mine, comm), behind
+    return src, dict(extra or {}), behind
+
+
+def _send_state(model, optimizer, extra, lr_scheduler, dsts: list[int], comm: torch.device) -> None:
+    """Post ``src``'s state to ``dsts``: the header length, the header, then every tensor as its
+    own message. Parameters and optimizer state go as they are (no copy): they change only in
+    ``optimizer.step``, i.e. after the next all-reduce, which cannot complete before every
+    receiver has taken all of them. Everything else (buffers, which a forward pass updates;
+    scheduler state; extra) is copied first."""
+    tensors: list[torch.Tensor] = []
+    error = ""
+    try:
+        header = {"structure": _structure(model, optimizer), "model": _encode(dict(model.state_dict()), tensors)}
+        params = {(p.data_ptr(), p.numel()) for p in model.parameters()}
+        stable = [(t.data_ptr(), t.numel()) in params for t in tensors]  # weights, not buffers
+        header["optimizer"] = _encode(optimizer.state_dict(), tensors)
+        stable += [True] * (len(tensors) - len(stable))
+        header["scheduler"] = _encode(lr_scheduler.state_dict(), tensors) if lr_scheduler is not None else None
+        header["extra"] = _encode(dict(extra or {}), tensors)
+        stable += [False] * (len(tensors) - len(stable))
+        header["tensors"] = [[str(t.dtype), list(t.shape), t.device.type] for t in tensors]
+        payload = json.dumps(header, allow_nan=True).encode()
+    except (TypeError, ValueError) as exc:
+        error = f"rank {pg.world()[0]} cannot encode its state: {exc}"
+        payload = b""
+    size = torch.tensor([-1 if error else len(payload)], dtype=torch.int64, device=comm)
+    wire: list[torch.Tensor] = []
+    if not error:
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(comm)
+        for t, keep in zip(tensors, stable):
+            if t.numel() == 0:
+                continue
+            w = t.to(comm, _wire(t.dtype)).contiguous()
+            wire.append(w if keep or w.data_ptr() != t.data_ptr() else w.clone())
+    # posted, not waited for (the caller goes on training at once); the next all-reduce reaps
+    # the sends, since each receiver takes everything before it joins that all-reduce
+    for dst in dsts:
+        pg.isend(size, dst)
+        if error:
+            continue
+        pg.isend(buf, dst)
+        for w in wire:
+            pg.isend(w, dst)
+    if error:
+        pg.wait_sends()  # the receivers got the -1 and raise too
+        raise StateMismatch(error)
+
+
+def _recv_state(model, optimizer, lr_scheduler, src: int, mine: dict[str, Any], comm: torch.device) -> dict[str, Any]:
+    """Receive what :func:`_send_state` posts into fresh tensors, then load it (nothing is
+    changed before everything has arrived)."""
+    size = torch.zeros(1, dtype=torch.int64, device=comm)
+    pg.recv(size, src)
+    if int(size) < 0:
+        raise StateMismatch(f"rank {src} could not encode its state")
+    buf = torch.empty(int(size), dtype=torch.uint8, device=comm)
+    pg.recv(buf, src)
+    header = json.loads(bytes(buf.cpu().numpy().tobytes()).decode())
+    if header["structure"] != mine:  # the fingerprints matched: only a hash collision gets here
+        raise StateMismatch(f"state from rank {src} refused: {_describe_mismatch(mine, header['structure'])}")
+    specs = header["tensors"]
+    wire = [torch.empty(shape, dtype=_wire(_dtype(dt)), device=comm) for dt, shape, _ in specs]
+    pg.recv_many([w for w in wire if w.numel()], src)
+    placed = [
+        w.to(_dtype(dt)).to(comm if devtype != "cpu" else torch.device("cpu"))
+        for w, (dt, _, devtype) in zip(wire, specs)
+    ]
+    model_state = _decode(header["model"], placed)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            t.copy_(model_state[name])
+    optimizer.load_state_dict(_decode(header["optimizer"], placed))
+    if lr_scheduler is not None and header["scheduler"] is not None:
+        lr_scheduler.load_state_dict(_decode(header["scheduler"], placed))
+    return _decode(header["extra"], placed)

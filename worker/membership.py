@@ -60,12 +60,14 @@ class Membership:
     def send(self, event: EventBase) -> str:
         return bus.publish(self.client, self.keys.events, event)
 
-    def join(self, timeout: float) -> str:
+    def join(self, timeout: float, *, last_generation: int = 0) -> str:
         """Ask to join and wait for the coordinator's reply. Raises JoinRejected with the
-        coordinator's reason, or JoinTimeout when nobody answered within ``timeout``."""
-        if self.client.get(self.keys.spec) is None:
+        coordinator's reason, or JoinTimeout when nobody answered within ``timeout``.
+        ``last_generation``: see :class:`events.models.JoinRequest`."""
+        if not self.job_exists():
             raise MembershipError(f"job {self.job_id!r} does not exist (no spec in Redis)")
-        req = JoinRequest(job_id=self.job_id, host=socket.gethostname(), pid=os.getpid(), node=self.node)
+        req = JoinRequest(job_id=self.job_id, host=socket.gethostname(), pid=os.getpid(), node=self.node,
+                          last_generation=last_generation)
         # read the generation stream from "now": any table published after our join counts
         last = self.client.xrevrange(self.keys.generations, count=1)
         self._gen_cursor = last[0][0].decode() if last else "0-0"
@@ -82,6 +84,19 @@ class Membership:
             with open(id_file, "w") as fh:
                 fh.write(reply.worker_id)
         return reply.worker_id
+
+    def job_exists(self) -> bool:
+        return bool(self.client.exists(self.keys.spec))
+
+    def on_record(self) -> bool:
+        """True while the job's worker table holds this worker id as this process. False
+        once Redis lost it: the job (or its state) vanished, or the id now names another
+        process of a job registered again."""
+        raw = self.client.hget(self.keys.workers, self.worker_id or "")
+        try:
+            return raw is not None and int(json.loads(raw).get("pid", -1)) == os.getpid()
+        except (ValueError, TypeError, AttributeError):
+            return False
 
     def current_table(self) -> ShardTable | None:
         raw = self.client.get(self.keys.shard)

@@ -21,6 +21,8 @@ are translated (:func:`translate_error`); the collective wrappers :func:`all_red
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -155,24 +157,75 @@ def join_group(
     return _current
 
 
-def leave_group() -> None:
+def leave_group(*, background: bool = False) -> None:
     """Destroy the current process group, if any. Never raises; idempotent.
 
     Must be called by every member when its generation ends (also after a failed
     collective), before :func:`join_group` of the next one.
+
+    ``background=True`` is for an orderly switch (no collective in flight, every member
+    leaves at the same step boundary): torch forgets the group at once, so the next
+    :func:`join_group` may follow immediately, and the backend itself - whose teardown
+    (gloo joins its I/O threads, ~20-30 ms, GIL released) is the expensive part - is freed
+    by a short-lived thread. After a failed collective leave synchronously (the default):
+    closing the sockets now is what makes peers still inside the collective fail at once.
+    A synchronous call first waits (bounded) for pending background teardowns.
     """
     global _current
-    _destroy_quietly()
+    if background:
+        _destroy_quietly(background=True)
+    else:
+        wait_teardown()
+        _destroy_quietly()
     _current = None
 
 
-def _destroy_quietly() -> None:
+_teardowns: list[threading.Thread] = []
+TEARDOWN_TIMEOUT = 10.0
+
+
+def wait_teardown(timeout: float = TEARDOWN_TIMEOUT) -> bool:
+    """Wait up to ``timeout`` s in total for groups left with ``background=True`` to be
+    freed; True when none is pending."""
+    deadline = time.monotonic() + timeout
+    while _teardowns:
+        t = _teardowns[0]
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            return False
+        _teardowns.pop(0)
+    return True
+
+
+def _free_later(box: list) -> None:
+    """Drop the references in ``box`` (the caller keeps no other) from a thread."""
+
+    def run() -> None:
+        try:
+            box.clear()  # the last reference: the C++ destructor runs in this thread
+        except Exception:  # noqa: BLE001 - a broken group may complain while being torn down
+            log.warning("freeing a process group failed; continuing", exc_info=True)
+
+    t = threading.Thread(target=run, name="pg-teardown", daemon=True)
+    _teardowns[:] = [x for x in _teardowns if x.is_alive()]
+    _teardowns.append(t)
+    t.start()
+
+
+def _destroy_quietly(*, background: bool = False) -> None:
     if not dist.is_initialized():
         return
+    box = [dist.group.WORLD] if background else []
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - a broken group may complain while being torn down
         log.warning("destroy_process_group failed; continuing", exc_info=True)
+    if box:
+        box.extend(_pending_sends)  # dropped after the backend (gloo holds weak references)
+        _pending_sends.clear()
+        _free_later(box)
+    else:
+        _pending_sends.clear()
 
 
 def cleanup_generation(client: redis.Redis, job_id: str, generation: int) -> int:
@@ -195,6 +248,8 @@ def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp
         dist.all_reduce(tensor, op=op)
     except Exception as exc:  # noqa: BLE001 - translated
         raise translate_error(exc, "all_reduce") from exc
+    if _pending_sends:
+        wait_sends()
 
 
 def broadcast(tensor: torch.Tensor, src: int) -> None:
@@ -204,6 +259,55 @@ def broadcast(tensor: torch.Tensor, src: int) -> None:
         dist.broadcast(tensor, src=src)
     except Exception as exc:  # noqa: BLE001 - translated
         raise translate_error(exc, f"broadcast from rank {src}") from exc
+
+
+def isend(tensor: torch.Tensor, dst: int) -> None:
+    """Post a point-to-point send of ``tensor`` to rank ``dst`` and return at once; gloo's I/O
+    thread moves the bytes. ``tensor`` must not change until the send completed: the receiver
+    must take the data before it joins any later collective, so the next successful
+    :func:`all_reduce` reaps (:func:`wait_sends`) every send posted before it;
+    :func:`leave_group` drops sends still pending. CollectiveFailed on failure."""
+    _require_group("isend")
+    try:
+        work = dist.isend(tensor, dst)
+    except Exception as exc:  # noqa: BLE001 - translated
+        raise translate_error(exc, f"send to rank {dst}") from exc
+    _pending_sends.append((work, tensor, dst))
+
+
+_pending_sends: list[tuple[object, torch.Tensor, int]] = []
+
+
+def wait_sends() -> None:
+    """Wait for every send posted with :func:`isend`; CollectiveFailed when one failed."""
+    while _pending_sends:
+        work, _tensor, dst = _pending_sends.pop(0)
+        try:
+            work.wait()
+        except Exception as exc:  # noqa: BLE001 - translated
+            raise translate_error(exc, f"send to rank {dst}") from exc
+
+
+def recv(tensor: torch.Tensor, src: int) -> None:
+    """Point-to-point receive from rank ``src`` into ``tensor``; CollectiveFailed on failure."""
+    _require_group("recv")
+    try:
+        dist.recv(tensor, src)
+    except Exception as exc:  # noqa: BLE001 - translated
+        raise translate_error(exc, f"recv from rank {src}") from exc
+
+
+def recv_many(tensors: list[torch.Tensor], src: int) -> None:
+    """Receive into each of ``tensors`` in order (the messages ``src`` sent, in order): all
+    receives are posted first, so the data streams without a round trip per message.
+    CollectiveFailed on failure (each wait bounded by the collective timeout)."""
+    _require_group("recv")
+    try:
+        works = [dist.irecv(t, src) for t in tensors]
+        for w in works:
+            w.wait()
+    except Exception as exc:  # noqa: BLE001 - translated
+        raise translate_error(exc, f"recv from rank {src}") from exc
 
 
 def barrier() -> None:

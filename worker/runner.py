@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 from shoal.jobspec import JobSpec
 from worker.heartbeat import Heartbeater
@@ -18,6 +19,8 @@ from worker.membership import Membership
 log = logging.getLogger("shoal.worker")
 
 TERMINAL = {"completed", "failed", "stopped"}
+#: How long a worker whose job vanished from Redis waits for it to be registered again.
+LOST_JOB_WAIT_S = 60.0
 
 
 class WorkerRunner:
@@ -46,13 +49,36 @@ class WorkerRunner:
 
     def start(self) -> str:
         self.prepare()
-        wid = self.m.join(self.join_timeout)
+        return self._join()
+
+    def _join(self, last_generation: int = 0) -> str:
+        wid = self.m.join(self.join_timeout, last_generation=last_generation)
         self.hb = Heartbeater(self.m.client, self.m.keys, wid, interval=self.spec.heartbeat_interval,
                               ttl=self.spec.heartbeat_ttl, pid=os.getpid())
         self.hb.beat()
         self.hb.start()
         log.info("joined job %s as %s", self.m.job_id, wid)
         return wid
+
+    def rejoin_lost_job(self, last_generation: int) -> bool:
+        """Call once :attr:`evicted`. When the job no longer has a record of this worker
+        process (the server lost its data; a declared failure keeps the record), wait up to ``LOST_JOB_WAIT_S`` for it to be registered again (the
+        node agent does that from the spec it holds) and join it anew: same process, same
+        state, a new worker id. True when rejoined. False when the job still exists (this
+        worker really was declared failed), did not come back in time, or we are draining;
+        the caller then exits. Raises what :meth:`Membership.join` raises."""
+        if self.stop.is_set() or self.m.on_record():
+            return False
+        log.warning("job %s lost its record of %s (Redis lost its data); waiting up to %.0f s for it to be registered again",
+                    self.m.job_id, self.m.worker_id, LOST_JOB_WAIT_S)
+        if self.hb is not None:
+            self.hb.stop()
+        deadline = time.monotonic() + LOST_JOB_WAIT_S
+        while not self.m.job_exists():
+            if time.monotonic() >= deadline or self.stop.wait(0.2):
+                return False
+        self._join(last_generation)
+        return True
 
     def run(self) -> int:
         """Join, then iterate until :meth:`run_once` returns an exit code."""

@@ -3,6 +3,9 @@
 It exercises the whole control plane without torch: join, heartbeat, ready on each new
 generation that includes it, idle while paused or excluded, drain on SIGTERM (leave, wait
 for a generation without it, left), exit when the job ends or the coordinator evicted it.
+With ``max_steps`` set, a member that has simulated that many steps stops stepping; the
+one that is rank 0 of the current generation reports the job completed (as the training
+runtime's rank 0 does), so a rank 0 that died is replaced by the next one.
 The training runtime follows the same protocol with real steps.
 """
 
@@ -29,6 +32,7 @@ class SimulatedWorker(WorkerRunner):
         self.exit_code: int | None = None
         self._draining = False
         self._drain_deadline = 0.0
+        self._reported = False
 
     @property
     def member(self):
@@ -45,7 +49,8 @@ class SimulatedWorker(WorkerRunner):
             self.m.leave("SIGTERM")
             log.info("draining: finished step %d, asked to leave", self.step)
         gen = self.table.generation if self.table else 0
-        wait = 0.0 if (self.member and not self._draining) else min(0.5, self.spec.heartbeat_interval)
+        done = self.spec.max_steps is not None and self.step >= self.spec.max_steps
+        wait = 0.0 if (self.member and not self._draining and not done) else min(0.5, self.spec.heartbeat_interval)
         table = self.m.next_table(gen, timeout=wait) if wait else self.m.current_table()
         if table is not None and table.generation > gen:
             self.table = table
@@ -61,6 +66,13 @@ class SimulatedWorker(WorkerRunner):
             return None
         if self.m.job_state() in TERMINAL:
             return 0
+        if self.member and done:
+            if self.member.rank == 0 and not self._reported:
+                self._reported = True
+                summary = {"step": self.step, "generation": self.table.generation, "world_size": self.table.world_size}
+                self.m.completed(self.step, summary)
+                log.info("finished: %s", summary)
+            return None  # wait for the coordinator to end the job
         if self.member:
             started = time.monotonic()
             self.stop.wait(self.spec.simulate_step_time)

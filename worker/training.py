@@ -7,11 +7,14 @@ Protocol (every member of a generation runs the same loop):
    The step's collective carries the newest generation each rank has seen (MAX), so every
    member learns of a new generation in the same step.
 2. **Switch** at the step boundary after which the reduced generation is newer than the
-   group's: leave the process group (same process, model and optimizer stay in memory),
-   meet the other members of the newest table at a Redis barrier, form the new group on a
-   fresh store prefix, and resync state from the most advanced member (a joiner receives
-   model, optimizer and cursor by broadcast; survivors with equal steps skip it). Then send
-   ``ready`` -> Active, and publish the parameter digest with the heartbeat.
+   group's: leave the process group (same process, model and optimizer stay in memory; the
+   old backend is freed by a thread), meet the other members of the newest table at a Redis
+   barrier, form the new group on a fresh store prefix, and catch up from the most advanced
+   member (only the members behind - a joiner - receive model, optimizer and cursor, point
+   to point; the others skip it and, in the generation's first step, split the batch among
+   themselves while the members behind take none). Then send ``ready`` -> Active; the
+   parameter digest is logged and published with the heartbeat once a helper thread has
+   computed it (the first step's update waits for it).
 3. **Failure.** If a peer dies mid-step the collective fails: nothing is applied
    (StepAborted), the worker leaves the group and waits for the coordinator's next
    generation, then redoes the same step. No sample is skipped or counted twice: the cursor
@@ -27,22 +30,25 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from events.models import ShardTable
 from shoal.jobspec import JobSpec
 from worker import process_group as pg
-from worker.data import DataOrder
-from worker.digest import state_digest
-from worker.engine import StepEngine, resync_state
+from worker.data import DataOrder, contiguous_table
+from worker.digest import digest_of, state_digest
+from worker.engine import StepEngine, catch_up_state
 from worker.errors import CollectiveFailed, RendezvousFailed, StateMismatch, StepAborted
-from worker.faults import FaultPlan
+from shoal.connection import without_retries
+from shoal.faults import FaultPlan
 from worker.checkpoints import Checkpoints
 from worker.ledger import Ledger
 from worker.membership import Membership
+from worker.progress import ProgressRecorder
 from worker.runner import TERMINAL, WorkerRunner
 from worker.userapi import load_entrypoint
 from worker.watcher import GenerationWatcher
@@ -50,6 +56,7 @@ from worker.watcher import GenerationWatcher
 log = logging.getLogger("shoal.worker")
 
 DIGEST_EVERY = 50  # sha256 of every parameter: cheap for small models, not free for large
+DIGEST_JOIN_TIMEOUT = 60.0  # the switch digest's thread, awaited before the first update
 
 
 class TrainingWorker(WorkerRunner):
@@ -66,6 +73,8 @@ class TrainingWorker(WorkerRunner):
         self.seen_gen = 0  # newest generation seen locally
         self.switch_to = 0  # generation the last step agreed to switch to
         self.draining = False
+        self._first_ranges: list | None = None  # this rank's part of a generation's first step after a catch-up
+        self._caught_up: tuple[int, list[int]] = (0, [])  # (src, ranks behind) of the last catch-up
         self.rdzv_timeout = 30.0
         self.collective_timeout = max(3.0, spec.heartbeat_ttl + 1.0)
 
@@ -80,7 +89,7 @@ class TrainingWorker(WorkerRunner):
         self.total_samples = n * self.spec.epochs
         self.has_state = True  # the seeded initial model: identical on every worker
         log.info("built %s: %d samples, %d steps/epoch", self.spec.entrypoint, n, self.order.steps_per_epoch())
-        self.ckpt = Checkpoints.open(self.spec, self.m) if self.spec.checkpoint_uri else None
+        self.ckpt = Checkpoints.open(self.spec, self.m, self.faults) if self.spec.checkpoint_uri else None
         if self.ckpt is not None:
             resumed = self.ckpt.resume(self.engine)
             if resumed is not None:
@@ -91,6 +100,7 @@ class TrainingWorker(WorkerRunner):
         # the client's pool gives the watcher's blocking XREAD a connection of its own
         self.watcher = GenerationWatcher(self.m.client, self.m.keys, interval=min(1.0, self.spec.heartbeat_interval * 2))
         self.watcher.start()
+        self.progress = ProgressRecorder(without_retries(self.m.client), self.m.keys)
         return wid
 
     def cleanup(self) -> None:
@@ -121,6 +131,10 @@ class TrainingWorker(WorkerRunner):
         """One step (or one switch / wait). Returns an exit code when the worker should end."""
         wid = self.m.worker_id
         if self.evicted:
+            if self.rejoin_lost_job(self.seen_gen):
+                pg.leave_group()  # the new incarnation of the job plans a new generation
+                self.group_gen = self.switch_to = 0
+                return None
             log.error("evicted by the coordinator (declared failed); exiting")
             return 1
         if self.stop.is_set() and not self.draining:
@@ -138,7 +152,7 @@ class TrainingWorker(WorkerRunner):
         self.faults.at(wid, self.step, "before_step")
         batch = self.order.batch(self.cursor)
         member = self._table.member(wid)
-        local = batch.for_rank(member.ranges)
+        local = batch.for_rank(self._step_ranges(member))
         started = time.monotonic()
         self.faults.at(wid, self.step, "mid_step")
         aborted = ""
@@ -161,6 +175,8 @@ class TrainingWorker(WorkerRunner):
         self.ledger.commit(wid, self.step, batch, self.group_gen, local, self._table.world_size)
         self.faults.at(wid, self.step, "after_commit")
         self.switch_to = result.max_generation
+        if self.is_rank0:  # the history `shoal report` draws
+            self.progress.record(self.step, result.loss, self.group_gen, self._table.world_size)
         self._checkpoint()
         if self.hb is not None:
             fields = dict(step=self.step, generation=self.group_gen, step_time=time.monotonic() - started, loss=result.loss)
@@ -188,8 +204,12 @@ class TrainingWorker(WorkerRunner):
     def _switch(self) -> int | None:
         """Leave the current group and join the newest generation that includes us."""
         wid = self.m.worker_id
-        pg.leave_group()
+        # an orderly switch (a failed step already left synchronously): the old group's
+        # teardown runs off the critical path
+        pg.leave_group(background=True)
         self.group_gen = 0
+        self._first_ranges = None
+        self._digest_done()  # a catch-up below may overwrite what it still reads
         table = self.m.current_table()
         if table is None or table.generation < self.switch_to:
             table = self._wait_newer(max(self.switch_to - 1, 0) if table is None else table.generation)
@@ -210,7 +230,7 @@ class TrainingWorker(WorkerRunner):
         try:
             pg.join_group(self.m.client, self.m.job_id, table.generation, member.rank, table.world_size,
                           timeout=self.rdzv_timeout, collective_timeout=self.collective_timeout)
-            self._resync()
+            self._resync(table)
         except (RendezvousFailed, CollectiveFailed, StateMismatch) as exc:
             log.warning("generation %d could not form: %s", table.generation, exc)
             pg.leave_group()
@@ -219,13 +239,55 @@ class TrainingWorker(WorkerRunner):
         self._table = table
         self.group_gen = table.generation
         self.switch_to = table.generation
-        digest = state_digest(self.engine.model)
         if self.hb is not None:
-            self.hb.update(generation=table.generation, digest=digest, step=self.step)
-        log.info("generation %d: rank %d/%d, step %d, cursor %d, digest %s (switch %.3fs)",
-                 table.generation, member.rank, table.world_size, self.step, self.cursor, digest, time.monotonic() - t0)
-        self.m.ready(table.generation)
+            self.hb.update(generation=table.generation, digest=None, step=self.step)
+        self._digest_switch(table, member.rank, time.monotonic() - t0)  # then sends ready
         return None
+
+    def _digest_switch(self, table: ShardTable, rank: int, took: float) -> None:
+        """Log (and publish with the heartbeat) the digest of the state this member starts
+        ``table``'s generation from, then send ``ready``: on a helper thread while the first
+        step runs. The parameters do not change before that step's update, which waits for
+        the helper (``engine.before_update``); buffers, which the forward pass may update, are
+        copied. So a member reported Active has logged its starting digest, and ``ready``
+        precedes its first commit in the generation, as when this was done inline."""
+        model = self.engine.model
+        params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        state = {k: v if k in params else v.clone() for k, v in model.state_dict().items()}
+        step, cursor = self.step, self.cursor
+        src, behind = self._caught_up
+        moved = f"; state from rank {src} to {behind}" if behind else ""
+
+        def run() -> None:
+            try:
+                digest = digest_of(state)
+                if self.hb is not None:
+                    self.hb.update(digest=digest)
+                log.info("generation %d: rank %d/%d, step %d, cursor %d, digest %s (switch %.3fs%s)",
+                         table.generation, rank, table.world_size, step, cursor, digest, took, moved)
+            except Exception:  # noqa: BLE001 - a diagnostic: never stops training
+                log.warning("the digest of generation %d's starting state failed", table.generation, exc_info=True)
+            self.m.ready(table.generation)  # on failure, sent again by _digest_done
+
+        if getattr(self, "_digester", None) is None:  # one long-lived thread: no start-up per switch
+            self._digester = ThreadPoolExecutor(1, thread_name_prefix="switch-digest")
+        self._digesting = (self._digester.submit(run), table.generation)
+        self.engine.before_update(self._digest_done)
+
+    def _digest_done(self) -> None:
+        """Wait (bounded) for :meth:`_digest_switch`'s helper; send ``ready`` from here when it
+        could not (raising what the send raises)."""
+        pending, self._digesting = getattr(self, "_digesting", None), None
+        if pending is None:
+            return
+        future, generation = pending
+        try:
+            future.result(DIGEST_JOIN_TIMEOUT)
+        except FutureTimeout:
+            log.warning("the switch digest took more than %.0f s; training on", DIGEST_JOIN_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - the helper's ready failed: once more, here
+            log.warning("ready for generation %d failed on the helper thread (%s); sending it again", generation, exc)
+            self.m.ready(generation)
 
     def _barrier(self, table: ShardTable) -> bool:
         """Meet every member of ``table`` before forming the group; False (and nothing
@@ -253,19 +315,32 @@ class TrainingWorker(WorkerRunner):
             time.sleep(0.002)
         return False
 
-    def _resync(self) -> None:
-        """Make every member's state equal to the most advanced member's (skip when equal)."""
-        rank, world = pg.world()
-        if world == 1:
-            return
-        probe = torch.tensor([self.step, -self.step], dtype=torch.int64, device=pg.current_group().device)
-        pg.all_reduce(probe, dist.ReduceOp.MAX)
-        if int(probe[0]) == -int(probe[1]):
-            return  # everyone has committed the same steps: identical state already
+    def _resync(self, table: ShardTable) -> None:
+        """Make every member's state equal to the most advanced member's: only the members
+        that are behind (a joiner; after a failure, one that missed the contested step)
+        receive it, from one sender that does not wait for the transfer.
+
+        While they catch up the others already compute: in the generation's first step the
+        members that were behind take no samples and the up-to-date ones split the global
+        batch (contiguous over the table's positions; still a partition, so exactly-once
+        holds); everyone applies the same all-reduced update. From the second step on, the
+        table's ranges apply."""
         extra = {"step": self.step, "cursor": self.cursor}
-        _src, got = resync_state(self.engine.model, self.engine.optimizer, extra, self.step,
-                                 lr_scheduler=self.engine.lr_scheduler)
+        src, got, behind = catch_up_state(self.engine.model, self.engine.optimizer, extra, self.step,
+                                          lr_scheduler=self.engine.lr_scheduler)
         self.step, self.cursor = int(got["step"]), int(got["cursor"])
+        self._caught_up = (src, behind)
+        self._first_ranges = None
+        if behind:
+            rank = table.member(self.m.worker_id).rank
+            ready = [r for r in range(table.world_size) if r not in behind]
+            self._first_ranges = [] if rank in behind else contiguous_table(table.num_samples, len(ready))[ready.index(rank)]
+
+    def _step_ranges(self, member) -> list:
+        """This rank's ranges for the next step: the table's, or once after a catch-up the
+        split computed by :meth:`_resync`."""
+        ranges, self._first_ranges = self._first_ranges, None
+        return member.ranges if ranges is None else ranges
 
     def _finish(self) -> int:
         summary = {"step": self.step, "cursor": self.cursor, "digest": state_digest(self.engine.model)}

@@ -1,0 +1,193 @@
+"""``shoal chaos``: a training job under random faults, then a check of its end state.
+
+The soak starts its own Redis (AOF, ``appendfsync always``) in a run directory, a local
+checkpoint store, two coordinator replicas, and a node agent with ``workers`` workers of the
+digits example (restarts unlimited). For ``duration`` seconds it injects a fault every
+``min_gap``..``max_gap`` seconds (kinds in a seeded, shuffled cycle, so each kind comes up
+about equally; see :mod:`shoal.chaos.inject`). Then it lets the job finish, and judges the
+end state (:mod:`shoal.chaos.verdict`) against a failure-free single-process run of the same
+number of steps. The job's length (``steps``) is chosen so that training outlasts the fault
+window; if it finishes first, the window is cut short and the table says how long it was.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from events.keys import job_keys
+from shoal.chaos.inject import KINDS, Injector
+from shoal.chaos.sampler import Sampler
+from shoal.chaos.verdict import Verdict, judge, load_finals
+from shoal.connection import connect
+from shoal.embedded import start_server
+from shoal.jobs import create_job
+from shoal.jobspec import JobSpec
+from shoal.localproc import LocalProcs
+from storage.uri import open_store
+from worker import ledger
+from worker.data import DataOrder
+from worker.engine import StepEngine
+from worker.userapi import load_entrypoint
+
+ENTRYPOINT = "examples.digits:build_paced"
+REFERENCE = "examples.digits:build"  #: the same arithmetic, without the pause
+BATCH = 64
+
+
+@dataclass
+class ChaosConfig:
+    duration: float = 60.0
+    seed: int = 1
+    workers: int = 3
+    steps: int | None = None  #: job length; default: enough for ``duration`` at the measured pace
+    min_gap: float = 2.0
+    max_gap: float = 5.0
+    ttl: float = 1.5
+    run_dir: Path | None = None
+    finish_timeout: float = 300.0
+    step_pace: float = 0.03  #: seconds of sleep per step (keeps steps/s steady so the job outlasts the window)
+
+
+def reference_parameters(steps: int, seed: int) -> dict:
+    """The failure-free run: one process, the same global batches, no collectives."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        setup = load_entrypoint(REFERENCE, seed)
+        engine = StepEngine.from_setup(setup, require_group=False)
+        order = DataOrder(len(setup.dataset), seed, BATCH)
+        cursor = 0
+        for _ in range(steps):
+            batch = order.batch(cursor)
+            engine.step(batch.indices, batch.count, 0)
+            cursor = batch.next_cursor
+        return {k: v.detach().clone() for k, v in setup.model.state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_chaos(cfg: ChaosConfig, out=print) -> Verdict:
+    with tempfile.TemporaryDirectory(prefix="shoal-chaos-") as tmp:
+        return _run(cfg, Path(cfg.run_dir) if cfg.run_dir else Path(tmp), out)
+
+
+def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
+    rng = random.Random(cfg.seed)
+    steps = cfg.steps or int(cfg.duration / (cfg.step_pace + 0.02)) + 200
+    server = start_server(root / "redis", appendonly=True, fsync="always")
+    port = server.port
+    client = connect(server.url, ride_out=60)
+    job = "chaos"
+    keys = job_keys(job)
+    ckpt = f"file://{root / 'ckpt'}"
+    spec = JobSpec(name=job, entrypoint=ENTRYPOINT, global_batch_size=BATCH, seed=cfg.seed, max_steps=steps, epochs=10_000,
+                   min_workers=1, max_workers=cfg.workers + 1, heartbeat_interval=0.2, heartbeat_ttl=cfg.ttl,
+                   max_restarts=1000, checkpoint_uri=ckpt, checkpoint_interval=25, checkpoint_keep=3)
+    create_job(client, spec)
+    env = {"SHOAL_LEDGER_DIR": str(root / "ledger"), "SHOAL_EXPORT_DIR": str(root / "final"),
+           "SHOAL_STEP_PACE": str(cfg.step_pace)}
+    out(f"shoal chaos: {cfg.duration:.0f} s of faults, seed {cfg.seed}, {cfg.workers} workers under an agent, "
+        f"2 coordinators, Redis with AOF; job of {steps} steps; run dir {root}")
+    state = {"server": server, "coords": 0, "joiners": 0}
+    procs = LocalProcs(server.url, root / "logs", extra_env=env)
+    coordinators: dict = {}
+
+    def new_coordinator():
+        state["coords"] += 1
+        name = f"coord{state['coords']}"
+        coordinators[name] = procs.coordinator(name, "--lease-ttl", "1")
+        return coordinators[name]
+
+    def restart_redis():
+        state["server"].kill()
+        state["server"] = start_server(root / "redis", port=port, appendonly=True, fsync="always")
+
+    def new_worker():
+        state["joiners"] += 1
+        return procs.worker(job, f"joiner{state['joiners']}")
+
+    injector = Injector(client, keys, cfg.ttl, spec.max_workers, coordinators, restart_redis, new_coordinator, new_worker)
+    sampler = Sampler(connect(server.url, ride_out=60), keys, open_store(ckpt))
+    started = time.monotonic()
+    completed = False
+    try:
+        with procs:
+            new_coordinator()
+            new_coordinator()
+            procs.start("agent", "agent", job, "--workers", str(cfg.workers), "--max-restarts", "1000",
+                        "--backoff", "0.1", "--run-dir", str(root / "agent"))
+            _wait_state(client, keys, ("running",), 120)
+            sampler.start()
+            cycle: list[str] = []
+            started = time.monotonic()  # the window starts once the job trains
+            window_end = started + cfg.duration
+            next_at = time.monotonic() + rng.uniform(cfg.min_gap, cfg.max_gap)
+            while time.monotonic() < window_end and not _ended(client, keys):
+                if time.monotonic() < next_at:
+                    time.sleep(0.05)
+                    continue
+                if not cycle:
+                    cycle = list(KINDS)
+                    rng.shuffle(cycle)
+                kind = next((k for k in cycle if injector.allowed(k)), None)
+                if kind is None:
+                    next_at = time.monotonic() + 0.5
+                    continue
+                cycle.remove(kind)
+                f = injector.inject(kind, rng)
+                out(f"  {time.monotonic() - started:6.1f} s  {f.kind:<17} {f.target}")
+                next_at = time.monotonic() + rng.uniform(cfg.min_gap, cfg.max_gap)
+            window = time.monotonic() - started
+            injector.thaw_all()
+            out(f"fault window over after {window:.1f} s (from the first committed steps); letting the job finish")
+            completed = _wait_state(client, keys, ("completed",), cfg.finish_timeout)
+            elapsed = time.monotonic() - started
+            samples = sampler.stop()
+            final_step = int(client.hget(keys.state, "latest_step") or 0)
+    finally:
+        sampler.stop()
+        injector.thaw_all()
+        state["server"].stop()
+    entries = ledger.read(root / "ledger")
+    last_step = max((e["step"] for e in entries), default=0)
+    finals = load_finals(root / "final")
+    out("computing the failure-free reference run...")
+    reference = reference_parameters(last_step, cfg.seed) if last_step else None
+    verdict = judge(completed=completed, final_step=max(last_step, final_step), elapsed=elapsed, entries=entries,
+                    num_samples=_num_samples(), finals=finals, reference=reference, samples=samples, faults=injector.done)
+    out("")
+    out(verdict.table())
+    return verdict
+
+
+def _num_samples() -> int:
+    return len(load_entrypoint(REFERENCE, 0).dataset)
+
+
+def _ended(client, keys) -> bool:
+    raw = client.hget(keys.state, "state")
+    return raw is not None and raw.decode() in ("completed", "failed", "stopped")
+
+
+def _wait_state(client, keys, wanted: tuple[str, ...], timeout: float) -> bool:
+    """Follow the job's control stream until its state is one of ``wanted`` (True) or the
+    job ended otherwise / ``timeout`` passed (False)."""
+    deadline = time.monotonic() + timeout
+    last = "0-0"
+    while (left := deadline - time.monotonic()) > 0:
+        raw = client.hget(keys.state, "state")
+        st = raw.decode() if raw else "pending"
+        if st in wanted:
+            return True
+        if st in ("completed", "failed", "stopped"):
+            return False
+        resp = client.xread({keys.control: last}, count=100, block=max(1, int(min(left, 1.0) * 1000)))
+        for _s, entries in resp or []:
+            last = entries[-1][0].decode()
+    return False

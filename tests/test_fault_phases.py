@@ -1,0 +1,123 @@
+"""Faults at chosen phases of a checkpoint and of the coordinator, checked on the end state.
+
+Rank 0 writes checkpoints every 10 steps; a rule ``*@20:PHASE:ACTION`` kills it at one phase
+of the step-20 save. Its node agent starts a replacement, which rejoins the survivor and
+gets the state by broadcast. Whatever the phase: the job completes, every step and sample
+is committed exactly once, and LATEST (in the store and in Redis) names a complete checkpoint
+of the final step. A coordinator killed while a checkpoint event is pending leaves the event
+to the standby, which moves LATEST.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal.faults import COORDINATOR_PHASES, WORKER_PHASES, BadFaultRule, FaultPlan, parse
+from shoal.jobs import create_job
+from shoal.jobspec import JobSpec
+from shoal.localproc import LocalProcs
+from storage.checkpoint import load_latest
+from storage.latest import LatestPointer
+from storage.uri import open_store
+from tests.helpers import ControlWatcher
+from worker import ledger
+
+STEPS = 40
+DIGITS = 5000
+
+
+def _spec(job: str, ckpt: str) -> JobSpec:
+    return JobSpec(name=job, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, max_steps=STEPS,
+                   min_workers=1, max_workers=2, heartbeat_interval=0.2, heartbeat_ttl=1.5,
+                   checkpoint_uri=ckpt, checkpoint_interval=10, checkpoint_keep=2)
+
+
+def _dump(procs, tmp_path) -> None:
+    for p in procs.procs:
+        print(f"===== {p.name}\n{p.log_tail(30)}")
+    for f in sorted((tmp_path / "agent").glob("*.log")):
+        print(f"===== {f.name}\n" + "\n".join(f.read_text().splitlines()[-30:]))
+
+
+def _check_end_state(r, job: str, ckpt: str, tmp_path) -> None:
+    verdict = ledger.verify(ledger.read(tmp_path / "ledger"), DIGITS)
+    assert verdict.ok, verdict.problem
+    assert verdict.steps == STEPS
+    state, manifest = load_latest(open_store(ckpt))  # verifies every file's sha256 first
+    assert state.step == manifest.step == STEPS
+    assert LatestPointer.from_json(r.get(f"shoal:{{{job}}}:latest")).step == STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase,action", [("ckpt_write", "segv"), ("ckpt_before_latest", "kill"), ("ckpt_before_event", "kill")])
+def test_rank0_dies_at_a_checkpoint_phase_and_the_job_still_ends_exactly_once(r, redis_url, tmp_path, phase, action) -> None:
+    job = f"ph-{phase[5:12]}-{tmp_path.name[-4:]}"
+    ckpt = f"file://{tmp_path / 'ckpt'}"
+    create_job(r, _spec(job, ckpt))
+    watch = ControlWatcher(r, job)
+    env = {"SHOAL_TEST_STEP_DELAY": "0.05", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger"),
+           "SHOAL_FAULTS": f"*@20:{phase}:{action}"}
+    with LocalProcs(redis_url, tmp_path / "logs", extra_env=env) as procs:
+        procs.coordinator("coord")
+        agent = procs.start("agent", "agent", job, "--workers", "2", "--backoff", "0.1", "--max-restarts", "1",
+                            "--run-dir", str(tmp_path / "agent"))
+        try:
+            failed = watch.wait_for(lambda d: " failed: process ended with signal" in d["reason"], 120)
+            watch.wait_for(lambda d: d["job_state"] == "completed", 120)
+            assert agent.wait(60) == 0
+        except BaseException:
+            _dump(procs, tmp_path)
+            raise
+    fired = [f for f in (tmp_path / "agent").glob("slot-*.log") if f"fault injected: {action} at " in f.read_text()]
+    assert len(fired) == 1 and f"@20:{phase}" in fired[0].read_text()
+    signal_no = {"segv": 11, "kill": 9}[action]
+    assert f"signal {signal_no}" in failed["reason"]
+    _check_end_state(r, job, ckpt, tmp_path)
+
+
+@pytest.mark.slow
+def test_leader_killed_with_a_checkpoint_event_pending_the_standby_moves_latest(r, redis_url, tmp_path) -> None:
+    job = "ph-coord-" + tmp_path.name[-4:]
+    ckpt = f"file://{tmp_path / 'ckpt'}"
+    create_job(r, _spec(job, ckpt))
+    watch = ControlWatcher(r, job)
+    env = {"SHOAL_TEST_STEP_DELAY": "0.05", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger")}
+    with LocalProcs(redis_url, tmp_path / "logs", extra_env=env | {"SHOAL_COORD_FAULTS": "checkpoint@2:before_apply:kill"}) as procs:
+        leader = procs.coordinator("leader", "--lease-ttl", "1")
+        procs.extra_env.pop("SHOAL_COORD_FAULTS")  # the standby started below has no fault
+        try:
+            procs.start("agent", "agent", job, "--workers", "2", "--run-dir", str(tmp_path / "agent"))
+            watch.wait_for(lambda d: d["kind"] == "join", 60)  # the leader leads (it is alone)
+            standby = procs.coordinator("standby", "--lease-ttl", "1")
+            first = watch.wait_for(lambda d: "LATEST -> checkpoint of step 10" in d["reason"], 120)
+            assert leader.wait(60) == -9  # killed itself holding the step-20 event, unapplied
+            moved = watch.wait_for(lambda d: "LATEST -> checkpoint of step 20" in d["reason"], 30)
+            assert int(moved["epoch"]) > int(first["epoch"])  # applied by the standby, after a takeover
+            watch.wait_for(lambda d: d["job_state"] == "completed", 120)
+        except BaseException:
+            _dump(procs, tmp_path)
+            raise
+        assert standby.popen.poll() is None
+    _check_end_state(r, job, ckpt, tmp_path)
+
+
+def test_rules_parse_fire_once_and_refuse_bad_input(monkeypatch) -> None:
+    plan = FaultPlan(parse("w1@3:mid_step:raise,*@5:ckpt_write:raise"))
+    plan.at("w2", 3, "mid_step")  # another worker: nothing
+    with pytest.raises(RuntimeError, match="w1@3:mid_step"):
+        plan.at("w1", 3, "mid_step")
+    plan.at("w1", 3, "mid_step")  # fired once already
+    with pytest.raises(RuntimeError):
+        plan.at("w9", 5, "ckpt_write")
+    counted = FaultPlan(parse("checkpoint@2:before_apply:raise", COORDINATOR_PHASES))
+    counted.count("checkpoint", "before_apply")
+    counted.count("join", "before_apply")
+    with pytest.raises(RuntimeError, match="checkpoint event #2"):
+        counted.count("checkpoint", "before_apply")
+    for bad in ("w1:mid_step:kill", "w1@x:mid_step:kill", "w1@1:sometime:kill", "w1@1:mid_step:explode", "w1@1:mid_step:exit=x"):
+        with pytest.raises(BadFaultRule, match="bad fault rule"):
+            parse(bad)
+    assert set(WORKER_PHASES) >= {"mid_step", "ckpt_write", "ckpt_before_latest", "ckpt_before_event"}
+    monkeypatch.setenv("SHOAL_COORD_FAULTS", "checkpoint@1:mid_step:kill")
+    with pytest.raises(BadFaultRule):
+        FaultPlan.for_coordinator()
