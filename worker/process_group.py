@@ -15,7 +15,9 @@ through ``CUDA_VISIBLE_DEVICES``), gloo otherwise. Multi-host gloo may need
 
 This module is the one place where torch.distributed and redis-py errors of the training side
 are translated (:func:`translate_error`); the collective wrappers :func:`all_reduce`,
-:func:`broadcast` and :func:`barrier` raise only :class:`~worker.errors.CollectiveFailed`.
+:func:`broadcast` and :func:`barrier`, and the point-to-point :func:`isend` (reaped by the next
+:func:`all_reduce`), :func:`recv` and :func:`recv_many`, raise only
+:class:`~worker.errors.CollectiveFailed`.
 """
 
 from __future__ import annotations
