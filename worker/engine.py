@@ -487,14 +487,7 @@ def broadcast_state(
             t.to(local_dev if devtype != "cpu" else torch.device("cpu"))
             for t, (_, _, devtype) in zip(received, specs)
         ]
-        model_state = _decode(header["model"], placed)
-        with torch.no_grad():
-            for name, t in model.state_dict().items():
-                t.copy_(model_state[name])
-        optimizer.load_state_dict(_decode(header["optimizer"], placed))
-        if lr_scheduler is not None and header["scheduler"] is not None:
-            lr_scheduler.load_state_dict(_decode(header["scheduler"], placed))
-        return _decode(header["extra"], placed)
+        return _load_received(model, optimizer, lr_scheduler, header, placed)
     return _decode(header["extra"], tensors)
 
 
@@ -695,6 +688,13 @@ def _recv_state(model, optimizer, lr_scheduler, src: int, mine: dict[str, Any], 
         w.to(_dtype(dt)).to(comm if devtype != "cpu" else torch.device("cpu"))
         for w, (dt, _, devtype) in zip(wire, specs)
     ]
+    return _load_received(model, optimizer, lr_scheduler, header, placed)
+
+
+def _load_received(model, optimizer, lr_scheduler, header: dict, placed: list) -> dict:
+    """Copy a received state (header + tensors placed on this rank's devices) into the model
+    in place (the optimizer's parameter references stay valid), the optimizer and the
+    scheduler; returns the sender's ``extra``."""
     model_state = _decode(header["model"], placed)
     with torch.no_grad():
         for name, t in model.state_dict().items():
