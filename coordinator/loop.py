@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import redis
 
+from coordinator.balance import encode_entry, parse_registry, plan_handoffs
 from coordinator.decide import Decision, EventInput, Tick, decide
 from coordinator.errors import StaleEpoch
 from coordinator.fenced import FencedBatch, FencedWriter
@@ -28,7 +29,7 @@ from coordinator.lease import LeaseScripts
 from coordinator.persist import decision_batch, load_state
 from coordinator.states import TERMINAL_JOB_STATES, CoordState, WorkerState
 from events import bus
-from events.keys import COORDINATOR_GROUP, JOBS, JobKeys, job_keys
+from events.keys import COORDINATOR_GROUP, COORDINATORS, JOBS, JobKeys, job_keys
 from events.models import InvalidEvent, decode_event
 from shoal.faults import FaultPlan
 from shoal.jobspec import JobSpec
@@ -68,6 +69,7 @@ class Stats:
     generations: int = 0
     failures_detected: int = 0
     takeovers: int = 0
+    handoffs: int = 0
     ticks: int = 0
     detection_latency_ms: list[int] = field(default_factory=list)
 
@@ -92,6 +94,7 @@ class Coordinator:
         max_attempts: int = 3,
         progress_interval: float = 5.0,
         trim_interval: float = 5.0,
+        balance: bool = True,
     ):
         self.client = client
         self.instance_id = instance_id or f"coord-{uuid.uuid4().hex[:8]}"
@@ -109,6 +112,10 @@ class Coordinator:
         self._last_lease_ms = 0
         self._last_tick_ms = 0
         self._broken: dict[str, str] = {}
+        self.balance = balance
+        self._balance_after_ms = 0
+        self._balance_reason = ""
+        self._seen: dict[str, int] = {}
         self.faults = FaultPlan.for_coordinator()
 
     # ---- leadership -------------------------------------------------------------------------
@@ -141,6 +148,40 @@ class Coordinator:
         for jid in list(self.leads):
             if jid not in held:
                 del self.leads[jid]
+        if self.balance:
+            self._balance(server_ms(self.client))
+
+    def _balance(self, now: int) -> None:
+        """Publish our load; hand over jobs above our fair share (``coordinator/balance.py``).
+
+        After handing any over, wait two lease TTLs before the next plan, so that the heirs'
+        new loads are in the registry before we judge again."""
+        self.client.hset(COORDINATORS, self.token, encode_entry(now, len(self.leads)))
+        if now < self._balance_after_ms:
+            return
+        live, stale = parse_registry(self.client.hgetall(COORDINATORS), now, self.lease_ms)
+        if stale:
+            self.client.hdel(COORDINATORS, *stale)
+        # a replica counts only once its entry moved on since our last look: a dead one's
+        # entry stays "recent" for a while, and a job handed to it would wait for the hint
+        # to expire
+        before, self._seen = self._seen, {rep.token: rep.seen_ms for rep in live}
+        live = [rep for rep in live if rep.token == self.token or before.get(rep.token, rep.seen_ms) < rep.seen_ms]
+        # finished jobs are handed over first: they cost the heir nothing to lead
+        order = sorted(self.leads.values(), key=lambda ld: (ld.state.status.state not in TERMINAL_JOB_STATES, ld.keys.job_id))
+        plan = plan_handoffs(self.token, [ld.keys.job_id for ld in order], live)
+        if plan.moves:
+            log.info("lease balance: %s", plan.reason)
+        elif plan.reason != self._balance_reason:
+            log.debug("lease balance: %s", plan.reason)
+        self._balance_reason = plan.reason
+        for job_id, heir in plan.moves:
+            lead = self.leads.pop(job_id)
+            if self.leases.hand_off(lead.keys, self.token, heir, hint_ms=2 * self.lease_ms):
+                self.stats.handoffs += 1
+                log.info("job %s: handed over to replica %s", job_id, heir.split(":")[0])
+        if plan.moves:
+            self._balance_after_ms = now + 2 * self.lease_ms
 
     def _take(self, keys: JobKeys, epoch: int) -> None:
         raw = self.client.get(keys.spec)
@@ -165,13 +206,18 @@ class Coordinator:
             log.error("job %s skipped: %s", job_id, why)
 
     def release_all(self) -> None:
-        """Give up every lease we hold (graceful shutdown: a standby takes over at once)."""
+        """Give up every lease we hold (graceful shutdown: a standby takes over at once) and
+        leave the replica registry."""
         for lead in list(self.leads.values()):
             try:
                 self.leases.give_up(lead.keys, self.token)
             except redis.RedisError:
                 pass
         self.leads.clear()
+        try:
+            self.client.hdel(COORDINATORS, self.token)
+        except redis.RedisError:
+            pass
 
     # ---- one iteration ----------------------------------------------------------------------
 

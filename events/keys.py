@@ -18,6 +18,11 @@ PREFIX = "shoal"
 #: Set of every registered job id. Writer: ``shoal submit``/``create_job``. Reader: coordinators.
 JOBS = f"{PREFIX}:jobs"
 
+#: HASH lease token -> ``"<Redis ms last seen>:<jobs led>"``, one entry per coordinator
+#: replica. Writer: each replica, every lease refresh (and HDEL on shutdown; any replica
+#: deletes entries left stale). Reader: replicas, to spread leases (``coordinator/balance.py``).
+COORDINATORS = f"{PREFIX}:coordinators"
+
 #: RQ queue on which launch work for node agents is enqueued.
 LAUNCH_QUEUE = "shoal-launch"
 
@@ -55,6 +60,12 @@ class JobKeys:
     def lease(self) -> str:
         """STRING ``token``, PX = lease TTL. The coordinator replica holding it leads this job."""
         return f"{self.base}:lease"
+
+    @property
+    def handoff(self) -> str:
+        """STRING token of the replica a job's leader is handing it to, PX = a few lease TTLs.
+        While it exists, only that replica may take the free lease (``coordinator/lease.py``)."""
+        return f"{self.base}:handoff"
 
     @property
     def epoch(self) -> str:

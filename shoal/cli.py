@@ -161,6 +161,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
     args.workers = 1 if args.workers is None else args.workers
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    for flag in ("backoff", "backoff_max", "backoff_reset"):
+        value = getattr(args, flag)
+        if not 0 <= value < float("inf"):
+            raise ConfigError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
     _job_keys(args.job)
     with redis_client(start_embedded=False, ride_out=RIDE_OUT_S) as client:
         raw = client.get(job_keys(args.job).spec)
@@ -171,7 +175,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         run_dir = Path(args.run_dir or default_run_dir().parent / "agent" / args.job)
         agent = NodeAgent(client, url, args.job, args.workers, run_dir=run_dir,
                           max_restarts=spec.max_restarts if args.max_restarts is None else args.max_restarts,
-                          backoff=args.backoff, node=args.node, spec=spec)
+                          backoff=args.backoff, backoff_max=args.backoff_max, backoff_reset=args.backoff_reset,
+                          node=args.node, spec=spec)
         signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
         signal.signal(signal.SIGINT, lambda *_: agent.stop.set())
         return agent.run()
@@ -523,6 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--workers", "-n", type=int, default=None, help="direct mode: worker processes (default 1)")
     ag.add_argument("--max-restarts", type=int, default=None, help="default: the job spec's max_restarts")
     ag.add_argument("--backoff", type=float, default=0.5, help="first restart delay; doubles each time")
+    ag.add_argument("--backoff-max", type=float, default=30.0, help="longest restart delay (default 30 s)")
+    ag.add_argument("--backoff-reset", type=float, default=60.0,
+                    help="a worker that ran this long before dying restarts after --backoff again (default 60 s)")
     ag.add_argument("--node", help="node name (default: host name)")
     ag.add_argument("--run-dir", help="where worker logs go (default: ~/.shoal/agent/JOB)")
     ag.set_defaults(func=cmd_agent)

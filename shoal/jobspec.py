@@ -41,7 +41,9 @@ class JobSpec(BaseModel):
     global_batch_size: Annotated[int, Field(gt=0)] = 64
     epochs: Annotated[int, Field(gt=0)] = 1
     max_steps: Annotated[int | None, Field(gt=0)] = None
-    seed: int = 0
+    #: Seeds python, numpy and torch in every worker and the data order; torch takes no more
+    #: than 64 bits, so a larger seed would crash every worker at start (a crash loop).
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
     min_workers: Annotated[int, Field(ge=1)] = 1
     max_workers: Annotated[int, Field(ge=1, le=MAX_WORKERS)] = 8
     heartbeat_interval: Annotated[float, Field(gt=0, le=60)] = 0.5

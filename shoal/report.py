@@ -17,6 +17,7 @@ Rendering uses matplotlib's Agg canvas directly (no pyplot, no display needed).
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -254,6 +255,8 @@ def _rates(points: list[Point]) -> list[float]:
 
 def render(history: History, marks: list[Marked], path: str | Path) -> Path:
     """Draw the four panels into ``path`` (PNG, 1400x900 px)."""
+    # matplotlib's first import builds a font cache and says so at INFO: not news for the user
+    logging.getLogger("matplotlib").setLevel(max(logging.WARNING, logging.getLogger("matplotlib").level))
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D

@@ -16,8 +16,9 @@ from shoal.errors import ConfigError
 
 
 def job_status(client: redis.Redis, job_id: str) -> dict:
-    """A JSON-able dict: job state, generation, reason, first failure and per worker id,
-    state, step, last heartbeat age (ms), straggler flag, digest, ranges."""
+    """A JSON-able dict: job state, generation, reason, first failure, the leading coordinator
+    replica (its name, never its lease token) and fencing epoch, and per worker id, state,
+    step, last heartbeat age (ms), straggler flag, digest, ranges."""
     keys = job_keys(job_id)
     pipe = client.pipeline(transaction=False)
     pipe.get(keys.spec)
@@ -27,7 +28,9 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
     pipe.get(keys.shard)
     pipe.time()
     pipe.xlen(keys.dead)
-    spec_raw, state_raw, workers_raw, seen, shard_raw, (sec, usec), dead = pipe.execute()
+    pipe.get(keys.lease)
+    pipe.get(keys.epoch)
+    spec_raw, state_raw, workers_raw, seen, shard_raw, (sec, usec), dead, lease, epoch = pipe.execute()
     if spec_raw is None:
         raise ConfigError(f"no job {job_id!r} in this Redis")
     now_ms = int(sec) * 1000 + int(usec) // 1000
@@ -64,6 +67,9 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
         "reason": status.reason,
         "first_failure": status.first_failure,
         "dead_letters": int(dead),
+        # the lease value is "<replica name>:<secret-ish token>": show only the name
+        "leader": lease.decode(errors="replace").split(":")[0] if lease else None,
+        "epoch": int(epoch or 0),
         "workers": workers,
     }
 
@@ -72,6 +78,7 @@ def format_status(s: dict) -> str:
     lines = [
         f"job {s['job_id']}: {s['state']}  generation {s['generation']}  world size {s['world_size']}",
         f"reason: {s['reason']}",
+        f"coordinator: {s['leader'] or 'none (the lease is free)'}  epoch {s['epoch']}",
     ]
     if s["first_failure"]:
         lines.append(f"first failure: {s['first_failure']}")

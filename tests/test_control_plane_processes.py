@@ -139,6 +139,9 @@ def test_status_json_reports_state_generation_and_workers(r, job_id, procs, subp
     s = json.loads(out.stdout)
     assert s["state"] == "running" and s["generation"] == 1 and s["world_size"] == 2
     assert {w["worker_id"] for w in s["workers"]} == {"w0", "w1"}
+    name, token = r.get(job_keys(job_id).lease).decode().split(":")
+    assert s["leader"] == name and s["epoch"] == int(r.get(job_keys(job_id).epoch)) >= 1
+    assert token not in out.stdout  # the lease token (a fencing credential) stays in Redis
     for w in s["workers"]:
         assert w["state"] in ("Syncing", "Active")
         assert w["heartbeat_age_ms"] is not None and 0 <= w["heartbeat_age_ms"] <= TTL * 1000

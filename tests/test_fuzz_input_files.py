@@ -189,6 +189,9 @@ def test_fuzzed_cluster_file_is_accepted_or_refused_in_one_line(action, data) ->
     ("straggler_factor: .nan\n", "straggler_factor: Input should be a finite number"),
     # submit queued one launch unit per worker: a huge max_workers never returned
     ("max_workers: 100000000000\n", "max_workers: Input should be less than or equal to 4096"),
+    # torch.manual_seed takes 64 bits: a larger seed crashed every worker at start
+    ("seed: 100000000000000000000\n", "seed: Input should be less than or equal to 9223372036854775807"),
+    ("seed: -1\n", "seed: Input should be greater than or equal to 0"),
     # a field name with a newline (or an escape sequence) split the one-line error
     ('"colour\\nshoal: forged line": red\n', "'colour\\nshoal: forged line': Extra inputs are not permitted"),
     ('"\\e[31mred": 1\n', "'\\x1b[31mred': Extra inputs"),

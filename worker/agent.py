@@ -4,8 +4,11 @@ It waits on the children's pidfds, so a death is seen at once (no polling interv
 heartbeat timeout): the agent reports it as a ``WorkerExited`` event with the exit code or
 signal and the last lines of the worker's output, and the coordinator re-plans
 immediately. A crashed worker is restarted after an exponential backoff
-(``backoff * 2**n``, capped) until ``max_restarts`` restarts were spent; then the agent
-gives up on that slot and says so in the event (the coordinator fails the job if too few
+(``backoff * 2**n``, capped at ``backoff_max``, where ``n`` counts the slot's restarts since
+its last healthy run: a worker that ran ``backoff_reset`` seconds before dying starts the
+doubling over) until ``max_restarts`` restarts were spent in all (the budget does not reset:
+a slot that keeps dying, however slowly, is eventually given up); then the agent gives up on
+that slot and says so in the event (the coordinator fails the job if too few
 workers remain). The first failure's root cause is recorded by the coordinator and shown
 by ``shoal status``. SIGTERM to the agent drains every worker (they finish their step and
 leave) and waits for them.
@@ -49,6 +52,8 @@ class Slot:
     proc: subprocess.Popen | None = None
     pidfd: int | None = None
     restarts: int = 0
+    #: restarts since the worker last ran ``backoff_reset`` seconds: the backoff's exponent
+    streak: int = 0
     start_at: float = 0.0
     done: bool = False
     gave_up: bool = False
@@ -62,6 +67,11 @@ class Slot:
 
     def log_file(self, run_dir: Path) -> Path:
         return run_dir / f"slot-{self.index}.log"
+
+
+def restart_delay(streak: int, backoff: float, backoff_max: float) -> float:
+    """The wait before a slot's next start after ``streak`` restarts in a row without a healthy run."""
+    return min(backoff_max, backoff * (2 ** min(streak, 62)))
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -86,6 +96,7 @@ class NodeAgent:
         max_restarts: int = 3,
         backoff: float = 0.5,
         backoff_max: float = 30.0,
+        backoff_reset: float = 60.0,
         node: str | None = None,
         extra_env: dict[str, str] | None = None,
         spec: JobSpec | None = None,
@@ -98,9 +109,12 @@ class NodeAgent:
         self.max_restarts = max_restarts
         self.backoff = backoff
         self.backoff_max = backoff_max
+        self.backoff_reset = backoff_reset
         self.node = node or socket.gethostname()
         self.extra_env = extra_env or {}
         self.slots = [Slot(i) for i in range(workers)]
+        #: the command each slot runs (tests substitute a cheap one)
+        self.worker_argv = [sys.executable, "-m", "shoal.cli", "worker", job_id, "--node", self.node]
         self.stop = threading.Event()
         self._draining = False
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -147,8 +161,7 @@ class NodeAgent:
                     "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")})
         slot.id_file(self.run_dir).unlink(missing_ok=True)
         with open(slot.log_file(self.run_dir), "ab") as out:
-            slot.proc = subprocess.Popen([sys.executable, "-m", "shoal.cli", "worker", self.job_id, "--node", self.node],
-                                         env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            slot.proc = subprocess.Popen(self.worker_argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         slot.pidfd = os.pidfd_open(slot.proc.pid)
         slot.spawns.append(time.monotonic())
         log.info("slot %d: started worker pid %d (restart %d/%d)", slot.index, slot.proc.pid, slot.restarts, self.max_restarts)
@@ -183,7 +196,10 @@ class NodeAgent:
                               restarts=slot.restarts, pid=proc.pid)
             bus.publish(self.client, self.keys.events, ev)
         if will_restart:
-            delay = min(self.backoff_max, self.backoff * (2 ** slot.restarts))
+            if slot.spawns and slot.exits[-1] - slot.spawns[-1] >= self.backoff_reset:
+                slot.streak = 0  # it ran healthy for a while: this crash is not part of a loop
+            delay = restart_delay(slot.streak, self.backoff, self.backoff_max)
+            slot.streak += 1
             slot.restarts += 1
             slot.delays.append(delay)
             slot.start_at = time.monotonic() + delay

@@ -50,7 +50,7 @@ class ChaosConfig:
     max_gap: float = 5.0
     ttl: float = 1.5
     run_dir: Path | None = None
-    finish_timeout: float = 300.0
+    finish_timeout: float = 300.0  #: grace after the window, on top of the time the steps still to go need
     step_pace: float = 0.03  #: seconds of sleep per step (keeps steps/s steady so the job outlasts the window)
 
 
@@ -145,8 +145,13 @@ def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
                 next_at = time.monotonic() + rng.uniform(cfg.min_gap, cfg.max_gap)
             window = time.monotonic() - started
             injector.thaw_all()
-            out(f"fault window over after {window:.1f} s (from the first committed steps); letting the job finish")
-            completed = _wait_state(client, keys, ("completed",), cfg.finish_timeout)
+            to_go = max(0, steps - int(client.hget(keys.state, "latest_step") or 0))
+            out(f"fault window over after {window:.1f} s (from the first committed steps); "
+                f"letting the job finish its last {to_go} steps")
+            # Faults slow a long soak down, so the steps left at the window's end are not known in
+            # advance; allow each of them twice the nominal pace on top of the fixed grace.
+            finish = cfg.finish_timeout + 2 * to_go * (cfg.step_pace + 0.02)
+            completed = _wait_state(client, keys, ("completed",), finish)
             elapsed = time.monotonic() - started
             samples = sampler.stop()
             final_step = int(client.hget(keys.state, "latest_step") or 0)

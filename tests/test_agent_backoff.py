@@ -1,0 +1,67 @@
+"""The node agent's restart policy, with real child processes standing in for workers.
+
+A worker that dies at once is in a crash loop: its restart delay doubles up to the cap. A
+worker that ran ``backoff_reset`` seconds before dying starts the doubling over, so a
+long-lived slot that crashes rarely is not kept waiting the capped delay. The restart budget
+is a total either way.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import fakeredis
+
+from events.keys import job_keys
+from events.models import WorkerExited, decode_event
+from worker.agent import NodeAgent, restart_delay
+
+
+def _agent(tmp_path, child: str, **kw) -> NodeAgent:
+    agent = NodeAgent(fakeredis.FakeRedis(), "redis://unused", "bk", 1, run_dir=tmp_path, **kw)
+    # the child records a worker id (so the agent reports its exit), then runs ``child``
+    agent.worker_argv = [sys.executable, "-c",
+                         "import os, time, sys; open(os.environ['SHOAL_WORKER_ID_FILE'], 'w').write('w-test'); " + child]
+    return agent
+
+
+def _run(agent: NodeAgent, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while agent.run_once(timeout=0.2):
+        assert time.monotonic() < deadline, "the agent never gave up"
+
+
+def _exits(agent: NodeAgent) -> list[WorkerExited]:
+    events = [decode_event(fields, "bk") for _id, fields in agent.client.xrange(job_keys("bk").events)]
+    assert all(isinstance(e, WorkerExited) for e in events)
+    return events
+
+
+def test_restart_delay_doubles_and_is_capped() -> None:
+    assert [restart_delay(n, 0.5, 30) for n in range(8)] == [0.5, 1, 2, 4, 8, 16, 30, 30]
+    assert restart_delay(10_000, 0.5, 30) == 30  # no overflow however long the loop
+
+
+def test_crash_loop_doubles_then_caps_and_spends_the_budget(tmp_path) -> None:
+    agent = _agent(tmp_path, "sys.exit(3)", max_restarts=5, backoff=0.01, backoff_max=0.05, backoff_reset=60)
+    _run(agent)
+    slot = agent.slots[0]
+    assert slot.delays == [0.01, 0.02, 0.04, 0.05, 0.05]
+    assert slot.gave_up and len(slot.spawns) == 6
+    events = _exits(agent)
+    assert [e.restarts for e in events] == [0, 1, 2, 3, 4, 5]
+    assert [e.will_restart for e in events] == [True] * 5 + [False] and events[-1].gave_up
+    assert all(e.exit_code == 3 and e.worker_id == "w-test" for e in events)
+
+
+def test_a_healthy_run_resets_the_backoff_not_the_budget(tmp_path) -> None:
+    reset_after = 0.2
+    # each run lasts longer than backoff_reset, so no restart waits more than the first delay
+    agent = _agent(tmp_path, "time.sleep(0.4); sys.exit(3)", max_restarts=3, backoff=0.01, backoff_max=10,
+                   backoff_reset=reset_after)
+    _run(agent)
+    slot = agent.slots[0]
+    assert all(b - a >= reset_after for a, b in zip(slot.spawns, slot.exits))
+    assert slot.delays == [0.01, 0.01, 0.01]
+    assert slot.gave_up and slot.restarts == 3  # the budget is still a total
