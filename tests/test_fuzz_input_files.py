@@ -206,6 +206,14 @@ def test_spec_inputs_found_by_fuzzing(fuzz_redis, tmp_path, command, body, needl
     assert fuzz_redis.dbsize() == 0
 
 
+@pytest.mark.parametrize("command", ["submit", "create"])
+def test_a_control_character_in_a_file_name_stays_on_one_line(fuzz_redis, tmp_path, command) -> None:
+    path = tmp_path / "job\nshoal: forged\x1b[2J.yaml"
+    rc, out, err = _run(command, str(path))
+    _refused_in_one_line(rc, out, err)
+    assert "cannot read job spec" in err and "job\\nshoal: forged\\x1b[2J.yaml" in err, err
+
+
 @pytest.mark.parametrize("body, needle", [
     ('"no\\nnodes": 1\n', "not a cluster file: no 'nodes' list (found: 'no\\nnodes')"),
     ('nodes:\n  - name: a\n    cpu_cores: 1\n    "x\\ny": 2\n', "nodes[a].'x\\ny': unknown field"),
