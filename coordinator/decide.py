@@ -110,7 +110,20 @@ class SetLatest:
     pointer_json: str
 
 
-Action = ReplyJoin | Publish | Watch | Forget | SetLatest
+@dataclass(frozen=True)
+class RecordFailure:
+    """Append one worker failure to the job's ``failures`` stream (the history behind
+    ``first_failure``): who, its rank in the generation it died in (-1: none), how it ended."""
+
+    worker_id: str
+    rank: int
+    reason: str
+    exit_code: int | None = None
+    signal: int | None = None
+    traceback: str = ""
+
+
+Action = ReplyJoin | Publish | Watch | Forget | SetLatest | RecordFailure
 
 
 @dataclass(frozen=True)
@@ -194,11 +207,35 @@ def _move(state: CoordState, wid: str, dst: WorkerState, reason: str, now_ms: in
     return replace(state, workers={**state.workers, wid: rec})
 
 
-def _fail(state: CoordState, wid: str, reason: str, now_ms: int) -> tuple[CoordState, list[Action]]:
+def rank_of(state: CoordState, wid: str) -> int:
+    """``wid``'s rank in the published generation, or -1 when it has none (joining, paused,
+    or the planned membership already differs from the published one)."""
+    ids = planned_ids(state)
+    if wid in ids and _plan_digest(ids, False) == state.status.plan_digest:
+        return ids.index(wid)
+    return -1
+
+
+def _who(state: CoordState, wid: str) -> str:
+    rank = rank_of(state, wid)
+    return f"{wid} (rank {rank})" if rank >= 0 else wid
+
+
+def _fail(state: CoordState, wid: str, reason: str, now_ms: int, rank: int,
+          exited: WorkerExited | None = None) -> tuple[CoordState, list[Action]]:
+    """Mark ``wid`` failed. The first failure of the job (its root cause) is kept with the
+    full traceback the agent reported; every failure goes to the ``failures`` stream."""
     state = _move(state, wid, WorkerState.FAILED, reason, now_ms)
     if not state.status.first_failure:
-        state = replace(state, status=replace(state.status, first_failure=reason))
-    return state, [Forget(wid)]
+        tb = exited.traceback if exited else ""
+        state = replace(state, status=replace(state.status, first_failure=reason, first_failure_traceback=tb))
+    return state, [Forget(wid), _record(wid, rank, reason, exited)]
+
+
+def _record(wid: str, rank: int, reason: str, exited: WorkerExited | None) -> RecordFailure:
+    if exited is None:
+        return RecordFailure(wid, rank, reason)
+    return RecordFailure(wid, rank, reason, exited.exit_code, exited.signal, exited.traceback)
 
 
 # ---- the decision function --------------------------------------------------------------------
@@ -262,15 +299,24 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
             return _unchanged(state, f"exit of pid {ev.pid} ignored: {wid} is pid {rec.pid}")
         how = f"signal {ev.signal}" if ev.signal else f"exit code {ev.exit_code}"
         tail = ev.traceback.strip().splitlines()[-1] if ev.traceback.strip() else ""
-        why = f"{wid} failed: process ended with {how}" + (f" ({tail})" if tail else "")
-        if rec.state == WorkerState.FAILED and state.status.first_failure.startswith(f"{wid} failed: no heartbeat"):
-            # the heartbeat timeout won the race; the agent's report is the root cause
-            status = replace(state.status, first_failure=why)
+        rank = rank_of(state, wid)
+        why = f"{_who(state, wid)} failed: process ended with {how}" + (f" ({tail})" if tail else "")
+        if rec.state == WorkerState.FAILED and " failed: no heartbeat" in rec.reason:
+            # the heartbeat timeout won the race; the agent's report says why the process
+            # died, and is the root cause if the timeout was (the rank is the one the timeout
+            # recorded: the worker is planned no more)
+            who = rec.reason.split(" failed: ", 1)[0]
+            why = who + why[why.index(" failed: "):]
+            status = state.status
+            if status.first_failure == rec.reason:
+                status = replace(status, first_failure=why, first_failure_traceback=ev.traceback)
             workers = {**state.workers, wid: replace(rec, reason=why)}
             state = replace(state, status=status, workers=workers)
+            rank = int(who.rsplit("rank ", 1)[1].rstrip(")")) if "(rank " in who else -1
+            actions = [_record(wid, rank, why, ev)]
             if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:
-                return _give_up(state, wid, ev, spec, now_ms, [])
-            return Decision(state, (), f"root cause of {wid}: {why}")
+                return _give_up(state, wid, ev, spec, now_ms, actions)
+            return Decision(state, tuple(actions), f"root cause of {wid}: {why}")
         if rec.state not in LIVE:
             if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:
                 return _give_up(state, wid, ev, spec, now_ms, [])
@@ -279,7 +325,7 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
             state = _move(state, wid, WorkerState.LEFT, f"{wid} exited cleanly while draining", now_ms)
             actions: list[Action] = [Forget(wid)]
         else:
-            state, actions = _fail(state, wid, why, now_ms)
+            state, actions = _fail(state, wid, why, now_ms, rank, ev)
         if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:
             return _give_up(state, wid, ev, spec, now_ms, actions)
         state, more, reason = replan(state, spec, now_ms, epoch, why)
@@ -334,8 +380,9 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
         rec = state.workers.get(wid)
         if rec is None or rec.state not in LIVE or now_ms - seen <= ttl_ms:
             continue
-        why = f"{wid} failed: no heartbeat for {now_ms - seen} ms (ttl {ttl_ms} ms)"
-        state, more = _fail(state, wid, why, now_ms)
+        rank = rank_of(state, wid)
+        why = f"{_who(state, wid)} failed: no heartbeat for {now_ms - seen} ms (ttl {ttl_ms} ms)"
+        state, more = _fail(state, wid, why, now_ms, rank)
         actions += more
         reasons.append(why)
         changed = True

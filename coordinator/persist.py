@@ -10,7 +10,7 @@ import json
 
 import redis
 
-from coordinator.decide import Decision, Forget, Publish, ReplyJoin, SetLatest, Watch
+from coordinator.decide import Decision, Forget, Publish, RecordFailure, ReplyJoin, SetLatest, Watch
 from coordinator.fenced import FencedBatch
 from coordinator.states import CoordState, JobStatus, WorkerRecord
 from events.keys import JobKeys
@@ -18,6 +18,7 @@ from events.keys import JobKeys
 JOIN_REPLY_TTL_S = 60
 CONTROL_MAXLEN = 10_000
 GENERATIONS_MAXLEN = 1_000
+FAILURES_MAXLEN = 1_000
 
 
 def load_state(client: redis.Redis, keys: JobKeys) -> CoordState:
@@ -61,6 +62,14 @@ def decision_batch(
         elif isinstance(action, Forget):
             batch.add("ZREM", keys.last_seen, action.worker_id)
             batch.add("DEL", keys.heartbeat(action.worker_id))
+        elif isinstance(action, RecordFailure):
+            fields = {"ts_ms": str(now_ms), "worker": action.worker_id, "rank": str(action.rank),
+                      "reason": action.reason, "traceback": action.traceback}
+            if action.exit_code is not None:
+                fields["exit_code"] = str(action.exit_code)
+            if action.signal is not None:
+                fields["signal"] = str(action.signal)
+            batch.xadd(keys.failures, fields, maxlen=FAILURES_MAXLEN)
     if decision.changed:
         batch.xadd(
             keys.control,

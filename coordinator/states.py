@@ -128,6 +128,9 @@ class JobStatus:
     next_worker: int = 0
     changed_ms: int = 0
     first_failure: str = ""
+    #: What the agent reported of the first failure's process (the tail of its output,
+    #: normally the Python traceback); empty for a heartbeat timeout.
+    first_failure_traceback: str = ""
     plan_digest: str = ""
     #: Redis ms of the newest join not yet planned (0: none); joins settle before planning.
     pending_join_ms: int = 0
@@ -145,6 +148,7 @@ class JobStatus:
             "next_worker": str(self.next_worker),
             "changed_ms": str(self.changed_ms),
             "first_failure": self.first_failure,
+            "first_failure_traceback": self.first_failure_traceback,
             "plan_digest": self.plan_digest,
             "pending_join_ms": str(self.pending_join_ms),
             "summary": self.summary,
@@ -164,6 +168,7 @@ class JobStatus:
             next_worker=int(g.get("next_worker", 0)),
             changed_ms=int(g.get("changed_ms", 0)),
             first_failure=g.get("first_failure", ""),
+            first_failure_traceback=g.get("first_failure_traceback", ""),
             plan_digest=g.get("plan_digest", ""),
             pending_join_ms=int(g.get("pending_join_ms", 0)),
             summary=g.get("summary", ""),

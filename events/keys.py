@@ -143,7 +143,9 @@ class JobKeys:
 
     @property
     def failures(self) -> str:
-        """STREAM of worker process failures reported by node agents (exit code, signal, traceback)."""
+        """STREAM of worker failures as the coordinator decided them (fenced): ``ts_ms``,
+        ``worker``, ``rank`` (-1: none), ``reason``, ``exit_code`` or ``signal`` and the
+        ``traceback`` a node agent reported (empty for a heartbeat timeout). Capped at ~1000."""
         return f"{self.base}:failures"
 
     @property

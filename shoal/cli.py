@@ -20,6 +20,7 @@ import redis
 from shoal.connection import connect, redact_url, url_from_env
 from shoal.embedded import default_run_dir, ensure_server
 from shoal.errors import ConfigError, ConnectionFailed, ShoalError
+from shoal.yamlfile import escape_controls
 
 log = logging.getLogger("shoal.cli")
 
@@ -611,24 +612,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _one_line(text: str) -> str:
-    """An error message as one line: control characters (a newline in a file name given on
-    the command line, a terminal escape) are printed escaped, so they cannot split or forge it."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
     try:
         return int(args.func(args) or 0)
     except ShoalError as exc:
-        print(f"shoal: {_one_line(str(exc))}", file=sys.stderr)
+        # one line whatever it quotes (a newline in a file name given on the command line)
+        print(f"shoal: {escape_controls(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except redis.RedisError as exc:
         url = url_from_env()
         where = redact_url(url) if url else "the embedded server"
-        print(f"shoal: {_one_line(f'Redis error talking to {where}: {exc}')}", file=sys.stderr)
+        print(f"shoal: {escape_controls(f'Redis error talking to {where}: {exc}')}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
         return 130

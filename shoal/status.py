@@ -13,6 +13,11 @@ from coordinator.states import JobStatus
 from events.keys import job_keys
 from events.models import ShardTable
 from shoal.errors import ConfigError
+from shoal.yamlfile import escape_controls
+
+
+#: Lines of the first failure's traceback ``shoal status`` prints (``--json`` has all of it).
+TRACEBACK_LINES = 12
 
 
 def job_status(client: redis.Redis, job_id: str) -> dict:
@@ -30,7 +35,8 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
     pipe.xlen(keys.dead)
     pipe.get(keys.lease)
     pipe.get(keys.epoch)
-    spec_raw, state_raw, workers_raw, seen, shard_raw, (sec, usec), dead, lease, epoch = pipe.execute()
+    pipe.xlen(keys.failures)
+    spec_raw, state_raw, workers_raw, seen, shard_raw, (sec, usec), dead, lease, epoch, failures = pipe.execute()
     if spec_raw is None:
         raise ConfigError(f"no job {job_id!r} in this Redis")
     now_ms = int(sec) * 1000 + int(usec) // 1000
@@ -66,6 +72,8 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
         "world_size": table.world_size if table else 0,
         "reason": status.reason,
         "first_failure": status.first_failure,
+        "first_failure_traceback": status.first_failure_traceback,
+        "failures": int(failures),
         "dead_letters": int(dead),
         # the lease value is "<replica name>:<secret-ish token>": show only the name
         "leader": lease.decode(errors="replace").split(":")[0] if lease else None,
@@ -81,7 +89,14 @@ def format_status(s: dict) -> str:
         f"coordinator: {s['leader'] or 'none (the lease is free)'}  epoch {s['epoch']}",
     ]
     if s["first_failure"]:
-        lines.append(f"first failure: {s['first_failure']}")
+        more = f"  ({s['failures']} failures in all: redis-cli XRANGE 'shoal:{{{s['job_id']}}}:failures' - +)" \
+            if s["failures"] > 1 else ""
+        lines.append(f"first failure: {s['first_failure']}{more}")
+        tb = s["first_failure_traceback"].strip().splitlines()
+        if len(tb) > 1:
+            shown = tb[-TRACEBACK_LINES:]
+            lines.append(f"  its output{' (last %d lines)' % len(shown) if len(tb) > len(shown) else ''}:")
+            lines += [f"    {escape_controls(line)}" for line in shown]
     if s["dead_letters"]:
         lines.append(f"dead-lettered events: {s['dead_letters']}")
     lines.append(f"{'worker':<8} {'state':<9} {'rank':>4} {'step':>6} {'loss':>9} {'hb age':>8}  {'flags':<9} ranges")

@@ -19,6 +19,13 @@ def printable(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def escape_controls(text: str) -> str:
+    """``text`` with every control character (newline, terminal escape...) written as its
+    escape, so what a user or a crashed process wrote cannot split, forge or restyle a line
+    of shoal's output."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def read_yaml(path: str | Path, what: str) -> object:
     """Parse ``path`` with ``yaml.safe_load``; ConfigError names the file, and for a syntax
     error the line and column, when it is unreadable, not UTF-8 or not YAML."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.decide import SETTLE_MS, EventInput, Forget, Publish, ReplyJoin, Tick, decide
+from coordinator.decide import SETTLE_MS, EventInput, Forget, Publish, RecordFailure, ReplyJoin, Tick, decide
 from coordinator.states import CoordState, IllegalTransition, JobState, WorkerRecord, WorkerState
 from events.models import JoinRequest, LeaveRequest, Left, Ready, StopJob, WorkerExited
 from shoal.jobspec import JobSpec
@@ -70,7 +70,9 @@ def test_stale_heartbeat_fails_the_worker_and_replans_at_once() -> None:
     assert Forget("w1") in d.actions
     (t,) = tables(d)
     assert t.generation == 2 and [m.worker_id for m in t.members] == ["w0", "w2"]
-    assert "no heartbeat" in d.reason and d.state.status.first_failure.startswith("w1 failed")
+    assert "no heartbeat" in d.reason and d.state.status.first_failure.startswith("w1 (rank 1) failed")
+    (rec,) = [a for a in d.actions if isinstance(a, RecordFailure)]
+    assert (rec.worker_id, rec.rank, rec.exit_code, rec.traceback) == ("w1", 1, None, "")
 
 
 def test_sigterm_drains_then_leaves_without_failure() -> None:
@@ -145,8 +147,25 @@ def test_agent_report_after_a_heartbeat_timeout_becomes_the_root_cause() -> None
     s = decide(s, Tick(last_seen={"w0": T0}), T0 + 5000, SPEC).state
     assert "no heartbeat" in s.status.first_failure
     d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w0", exit_code=1, traceback="x\nValueError: bad")), T0 + 5001, SPEC)
-    assert d.state.status.first_failure == "w0 failed: process ended with exit code 1 (ValueError: bad)"
+    # the rank is the one w0 held when the heartbeat timeout failed it
+    assert d.state.status.first_failure == "w0 (rank 0) failed: process ended with exit code 1 (ValueError: bad)"
+    assert d.state.status.first_failure_traceback == "x\nValueError: bad"
     assert d.state.workers["w0"].state == WorkerState.FAILED
+    assert RecordFailure("w0", 0, d.state.status.first_failure, 1, None, "x\nValueError: bad") in d.actions
+
+
+def test_first_failure_keeps_rank_exit_code_and_traceback_and_later_ones_do_not_replace_it() -> None:
+    s = three_workers()
+    tb = "Traceback (most recent call last):\n  File \"train.py\", line 3, in step\nRuntimeError: boom"
+    d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w2", exit_code=7, traceback=tb)), T0, SPEC)
+    assert d.state.status.first_failure == "w2 (rank 2) failed: process ended with exit code 7 (RuntimeError: boom)"
+    assert d.state.status.first_failure_traceback == tb
+    assert RecordFailure("w2", 2, d.state.status.first_failure, 7, None, tb) in d.actions
+    # a later failure, by signal, is recorded in the history but is not the root cause
+    d2 = decide(d.state, _ev(WorkerExited(job_id="j", worker_id="w0", signal=9)), T0 + 1, SPEC)
+    assert d2.state.status.first_failure == d.state.status.first_failure
+    assert d2.state.status.first_failure_traceback == tb
+    assert RecordFailure("w0", 0, "w0 (rank 0) failed: process ended with signal 9", None, 9, "") in d2.actions
 
 
 def test_latest_pointer_only_moves_forward() -> None:
@@ -159,3 +178,14 @@ def test_latest_pointer_only_moves_forward() -> None:
     assert LatestPointer.from_json(act.pointer_json) == LatestPointer(step=20, store="file:///c", generation=1)
     d2 = decide(d.state, _ev(Checkpointed(job_id="j", worker_id="w0", step=10, store="file:///c")), T0, SPEC)
     assert not d2.changed and not d2.actions and "LATEST is at step 20" in d2.reason
+
+
+def test_an_exit_report_after_a_later_heartbeat_timeout_is_recorded_not_promoted() -> None:
+    s = three_workers()
+    s = decide(s, _ev(WorkerExited(job_id="j", worker_id="w2", exit_code=3)), T0, SPEC).state
+    first = s.status.first_failure
+    s = decide(s, Tick(last_seen={"w1": T0}), T0 + 5000, SPEC).state  # w1 times out: rank 1 of [w0, w1]
+    d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w1", signal=11, traceback="Fatal Python error")), T0 + 5001, SPEC)
+    assert d.state.status.first_failure == first  # w2's exit stays the root cause
+    assert d.state.workers["w1"].reason == "w1 (rank 1) failed: process ended with signal 11 (Fatal Python error)"
+    assert RecordFailure("w1", 1, d.state.workers["w1"].reason, None, 11, "Fatal Python error") in d.actions

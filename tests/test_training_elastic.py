@@ -124,19 +124,25 @@ def test_join_kill_and_leave_mid_epoch_use_every_sample_exactly_once(r, redis_ur
 
 
 def test_crash_loop_backs_off_gives_up_and_reports_root_cause(r, redis_url, tmp_path) -> None:
+    """A worker that always fails: restarts with backoff, the budget outlives a coordinator
+    restart, the job fails naming the first failure's worker, rank, exit code and traceback."""
     import redis as redis_mod
 
+    from shoal.status import format_status, job_status
     from worker.agent import NodeAgent
 
     job = "crash-" + tmp_path.name[-8:]
     create_job(r, _spec(job, min_workers=1, max_workers=1, max_restarts=3))
     watch = ControlWatcher(r, job)
     with LocalProcs(redis_url, tmp_path / "logs") as procs:
-        procs.coordinator("coord")
+        coord = procs.coordinator("coord")
         agent = NodeAgent(redis_mod.Redis.from_url(redis_url), redis_url, job, 1, run_dir=tmp_path / "agent",
                           max_restarts=3, backoff=0.2, extra_env={"SHOAL_FAULTS": "*@0:before_step:raise"})
         while agent.run_once(timeout=1.0):
-            pass
+            if len(agent.slots[0].exits) == 1 and coord.popen.poll() is None:
+                coord.signal(signal.SIGKILL)  # the coordinator dies mid-loop; another takes over
+                coord.wait(10)
+                procs.coordinator("coord2")
         slot = agent.slots[0]
         assert slot.gave_up and slot.restarts == 3 and len(slot.spawns) == 4
         assert slot.delays == [0.2, 0.4, 0.8]  # exponential backoff
@@ -146,3 +152,15 @@ def test_crash_loop_backs_off_gives_up_and_reports_root_cause(r, redis_url, tmp_
         assert "gave up after 3 restarts" in d["reason"]
         status = r.hgetall(f"shoal:{{{job}}}:state")
         assert b"InjectedFault" in status[b"first_failure"]
+        # the root cause names the rank and the exit code, and keeps the whole traceback
+        s = job_status(r, job)
+        assert " (rank 0) failed: process ended with exit code 1 " in s["first_failure"], s["first_failure"]
+        assert s["first_failure_traceback"].startswith("Traceback (most recent call last):")
+        assert "InjectedFault" in s["first_failure_traceback"].splitlines()[-1]
+        assert f"\n    {s['first_failure_traceback'].splitlines()[-1]}" in format_status(s)
+        # every failed process is in the failures stream, with its exit code
+        history = r.xrange(f"shoal:{{{job}}}:failures")
+        exits = [h for _, h in history if h.get(b"exit_code") == b"1"]
+        assert len(exits) == 4 and all(h[b"rank"] == b"0" and b"InjectedFault" in h[b"traceback"] for h in exits)
+        assert s["failures"] == len(history)
+        assert int(r.get(f"shoal:{{{job}}}:epoch")) >= 2  # decided by the replica that took over

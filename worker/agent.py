@@ -55,6 +55,8 @@ class Slot:
     #: restarts since the worker last ran ``backoff_reset`` seconds: the backoff's exponent
     streak: int = 0
     start_at: float = 0.0
+    #: size of the slot's log when its current process started (its output follows)
+    log_start: int = 0
     done: bool = False
     gave_up: bool = False
     #: monotonic times of every start and exit, and each restart's backoff (for status/tests)
@@ -74,11 +76,25 @@ def restart_delay(streak: int, backoff: float, backoff_max: float) -> float:
     return min(backoff_max, backoff * (2 ** min(streak, 62)))
 
 
-def _tail(path: Path, lines: int = 15) -> str:
+#: How much of a dead worker's output is reported (``WorkerExited.traceback`` holds 8000).
+REPORT_CHARS = 8000
+
+
+def failure_report(path: Path, start: int = 0, lines: int = 15) -> str:
+    """What a dead worker's output (the log from byte ``start``, where this process's output
+    began) says about its end: from its last Python traceback on, when there is one (cut
+    from the front to REPORT_CHARS, so the exception line stays), else its last ``lines``
+    lines."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(start, f.tell() - 8 * REPORT_CHARS))
+            text = f.read().decode(errors="replace")
     except OSError:
         return ""
+    start = text.rfind("Traceback (most recent call last):")
+    out = text[start:] if start >= 0 else "\n".join(text.splitlines()[-lines:])
+    return out.rstrip()[-REPORT_CHARS:]
 
 
 class NodeAgent:
@@ -161,6 +177,7 @@ class NodeAgent:
                     "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")})
         slot.id_file(self.run_dir).unlink(missing_ok=True)
         with open(slot.log_file(self.run_dir), "ab") as out:
+            slot.log_start = out.tell()
             slot.proc = subprocess.Popen(self.worker_argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         slot.pidfd = os.pidfd_open(slot.proc.pid)
         slot.spawns.append(time.monotonic())
@@ -186,13 +203,13 @@ class NodeAgent:
         will_restart = not over and slot.restarts < self.max_restarts
         slot.gave_up = not over and not will_restart
         # a signal leaves no traceback; the log tail then is only the last ordinary line
-        tail = _tail(slot.log_file(self.run_dir)) if rc > 0 else ""
+        tail = failure_report(slot.log_file(self.run_dir), slot.log_start) if rc > 0 else ""
         how = f"signal {signal.Signals(sig).name}" if sig else f"exit code {rc}"
         log.warning("slot %d: worker %s (pid %d) died with %s%s", slot.index, wid, proc.pid, how,
                     "; restarting" if will_restart else ("; giving up" if slot.gave_up else ""))
         if wid:
             ev = WorkerExited(job_id=self.job_id, worker_id=wid, exit_code=None if sig else rc, signal=sig,
-                              traceback=tail[-8000:], will_restart=will_restart, gave_up=slot.gave_up,
+                              traceback=tail, will_restart=will_restart, gave_up=slot.gave_up,
                               restarts=slot.restarts, pid=proc.pid)
             bus.publish(self.client, self.keys.events, ev)
         if will_restart:

@@ -1,4 +1,5 @@
-"""The node agent's restart policy, with real child processes standing in for workers.
+"""The node agent's restart policy and failure reports, with real child processes standing
+in for workers.
 
 A worker that dies at once is in a crash loop: its restart delay doubles up to the cap. A
 worker that ran ``backoff_reset`` seconds before dying starts the doubling over, so a
@@ -15,7 +16,7 @@ import fakeredis
 
 from events.keys import job_keys
 from events.models import WorkerExited, decode_event
-from worker.agent import NodeAgent, restart_delay
+from worker.agent import REPORT_CHARS, NodeAgent, failure_report, restart_delay
 
 
 def _agent(tmp_path, child: str, **kw) -> NodeAgent:
@@ -65,3 +66,32 @@ def test_a_healthy_run_resets_the_backoff_not_the_budget(tmp_path) -> None:
     assert all(b - a >= reset_after for a, b in zip(slot.spawns, slot.exits))
     assert slot.delays == [0.01, 0.01, 0.01]
     assert slot.gave_up and slot.restarts == 3  # the budget is still a total
+
+
+def test_the_report_is_the_dead_process_traceback_whole(tmp_path) -> None:
+    # a deep traceback (20 distinct frames): longer than any fixed number of tail lines
+    child = "".join(f"def f{i}():\n    return f{i + 1}()\n" for i in range(20)) + "def f20():\n    return 1 / 0\n"
+    child += "print('training...', flush=True)\nf0()"
+    agent = _agent(tmp_path, f"exec({child!r})", max_restarts=0)
+    _run(agent)
+    (event,) = _exits(agent)
+    assert event.exit_code == 1 and event.gave_up
+    assert event.traceback.startswith("Traceback (most recent call last):")
+    assert event.traceback.endswith("ZeroDivisionError: division by zero")
+    assert all(f"in f{i}\n" in event.traceback for i in range(21)) and "training..." not in event.traceback
+
+
+def test_the_report_reads_only_the_latest_process_output(tmp_path) -> None:
+    log = tmp_path / "slot.log"
+    old = "Traceback (most recent call last):\n  File \"x\", line 1\nValueError: an earlier crash\n"
+    log.write_text(old)
+    start = log.stat().st_size
+    with open(log, "a") as f:
+        f.write("step 1\nstep 2\nexiting with code 3\n")
+    # the latest process left no traceback: its last lines, never the earlier crash's
+    assert failure_report(log, start) == "step 1\nstep 2\nexiting with code 3"
+    # a traceback too long for the event keeps its end (the exception line)
+    with open(log, "a") as f:
+        f.write("Traceback (most recent call last):\n" + "  frame\n" * 5000 + "KeyError: 'x'\n")
+    report = failure_report(log, start)
+    assert len(report) == REPORT_CHARS and report.endswith("KeyError: 'x'")
