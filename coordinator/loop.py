@@ -94,7 +94,6 @@ class Coordinator:
         max_attempts: int = 3,
         progress_interval: float = 5.0,
         trim_interval: float = 5.0,
-        balance: bool = True,
     ):
         self.client = client
         self.instance_id = instance_id or f"coord-{uuid.uuid4().hex[:8]}"
@@ -112,7 +111,6 @@ class Coordinator:
         self._last_lease_ms = 0
         self._last_tick_ms = 0
         self._broken: dict[str, str] = {}
-        self.balance = balance
         self._balance_after_ms = 0
         self._balance_reason = ""
         self._seen: dict[str, int] = {}
@@ -148,8 +146,7 @@ class Coordinator:
         for jid in list(self.leads):
             if jid not in held:
                 del self.leads[jid]
-        if self.balance:
-            self._balance(server_ms(self.client))
+        self._balance(server_ms(self.client))
 
     def _balance(self, now: int) -> None:
         """Publish our load; hand over jobs above our fair share (``coordinator/balance.py``).

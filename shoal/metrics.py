@@ -164,6 +164,7 @@ class MetricsServer:
                 ("shoal_generations_total", "Shard-table generations this replica published.", st.generations),
                 ("shoal_failures_detected_total", "Workers this replica declared failed on heartbeat expiry.", st.failures_detected),
                 ("shoal_takeovers_total", "Job leases this replica took (fencing epoch increments).", st.takeovers),
+                ("shoal_handoffs_total", "Job leases this replica handed to a less loaded replica.", st.handoffs),
                 ("shoal_ticks_total", "Heartbeat-scan ticks of this replica.", st.ticks),
             ]
             for name, help_, value in counters:
