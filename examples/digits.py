@@ -115,16 +115,61 @@ def build() -> TrainingSetup:
     )
 
 
-def build_paced() -> TrainingSetup:
-    """``build`` with a fixed pause in every step (``SHOAL_STEP_PACE`` seconds, default 0.03):
-    the chaos soak's job (``shoal chaos``), whose steps/s must not depend much on how busy a
-    shared machine is. The arithmetic is exactly ``build``'s."""
+class _Float64(nn.Module):
+    """``make_model()`` in float64; takes the dataset's float32 images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model().double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.double())
+
+
+def build_double() -> TrainingSetup:
+    """``build`` in float64. The chaos soak trains this: summation-order rounding (the only
+    thing a changing world size may alter) is then ~1e-16 instead of ~1e-7, so comparing the
+    final weights to a failure-free run stays sharp over a long run."""
     setup = build()
+    model = _Float64()
+    setup.model = model
+    setup.optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return setup
+
+
+def build_paced() -> TrainingSetup:
+    """``build`` with a pause in every step (see :func:`paced`)."""
+    return paced(build())
+
+
+def build_double_paced() -> TrainingSetup:
+    """``build_double`` with a pause in every step: the chaos soak's job (``shoal chaos``)."""
+    return paced(build_double())
+
+
+def paced(setup: TrainingSetup) -> TrainingSetup:
+    """Sleep in every step, so that steps/s hardly depends on how busy a shared machine is.
+    The pause is ``SHOAL_STEP_PACE`` seconds (default 0.03), or, when ``SHOAL_STEP_PACE_FILE``
+    names a file, the number in it, read again every second (the chaos soak steers it so the
+    job ends with its fault window). The arithmetic is exactly the unpaced setup's."""
     pace = float(os.environ.get("SHOAL_STEP_PACE", "0.03"))
+    path = os.environ.get("SHOAL_STEP_PACE_FILE")
     summed = setup.loss_fn
+    state = {"pace": pace, "read_at": 0.0}
+
+    def current() -> float:
+        now = time.monotonic()
+        if path and now - state["read_at"] >= 1.0:
+            state["read_at"] = now
+            try:
+                with open(path) as f:
+                    state["pace"] = min(1.0, max(0.0, float(f.read().strip())))
+            except (OSError, ValueError):
+                pass  # keep the last pace
+        return state["pace"]
 
     def loss_fn(outputs, targets):
-        time.sleep(pace)
+        time.sleep(current())
         return summed(outputs, targets)
 
     setup.loss_fn = loss_fn

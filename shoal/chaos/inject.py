@@ -57,6 +57,7 @@ class Injector:
     new_worker: callable
     done: list[Injected] = field(default_factory=list)
     _frozen: set[int] = field(default_factory=set)
+    _thaws: list = field(default_factory=list)
 
     def workers(self) -> dict[str, dict]:
         return {k.decode(): json.loads(v) for k, v in self.client.hgetall(self.keys.workers).items()}
@@ -104,7 +105,9 @@ class Injector:
             else:
                 os.kill(pid, signal.SIGSTOP)
                 self._frozen.add(pid)
-                threading.Timer(self.ttl + 1.0, self._thaw, args=(pid,)).start()
+                thaw = threading.Timer(self.ttl + 1.0, self._thaw, args=(pid,))
+                thaw.start()
+                self._thaws.append(thaw)
         elif kind == "coordinator_kill":
             proc = self._leader()
             target = proc.name
@@ -128,6 +131,12 @@ class Injector:
         except ProcessLookupError:
             pass
         self._frozen.discard(pid)
+
+    def let_stops_finish(self) -> None:
+        """Wait for every SIGSTOP to be held its full time: one cut short at the end of the
+        window would wake the worker before it was declared failed, so it never is."""
+        for thaw in self._thaws:
+            thaw.join(self.ttl + 5.0)
 
     def thaw_all(self) -> None:
         for pid in list(self._frozen):

@@ -2,18 +2,24 @@
 
 The soak starts its own Redis (AOF, ``appendfsync always``) in a run directory, a local
 checkpoint store, two coordinator replicas, and a node agent with ``workers`` workers of the
-digits example (restarts unlimited). For ``duration`` seconds it injects a fault every
-``min_gap``..``max_gap`` seconds (kinds in a seeded, shuffled cycle, so each kind comes up
-about equally; see :mod:`shoal.chaos.inject`). Then it lets the job finish, and judges the
+digits example in float64 (restarts unlimited). For ``duration`` seconds it injects a fault
+every ``min_gap``..``max_gap`` seconds (kinds in a seeded, shuffled cycle, so each kind comes
+up about equally; see :mod:`shoal.chaos.inject`). Then it lets the job finish, and judges the
 end state (:mod:`shoal.chaos.verdict`) against a failure-free single-process run of the same
-number of steps. The job's length (``steps``) is chosen so that training outlasts the fault
-window; if it finishes first, the window is cut short and the table says how long it was.
+number of steps, computed meanwhile in a background thread.
+
+The job has a fixed length (``steps``); so that it neither ends before the window nor drags
+on long after it, the soak steers the pause each step takes (``PaceSteer``, through the file
+the paced entrypoint re-reads every second): the job is paced to reach its last step as the
+window closes. If it still ends first, the window is cut short and the table says so.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,9 +41,11 @@ from worker.data import DataOrder
 from worker.engine import StepEngine
 from worker.userapi import load_entrypoint
 
-ENTRYPOINT = "examples.digits:build_paced"
-REFERENCE = "examples.digits:build"  #: the same arithmetic, without the pause
+ENTRYPOINT = "examples.digits:build_double_paced"
+REFERENCE = "examples.digits:build_double"  #: the same arithmetic, without the pause
 BATCH = 64
+#: Steps per second the default job length assumes; the pace steering makes it so.
+TARGET_RATE = 20.0
 
 
 @dataclass
@@ -45,13 +53,14 @@ class ChaosConfig:
     duration: float = 60.0
     seed: int = 1
     workers: int = 3
-    steps: int | None = None  #: job length; default: enough for ``duration`` at the measured pace
+    steps: int | None = None  #: job length; default: ``duration`` at TARGET_RATE steps/s
     min_gap: float = 2.0
     max_gap: float = 5.0
     ttl: float = 1.5
     run_dir: Path | None = None
     finish_timeout: float = 300.0  #: grace after the window, on top of the time the steps still to go need
-    step_pace: float = 0.03  #: seconds of sleep per step (keeps steps/s steady so the job outlasts the window)
+    step_pace: float = 0.03  #: first seconds of sleep per step; then steered (PaceSteer)
+    agent_backoff_max: float = 2.0  #: replacements come quickly: the soak tests faults, not crash loops
 
 
 def reference_parameters(steps: int, seed: int) -> dict:
@@ -79,7 +88,7 @@ def run_chaos(cfg: ChaosConfig, out=print) -> Verdict:
 
 def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
     rng = random.Random(cfg.seed)
-    steps = cfg.steps or int(cfg.duration / (cfg.step_pace + 0.02)) + 200
+    steps = cfg.steps or int(cfg.duration * TARGET_RATE) + 200
     server = start_server(root / "redis", appendonly=True, fsync="always")
     port = server.port
     client = connect(server.url, ride_out=60)
@@ -91,11 +100,13 @@ def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
                    max_restarts=1000, checkpoint_uri=ckpt, checkpoint_interval=25, checkpoint_keep=3)
     create_job(client, spec)
     env = {"SHOAL_LEDGER_DIR": str(root / "ledger"), "SHOAL_EXPORT_DIR": str(root / "final"),
-           "SHOAL_STEP_PACE": str(cfg.step_pace)}
+           "SHOAL_STEP_PACE": str(cfg.step_pace), "SHOAL_STEP_PACE_FILE": str(root / "pace")}
+    steer = PaceSteer(root / "pace", steps, cfg.step_pace)
     out(f"shoal chaos: {cfg.duration:.0f} s of faults, seed {cfg.seed}, {cfg.workers} workers under an agent, "
         f"2 coordinators, Redis with AOF; job of {steps} steps; run dir {root}")
     state = {"server": server, "coords": 0, "joiners": 0}
     procs = LocalProcs(server.url, root / "logs", extra_env=env)
+    reference = Background(lambda: reference_parameters(steps, cfg.seed))
     coordinators: dict = {}
 
     def new_coordinator():
@@ -120,8 +131,8 @@ def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
         with procs:
             new_coordinator()
             new_coordinator()
-            procs.start("agent", "agent", job, "--workers", str(cfg.workers), "--max-restarts", "1000",
-                        "--backoff", "0.1", "--run-dir", str(root / "agent"))
+            procs.start("agent", "agent", job, "--workers", str(cfg.workers), "--max-restarts", "100000",
+                        "--backoff", "0.1", "--backoff-max", str(cfg.agent_backoff_max), "--run-dir", str(root / "agent"))
             _wait_state(client, keys, ("running",), 120)
             sampler.start()
             cycle: list[str] = []
@@ -129,6 +140,7 @@ def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
             window_end = started + cfg.duration
             next_at = time.monotonic() + rng.uniform(cfg.min_gap, cfg.max_gap)
             while time.monotonic() < window_end and not _ended(client, keys):
+                steer.update(int(client.hget(keys.state, "latest_step") or 0), window_end)
                 if time.monotonic() < next_at:
                     time.sleep(0.05)
                     continue
@@ -144,13 +156,13 @@ def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
                 out(f"  {time.monotonic() - started:6.1f} s  {f.kind:<17} {f.target}")
                 next_at = time.monotonic() + rng.uniform(cfg.min_gap, cfg.max_gap)
             window = time.monotonic() - started
-            injector.thaw_all()
+            injector.let_stops_finish()
             to_go = max(0, steps - int(client.hget(keys.state, "latest_step") or 0))
             out(f"fault window over after {window:.1f} s (from the first committed steps); "
                 f"letting the job finish its last {to_go} steps")
             # Faults slow a long soak down, so the steps left at the window's end are not known in
             # advance; allow each of them twice the nominal pace on top of the fixed grace.
-            finish = cfg.finish_timeout + 2 * to_go * (cfg.step_pace + 0.02)
+            finish = cfg.finish_timeout + 2 * to_go * (steer.pace + 0.02)
             completed = _wait_state(client, keys, ("completed",), finish)
             elapsed = time.monotonic() - started
             samples = sampler.stop()
@@ -162,13 +174,79 @@ def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
     entries = ledger.read(root / "ledger")
     last_step = max((e["step"] for e in entries), default=0)
     finals = load_finals(root / "final")
-    out("computing the failure-free reference run...")
-    reference = reference_parameters(last_step, cfg.seed) if last_step else None
+    if last_step != steps:
+        out(f"the job stopped at step {last_step} of {steps}: computing the failure-free run of {last_step} steps...")
+        ref = reference_parameters(last_step, cfg.seed) if last_step else None
+    else:
+        out("waiting for the failure-free reference run...")
+        ref = reference.result()
     verdict = judge(completed=completed, final_step=max(last_step, final_step), elapsed=elapsed, entries=entries,
-                    num_samples=_num_samples(), finals=finals, reference=reference, samples=samples, faults=injector.done)
+                    num_samples=_num_samples(), finals=finals, reference=ref, samples=samples, faults=injector.done,
+                    window=window, duration=cfg.duration)
     out("")
     out(verdict.table())
     return verdict
+
+
+class Background:
+    """``fn()`` in a daemon thread; :meth:`result` waits for it (re-raising its error)."""
+
+    def __init__(self, fn) -> None:
+        self._out: dict = {}
+
+        def run() -> None:
+            try:
+                self._out["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to result()
+                self._out["error"] = exc
+
+        self._thread = threading.Thread(target=run, name="chaos-reference", daemon=True)
+        self._thread.start()
+
+    def result(self):
+        self._thread.join()
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out["value"]
+
+
+class PaceSteer:
+    """Steers the per-step pause so that the job reaches ``steps`` as the window closes.
+
+    Every ``every`` seconds it compares the step rate of the last interval with the rate
+    still needed, and moves the pause by half the difference in step time (kept within
+    [0, ``max_pace``]). It writes the pause to ``path`` (atomically); workers re-read it."""
+
+    def __init__(self, path: Path, steps: int, pace: float, every: float = 5.0, max_pace: float = 0.5) -> None:
+        self.path, self.steps, self.pace, self.every, self.max_pace = path, steps, pace, every, max_pace
+        self._last: tuple[float, int] | None = None
+        self.history: list[float] = [pace]
+        self._write()
+
+    def update(self, step: int, window_end: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if self._last is None:
+            self._last = (now, step)
+            return
+        t0, s0 = self._last
+        if now - t0 < self.every:
+            return
+        self._last = (now, step)
+        if step <= s0:
+            return  # nothing committed in the interval (a fault): no evidence of the rate
+        measured = (now - t0) / (step - s0)  # seconds per step, pause included
+        left, time_left = self.steps - step, window_end - now
+        # aim to commit the last step a little after the window closes, so that the job
+        # outlasts the window rather than cutting it short
+        needed = (time_left + self.every * 4) / left if left > 0 and time_left > 0 else self.max_pace
+        self.pace = min(self.max_pace, max(0.0, self.pace + 0.5 * (needed - measured)))
+        self.history.append(self.pace)
+        self._write()
+
+    def _write(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(f"{self.pace:.5f}\n")
+        os.replace(tmp, self.path)
 
 
 def _num_samples() -> int:
