@@ -163,8 +163,10 @@ def _set_job(status: JobStatus, dst: JobState, now_ms: int) -> JobStatus:
     return replace(status, state=dst, changed_ms=now_ms)
 
 
-def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str) -> tuple[CoordState, list[Action], str]:
-    """Publish a new generation if the planned membership changed; pause/resume the job."""
+def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
+           force: bool = False) -> tuple[CoordState, list[Action], str]:
+    """Publish a new generation if the planned membership changed (or ``force``: the current
+    generation could not form, so the same members need a fresh one); pause/resume the job."""
     status = state.status
     if status.state in TERMINAL_JOB_STATES:
         return state, [], why
@@ -175,7 +177,7 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str) 
         return replace(state, status=replace(status, pending_join_ms=0)), [], waiting
     paused = not enough
     digest = _plan_digest([] if paused else ids, paused)
-    if digest == status.plan_digest:
+    if digest == status.plan_digest and not force:
         return replace(state, status=replace(status, pending_join_ms=0)), [], why
     generation = status.generation + 1
     members = []
@@ -337,7 +339,16 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
         state, more, reason = replan(state, spec, now_ms, epoch, why)
         return Decision(state, tuple(actions + more), reason)
     if isinstance(ev, StepFailed):
-        return _unchanged(state, f"{wid} reports step {ev.step} of generation {ev.generation} failed: {ev.error[:200]}")
+        said = f"{wid} reports step {ev.step} of generation {ev.generation} failed: {ev.error[:200]}"
+        if not ev.rendezvous:
+            return _unchanged(state, said)
+        if ev.generation != state.status.generation or state.status.state != JobState.RUNNING or rec.state not in PLANNED:
+            return _unchanged(state, f"{said}; nothing to do: generation {state.status.generation} is current")
+        # the members cannot retry a generation (its rendezvous prefix is spent): give the
+        # same members a new one; a member that is really gone is removed by its heartbeat
+        why = f"generation {ev.generation} could not form ({wid}: {ev.error[:200]})"
+        state, actions, reason = replan(state, spec, now_ms, epoch, why, force=True)
+        return Decision(state, tuple(actions), reason)
     return _unchanged(state, f"event kind {ev.kind!r} has no handler")  # pragma: no cover
 
 

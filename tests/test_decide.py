@@ -189,3 +189,23 @@ def test_an_exit_report_after_a_later_heartbeat_timeout_is_recorded_not_promoted
     assert d.state.status.first_failure == first  # w2's exit stays the root cause
     assert d.state.workers["w1"].reason == "w1 failed (rank 1): process ended with signal 11 (Fatal Python error)"
     assert RecordFailure("w1", 1, d.state.workers["w1"].reason, None, 11, "Fatal Python error") in d.actions
+
+
+def test_a_generation_that_could_not_form_is_replaced_by_a_new_one_of_the_same_members() -> None:
+    from events.models import StepFailed
+
+    s = three_workers()
+    gen = s.status.generation
+    # an ordinary failed step is only noted: the failure itself is what re-plans
+    d = decide(s, _ev(StepFailed(job_id="j", worker_id="w0", generation=gen, step=5, error="peer closed")), T0, SPEC)
+    assert not d.changed and not tables(d)
+    # the group could not form: its prefix is spent, so the same members get a new generation
+    bad = StepFailed(job_id="j", worker_id="w1", generation=gen, step=5, error="rendezvous timed out", rendezvous=True)
+    d = decide(s, _ev(bad), T0, SPEC)
+    (t,) = tables(d)
+    assert t.generation == gen + 1 and [m.worker_id for m in t.members] == ["w0", "w1", "w2"]
+    assert f"generation {gen} could not form (w1: rendezvous timed out)" in d.reason
+    # the other members' reports of the same failure change nothing more
+    late = StepFailed(job_id="j", worker_id="w2", generation=gen, step=5, error="rendezvous timed out", rendezvous=True)
+    d2 = decide(d.state, _ev(late), T0 + 1, SPEC)
+    assert not d2.changed and not tables(d2)
