@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import statistics
 from dataclasses import dataclass, field, replace
 
@@ -162,8 +163,10 @@ def _set_job(status: JobStatus, dst: JobState, now_ms: int) -> JobStatus:
     return replace(status, state=dst, changed_ms=now_ms)
 
 
-def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str) -> tuple[CoordState, list[Action], str]:
-    """Publish a new generation if the planned membership changed; pause/resume the job."""
+def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
+           force: bool = False) -> tuple[CoordState, list[Action], str]:
+    """Publish a new generation if the planned membership changed (or ``force``: the current
+    generation could not form, so the same members need a fresh one); pause/resume the job."""
     status = state.status
     if status.state in TERMINAL_JOB_STATES:
         return state, [], why
@@ -174,7 +177,7 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str) 
         return replace(state, status=replace(status, pending_join_ms=0)), [], waiting
     paused = not enough
     digest = _plan_digest([] if paused else ids, paused)
-    if digest == status.plan_digest:
+    if digest == status.plan_digest and not force:
         return replace(state, status=replace(status, pending_join_ms=0)), [], why
     generation = status.generation + 1
     members = []
@@ -216,9 +219,13 @@ def rank_of(state: CoordState, wid: str) -> int:
     return -1
 
 
-def _who(state: CoordState, wid: str) -> str:
-    rank = rank_of(state, wid)
-    return f"{wid} (rank {rank})" if rank >= 0 else wid
+def _failed(wid: str, rank: int) -> str:
+    """How every failure reason starts: ``w1 failed (rank 1):`` or ``w1 failed:``. Readers
+    (``shoal report``, benches, people grepping) look for ``w1 failed``: keep that."""
+    return f"{wid} failed (rank {rank}):" if rank >= 0 else f"{wid} failed:"
+
+
+_RANK_IN_REASON = re.compile(r"^\S+ failed \(rank (\d+)\):")
 
 
 def _fail(state: CoordState, wid: str, reason: str, now_ms: int, rank: int,
@@ -299,20 +306,21 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
             return _unchanged(state, f"exit of pid {ev.pid} ignored: {wid} is pid {rec.pid}")
         how = f"signal {ev.signal}" if ev.signal else f"exit code {ev.exit_code}"
         tail = ev.traceback.strip().splitlines()[-1] if ev.traceback.strip() else ""
+        ended = f"process ended with {how}" + (f" ({tail})" if tail else "")
         rank = rank_of(state, wid)
-        why = f"{_who(state, wid)} failed: process ended with {how}" + (f" ({tail})" if tail else "")
-        if rec.state == WorkerState.FAILED and " failed: no heartbeat" in rec.reason:
+        why = f"{_failed(wid, rank)} {ended}"
+        if rec.state == WorkerState.FAILED and ": no heartbeat for " in rec.reason:
             # the heartbeat timeout won the race; the agent's report says why the process
             # died, and is the root cause if the timeout was (the rank is the one the timeout
             # recorded: the worker is planned no more)
-            who = rec.reason.split(" failed: ", 1)[0]
-            why = who + why[why.index(" failed: "):]
+            m = _RANK_IN_REASON.match(rec.reason)
+            rank = int(m.group(1)) if m else -1
+            why = f"{_failed(wid, rank)} {ended}"
             status = state.status
             if status.first_failure == rec.reason:
                 status = replace(status, first_failure=why, first_failure_traceback=ev.traceback)
             workers = {**state.workers, wid: replace(rec, reason=why)}
             state = replace(state, status=status, workers=workers)
-            rank = int(who.rsplit("rank ", 1)[1].rstrip(")")) if "(rank " in who else -1
             actions = [_record(wid, rank, why, ev)]
             if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:
                 return _give_up(state, wid, ev, spec, now_ms, actions)
@@ -331,7 +339,16 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
         state, more, reason = replan(state, spec, now_ms, epoch, why)
         return Decision(state, tuple(actions + more), reason)
     if isinstance(ev, StepFailed):
-        return _unchanged(state, f"{wid} reports step {ev.step} of generation {ev.generation} failed: {ev.error[:200]}")
+        said = f"{wid} reports step {ev.step} of generation {ev.generation} failed: {ev.error[:200]}"
+        if not ev.rendezvous:
+            return _unchanged(state, said)
+        if ev.generation != state.status.generation or state.status.state != JobState.RUNNING or rec.state not in PLANNED:
+            return _unchanged(state, f"{said}; nothing to do: generation {state.status.generation} is current")
+        # the members cannot retry a generation (its rendezvous prefix is spent): give the
+        # same members a new one; a member that is really gone is removed by its heartbeat
+        why = f"generation {ev.generation} could not form ({wid}: {ev.error[:200]})"
+        state, actions, reason = replan(state, spec, now_ms, epoch, why, force=True)
+        return Decision(state, tuple(actions), reason)
     return _unchanged(state, f"event kind {ev.kind!r} has no handler")  # pragma: no cover
 
 
@@ -381,7 +398,7 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
         if rec is None or rec.state not in LIVE or now_ms - seen <= ttl_ms:
             continue
         rank = rank_of(state, wid)
-        why = f"{_who(state, wid)} failed: no heartbeat for {now_ms - seen} ms (ttl {ttl_ms} ms)"
+        why = f"{_failed(wid, rank)} no heartbeat for {now_ms - seen} ms (ttl {ttl_ms} ms)"
         state, more = _fail(state, wid, why, now_ms, rank)
         actions += more
         reasons.append(why)

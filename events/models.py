@@ -90,12 +90,16 @@ class WorkerExited(EventBase):
 
 
 class StepFailed(EventBase):
-    """A step's collective failed on this worker (a peer died); informational for the coordinator."""
+    """A step's collective failed on this worker (a peer died): informational for the
+    coordinator; or (``rendezvous``) the generation's group could not form."""
 
     kind: Literal["step_failed"] = "step_failed"
     generation: int = 0
     step: int = 0
     error: Annotated[str, Field(max_length=2000)] = ""
+    #: the generation's group could not form at all (rendezvous or state catch-up failed):
+    #: the coordinator then publishes a new generation of the same members
+    rendezvous: bool = False
 
 
 class JobCompleted(EventBase):

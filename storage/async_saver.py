@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from storage.backend import ObjectStore
 from storage.checkpoint import save_checkpoint
@@ -53,6 +53,7 @@ class AsyncCheckpointer:
         on_warning: Callable[[str], None] | None = None,
         reuse_buffers: bool = True,
         on_phase: Callable[[str, int], None] | None = None,
+        protect: Callable[[], Iterable[int]] | None = None,
     ) -> None:
         self._store = store
         self._reuse_buffers = reuse_buffers
@@ -62,6 +63,7 @@ class AsyncCheckpointer:
         self._on_saved = on_saved
         self._on_error = on_error
         self._on_phase = on_phase
+        self._protect = protect
         self._on_warning = on_warning if on_warning is not None else log.warning
         self._idle = threading.Event()
         self._idle.set()
@@ -110,6 +112,7 @@ class AsyncCheckpointer:
                 hmac_key=self._hmac_key,
                 on_warning=self._on_warning,
                 on_phase=self._on_phase,
+                protect=self._protect,
             )
             self.last_manifest = manifest
             if self._on_saved is not None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -122,9 +122,12 @@ def save_checkpoint(
     hmac_key: HmacKey = FROM_ENV,
     on_warning: Warn | None = None,
     on_phase: PhaseHook | None = None,
+    protect: Callable[[], Iterable[int]] | None = None,
 ) -> Manifest:
     """Write ``state`` as the checkpoint of ``state.step``, publish it in LATEST, then apply
-    retention (``keep_last`` newest; None disables). Returns the manifest written.
+    retention (``keep_last`` newest; None disables; the steps ``protect()`` names are kept
+    too: a job's Redis LATEST pointer, which lags the store's while the coordinator is away;
+    when ``protect`` raises, retention is skipped this time). Returns the manifest written.
     ``on_phase``: see :data:`PhaseHook`; an exception from it fails the save.
 
     Errors: ``ValueError`` for state that could not be loaded back and LatestRegression
@@ -152,7 +155,13 @@ def save_checkpoint(
 
     if keep_last is not None:
         try:
-            apply_retention(store, keep_last=keep_last)
+            pinned = list(protect()) if protect is not None else []
+        except Exception as exc:  # noqa: BLE001 - never delete what might still be named
+            if on_warning is not None:
+                on_warning(f"retention after step {step} skipped: cannot tell which checkpoints are pinned ({exc})")
+            return manifest
+        try:
+            apply_retention(store, keep_last=keep_last, protect=pinned)
         except StorageError as exc:
             if on_warning is not None:
                 on_warning(f"retention after step {step} failed: {exc}")

@@ -70,7 +70,7 @@ def test_stale_heartbeat_fails_the_worker_and_replans_at_once() -> None:
     assert Forget("w1") in d.actions
     (t,) = tables(d)
     assert t.generation == 2 and [m.worker_id for m in t.members] == ["w0", "w2"]
-    assert "no heartbeat" in d.reason and d.state.status.first_failure.startswith("w1 (rank 1) failed")
+    assert "no heartbeat" in d.reason and d.state.status.first_failure.startswith("w1 failed (rank 1): no heartbeat")
     (rec,) = [a for a in d.actions if isinstance(a, RecordFailure)]
     assert (rec.worker_id, rec.rank, rec.exit_code, rec.traceback) == ("w1", 1, None, "")
 
@@ -148,7 +148,7 @@ def test_agent_report_after_a_heartbeat_timeout_becomes_the_root_cause() -> None
     assert "no heartbeat" in s.status.first_failure
     d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w0", exit_code=1, traceback="x\nValueError: bad")), T0 + 5001, SPEC)
     # the rank is the one w0 held when the heartbeat timeout failed it
-    assert d.state.status.first_failure == "w0 (rank 0) failed: process ended with exit code 1 (ValueError: bad)"
+    assert d.state.status.first_failure == "w0 failed (rank 0): process ended with exit code 1 (ValueError: bad)"
     assert d.state.status.first_failure_traceback == "x\nValueError: bad"
     assert d.state.workers["w0"].state == WorkerState.FAILED
     assert RecordFailure("w0", 0, d.state.status.first_failure, 1, None, "x\nValueError: bad") in d.actions
@@ -158,14 +158,14 @@ def test_first_failure_keeps_rank_exit_code_and_traceback_and_later_ones_do_not_
     s = three_workers()
     tb = "Traceback (most recent call last):\n  File \"train.py\", line 3, in step\nRuntimeError: boom"
     d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w2", exit_code=7, traceback=tb)), T0, SPEC)
-    assert d.state.status.first_failure == "w2 (rank 2) failed: process ended with exit code 7 (RuntimeError: boom)"
+    assert d.state.status.first_failure == "w2 failed (rank 2): process ended with exit code 7 (RuntimeError: boom)"
     assert d.state.status.first_failure_traceback == tb
     assert RecordFailure("w2", 2, d.state.status.first_failure, 7, None, tb) in d.actions
     # a later failure, by signal, is recorded in the history but is not the root cause
     d2 = decide(d.state, _ev(WorkerExited(job_id="j", worker_id="w0", signal=9)), T0 + 1, SPEC)
     assert d2.state.status.first_failure == d.state.status.first_failure
     assert d2.state.status.first_failure_traceback == tb
-    assert RecordFailure("w0", 0, "w0 (rank 0) failed: process ended with signal 9", None, 9, "") in d2.actions
+    assert RecordFailure("w0", 0, "w0 failed (rank 0): process ended with signal 9", None, 9, "") in d2.actions
 
 
 def test_latest_pointer_only_moves_forward() -> None:
@@ -187,5 +187,25 @@ def test_an_exit_report_after_a_later_heartbeat_timeout_is_recorded_not_promoted
     s = decide(s, Tick(last_seen={"w1": T0}), T0 + 5000, SPEC).state  # w1 times out: rank 1 of [w0, w1]
     d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w1", signal=11, traceback="Fatal Python error")), T0 + 5001, SPEC)
     assert d.state.status.first_failure == first  # w2's exit stays the root cause
-    assert d.state.workers["w1"].reason == "w1 (rank 1) failed: process ended with signal 11 (Fatal Python error)"
+    assert d.state.workers["w1"].reason == "w1 failed (rank 1): process ended with signal 11 (Fatal Python error)"
     assert RecordFailure("w1", 1, d.state.workers["w1"].reason, None, 11, "Fatal Python error") in d.actions
+
+
+def test_a_generation_that_could_not_form_is_replaced_by_a_new_one_of_the_same_members() -> None:
+    from events.models import StepFailed
+
+    s = three_workers()
+    gen = s.status.generation
+    # an ordinary failed step is only noted: the failure itself is what re-plans
+    d = decide(s, _ev(StepFailed(job_id="j", worker_id="w0", generation=gen, step=5, error="peer closed")), T0, SPEC)
+    assert not d.changed and not tables(d)
+    # the group could not form: its prefix is spent, so the same members get a new generation
+    bad = StepFailed(job_id="j", worker_id="w1", generation=gen, step=5, error="rendezvous timed out", rendezvous=True)
+    d = decide(s, _ev(bad), T0, SPEC)
+    (t,) = tables(d)
+    assert t.generation == gen + 1 and [m.worker_id for m in t.members] == ["w0", "w1", "w2"]
+    assert f"generation {gen} could not form (w1: rendezvous timed out)" in d.reason
+    # the other members' reports of the same failure change nothing more
+    late = StepFailed(job_id="j", worker_id="w2", generation=gen, step=5, error="rendezvous timed out", rendezvous=True)
+    d2 = decide(d.state, _ev(late), T0 + 1, SPEC)
+    assert not d2.changed and not tables(d2)

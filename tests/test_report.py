@@ -38,7 +38,7 @@ def simulate_run(r, job: str) -> None:
         progress(r, job, t, step, 1, 3)
         t += 500
     control(r, job, 5200, "exited", 2, "running",
-            "w1 failed: process ended with signal 9; generation 2: world size 2 (w0, w2)")
+            "w1 failed (rank 1): process ended with signal 9; generation 2: world size 2 (w0, w2)")
     t = 6000  # first committed step of generation 2: 0.8 s after the failure decision
     while t <= 12000:
         step += 4
@@ -82,7 +82,7 @@ def test_report_marks_membership_changes_shades_recovery_and_writes_a_png(r, job
 def test_pause_and_resume_are_labelled_without_inventing_leaves() -> None:
     rows = [
         ("tick", 1, "running", "joins settled; generation 1: world size 2 (w0, w1)"),
-        ("exited", 2, "paused", "w1 failed: process ended with exit code 1; paused: 1 < min_workers=2"),
+        ("exited", 2, "paused", "w1 failed (rank 1): process ended with exit code 1; paused: 1 < min_workers=2"),
         ("tick", 3, "running", "joins settled; generation 3: world size 2 (w0, w2)"),
     ]
     marks = membership_events([{"ts_ms": str(i), "kind": k, "generation": str(g), "job_state": s, "reason": why}

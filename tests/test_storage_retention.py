@@ -65,6 +65,23 @@ def test_protect_keeps_extra_steps() -> None:
     assert list_checkpoint_steps(s) == [2, 5]
 
 
+def test_save_keeps_what_the_redis_pointer_names_and_skips_retention_when_it_cannot_tell() -> None:
+    """The soak found it: while the coordinator was away the Redis LATEST pointer stayed at a
+    step that retention, counting only the store's newest, then deleted."""
+    s = MemoryStore()
+    for step in range(1, 6):  # the pointer stays at step 2 while the store's LATEST moves on
+        save_checkpoint(s, tiny_state(step), keep_last=2, protect=lambda: [2])
+    assert list_checkpoint_steps(s) == [2, 4, 5]
+    warnings: list[str] = []
+
+    def unreachable():
+        raise ConnectionError("Redis is down")
+
+    save_checkpoint(s, tiny_state(6), keep_last=1, protect=unreachable, on_warning=warnings.append)
+    assert list_checkpoint_steps(s) == [2, 4, 5, 6]  # nothing deleted without knowing the pin
+    assert "retention after step 6 skipped" in warnings[0] and "Redis is down" in warnings[0]
+
+
 def test_partial_checkpoints_older_than_newest_complete_are_collected() -> None:
     s = MemoryStore()
     save_checkpoint(s, tiny_state(1), keep_last=None)

@@ -75,8 +75,11 @@ def test_kill_mid_step_survivors_continue_and_match_a_failure_free_run(r, redis_
     for wid, pid in survivors.items():
         mine = [e for e in entries if e["worker"] == wid]
         assert {e["pid"] for e in mine} == {pid}  # same process all along
-        # every step committed once, in order: nothing redone beyond the interrupted step
-        assert [e["step"] for e in mine] == list(range(1, steps + 1))
+        # every step committed once, in order, from the one it joined at (on a loaded
+        # machine the third worker may join after the first steps): nothing redone
+        mine_steps = [e["step"] for e in mine]
+        assert mine_steps == list(range(mine_steps[0], steps + 1)), mine_steps
+    assert min(e["step"] for e in entries if e["worker"] in survivors) == 1
     assert sorted(codes.values()) == [-signal.SIGKILL, 0, 0]
     finals = _final(run_dir / "final")
     assert set(finals) == set(survivors)
@@ -154,7 +157,7 @@ def test_crash_loop_backs_off_gives_up_and_reports_root_cause(r, redis_url, tmp_
         assert b"InjectedFault" in status[b"first_failure"]
         # the root cause names the rank and the exit code, and keeps the whole traceback
         s = job_status(r, job)
-        assert " (rank 0) failed: process ended with exit code 1 " in s["first_failure"], s["first_failure"]
+        assert " failed (rank 0): process ended with exit code 1 " in s["first_failure"], s["first_failure"]
         assert s["first_failure_traceback"].startswith("Traceback (most recent call last):")
         assert "InjectedFault" in s["first_failure_traceback"].splitlines()[-1]
         assert f"\n    {s['first_failure_traceback'].splitlines()[-1]}" in format_status(s)

@@ -14,6 +14,7 @@ import logging
 from shoal.faults import FaultPlan
 from storage.async_saver import AsyncCheckpointer
 from storage.errors import NoCheckpoint
+from storage.latest import LatestPointer
 from storage.resume import resume
 from storage.train_state import TrainState
 from storage.uri import open_store
@@ -33,11 +34,19 @@ class Checkpoints:
         self._pending_generation = 0
         self.saver = AsyncCheckpointer(store, keep_last=keep, on_saved=self._saved,
                                        on_error=lambda exc: log.error("checkpoint failed, LATEST not moved: %s", exc),
-                                       on_phase=self._phase if self.faults else None)
+                                       on_phase=self._phase if self.faults else None,
+                                       protect=self._pinned)
 
     @classmethod
     def open(cls, spec, membership: Membership, faults: FaultPlan | None = None) -> "Checkpoints":
         return cls(open_store(spec.checkpoint_uri, create_bucket=True), membership, spec.checkpoint_keep, faults)
+
+    def _pinned(self) -> list[int]:
+        """The step the job's Redis LATEST pointer names: retention must keep it (while the
+        coordinator is away the pointer lags the store's LATEST). Redis errors propagate,
+        so that retention is skipped rather than guessing."""
+        raw = self.m.client.get(self.m.keys.latest)
+        return [LatestPointer.from_json(raw).step] if raw else []
 
     def _phase(self, phase: str, step: int) -> None:
         self.faults.at(self.m.worker_id, step, phase)

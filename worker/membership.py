@@ -135,8 +135,9 @@ class Membership:
     def left(self) -> None:
         self.send(Left(job_id=self.job_id, worker_id=self.worker_id))
 
-    def step_failed(self, generation: int, step: int, error: str) -> None:
-        self.send(StepFailed(job_id=self.job_id, worker_id=self.worker_id, generation=generation, step=step, error=error[:2000]))
+    def step_failed(self, generation: int, step: int, error: str, *, rendezvous: bool = False) -> None:
+        self.send(StepFailed(job_id=self.job_id, worker_id=self.worker_id, generation=generation, step=step,
+                             error=error[:2000], rendezvous=rendezvous))
 
     def checkpointed(self, step: int, store: str, generation: int) -> None:
         self.send(Checkpointed(job_id=self.job_id, worker_id=self.worker_id, step=step, store=store, generation=generation))

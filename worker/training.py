@@ -76,6 +76,7 @@ class TrainingWorker(WorkerRunner):
         self._first_ranges: list | None = None  # this rank's part of a generation's first step after a catch-up
         self._caught_up: tuple[int, list[int]] = (0, [])  # (src, ranks behind) of the last catch-up
         self.rdzv_timeout = 30.0
+        self.formed_not = 0  # newest generation whose group could not form (never retried)
         self.collective_timeout = max(3.0, spec.heartbeat_ttl + 1.0)
 
     # ---- setup -------------------------------------------------------------------------------
@@ -216,6 +217,9 @@ class TrainingWorker(WorkerRunner):
             if table is None:
                 return None
         self.seen_gen = max(self.seen_gen, table.generation)
+        if table.generation <= self.formed_not:
+            self._wait_newer(table.generation)  # the one that failed to form: never again
+            return None
         member = table.member(wid) if not table.paused else None
         if member is None:
             if self.draining:
@@ -234,6 +238,9 @@ class TrainingWorker(WorkerRunner):
         except (RendezvousFailed, CollectiveFailed, StateMismatch) as exc:
             log.warning("generation %d could not form: %s", table.generation, exc)
             pg.leave_group()
+            self.formed_not = table.generation
+            # a generation is never retried (its rendezvous prefix is spent): ask for a new one
+            self.m.step_failed(table.generation, self.step, str(exc), rendezvous=True)
             self._wait_newer(table.generation)
             return None
         self._table = table
