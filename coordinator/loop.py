@@ -118,7 +118,7 @@ class Coordinator:
 
     # ---- leadership -------------------------------------------------------------------------
 
-    def refresh_leases(self) -> None:
+    def refresh_leases(self, now: int | None = None) -> None:
         """Take or renew the lease of every registered job; load state for new leads."""
         job_ids = sorted(j.decode() if isinstance(j, bytes) else j for j in self.client.smembers(JOBS))
         jobs = []
@@ -146,7 +146,7 @@ class Coordinator:
         for jid in list(self.leads):
             if jid not in held:
                 del self.leads[jid]
-        self._balance(server_ms(self.client))
+        self._balance(server_ms(self.client) if now is None else now)
 
     def _balance(self, now: int) -> None:
         """Publish our load; hand over jobs above our fair share (``coordinator/balance.py``).
@@ -223,7 +223,7 @@ class Coordinator:
         number of stream entries processed. Redis errors propagate (``run`` handles them)."""
         now = server_ms(self.client)
         if now - self._last_lease_ms >= self.lease_ms // 3 or not self._last_lease_ms:
-            self.refresh_leases()
+            self.refresh_leases(now)
             self._last_lease_ms = now
         handled = 0
         for lead in list(self.leads.values()):

@@ -140,7 +140,8 @@ def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
             window_end = started + cfg.duration
             next_at = time.monotonic() + rng.uniform(cfg.min_gap, cfg.max_gap)
             while time.monotonic() < window_end and not _ended(client, keys):
-                steer.update(int(client.hget(keys.state, "latest_step") or 0), window_end)
+                if steer.due():
+                    steer.update(int(client.hget(keys.state, "latest_step") or 0), window_end)
                 if time.monotonic() < next_at:
                     time.sleep(0.05)
                     continue
@@ -222,6 +223,11 @@ class PaceSteer:
         self._last: tuple[float, int] | None = None
         self.history: list[float] = [pace]
         self._write()
+
+    def due(self, now: float | None = None) -> bool:
+        """Whether :meth:`update` would act now (so the caller reads the step only then)."""
+        now = time.monotonic() if now is None else now
+        return self._last is None or now - self._last[0] >= self.every
 
     def update(self, step: int, window_end: float, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
