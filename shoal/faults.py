@@ -13,7 +13,9 @@ Rules are comma-separated ``WHO@N:PHASE:ACTION``. Workers read ``SHOAL_FAULTS``:
                            (still under its temporary name);
   ``ckpt_before_latest``   every file and the manifest written, the store's LATEST not moved;
   ``ckpt_before_event``    the store's LATEST moved, the ``checkpoint`` event not yet sent,
-                           so the Redis LATEST pointer has not moved either.
+                           so the Redis LATEST pointer has not moved either;
+  ``rendezvous``           a generation switch: every member met at the Redis barrier, this
+                           one has not yet published its address for the process group.
 
 Coordinators read ``SHOAL_COORD_FAULTS``: WHO is an event kind (``checkpoint``, ``join``...)
 or ``*``, N counts the events of that kind this process has applied (1 = the first), and
@@ -24,7 +26,8 @@ no window between moving LATEST and acknowledging the event: both are one Lua ca
 ACTION: ``kill`` (SIGKILL self), ``segv`` (SIGSEGV self: a native crash), ``exit=N``
 (``os._exit(N)``), ``raise`` (an exception from that point: a crash with a traceback in the
 training thread, a failed save in the checkpoint thread), ``stop=S`` (SIGSTOP self for S
-seconds; a helper process sends SIGCONT).
+seconds; a helper process sends SIGCONT), ``sleep=S`` (the calling thread sleeps S seconds:
+a member that is slow, not hung - its heartbeats go on).
 
 A rule fires at most once per process. Unset or empty: no faults, and the cost of a call is
 one attribute test.
@@ -37,12 +40,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
 from shoal.errors import ConfigError
 
-WORKER_PHASES = ("before_step", "mid_step", "after_commit", "ckpt_write", "ckpt_before_latest", "ckpt_before_event")
+WORKER_PHASES = ("before_step", "mid_step", "after_commit", "ckpt_write", "ckpt_before_latest", "ckpt_before_event",
+                 "rendezvous")
 COORDINATOR_PHASES = ("before_apply", "after_apply")
 WORKER_ENV = "SHOAL_FAULTS"
 COORDINATOR_ENV = "SHOAL_COORD_FAULTS"
@@ -77,8 +82,8 @@ def parse(text: str, phases: tuple[str, ...] = WORKER_PHASES) -> list[Rule]:
         if phase not in phases:
             raise BadFaultRule(f"bad fault rule {raw!r}: phase must be one of {', '.join(phases)}")
         kind, _, arg = action.partition("=")
-        if not ((action in ("kill", "segv", "raise")) or (kind in ("exit", "stop") and _is_number(arg))):
-            raise BadFaultRule(f"bad fault rule {raw!r}: action must be kill, segv, raise, exit=N or stop=S")
+        if not ((action in ("kill", "segv", "raise")) or (kind in ("exit", "stop", "sleep") and _is_number(arg))):
+            raise BadFaultRule(f"bad fault rule {raw!r}: action must be kill, segv, raise, exit=N, stop=S or sleep=S")
         rules.append(rule)
     return rules
 
@@ -150,6 +155,8 @@ def _fire(rule: Rule, where: str) -> None:
     kind, _, arg = rule.action.partition("=")
     if kind == "exit":
         os._exit(int(float(arg)))
+    if kind == "sleep":
+        time.sleep(float(arg))
     if kind == "stop":
         subprocess.Popen([sys.executable, "-c", f"import os,time,signal;time.sleep({float(arg)});os.kill({pid},signal.SIGCONT)"],
                          start_new_session=True)

@@ -11,8 +11,9 @@ to the standby, which moves LATEST.
 from __future__ import annotations
 
 import pytest
+import torch
 
-from shoal.faults import COORDINATOR_PHASES, WORKER_PHASES, BadFaultRule, FaultPlan, parse
+from shoal.faults import COORDINATOR_PHASES, WORKER_PHASES, BadFaultRule, FaultPlan, Rule, parse
 from shoal.jobs import create_job
 from shoal.jobspec import JobSpec
 from shoal.localproc import LocalProcs
@@ -119,7 +120,44 @@ def test_rules_parse_fire_once_and_refuse_bad_input(monkeypatch) -> None:
     for bad in ("w1:mid_step:kill", "w1@x:mid_step:kill", "w1@1:sometime:kill", "w1@1:mid_step:explode", "w1@1:mid_step:exit=x"):
         with pytest.raises(BadFaultRule, match="bad fault rule"):
             parse(bad)
-    assert set(WORKER_PHASES) >= {"mid_step", "ckpt_write", "ckpt_before_latest", "ckpt_before_event"}
+    assert set(WORKER_PHASES) >= {"mid_step", "ckpt_write", "ckpt_before_latest", "ckpt_before_event", "rendezvous"}
+    assert parse("w1@0:rendezvous:sleep=0.5") == [Rule("w1", 0, "rendezvous", "sleep=0.5")]
     monkeypatch.setenv("SHOAL_COORD_FAULTS", "checkpoint@1:mid_step:kill")
     with pytest.raises(BadFaultRule):
         FaultPlan.for_coordinator()
+
+
+@pytest.mark.slow
+def test_a_member_too_slow_to_rendezvous_gets_a_fresh_generation_and_nobody_restarts(r, redis_url, tmp_path) -> None:
+    """The second hour-long soak's first bug, reproduced: w1 reaches generation 1's barrier,
+    then stalls (alive, heartbeating) for longer than the collective timeout before it
+    publishes its address, so w0's rendezvous times out. The generation's prefix is spent:
+    w0 reports it, the coordinator plans a new generation of the same members, and both
+    train on in it. Before, the members retried the spent generation and every one exited."""
+    job = "ph-rdzv-" + tmp_path.name[-4:]
+    spec = JobSpec(name=job, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, max_steps=STEPS,
+                   min_workers=2, max_workers=2, heartbeat_interval=0.2, heartbeat_ttl=1.5)
+    create_job(r, spec)
+    watch = ControlWatcher(r, job)
+    env = {"SHOAL_TEST_STEP_DELAY": "0.02", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger"),
+           "SHOAL_EXPORT_DIR": str(tmp_path / "final"), "SHOAL_FAULTS": "w1@0:rendezvous:sleep=5"}
+    with LocalProcs(redis_url, tmp_path / "logs", extra_env=env) as procs:
+        procs.coordinator("coord")
+        agent = procs.start("agent", "agent", job, "--workers", "2", "--max-restarts", "0",
+                            "--run-dir", str(tmp_path / "agent"))
+        try:
+            replanned = watch.wait_for(lambda d: "generation 1 could not form" in d["reason"], 90)
+            assert "generation 2: world size 2 (w0, w1)" in replanned["reason"]
+            watch.wait_for(lambda d: d["job_state"] == "completed", 120)
+            assert agent.wait(60) == 0
+        except BaseException:
+            _dump(procs, tmp_path)
+            raise
+    assert not [d["reason"] for d in watch.seen if " failed" in d["reason"] and "could not form" not in d["reason"]]
+    slots = "".join(f.read_text() for f in (tmp_path / "agent").glob("slot-*.log"))
+    assert slots.count("fault injected: sleep=5 at w1@0:rendezvous") == 1
+    verdict = ledger.verify(ledger.read(tmp_path / "ledger"), DIGITS)
+    assert verdict.ok, verdict.problem
+    assert verdict.steps == STEPS
+    finals = [torch.load(p, weights_only=True) for p in sorted((tmp_path / "final").glob("final-*.pt"))]
+    assert len(finals) == 2 and all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import redis
 
 from events.keys import JobKeys
 from events.models import Heartbeat
+from shoal.connection import without_retries
 
 log = logging.getLogger("shoal.worker.heartbeat")
 
@@ -35,11 +37,22 @@ class Heartbeater:
 
     ``update(**fields)`` changes what the next beat publishes (step, loss, digest...).
     ``on_evicted`` is called once (from the thread) when the coordinator no longer watches
-    this worker. Redis errors are logged and retried at the next interval.
+    this worker.
+
+    The thread beats on a connection pool of its own whose commands fail at once instead of
+    riding out an outage: a failed beat is simply tried again one ``interval`` later, so after
+    a Redis restart the worker is seen again within an interval of the server's return (a
+    retrying client would wait out its backoff, up to a second, eating into the TTL), and
+    nothing the training thread does with its own client can delay a beat. The thread logs
+    once when beats start failing and once when they are back, and warns when a beat comes
+    later than half the TTL after the previous one (the process was frozen or starved of CPU,
+    or Redis was slow): the evidence when a live worker is declared failed.
+    :meth:`beat` called directly uses ``client`` as given (riding out outages if it does).
     """
 
     def __init__(self, client: redis.Redis, keys: JobKeys, worker_id: str, *, interval: float, ttl: float, on_evicted=None, pid: int = 0):
         self._script = client.register_script(_BEAT)
+        self._fast = without_retries(client)
         self._keys = keys
         self._ttl_ms = int(ttl * 1000)
         self.interval = interval
@@ -47,7 +60,6 @@ class Heartbeater:
         self._value = Heartbeat(worker_id=worker_id, pid=pid)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._paused = threading.Event()
         self._thread: threading.Thread | None = None
         self._on_evicted = on_evicted
         self.evicted = False
@@ -56,10 +68,12 @@ class Heartbeater:
         with self._lock:
             self._value = self._value.model_copy(update=fields)
 
-    def beat(self) -> bool:
+    def beat(self, *, client: redis.Redis | None = None) -> bool:
+        """One beat now; False once this worker is evicted. Raises redis.RedisError."""
         with self._lock:
             value = self._value.model_dump_json()
-        ok = bool(self._script(keys=[self._keys.heartbeat(self.worker_id), self._keys.last_seen], args=[self.worker_id, value, self._ttl_ms]))
+        ok = bool(self._script(keys=[self._keys.heartbeat(self.worker_id), self._keys.last_seen],
+                               args=[self.worker_id, value, self._ttl_ms], client=client))
         if not ok and not self.evicted:
             self.evicted = True
             if self._on_evicted:
@@ -74,11 +88,26 @@ class Heartbeater:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self._fast.close()
 
     def _run(self) -> None:
+        last_ok = time.monotonic()
+        failing_since: float | None = None
         while not self._stop.is_set():
             try:
-                self.beat()
+                self.beat(client=self._fast)
             except redis.RedisError as exc:
-                log.warning("heartbeat failed: %s", exc)
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    log.warning("heartbeat failing (%s); trying again every %.1f s", exc, self.interval)
+            else:
+                now = time.monotonic()
+                if failing_since is not None:
+                    log.warning("heartbeat back after %.1f s of failures", now - failing_since)
+                    failing_since = None
+                elif (now - last_ok) * 1000 > self._ttl_ms / 2:
+                    log.warning("heartbeat %.2f s after the previous one (interval %.1f s, ttl %.1f s): "
+                                "this process was frozen or starved of CPU, or Redis answered slowly",
+                                now - last_ok, self.interval, self._ttl_ms / 1000)
+                last_ok = now
             self._stop.wait(self.interval)

@@ -230,6 +230,7 @@ class TrainingWorker(WorkerRunner):
             return None
         if not self._barrier(table):
             return None
+        self.faults.at(wid, self.step, "rendezvous")
         t0 = time.monotonic()
         try:
             pg.join_group(self.m.client, self.m.job_id, table.generation, member.rank, table.world_size,

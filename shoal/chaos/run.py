@@ -145,10 +145,15 @@ def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
                 if time.monotonic() < next_at:
                     time.sleep(0.05)
                     continue
-                if not cycle:
-                    cycle = list(KINDS)
-                    rng.shuffle(cycle)
                 kind = next((k for k in cycle if injector.allowed(k)), None)
+                if kind is None and len(cycle) < len(KINDS):
+                    # the cycle is used up, or only kinds that cannot happen now remain (a join
+                    # while max_workers are planned): the next cycle starts and the leftovers
+                    # stay queued, so the faults never stall and each kind still comes as often
+                    fresh = list(KINDS)
+                    rng.shuffle(fresh)
+                    cycle += fresh
+                    kind = next((k for k in cycle if injector.allowed(k)), None)
                 if kind is None:
                     next_at = time.monotonic() + 0.5
                     continue
