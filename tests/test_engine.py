@@ -128,6 +128,19 @@ def test_failed_step_applies_nothing_and_restores_buffers():
         engine.step(range(8, 16), 8, 0)
     assert state_digest(s.model) == before
 
+    def refuse() -> None:  # the training worker's fence, once it was declared failed
+        raise StepAborted("evicted")
+
+    engine.loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    engine.commit_guard = refuse
+    with pytest.raises(StepAborted, match="evicted"):
+        engine.step(range(8, 16), 8, 0)
+    assert state_digest(s.model) == before
+    assert [float(v["step"]) for v in s.optimizer.state.values()] == steps_before
+    engine.commit_guard = None
+    engine.step(range(8, 16), 8, 0)
+    assert state_digest(s.model) != before
+
 
 def test_step_outside_a_group_is_aborted_when_a_group_is_required():
     s = small_setup()

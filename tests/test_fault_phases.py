@@ -161,3 +161,33 @@ def test_a_member_too_slow_to_rendezvous_gets_a_fresh_generation_and_nobody_rest
     assert verdict.steps == STEPS
     finals = [torch.load(p, weights_only=True) for p in sorted((tmp_path / "final").glob("final-*.pt"))]
     assert len(finals) == 2 and all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
+
+
+@pytest.mark.slow
+def test_a_lone_worker_frozen_past_its_ttl_commits_nothing_once_declared_failed(r, redis_url, tmp_path) -> None:
+    """w0 trains alone (no collective can fence it) and freezes mid-step for twice its TTL.
+    The coordinator declares it failed meanwhile. When it wakes it is past every check of
+    its loop, one step from applying an update: the commit fence must refuse that step, so
+    no step is committed by a worker the coordinator no longer counts."""
+    job = "ph-fence-" + tmp_path.name[-4:]
+    spec = JobSpec(name=job, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, max_steps=STEPS,
+                   min_workers=1, max_workers=1, heartbeat_interval=0.2, heartbeat_ttl=1.5)
+    create_job(r, spec)
+    watch = ControlWatcher(r, job)
+    env = {"SHOAL_TEST_STEP_DELAY": "0.02", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger"),
+           "SHOAL_FAULTS": "w0@20:mid_step:stop=3"}
+    with LocalProcs(redis_url, tmp_path / "logs", extra_env=env) as procs:
+        procs.coordinator("coord")
+        worker = procs.worker(job, "w0")
+        try:
+            failed = watch.wait_for(lambda d: d["reason"].startswith("w0 failed (rank 0): no heartbeat"), 90)
+            assert worker.wait(60) == 1  # woke evicted, exited
+        except BaseException:
+            _dump(procs, tmp_path)
+            raise
+        log = worker.log_tail(200)
+    assert "fault injected: stop=3 at w0@20:mid_step" in log
+    mine = [e for e in ledger.read(tmp_path / "ledger") if e["worker"] == "w0"]
+    assert max(e["step"] for e in mine) == 20  # everything before the freeze, nothing after
+    assert all(e["t"] * 1000 < int(failed["ts_ms"]) for e in mine)
+    assert "evicted by the coordinator (declared failed): this step is not applied" in log

@@ -157,6 +157,10 @@ class StepEngine:
             self._views.append(self._bucket[offset : offset + n].view_as(p) if p.dtype == self.bucket_dtype else None)
             offset += n
         self._before_update: list[Callable[[], None]] = []
+        #: Called in every step once its collectives succeeded, right before anything is
+        #: applied; raising StepAborted there rolls the step back like a failed collective
+        #: (the training worker's fence: a member the coordinator evicted commits nothing).
+        self.commit_guard: Callable[[], None] | None = None
 
     def before_update(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` once in the next :meth:`step`, once its collectives are over and before
@@ -210,7 +214,7 @@ class StepEngine:
         this rank (the step is committed: advance the cursor by ``global_count``).
 
         Raises StepAborted (nothing applied; redo in the next generation) when a collective
-        fails or no group is joined (with ``require_group``); InconsistentStep (a StepAborted)
+        fails, no group is joined (with ``require_group``) or :attr:`commit_guard` refuses; InconsistentStep (a StepAborted)
         when the ranks' slices do not add up to ``global_count``; UserCodeError when the
         user's dataset/model/loss raised (nothing applied either) - or when the optimizer or
         LR scheduler raised after the collectives, in which case the step may be partly
@@ -264,6 +268,12 @@ class StepEngine:
                 f"ranks processed {reduced_count} samples, expected a global batch of {global_count}: "
                 "shard tables or cursors differ between ranks"
             )
+        if self.commit_guard is not None:
+            try:
+                self.commit_guard()
+            except StepAborted:
+                self._rollback(buffers)
+                raise
         self._unflatten_grads(bucket, global_count)
         try:
             self.optimizer.step()

@@ -63,6 +63,12 @@ class Heartbeater:
         self._thread: threading.Thread | None = None
         self._on_evicted = on_evicted
         self.evicted = False
+        #: set while the thread's beats raise (Redis unreachable): when they started failing,
+        #: and when the thread last tried
+        self._failing_since: float | None = None
+        self._tried_at = time.monotonic()
+        #: monotonic time at which the last beat that found us watched was sent
+        self.confirmed_at = time.monotonic()
 
     def update(self, **fields) -> None:
         with self._lock:
@@ -72,13 +78,36 @@ class Heartbeater:
         """One beat now; False once this worker is evicted. Raises redis.RedisError."""
         with self._lock:
             value = self._value.model_dump_json()
+        sent = time.monotonic()
         ok = bool(self._script(keys=[self._keys.heartbeat(self.worker_id), self._keys.last_seen],
                                args=[self.worker_id, value, self._ttl_ms], client=client))
-        if not ok and not self.evicted:
+        if ok:
+            self.confirmed_at = max(self.confirmed_at, sent)
+        elif not self.evicted:
             self.evicted = True
             if self._on_evicted:
                 self._on_evicted()
         return ok
+
+    def still_member(self) -> bool:
+        """Whether the coordinator may still count this worker in: False once a beat found it
+        evicted. Free while beats are recent; when the last confirmed beat was sent more than
+        half the TTL ago (the process was frozen or starved: the coordinator may have declared
+        it failed since), beats once now to find out. If Redis cannot be reached, True: the
+        coordinator cannot declare anyone failed without Redis either, and it counts
+        heartbeats from its own return (training rides out the outage over the collectives);
+        while the thread's beats are failing, True without trying, unless the thread itself
+        has not tried for half the TTL (a hung server would otherwise hold every step for the
+        socket timeout; a frozen process must still ask)."""
+        if self.evicted:
+            return False
+        now, half = time.monotonic(), self._ttl_ms / 2000
+        if now - self.confirmed_at <= half or (self._failing_since is not None and now - self._tried_at <= half):
+            return True
+        try:
+            return self.beat(client=self._fast)
+        except redis.RedisError:
+            return True
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{self.worker_id}", daemon=True)
@@ -92,19 +121,19 @@ class Heartbeater:
 
     def _run(self) -> None:
         last_ok = time.monotonic()
-        failing_since: float | None = None
         while not self._stop.is_set():
+            self._tried_at = time.monotonic()
             try:
                 self.beat(client=self._fast)
             except redis.RedisError as exc:
-                if failing_since is None:
-                    failing_since = time.monotonic()
+                if self._failing_since is None:
+                    self._failing_since = self._tried_at
                     log.warning("heartbeat failing (%s); trying again every %.1f s", exc, self.interval)
             else:
                 now = time.monotonic()
-                if failing_since is not None:
-                    log.warning("heartbeat back after %.1f s of failures", now - failing_since)
-                    failing_since = None
+                if self._failing_since is not None:
+                    log.warning("heartbeat back after %.1f s of failures", now - self._failing_since)
+                    self._failing_since = None
                 elif (now - last_ok) * 1000 > self._ttl_ms / 2:
                     log.warning("heartbeat %.2f s after the previous one (interval %.1f s, ttl %.1f s): "
                                 "this process was frozen or starved of CPU, or Redis answered slowly",

@@ -102,7 +102,17 @@ class TrainingWorker(WorkerRunner):
         self.watcher = GenerationWatcher(self.m.client, self.m.keys, interval=min(1.0, self.spec.heartbeat_interval * 2))
         self.watcher.start()
         self.progress = ProgressRecorder(without_retries(self.m.client), self.m.keys)
+        self.engine.commit_guard = self._fence
         return wid
+
+    def _fence(self) -> None:
+        """The last check before a step is applied: a member the coordinator declared failed
+        (frozen or starved past its TTL: it wakes still inside its old generation, alone or
+        with peers frozen alike) must commit nothing more - its steps are being redone by
+        the generation that replaced it. Free unless beats are late; see
+        :meth:`Heartbeater.still_member`."""
+        if self.hb is not None and not self.hb.still_member():
+            raise StepAborted("evicted by the coordinator (declared failed): this step is not applied")
 
     def cleanup(self) -> None:
         if getattr(self, "watcher", None) is not None:
