@@ -25,4 +25,5 @@ def test_sixty_seconds_of_chaos_leave_a_correct_end_state(tmp_path) -> None:
         assert injected >= 1 and survived == injected, (kind, report)
     assert {c.name for c in verdict.checks} >= {"job completed", "samples exactly once per epoch", "parameter digests equal",
                                                 "close to a failure-free run", "LATEST valid when sampled",
-                                                "Redis memory and streams bounded", "every fault survived"}
+                                                "Redis memory and streams bounded", "every fault survived",
+                                                "no failure without a fault", "faults for the whole window"}

@@ -27,10 +27,13 @@ STEPS = 40
 DIGITS = 5000
 
 
-def _spec(job: str, ckpt: str) -> JobSpec:
-    return JobSpec(name=job, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, max_steps=STEPS,
-                   min_workers=1, max_workers=2, heartbeat_interval=0.2, heartbeat_ttl=1.5,
-                   checkpoint_uri=ckpt, checkpoint_interval=10, checkpoint_keep=2)
+def _spec(job: str, ckpt: str | None = None, **fields) -> JobSpec:
+    """The slow digits job, 1 to 2 workers, TTL 1.5 s; with ``ckpt``, a checkpoint every 10 steps."""
+    spec = dict(name=job, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, max_steps=STEPS,
+                min_workers=1, max_workers=2, heartbeat_interval=0.2, heartbeat_ttl=1.5)
+    if ckpt:
+        spec |= dict(checkpoint_uri=ckpt, checkpoint_interval=10, checkpoint_keep=2)
+    return JobSpec(**(spec | fields))
 
 
 def _dump(procs, tmp_path) -> None:
@@ -135,9 +138,7 @@ def test_a_member_too_slow_to_rendezvous_gets_a_fresh_generation_and_nobody_rest
     w0 reports it, the coordinator plans a new generation of the same members, and both
     train on in it. Before, the members retried the spent generation and every one exited."""
     job = "ph-rdzv-" + tmp_path.name[-4:]
-    spec = JobSpec(name=job, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, max_steps=STEPS,
-                   min_workers=2, max_workers=2, heartbeat_interval=0.2, heartbeat_ttl=1.5)
-    create_job(r, spec)
+    create_job(r, _spec(job, min_workers=2))
     watch = ControlWatcher(r, job)
     env = {"SHOAL_TEST_STEP_DELAY": "0.02", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger"),
            "SHOAL_EXPORT_DIR": str(tmp_path / "final"), "SHOAL_FAULTS": "w1@0:rendezvous:sleep=5"}
@@ -170,9 +171,7 @@ def test_a_lone_worker_frozen_past_its_ttl_commits_nothing_once_declared_failed(
     its loop, one step from applying an update: the commit fence must refuse that step, so
     no step is committed by a worker the coordinator no longer counts."""
     job = "ph-fence-" + tmp_path.name[-4:]
-    spec = JobSpec(name=job, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, max_steps=STEPS,
-                   min_workers=1, max_workers=1, heartbeat_interval=0.2, heartbeat_ttl=1.5)
-    create_job(r, spec)
+    create_job(r, _spec(job, max_workers=1))
     watch = ControlWatcher(r, job)
     env = {"SHOAL_TEST_STEP_DELAY": "0.02", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger"),
            "SHOAL_FAULTS": "w0@20:mid_step:stop=3"}

@@ -214,8 +214,8 @@ class StepEngine:
         this rank (the step is committed: advance the cursor by ``global_count``).
 
         Raises StepAborted (nothing applied; redo in the next generation) when a collective
-        fails, no group is joined (with ``require_group``) or :attr:`commit_guard` refuses; InconsistentStep (a StepAborted)
-        when the ranks' slices do not add up to ``global_count``; UserCodeError when the
+        fails, no group is joined (with ``require_group``) or :attr:`commit_guard` refuses;
+        InconsistentStep (a StepAborted) when the ranks' slices do not add up to ``global_count``; UserCodeError when the
         user's dataset/model/loss raised (nothing applied either) - or when the optimizer or
         LR scheduler raised after the collectives, in which case the step may be partly
         applied: treat it as fatal for this worker.

@@ -173,6 +173,7 @@ def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
             elapsed = time.monotonic() - started
             samples = sampler.stop()
             final_step = int(client.hget(keys.state, "latest_step") or 0)
+            failed = [f[b"worker"].decode() for _id, f in client.xrange(keys.failures) if b"worker" in f]
     finally:
         sampler.stop()
         injector.thaw_all()
@@ -188,7 +189,7 @@ def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
         ref = reference.result()
     verdict = judge(completed=completed, final_step=max(last_step, final_step), elapsed=elapsed, entries=entries,
                     num_samples=_num_samples(), finals=finals, reference=ref, samples=samples, faults=injector.done,
-                    window=window, duration=cfg.duration)
+                    window=window, duration=cfg.duration, failed=failed)
     out("")
     out(verdict.table())
     return verdict

@@ -10,7 +10,9 @@ Checks (each a line of the table; the soak fails if any fails):
 - those parameters are close to a failure-free single-process run with the same seed and
   the same number of steps (the step is world-size invariant up to float summation order);
 - LATEST was valid at every sample; Redis memory and stream lengths stayed bounded;
-- every fault injected was survived: training committed a step after it.
+- every fault injected was survived: training committed a step after it;
+- no worker was declared failed that no fault hit (a crash or a false eviction, which a job
+  that heals itself would otherwise hide).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from shoal.chaos.inject import KINDS, Injected
+from shoal.chaos.inject import KINDS, WORKER_FAULTS, Injected
 from shoal.chaos.sampler import Samples
 from worker import ledger
 
@@ -112,7 +114,9 @@ def compare_to_reference(finals: dict[str, dict], reference: dict) -> tuple[bool
 
 def judge(*, completed: bool, final_step: int, elapsed: float, entries: list[dict], num_samples: int,
           finals: dict[str, dict], reference: dict | None, samples: Samples, faults: list[Injected],
-          window: float, duration: float) -> Verdict:
+          window: float, duration: float, failed: list[str] | None = None) -> Verdict:
+    """``failed``: the worker ids of the job's ``failures`` stream (every failure the
+    coordinator declared)."""
     v = Verdict()
     times = sorted(f.t for f in faults)
     quiet = max((b - a for a, b in zip(times, times[1:])), default=0.0)
@@ -143,6 +147,14 @@ def judge(*, completed: bool, final_step: int, elapsed: float, entries: list[dic
     v.recoveries, v.faults = recovery_times(faults, entries)
     lost = sum(n - s for n, s in v.faults.values())
     v.add("every fault survived", bool(faults) and lost == 0, f"{len(faults)} injected, {lost} not survived")
+    if failed is not None:
+        # a self-healing job hides its own crashes and false evictions: every worker declared
+        # failed must be one a fault hit
+        hit = {f.target.split()[0] for f in faults if f.kind in WORKER_FAULTS}
+        unprovoked = sorted(set(failed) - hit, key=lambda w: (len(w), w))
+        v.add("no failure without a fault", not unprovoked,
+              f"{len(set(failed))} workers declared failed, each hit by a fault" if not unprovoked else
+              f"declared failed without a fault: {', '.join(unprovoked[:10])} (their logs say why)")
     return v
 
 
