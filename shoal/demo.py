@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, TextIO
 
 import redis
 
@@ -30,10 +32,56 @@ from shoal.status import job_status
 from worker import ledger
 
 
+class Console:
+    """Where the demo writes. On a terminal the progress line is redrawn in place (carriage
+    return, erase to end of line) and lines that stay are written above it. Anywhere else (a
+    pipe, a CI log, a file) no control character is written: progress comes as plain lines,
+    at most one every ``every`` seconds of ``clock``, so a log holds a readable record instead
+    of thousands of redraws."""
+
+    def __init__(self, stream: TextIO | None = None, *, every: float = 2.0, clock: Callable[[], float] = time.monotonic):
+        self.stream = stream if stream is not None else sys.stdout
+        isatty = getattr(self.stream, "isatty", None)
+        self.tty = bool(isatty and isatty())
+        self.every = every
+        self.clock = clock
+        self._last: float | None = None
+        self._dangling = False  # a progress line is drawn without its newline (terminal only)
+
+    def line(self, text: str = "") -> None:
+        """A line that stays, below any progress drawn so far."""
+        if self._dangling:
+            self.stream.write("\r\033[K")
+            self._dangling = False
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def progress(self, text: str) -> None:
+        """The current progress: redrawn on a terminal, else printed when ``every`` has passed."""
+        if self.tty:
+            self.stream.write("\r" + text + "\033[K")
+            self._dangling = True
+        else:
+            now = self.clock()
+            if self._last is not None and now - self._last < self.every:
+                return
+            self._last = now
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def end(self) -> None:
+        """Keeps the last progress drawn on a terminal (it ends its line)."""
+        if self._dangling:
+            self.stream.write("\n")
+            self._dangling = False
+            self.stream.flush()
+
+
 class ControlFeed:
     """Prints the job's control log (decisions with reasons) as it grows."""
 
-    def __init__(self, client: redis.Redis, job: str, t0: float):
+    def __init__(self, client: redis.Redis, job: str, t0: float, console: Console):
+        self.console = console
         self.client = client
         self.keys = job_keys(job)
         self.last = "0-0"
@@ -50,7 +98,7 @@ class ControlFeed:
                 out.append(d)
                 if d["kind"] == "ready":
                     continue
-                print(f"\r[{time.monotonic() - self.t0:5.1f}s] gen {d['generation']:>2} {d['job_state']:<9} {d['reason']}\033[K")
+                self.console.line(f"[{time.monotonic() - self.t0:5.1f}s] gen {d['generation']:>2} {d['job_state']:<9} {d['reason']}")
                 if "generation" in d["reason"] and "world size" in d["reason"]:
                     self._print_table()
         return out
@@ -61,7 +109,7 @@ class ControlFeed:
             t = ShardTable.model_validate_json(raw)
             self.generations = t.generation
             parts = ", ".join(f"{m.worker_id}=" + "+".join(f"[{a},{b})" for a, b, _ in m.ranges) for m in t.members)
-            print(f"         shard table g{t.generation}: positions of each global batch of {t.num_samples}: {parts}")
+            self.console.line(f"         shard table g{t.generation}: positions of each global batch of {t.num_samples}: {parts}")
 
 
 def _progress(s: dict, t0: float, total_steps: int) -> str:
@@ -70,7 +118,7 @@ def _progress(s: dict, t0: float, total_steps: int) -> str:
     loss = next((w["loss"] for w in active if w["loss"] is not None), None)
     bar = "#" * int(30 * step / max(1, total_steps))
     loss_s = f"{loss:.3f}" if loss is not None else "-"
-    return f"\r[{time.monotonic() - t0:5.1f}s] [{bar:<30}] step {step}/{total_steps} loss {loss_s} workers {len(active)}\033[K"
+    return f"[{time.monotonic() - t0:5.1f}s] [{bar:<30}] step {step}/{total_steps} loss {loss_s} workers {len(active)}"
 
 
 def run_demo(duration: float | None = None, epochs: int = 8, report: str | None = "report.png") -> int:
@@ -85,10 +133,10 @@ def run_demo(duration: float | None = None, epochs: int = 8, report: str | None 
                        min_workers=2, max_workers=3, heartbeat_interval=0.3, heartbeat_ttl=1.5, max_restarts=3, seed=1)
         create_job(client, spec)
         total_steps = -(-5000 // spec.global_batch_size) * epochs
-        feed = ControlFeed(client, job, t0)
+        console = Console()
+        feed = ControlFeed(client, job, t0, console)
         procs = LocalProcs(server.url, tmpdir / "logs", extra_env={"SHOAL_LEDGER_DIR": str(tmpdir / "ledger")})
         killed = None
-        recovery = None
         try:
             procs.coordinator("coordinator")
             agent = procs.start("agent", "agent", job, "--workers", "3", "--backoff", "1", "--run-dir", str(tmpdir / "agent"))
@@ -99,32 +147,31 @@ def run_demo(duration: float | None = None, epochs: int = 8, report: str | None 
                 feed.pump(250)
                 s = job_status(client, job)
                 state = s["state"]
-                print(_progress(s, t0, total_steps), end="", flush=True)
+                console.progress(_progress(s, t0, total_steps))
                 steps = [w["step"] or 0 for w in s["workers"] if w["state"] == "Active"]
                 if killed is None and steps and max(steps) >= total_steps * 0.25 and s["world_size"] == 3:
                     victim = next(w for w in s["workers"] if w["state"] == "Active" and w["rank"] == 1)
-                    print(f"\n--- kill -9 {victim['worker_id']} (pid {victim['pid']}) at step {max(steps)}")
-                    killed = (time.monotonic(), s["generation"], max(steps))
+                    console.line(f"--- kill -9 {victim['worker_id']} (pid {victim['pid']}) at step {max(steps)}")
+                    killed = (time.time(), s["generation"])
                     procs_signal(victim["pid"], signal.SIGKILL)
-                if killed and recovery is None:
-                    moved = [w for w in s["workers"] if w["state"] == "Active" and (w["step"] or 0) > killed[2]
-                             and s["generation"] > killed[1]]
-                    if moved:
-                        recovery = time.monotonic() - killed[0]
             feed.pump(100)
             agent.wait(30)
             final = job_status(client, job)
             summary = json.loads(client.hget(job_keys(job).state, "summary") or b"{}")
-            verdict = ledger.verify(ledger.read(tmpdir / "ledger"), 5000)
-            print("\n\n=== summary")
+            entries = ledger.read(tmpdir / "ledger")
+            verdict = ledger.verify(entries, 5000)
+            recovery = recovery_after_kill(entries, *killed) if killed else None
+            console.end()
+            print("\n=== summary")
             print(f"job state           {final['state']} ({final['reason']})")
             print(f"final loss          {summary.get('loss', float('nan')):.4f}")
             print(f"test accuracy       {summary.get('accuracy', float('nan')):.1%}")
             print(f"steps committed     {verdict.steps} ({verdict.epochs_complete} epochs)")
             print(f"generations         {final['generation']}")
             if recovery is not None:
-                print(f"recovery after kill {recovery:.2f} s to the survivors' next committed step (upper bound; "
-                      f"polled every 0.25 s); survivors kept their processes")
+                seconds, kept = recovery
+                print(f"recovery after kill {seconds:.2f} s from the kill to the first step committed in a newer generation "
+                      f"(workers' ledgers); {len(kept)} survivor(s) kept their processes ({', '.join(kept)})")
             print(f"first failure       {final['first_failure'] or '-'}")
             print(f"samples used exactly once per epoch: {'yes' if verdict.ok else 'NO: ' + verdict.problem}")
             if report:
@@ -134,6 +181,19 @@ def run_demo(duration: float | None = None, epochs: int = 8, report: str | None 
             procs.stop_all()
             client.close()
             server.stop()
+
+
+def recovery_after_kill(entries: list[dict], killed_at: float, generation: int) -> tuple[float, list[str]] | None:
+    """From the workers' ledgers: seconds from the kill (wall time ``killed_at``, when the job
+    was in ``generation``) to the first step committed in a newer generation, and the workers
+    whose same process committed steps both in ``generation`` and after the kill. None when
+    no step was committed after it."""
+    after = [e for e in entries if e["generation"] > generation and e["t"] >= killed_at]
+    if not after:
+        return None
+    before = {(e["worker"], e["pid"]) for e in entries if e["generation"] == generation}
+    kept = sorted({e["worker"] for e in after if (e["worker"], e["pid"]) in before})
+    return min(e["t"] for e in after) - killed_at, kept
 
 
 def _write_report(client: redis.Redis, job: str, path: str) -> None:
