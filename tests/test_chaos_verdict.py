@@ -15,7 +15,7 @@ def _checks(faults: list[Injected], failed: list[str]) -> dict[str, tuple[bool, 
 
 
 def test_a_long_spell_without_faults_fails_the_window_check() -> None:
-    steady = [Injected("worker_kill", t, f"w{i} (pid {i})", 1) for i, t in enumerate(range(0, 120, 4))]
+    steady = [Injected("worker_kill", t, f"w{i} (pid {i})", 1, f"w{i}") for i, t in enumerate(range(0, 120, 4))]
     assert _checks(steady, [])["faults for the whole window"][0]
     stalled = steady[:5] + [Injected("redis_restart", steady[4].t + MAX_QUIET + 1, "redis", -1)]
     ok, detail = _checks(stalled, [])["faults for the whole window"]
@@ -23,8 +23,8 @@ def test_a_long_spell_without_faults_fails_the_window_check() -> None:
 
 
 def test_a_worker_declared_failed_that_no_fault_hit_fails_the_soak() -> None:
-    faults = [Injected("worker_stop", 1.0, "w3 (pid 11)", 2), Injected("worker_join", 2.0, "joiner1", 2),
-              Injected("worker_segv", 3.0, "w5 (pid 12)", 3)]
+    faults = [Injected("worker_stop", 1.0, "w3 (pid 11)", 2, "w3"), Injected("worker_join", 2.0, "joiner1", 2),
+              Injected("worker_segv", 3.0, "w5 (pid 12)", 3, "w5")]
     assert _checks(faults, ["w3", "w5", "w3"])["no failure without a fault"] == (
         True, "2 workers declared failed, each hit by a fault")
     ok, detail = _checks(faults, ["w3", "w12", "w5", "w4"])["no failure without a fault"]

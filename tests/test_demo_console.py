@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 
-from shoal.demo import Console
+from shoal.demo import Console, recovery_after_kill
 
 
 class FakeTerminal(io.StringIO):
@@ -46,8 +46,6 @@ def _entry(t: float, worker: str, pid: int, generation: int) -> dict:
 
 
 def test_recovery_is_read_from_the_ledgers_not_from_stale_heartbeats() -> None:
-    from shoal.demo import recovery_after_kill
-
     entries = [
         _entry(99.0, "w0", 10, 1), _entry(99.0, "w1", 11, 1), _entry(99.0, "w2", 12, 1),
         _entry(100.1, "w0", 10, 1),  # committed in the old generation just after the kill: not a recovery
@@ -60,8 +58,6 @@ def test_recovery_is_read_from_the_ledgers_not_from_stale_heartbeats() -> None:
 
 
 def test_a_survivor_restarted_under_the_same_id_did_not_keep_its_process() -> None:
-    from shoal.demo import recovery_after_kill
-
     entries = [_entry(99.0, "w0", 10, 1), _entry(101.0, "w0", 20, 2)]
     assert recovery_after_kill(entries, killed_at=100.0, generation=1) == (1.0, [])
     assert recovery_after_kill(entries[:1], killed_at=100.0, generation=1) is None

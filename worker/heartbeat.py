@@ -36,8 +36,9 @@ class Heartbeater:
     """Refreshes a worker's heartbeat every ``interval`` s from a daemon thread.
 
     ``update(**fields)`` changes what the next beat publishes (step, loss, digest...).
-    ``on_evicted`` is called once (from the thread) when the coordinator no longer watches
-    this worker.
+    ``on_evicted`` is called once, from whichever thread's beat found that the coordinator no
+    longer watches this worker (the heartbeat thread, or the training thread through
+    :meth:`still_member`).
 
     The thread beats on a connection pool of its own whose commands fail at once instead of
     riding out an outage: a failed beat is simply tried again one ``interval`` later, so after

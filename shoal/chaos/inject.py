@@ -39,6 +39,7 @@ class Injected:
     t: float  #: time.time() when injected
     target: str
     generation: int  #: the job's generation when injected (-1 when unknown)
+    worker: str | None = None  #: the worker id a worker fault hit
 
 
 @dataclass
@@ -93,6 +94,7 @@ class Injector:
 
     def inject(self, kind: str, rng) -> Injected:
         gen = self.generation()
+        wid = None
         if kind in WORKER_FAULTS:
             candidates = sorted((wid, w["pid"]) for wid, w in self.workers().items()
                                 if w["state"] == "Active" and w["pid"] not in self._frozen)
@@ -121,7 +123,7 @@ class Injector:
             gen = -1
         else:
             target = self.new_worker().name
-        fault = Injected(kind, time.time(), target, gen)
+        fault = Injected(kind, time.time(), target, gen, wid)
         self.done.append(fault)
         return fault
 

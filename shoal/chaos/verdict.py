@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from shoal.chaos.inject import KINDS, WORKER_FAULTS, Injected
+from shoal.chaos.inject import KINDS, Injected
 from shoal.chaos.sampler import Samples
 from worker import ledger
 
@@ -150,7 +150,7 @@ def judge(*, completed: bool, final_step: int, elapsed: float, entries: list[dic
     if failed is not None:
         # a self-healing job hides its own crashes and false evictions: every worker declared
         # failed must be one a fault hit
-        hit = {f.target.split()[0] for f in faults if f.kind in WORKER_FAULTS}
+        hit = {f.worker for f in faults if f.worker}
         unprovoked = sorted(set(failed) - hit, key=lambda w: (len(w), w))
         v.add("no failure without a fault", not unprovoked,
               f"{len(set(failed))} workers declared failed, each hit by a fault" if not unprovoked else
