@@ -32,14 +32,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from storage.async_saver import AsyncCheckpointer  # noqa: E402
-from storage.checkpoint import save_checkpoint  # noqa: E402
-from storage.local import LocalStore  # noqa: E402
-from storage.train_state import TrainState  # noqa: E402
+from shoal.storage.async_saver import AsyncCheckpointer
+from shoal.storage.checkpoint import save_checkpoint
+from shoal.storage.local import LocalStore
+from shoal.storage.train_state import TrainState
 
 MiB = 1024 * 1024
 

@@ -28,15 +28,14 @@ import re
 import psutil
 import redis
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from events.keys import job_keys  # noqa: E402
-from events.models import JoinRequest, encode_event  # noqa: E402
-from shoal.embedded import start_server  # noqa: E402
-from shoal.jobs import create_job  # noqa: E402
-from shoal.jobspec import JobSpec  # noqa: E402
-from shoal.localproc import LocalProcs  # noqa: E402
-from worker.heartbeat import _BEAT  # noqa: E402
+from shoal.events.keys import job_keys
+from shoal.events.models import JoinRequest, encode_event
+from shoal.ops.embedded import start_server
+from shoal.core.registry import create_job
+from shoal.core.jobspec import JobSpec
+from shoal.ops.localproc import LocalProcs
+from shoal.worker.heartbeat import _BEAT
 
 
 def _ms(client: redis.Redis) -> int:

@@ -1,16 +1,14 @@
 """Plain torchrun + DDP training of bench.models for a fixed number of steps; prints JSON
 with the wall time of every step after the first (for the side-by-side comparison).
 
-    torchrun --standalone --nproc_per_node=2 bench/ddp_baseline.py --steps 200 --batch 64
+    torchrun --standalone --nproc_per_node=2 -m bench.ddp_baseline --steps 200 --batch 64   (from the repository root)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,9 +16,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.models import make_model, make_optimizer  # noqa: E402
-from examples.digits import DigitGlyphs  # noqa: E402
+from bench.models import make_model, make_optimizer
+from shoal.examples.digits import DigitGlyphs
 
 
 def main() -> None:

@@ -34,14 +34,13 @@ from pathlib import Path
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from shoal.embedded import start_server  # noqa: E402
-from shoal.jobs import create_job  # noqa: E402
-from shoal.jobspec import JobSpec  # noqa: E402
-from shoal.localproc import LocalProcs  # noqa: E402
-from tests.helpers import ControlWatcher  # noqa: E402
-from worker import ledger  # noqa: E402
+from shoal.ops.embedded import start_server
+from shoal.core.registry import create_job
+from shoal.core.jobspec import JobSpec
+from shoal.ops.localproc import LocalProcs
+from tests.helpers import ControlWatcher
+from shoal.worker import ledger
 
 BATCH = 64
 TTL = 1.0
@@ -53,11 +52,11 @@ def steady_rate(times: list[float], skip: int = 10) -> float:
 
 
 def run_ddp(steps: int, workers: int) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     launched = time.time()
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
-                          str(ROOT / "bench" / "ddp_baseline.py"), "--steps", str(steps), "--batch", str(BATCH)],
-                         env=env, capture_output=True, text=True, timeout=900, check=True)
+                          "-m", "bench.ddp_baseline", "--steps", str(steps), "--batch", str(BATCH)],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=900, check=True)
     data = json.loads(out.stdout.strip().splitlines()[-1])
     return {"steps_per_s": steady_rate(data["times"]), "launch_to_first_step": data["times"][0] - launched}
 

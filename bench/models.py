@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from examples.digits import DigitGlyphs
-from worker.userapi import TrainingSetup
+from shoal.examples.digits import DigitGlyphs
+from shoal.worker.userapi import TrainingSetup
 
 HIDDEN = 1024
 LR = 0.05

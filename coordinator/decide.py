@@ -2,7 +2,7 @@
 
 ``decide`` never touches Redis or the clock. It returns a :class:`Decision`: the new state,
 the side effects to perform (actions) and a one-line human-readable reason. The loop in
-:mod:`coordinator.loop` reads state from Redis, calls ``decide`` and writes the result
+:mod:`shoal.coordinator.loop` reads state from Redis, calls ``decide`` and writes the result
 through the fenced path. Tests drive it by ageing heartbeats (passing a later ``now``)
 instead of sleeping.
 
@@ -23,8 +23,8 @@ import re
 import statistics
 from dataclasses import dataclass, field, replace
 
-from coordinator.shards import plan_ranges
-from coordinator.states import (
+from shoal.coordinator.shards import plan_ranges
+from shoal.coordinator.states import (
     LIVE,
     PLANNED,
     TERMINAL_JOB_STATES,
@@ -35,7 +35,7 @@ from coordinator.states import (
     WorkerState,
     check_job_move,
 )
-from events.models import (
+from shoal.events.models import (
     Checkpointed,
     EventBase,
     JobCompleted,
@@ -50,8 +50,8 @@ from events.models import (
     StopJob,
     WorkerExited,
 )
-from shoal.jobspec import JobSpec
-from storage.latest import LatestPointer
+from shoal.core.jobspec import JobSpec
+from shoal.storage.latest import LatestPointer
 
 SETTLE_MS = 300
 

@@ -1,6 +1,6 @@
 """Errors of the coordinator package."""
 
-from shoal.errors import ShoalError
+from shoal.core.errors import ShoalError
 
 
 class CoordinatorError(ShoalError):

@@ -12,8 +12,8 @@ import json
 
 import redis
 
-from coordinator.errors import StaleEpoch
-from events.keys import JobKeys
+from shoal.coordinator.errors import StaleEpoch
+from shoal.events.keys import JobKeys
 
 _APPLY = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('STALE lease not held') end

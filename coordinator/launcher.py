@@ -1,10 +1,10 @@
 """Launch units on the RQ queue: enqueueing them (``shoal submit``) and re-enqueueing them
 when a queue-launched job lost its node agents (the coordinator process's launcher).
 
-A *launch unit* is one RQ job on :data:`events.keys.LAUNCH_QUEUE` that calls
+A *launch unit* is one RQ job on :data:`shoal.events.keys.LAUNCH_QUEUE` that calls
 ``shoal.launch.run_launch(job_id, workers)``: a node agent running ``workers`` worker
 processes of the job on whichever node picked it up, until the job ends. Its RQ id
-(:func:`events.keys.launch_unit_id`) names the job, so counting a job's units needs no
+(:func:`shoal.events.keys.launch_unit_id`) names the job, so counting a job's units needs no
 payload decoding. Payloads use RQ's JSON serializer and hold only the job id and the
 worker count: no URL, no credential.
 
@@ -26,10 +26,10 @@ from rq import Queue
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from coordinator.persist import load_state
-from coordinator.states import PLANNED, TERMINAL_JOB_STATES, CoordState, JobState
-from events.keys import JOBS, LAUNCH_QUEUE, job_keys, job_of_launch_unit, launch_unit_id
-from shoal.jobspec import JobSpec
+from shoal.coordinator.persist import load_state
+from shoal.coordinator.states import PLANNED, TERMINAL_JOB_STATES, CoordState, JobState
+from shoal.events.keys import JOBS, LAUNCH_QUEUE, job_keys, job_of_launch_unit, launch_unit_id
+from shoal.core.jobspec import JobSpec
 
 log = logging.getLogger("shoal.launcher")
 

@@ -3,7 +3,7 @@
 One coordinator replica leads a job while it holds ``keys.lease`` (SET NX PX). Taking a
 free lease increments ``keys.epoch`` in the same script, so every takeover gets a larger
 epoch; renewing is a compare-and-set on our token. Fenced writes
-(:mod:`coordinator.fenced`) check both, so a paused old leader that wakes up after a
+(:mod:`shoal.coordinator.fenced`) check both, so a paused old leader that wakes up after a
 takeover cannot change anything.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import redis
 
-from events.keys import JobKeys
+from shoal.events.keys import JobKeys
 
 # KEYS: lease, epoch, handoff. ARGV: token, ttl_ms. Returns our epoch (>0) if we hold the
 # lease, else 0. A free lease whose job is being handed to another replica stays free for us.

@@ -21,18 +21,18 @@ from dataclasses import dataclass, field, replace
 
 import redis
 
-from coordinator.balance import encode_entry, parse_registry, plan_handoffs
-from coordinator.decide import Decision, EventInput, Tick, decide
-from coordinator.errors import StaleEpoch
-from coordinator.fenced import FencedBatch, FencedWriter
-from coordinator.lease import LeaseScripts
-from coordinator.persist import decision_batch, load_state
-from coordinator.states import TERMINAL_JOB_STATES, CoordState, WorkerState
-from events import bus
-from events.keys import COORDINATOR_GROUP, COORDINATORS, JOBS, JobKeys, job_keys
-from events.models import InvalidEvent, decode_event
-from shoal.faults import FaultPlan
-from shoal.jobspec import JobSpec
+from shoal.coordinator.balance import encode_entry, parse_registry, plan_handoffs
+from shoal.coordinator.decide import Decision, EventInput, Tick, decide
+from shoal.coordinator.errors import StaleEpoch
+from shoal.coordinator.fenced import FencedBatch, FencedWriter
+from shoal.coordinator.lease import LeaseScripts
+from shoal.coordinator.persist import decision_batch, load_state
+from shoal.coordinator.states import TERMINAL_JOB_STATES, CoordState, WorkerState
+from shoal.events import bus
+from shoal.events.keys import COORDINATOR_GROUP, COORDINATORS, JOBS, JobKeys, job_keys
+from shoal.events.models import InvalidEvent, decode_event
+from shoal.core.faults import FaultPlan
+from shoal.core.jobspec import JobSpec
 
 log = logging.getLogger("shoal.coordinator")
 

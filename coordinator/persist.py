@@ -10,10 +10,10 @@ import json
 
 import redis
 
-from coordinator.decide import Decision, Forget, Publish, RecordFailure, ReplyJoin, SetLatest, Watch
-from coordinator.fenced import FencedBatch
-from coordinator.states import CoordState, JobStatus, WorkerRecord
-from events.keys import JobKeys
+from shoal.coordinator.decide import Decision, Forget, Publish, RecordFailure, ReplyJoin, SetLatest, Watch
+from shoal.coordinator.fenced import FencedBatch
+from shoal.coordinator.states import CoordState, JobStatus, WorkerRecord
+from shoal.events.keys import JobKeys
 
 JOIN_REPLY_TTL_S = 60
 CONTROL_MAXLEN = 10_000

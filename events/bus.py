@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import redis
 
-from events.keys import COORDINATOR_GROUP
-from events.models import EventBase, encode_event
+from shoal.events.keys import COORDINATOR_GROUP
+from shoal.events.models import EventBase, encode_event
 
 Entry = tuple[str, dict[bytes, bytes]]
 

@@ -6,8 +6,8 @@ and spurious pixels and Gaussian noise - a small but real classification task (a
 model gets about two thirds of the held-out glyphs right; the MLP close to 90 % after 3
 epochs).
 
-Run it on shoal with ``shoal submit examples/job.yaml`` (entrypoint ``examples.digits:build``),
-or locally, single process, with ``python -m examples.digits``. ``examples/torchrun_ddp.py``
+Run it on shoal with ``shoal submit examples/job.yaml`` (entrypoint ``shoal.examples.digits:build``),
+or locally, single process, with ``python -m shoal.examples.digits``. ``examples/torchrun_ddp.py``
 is the same training as a plain torchrun DDP script; ``examples/README.md`` compares them.
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from worker.userapi import TrainingSetup
+from shoal.worker.userapi import TrainingSetup
 
 _FONT = {
     0: [".###.", "#...#", "#..##", "#.#.#", "##..#", "#...#", ".###."],
@@ -104,7 +104,7 @@ def evaluate(model: nn.Module) -> dict[str, float]:
 
 
 def build() -> TrainingSetup:
-    """The shoal entrypoint (``examples.digits:build``)."""
+    """The shoal entrypoint (``shoal.examples.digits:build``)."""
     model = make_model()
     return TrainingSetup(
         model=model,
@@ -178,11 +178,11 @@ def paced(setup: TrainingSetup) -> TrainingSetup:
 
 def train_locally(epochs: int = 3, global_batch: int = 64, seed: int = 0, log=print) -> list[dict[str, float]]:
     """Train single-process with shoal's engine and data order (no Redis); per-epoch metrics."""
-    from worker.data import DataOrder
-    from worker.engine import StepEngine
-    from worker.userapi import load_entrypoint
+    from shoal.worker.data import DataOrder
+    from shoal.worker.engine import StepEngine
+    from shoal.worker.userapi import load_entrypoint
 
-    setup = load_entrypoint("examples.digits:build", seed)
+    setup = load_entrypoint("shoal.examples.digits:build", seed)
     engine = StepEngine.from_setup(setup, require_group=False)
     order = DataOrder(len(setup.dataset), seed, global_batch)
     cursor, history = 0, []

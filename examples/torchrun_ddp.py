@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from examples.digits import DigitGlyphs, evaluate, make_model
+from shoal.examples.digits import DigitGlyphs, evaluate, make_model
 
 GLOBAL_BATCH, EPOCHS, SEED = 64, 3, 0
 

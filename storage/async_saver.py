@@ -21,10 +21,10 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 
-from storage.backend import ObjectStore
-from storage.checkpoint import save_checkpoint
-from storage.manifest import FROM_ENV, HmacKey, Manifest
-from storage.train_state import TrainState
+from shoal.storage.backend import ObjectStore
+from shoal.storage.checkpoint import save_checkpoint
+from shoal.storage.manifest import FROM_ENV, HmacKey, Manifest
+from shoal.storage.train_state import TrainState
 
 log = logging.getLogger("shoal.storage")
 

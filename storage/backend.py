@@ -87,7 +87,7 @@ class ObjectStore(ABC):
     def put_file(self, key: str, path: str | Path) -> None:
         """Atomically replace ``key`` with the content of the local file ``path``.
         An unreadable ``path`` raises StorageError and leaves ``key`` untouched."""
-        from storage.errors import translated
+        from shoal.storage.errors import translated
 
         with translated(f"read {path}"), open(path, "rb") as src, self.open_write(key) as dst:
             shutil.copyfileobj(src, dst, _COPY_CHUNK)

@@ -8,7 +8,7 @@ Write order of :func:`save_checkpoint` (each object is written atomically by the
    written concurrently, all have ended before the next step);
 3. ``manifest.json`` -- from this moment the checkpoint exists;
 4. ``LATEST`` (never backwards);
-5. retention (:mod:`storage.retention`).
+5. retention (:mod:`shoal.storage.retention`).
 
 A crash before step 4 leaves LATEST naming the previous complete checkpoint; the new
 directory either has no manifest (nothing loads it, retention removes it) or is complete
@@ -29,15 +29,15 @@ from typing import Any
 
 import torch
 
-from storage.backend import ObjectStore
-from storage.errors import CheckpointCorrupt, LatestRegression, NoCheckpoint, StorageError
-from storage.latest_object import read_latest_step, write_latest
-from storage.layout import file_key, manifest_key
-from storage.manifest import FROM_ENV, FileEntry, HmacKey, Manifest, resolve_hmac_key
-from storage.retention import apply_retention
-from storage.safe_load import check_saveable, load_state_bytes
-from storage.train_state import FILES, TrainState
-from storage.verify import Warn, ignore_warning, list_checkpoint_steps, read_manifest, read_verified_files
+from shoal.storage.backend import ObjectStore
+from shoal.storage.errors import CheckpointCorrupt, LatestRegression, NoCheckpoint, StorageError
+from shoal.storage.latest_object import read_latest_step, write_latest
+from shoal.storage.layout import file_key, manifest_key
+from shoal.storage.manifest import FROM_ENV, FileEntry, HmacKey, Manifest, resolve_hmac_key
+from shoal.storage.retention import apply_retention
+from shoal.storage.safe_load import check_saveable, load_state_bytes
+from shoal.storage.train_state import FILES, TrainState
+from shoal.storage.verify import Warn, ignore_warning, list_checkpoint_steps, read_manifest, read_verified_files
 
 _OVERLAP_MIN = 1024 * 1024
 _MAX_PARALLEL_FILES = 4

@@ -24,10 +24,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from storage.backend import ObjectStore, check_key
-from storage.errors import ShardCorrupt, translated
-from storage.local import LocalStore
-from storage.manifest import HexDigest
+from shoal.storage.backend import ObjectStore, check_key
+from shoal.storage.errors import ShardCorrupt, translated
+from shoal.storage.local import LocalStore
+from shoal.storage.manifest import HexDigest
 
 INDEX = "index.json"
 _CHUNK = 8 * 1024 * 1024

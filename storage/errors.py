@@ -1,7 +1,7 @@
 """Errors of the storage package, and the one place outside errors are translated.
 
 Every error this package raises on purpose derives from :class:`StorageError` (itself a
-:class:`~shoal.errors.ShoalError`). Errors from the filesystem (``OSError``), from the S3
+:class:`~shoal.core.errors.ShoalError`). Errors from the filesystem (``OSError``), from the S3
 client (``minio`` ``S3Error``/``ServerError``/``InvalidResponseError``), from its HTTP layer
 (``urllib3`` errors) and from Redis are turned into these classes by :func:`translated`,
 always with ``raise ... from`` so the original cause stays in the traceback.
@@ -16,7 +16,7 @@ import errno
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from shoal.errors import ConfigError, ConnectionFailed, ShoalError
+from shoal.core.errors import ConfigError, ConnectionFailed, ShoalError
 
 
 class StorageError(ShoalError):

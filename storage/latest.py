@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass
 
 import redis
 
-from events.keys import job_keys
-from storage.errors import LatestRegression, PointerCorrupt, translated
-from storage.layout import checkpoint_dir
+from shoal.events.keys import job_keys
+from shoal.storage.errors import LatestRegression, PointerCorrupt, translated
+from shoal.storage.layout import checkpoint_dir
 
 #: KEYS[1] = pointer key; ARGV[1] = new step; ARGV[2] = new JSON value.
 #: Returns -1 when written, else the (higher) current step, which is left untouched.

@@ -4,7 +4,7 @@ Content: ``{"step": N, "checkpoint": "step-00000000N", "updated_at": "<UTC ISO>"
 written (atomically, like every object) only after that checkpoint's manifest, and never
 moves to a lower step. The read-compare-write is not atomic across processes: one writer per
 store (rank 0 of the current generation) is assumed; the Redis pointer
-(:mod:`storage.latest`) is the cross-process compare-and-set.
+(:mod:`shoal.storage.latest`) is the cross-process compare-and-set.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import json
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-from storage.backend import ObjectStore
-from storage.errors import LatestRegression, ObjectNotFound
-from storage.layout import LATEST, checkpoint_dir
+from shoal.storage.backend import ObjectStore
+from shoal.storage.errors import LatestRegression, ObjectNotFound
+from shoal.storage.layout import LATEST, checkpoint_dir
 
 
 def read_latest_step(store: ObjectStore, on_warning: Callable[[str], None] | None = None) -> int | None:

@@ -2,7 +2,7 @@
 
 Atomic, durable writes: the data goes to a temporary file ``.tmp-<name>.<random>`` in the
 destination directory, which is flushed and fsync'd (large files are flushed in the
-background while being written, see :mod:`storage.durable_file`), then ``os.replace``'d
+background while being written, see :mod:`shoal.storage.durable_file`), then ``os.replace``'d
 over the final name (atomic on POSIX within one filesystem), then the directory is fsync'd so the rename
 itself survives a power loss. Directories created on the way are fsync'd into their
 parents too. A crash at any point leaves either the old object or the new one, plus at
@@ -20,9 +20,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from storage.backend import ObjectStore, check_key, check_prefix
-from storage.durable_file import DurableFile
-from storage.errors import ObjectNotFound, StorageConfigError, translated
+from shoal.storage.backend import ObjectStore, check_key, check_prefix
+from shoal.storage.durable_file import DurableFile
+from shoal.storage.errors import ObjectNotFound, StorageConfigError, translated
 
 TEMP_PREFIX = ".tmp-"
 

@@ -32,7 +32,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, ValidationError
 
-from storage.errors import CheckpointCorrupt, UnsafeCheckpoint
+from shoal.storage.errors import CheckpointCorrupt, UnsafeCheckpoint
 
 HMAC_ENV = "SHOAL_CHECKPOINT_HMAC_KEY"
 

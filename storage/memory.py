@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import BinaryIO
 
-from storage.backend import ObjectStore, check_key, check_prefix
-from storage.errors import ObjectNotFound
+from shoal.storage.backend import ObjectStore, check_key, check_prefix
+from shoal.storage.errors import ObjectNotFound
 
 _ids = itertools.count(1)
 

@@ -2,7 +2,7 @@
 
 Order of authority:
 
-1. the job's Redis pointer (:mod:`storage.latest`), the coordinator-agreed view;
+1. the job's Redis pointer (:mod:`shoal.storage.latest`), the coordinator-agreed view;
 2. the store's ``LATEST`` object, when Redis has no (valid) pointer -- e.g. Redis was wiped
    or replaced -- or cannot be reached;
 3. a scan of every checkpoint's manifest, when LATEST is missing or corrupt as well.
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import redis
 
-from storage.backend import ObjectStore
-from storage.checkpoint import load_latest
-from storage.errors import NoCheckpoint, PointerCorrupt, StorageUnavailable
-from storage.latest import read_pointer
-from storage.manifest import FROM_ENV, HmacKey, Manifest
-from storage.train_state import TrainState
-from storage.verify import Warn, ignore_warning
+from shoal.storage.backend import ObjectStore
+from shoal.storage.checkpoint import load_latest
+from shoal.storage.errors import NoCheckpoint, PointerCorrupt, StorageUnavailable
+from shoal.storage.latest import read_pointer
+from shoal.storage.manifest import FROM_ENV, HmacKey, Manifest
+from shoal.storage.train_state import TrainState
+from shoal.storage.verify import Warn, ignore_warning
 
 
 def resume(

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from storage.backend import ObjectStore
-from storage.errors import CheckpointCorrupt
-from storage.latest_object import read_latest_step
-from storage.layout import checkpoint_dir, manifest_key
-from storage.verify import list_checkpoint_steps, read_manifest
+from shoal.storage.backend import ObjectStore
+from shoal.storage.errors import CheckpointCorrupt
+from shoal.storage.latest_object import read_latest_step
+from shoal.storage.layout import checkpoint_dir, manifest_key
+from shoal.storage.verify import list_checkpoint_steps, read_manifest
 
 #: Temporaries of interrupted local writes older than this are swept.
 TEMP_MAX_AGE_S = 3600.0

@@ -18,9 +18,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from storage.backend import ObjectStore, check_key, check_prefix
-from storage.errors import ObjectNotFound, StorageConfigError, translated
-from storage.s3_config import S3Config
+from shoal.storage.backend import ObjectStore, check_key, check_prefix
+from shoal.storage.errors import ObjectNotFound, StorageConfigError, translated
+from shoal.storage.s3_config import S3Config
 
 _SPOOL_MAX = 16 * 1024 * 1024
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from storage.errors import CheckpointCorrupt, UnsafeCheckpoint
+from shoal.storage.errors import CheckpointCorrupt, UnsafeCheckpoint
 
 _ZIP_MAGIC = b"PK\x03\x04"
 _SCALARS = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size)

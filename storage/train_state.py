@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from storage.memcopy import copy_tensors
-from storage.rng import capture_rng, restore_rng
+from shoal.storage.memcopy import copy_tensors
+from shoal.storage.rng import capture_rng, restore_rng
 
 #: Component -> file name inside a checkpoint directory. ``model.pt`` is mandatory.
 FILES: dict[str, str] = {
@@ -148,7 +148,7 @@ def cpu_copy(obj: Any, into: Any = None) -> Any:
     CPU memory that is not shared with ``obj``. Where ``into`` (same structure) has a CPU
     tensor of the same shape and dtype at the same place, that tensor is overwritten and
     reused instead of allocating a new one. Tensor data is copied in one batch
-    (:func:`storage.memcopy.copy_tensors`)."""
+    (:func:`shoal.storage.memcopy.copy_tensors`)."""
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     out = _plan_copy(obj, into, pairs)
     copy_tensors(pairs)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from urllib.parse import unquote, urlsplit
 
-from shoal.connection import redact_url
-from storage.backend import ObjectStore
-from storage.errors import StorageConfigError
+from shoal.core.connection import redact_url
+from shoal.storage.backend import ObjectStore
+from shoal.storage.errors import StorageConfigError
 
 
 def open_store(uri: str, *, create_bucket: bool = False) -> ObjectStore:
@@ -27,17 +27,17 @@ def open_store(uri: str, *, create_bucket: bool = False) -> ObjectStore:
     if parts.scheme == "file":
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
             raise StorageConfigError(f"file URI must be file:///absolute/path, got {uri!r}")
-        from storage.local import LocalStore
+        from shoal.storage.local import LocalStore
 
         return LocalStore(unquote(parts.path))
     if parts.scheme == "s3":
         if parts.username or parts.password:
             raise StorageConfigError("s3:// URIs must not carry credentials; use S3_ACCESS_KEY")
-        from storage.s3 import S3Store
+        from shoal.storage.s3 import S3Store
 
         return S3Store(parts.netloc, unquote(parts.path).strip("/"), create_bucket=create_bucket)
     if parts.scheme == "memory":
-        from storage.memory import MemoryStore
+        from shoal.storage.memory import MemoryStore
 
         return MemoryStore(parts.netloc or None)
     raise StorageConfigError(

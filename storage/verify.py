@@ -9,11 +9,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 
-from storage.backend import ObjectStore
-from storage.errors import CheckpointCorrupt, ObjectNotFound
-from storage.layout import file_key, manifest_key, step_of_key
-from storage.manifest import FROM_ENV, HmacKey, Manifest, resolve_hmac_key
-from storage.train_state import FILES
+from shoal.storage.backend import ObjectStore
+from shoal.storage.errors import CheckpointCorrupt, ObjectNotFound
+from shoal.storage.layout import file_key, manifest_key, step_of_key
+from shoal.storage.manifest import FROM_ENV, HmacKey, Manifest, resolve_hmac_key
+from shoal.storage.train_state import FILES
 
 Warn = Callable[[str], None]
 

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import os
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
 import redis
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from shoal.embedded import start_server  # noqa: E402
+from shoal.ops.embedded import start_server
+from tests.helpers import ROOT
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -27,6 +23,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "soak" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _run_from_root():
+    """Run every test from the repository root: child processes (``python -m shoal ...``)
+    inherit it, and ``-m`` puts it first on their ``sys.path``, which is how a job's
+    ``tests.entrypoints:...`` entrypoint is found, as a user's module is from their cwd."""
+    before = os.getcwd()
+    os.chdir(ROOT)
+    yield
+    os.chdir(before)
 
 
 @pytest.fixture(scope="session")
@@ -56,9 +63,9 @@ def job_id() -> str:
 
 @pytest.fixture
 def subprocess_env(redis_url: str) -> dict[str, str]:
-    """Environment for real child processes: same server, project importable, no buffering."""
+    """Environment for real child processes: same server, no buffering. Children run from the
+    repository root (see ``_run_from_root``), so ``tests.entrypoints`` is importable there."""
     env = dict(os.environ)
     env["REDIS_URL"] = redis_url
     env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env

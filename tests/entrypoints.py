@@ -8,8 +8,8 @@ import time
 
 import torch.nn.functional as F
 
-from examples.digits import build as build_digits
-from worker.userapi import TrainingSetup
+from shoal.examples.digits import build as build_digits
+from shoal.worker.userapi import TrainingSetup
 
 
 def slow_digits() -> TrainingSetup:

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import redis
 
-from events.keys import job_keys
-from events.models import ShardTable
+from shoal.events.keys import job_keys
+from shoal.events.models import ShardTable
+
+#: the repository root
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class ControlWatcher:

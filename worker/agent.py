@@ -30,20 +30,19 @@ from pathlib import Path
 
 import redis
 
-from events import bus
-from events.keys import job_keys
-from events.models import WorkerExited
-from shoal.connection import server_run_id
-from shoal.errors import ConfigError
-from shoal.jobs import create_job
-from shoal.jobspec import JobSpec
+from shoal.events import bus
+from shoal.events.keys import job_keys
+from shoal.events.models import WorkerExited
+from shoal.core.connection import server_run_id
+from shoal.core.errors import ConfigError
+from shoal.core.registry import create_job
+from shoal.core.jobspec import JobSpec
 
 log = logging.getLogger("shoal.agent")
 
 TERMINAL = {b"completed", b"failed", b"stopped"}
 #: How often the agent checks that its job still exists in Redis.
 JOB_CHECK_S = 1.0
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -130,7 +129,7 @@ class NodeAgent:
         self.extra_env = extra_env or {}
         self.slots = [Slot(i) for i in range(workers)]
         #: the command each slot runs (tests substitute a cheap one)
-        self.worker_argv = [sys.executable, "-m", "shoal.cli", "worker", job_id, "--node", self.node]
+        self.worker_argv = [sys.executable, "-m", "shoal", "worker", job_id, "--node", self.node]
         self.stop = threading.Event()
         self._draining = False
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -173,8 +172,7 @@ class NodeAgent:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(self.slots))))
         env.update(self.extra_env)
         env.update({"REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1",
-                    "SHOAL_WORKER_ID_FILE": str(slot.id_file(self.run_dir)),
-                    "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")})
+                    "SHOAL_WORKER_ID_FILE": str(slot.id_file(self.run_dir))})
         slot.id_file(self.run_dir).unlink(missing_ok=True)
         with open(slot.log_file(self.run_dir), "ab") as out:
             slot.log_start = out.tell()

@@ -1,7 +1,7 @@
 """The training worker's use of storage/: resume at start, async saves by rank 0.
 
 Resume order: the job's Redis LATEST pointer (if it names this store), else the store's
-own LATEST object, else a scan of manifests (``storage.resume``) — so a job resumes even
+own LATEST object, else a scan of manifests (``shoal.storage.resume``) — so a job resumes even
 after Redis was wiped. A completed save is announced with a ``checkpoint`` event; the
 coordinator then moves the Redis pointer (fenced, never backwards). Save failures are
 logged and never stop training; LATEST simply does not move.
@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import logging
 
-from shoal.faults import FaultPlan
-from storage.async_saver import AsyncCheckpointer
-from storage.errors import NoCheckpoint
-from storage.latest import LatestPointer
-from storage.resume import resume
-from storage.train_state import TrainState
-from storage.uri import open_store
-from worker.engine import StepEngine
-from worker.membership import Membership
+from shoal.core.faults import FaultPlan
+from shoal.storage.async_saver import AsyncCheckpointer
+from shoal.storage.errors import NoCheckpoint
+from shoal.storage.latest import LatestPointer
+from shoal.storage.resume import resume
+from shoal.storage.train_state import TrainState
+from shoal.storage.uri import open_store
+from shoal.worker.engine import StepEngine
+from shoal.worker.membership import Membership
 
 log = logging.getLogger("shoal.worker.checkpoints")
 

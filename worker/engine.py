@@ -57,15 +57,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
-from worker import process_group as pg
-from worker.errors import (
+from shoal.worker import process_group as pg
+from shoal.worker.errors import (
     CollectiveFailed,
     InconsistentStep,
     StateMismatch,
     StepAborted,
     UserCodeError,
 )
-from worker.userapi import TrainingSetup
+from shoal.worker.userapi import TrainingSetup
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class StepEngine:
     """Runs world-size-invariant, atomic training steps for one model/optimizer.
 
     Build it once per worker process (it survives generation changes: it always uses the
-    current process group of :mod:`worker.process_group`). ``device`` defaults to the current
+    current process group of :mod:`shoal.worker.process_group`). ``device`` defaults to the current
     group's device, or CPU. The model is moved to ``device`` here, before any optimizer state
     exists. ``require_group=False`` allows a purely local run (no collectives) when no
     process group is joined - for tests and single-process use; with the default ``True``,
@@ -599,7 +599,7 @@ def catch_up_state(
       (naming the difference) before any tensor moves;
     * otherwise ``src`` posts its state point to point to each rank behind (the
       :func:`broadcast_state` header, then each tensor as a message; weights and optimizer
-      state without a copy) and returns at once (:func:`worker.process_group.isend`; the
+      state without a copy) and returns at once (:func:`shoal.worker.process_group.isend`; the
       next all-reduce reaps the sends); each rank behind receives everything, then loads
       it, before returning. The other ranks take no part - their state equals ``src``'s -
       and go on to their next step, whose all-reduce waits for the ranks behind.

@@ -1,12 +1,12 @@
 """Errors of the training side of a worker (store, process group, engine, user API).
 
 Outside errors (torch.distributed, redis-py) are translated into these in one place:
-:func:`worker.process_group.translate_error`. The worker loop reacts by class:
+:func:`shoal.worker.process_group.translate_error`. The worker loop reacts by class:
 
 * :class:`RendezvousFailed` / :class:`RendezvousTimeout` - the group of a generation could not
   be formed; report it and wait for the next generation.
 * :class:`CollectiveFailed` - a collective raised (a peer died, was killed, or the group is
-  broken). The process group must be left (:func:`worker.process_group.leave_group`).
+  broken). The process group must be left (:func:`shoal.worker.process_group.leave_group`).
 * :class:`StepAborted` - the step was NOT applied (no optimizer step, grads zeroed, buffers
   restored); redo the same step (same cursor) in the next generation.
 * :class:`InconsistentStep` - a StepAborted raised by every rank when the ranks disagreed on
@@ -18,7 +18,7 @@ Outside errors (torch.distributed, redis-py) are translated into these in one pl
 
 from __future__ import annotations
 
-from shoal.errors import ShoalError
+from shoal.core.errors import ShoalError
 
 
 class WorkerError(ShoalError):

@@ -14,9 +14,9 @@ import time
 
 import redis
 
-from events.keys import JobKeys
-from events.models import Heartbeat
-from shoal.connection import without_retries
+from shoal.events.keys import JobKeys
+from shoal.events.models import Heartbeat
+from shoal.core.connection import without_retries
 
 log = logging.getLogger("shoal.worker.heartbeat")
 

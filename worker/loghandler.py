@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import redis
 
-from events.keys import job_keys
+from shoal.events.keys import job_keys
 
 #: Approximate cap of a job's log stream (``XADD MAXLEN ~``: trimming whole nodes is cheap).
 LOG_MAXLEN = 10_000

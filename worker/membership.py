@@ -12,9 +12,9 @@ import socket
 
 import redis
 
-from events import bus
-from events.keys import JobKeys, job_keys
-from events.models import (
+from shoal.events import bus
+from shoal.events.keys import JobKeys, job_keys
+from shoal.events.models import (
     Checkpointed,
     EventBase,
     JobCompleted,
@@ -26,7 +26,7 @@ from events.models import (
     ShardTable,
     StepFailed,
 )
-from shoal.errors import ShoalError
+from shoal.core.errors import ShoalError
 
 
 class MembershipError(ShoalError):
@@ -63,7 +63,7 @@ class Membership:
     def join(self, timeout: float, *, last_generation: int = 0) -> str:
         """Ask to join and wait for the coordinator's reply. Raises JoinRejected with the
         coordinator's reason, or JoinTimeout when nobody answered within ``timeout``.
-        ``last_generation``: see :class:`events.models.JoinRequest`."""
+        ``last_generation``: see :class:`shoal.events.models.JoinRequest`."""
         if not self.job_exists():
             raise MembershipError(f"job {self.job_id!r} does not exist (no spec in Redis)")
         req = JoinRequest(job_id=self.job_id, host=socket.gethostname(), pid=os.getpid(), node=self.node,

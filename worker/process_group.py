@@ -3,7 +3,7 @@
 A *generation* is one fixed membership of the job (world size, rank of each worker), chosen by
 the coordinator. Every worker of generation ``g`` calls :func:`join_group` with the rank the
 coordinator gave it; the call returns once all ``world_size`` ranks have connected (gloo/nccl
-rendezvous through :class:`worker.store.RedisStore` under
+rendezvous through :class:`shoal.worker.store.RedisStore` under
 ``job_keys(job).rendezvous(g)``). When the generation ends - a peer died, a worker joins,
 the coordinator publishes a new table - every member calls :func:`leave_group` and then
 joins the next generation. Generations must strictly increase within a process: a prefix is
@@ -32,14 +32,14 @@ import redis
 import torch
 import torch.distributed as dist
 
-from events.keys import job_keys
-from worker.errors import (
+from shoal.events.keys import job_keys
+from shoal.worker.errors import (
     CollectiveFailed,
     RendezvousFailed,
     RendezvousTimeout,
     WorkerError,
 )
-from worker.store import RedisStore, cleanup_prefix
+from shoal.worker.store import RedisStore, cleanup_prefix
 
 log = logging.getLogger(__name__)
 

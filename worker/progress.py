@@ -17,7 +17,7 @@ import time
 
 import redis
 
-from events.keys import JobKeys
+from shoal.events.keys import JobKeys
 
 log = logging.getLogger("shoal.worker.progress")
 

@@ -12,9 +12,9 @@ import os
 import threading
 import time
 
-from shoal.jobspec import JobSpec
-from worker.heartbeat import Heartbeater
-from worker.membership import Membership
+from shoal.core.jobspec import JobSpec
+from shoal.worker.heartbeat import Heartbeater
+from shoal.worker.membership import Membership
 
 log = logging.getLogger("shoal.worker")
 

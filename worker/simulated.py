@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 import time
 
-from events.models import ShardTable
-from shoal.jobspec import JobSpec
-from worker.membership import Membership
-from worker.runner import TERMINAL, WorkerRunner
+from shoal.events.models import ShardTable
+from shoal.core.jobspec import JobSpec
+from shoal.worker.membership import Membership
+from shoal.worker.runner import TERMINAL, WorkerRunner
 
 log = logging.getLogger("shoal.worker")
 

@@ -6,7 +6,7 @@ that store in Redis, under a prefix that is fresh for every generation
 (``job_keys(job).rendezvous(generation)``), so that no key of an earlier generation - whose
 group may have died half-way through its rendezvous - can be read by a later one. Re-using a
 prefix after ``destroy_process_group`` can hang or mix up peers: one prefix per generation is
-the rule (:mod:`worker.process_group` enforces it).
+the rule (:mod:`shoal.worker.process_group` enforces it).
 
 Layout under the prefix ``P`` (internal to this module; torch chooses the key names):
 
@@ -29,7 +29,7 @@ Timeouts: ``get`` and ``wait`` block at most the store timeout (``timeout`` prop
 ``init_process_group``/``_store_based_barrier`` expect (a ``RuntimeError``). A single Redis
 call never blocks longer than about half the client's ``socket_timeout``, so a blocked read
 cannot be mistaken for a dead connection. Redis failures propagate as ``redis.RedisError``;
-:mod:`worker.process_group` translates them.
+:mod:`shoal.worker.process_group` translates them.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class RedisStore(dist.Store):
     blocking read (``get``, ``wait``); ``ttl`` (seconds) is the expiry given to every key.
     ``max_wait`` (seconds), when set, caps every blocking read even when the caller passes a
     longer timeout: gloo waits for its peers with the *collective* timeout, and
-    :func:`worker.process_group.join_group` uses ``max_wait`` to bound the rendezvous by its
+    :func:`shoal.worker.process_group.join_group` uses ``max_wait`` to bound the rendezvous by its
     own, usually shorter, timeout.
 
     Implements everything gloo/nccl and ``init_process_group`` use: ``set``, ``get``,

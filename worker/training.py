@@ -3,7 +3,7 @@
 Protocol (every member of a generation runs the same loop):
 
 1. **Step.** Take the global batch at the committed cursor, this rank's slice per the shard
-   table, and run one atomic, world-size-invariant step (:class:`worker.engine.StepEngine`).
+   table, and run one atomic, world-size-invariant step (:class:`shoal.worker.engine.StepEngine`).
    The step's collective carries the newest generation each rank has seen (MAX), so every
    member learns of a new generation in the same step.
 2. **Switch** at the step boundary after which the reduced generation is newer than the
@@ -36,22 +36,22 @@ from pathlib import Path
 
 import torch
 
-from events.models import ShardTable
-from shoal.jobspec import JobSpec
-from worker import process_group as pg
-from worker.data import DataOrder, contiguous_table
-from worker.digest import digest_of, state_digest
-from worker.engine import StepEngine, catch_up_state
-from worker.errors import CollectiveFailed, RendezvousFailed, StateMismatch, StepAborted
-from shoal.connection import without_retries
-from shoal.faults import FaultPlan
-from worker.checkpoints import Checkpoints
-from worker.ledger import Ledger
-from worker.membership import Membership
-from worker.progress import ProgressRecorder
-from worker.runner import TERMINAL, WorkerRunner
-from worker.userapi import load_entrypoint
-from worker.watcher import GenerationWatcher
+from shoal.events.models import ShardTable
+from shoal.core.jobspec import JobSpec
+from shoal.worker import process_group as pg
+from shoal.worker.data import DataOrder, contiguous_table
+from shoal.worker.digest import digest_of, state_digest
+from shoal.worker.engine import StepEngine, catch_up_state
+from shoal.worker.errors import CollectiveFailed, RendezvousFailed, StateMismatch, StepAborted
+from shoal.core.connection import without_retries
+from shoal.core.faults import FaultPlan
+from shoal.worker.checkpoints import Checkpoints
+from shoal.worker.ledger import Ledger
+from shoal.worker.membership import Membership
+from shoal.worker.progress import ProgressRecorder
+from shoal.worker.runner import TERMINAL, WorkerRunner
+from shoal.worker.userapi import load_entrypoint
+from shoal.worker.watcher import GenerationWatcher
 
 log = logging.getLogger("shoal.worker")
 

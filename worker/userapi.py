@@ -2,7 +2,7 @@
 
 The function takes no arguments and returns a :class:`TrainingSetup`::
 
-    from worker.userapi import TrainingSetup
+    from shoal.worker.userapi import TrainingSetup
 
     def build() -> TrainingSetup:
         model = torch.nn.Sequential(...)
@@ -38,7 +38,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import random
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.errors import EntrypointError
+from shoal.worker.errors import EntrypointError
 
 
 @dataclass
@@ -141,8 +140,3 @@ def load_entrypoint(entrypoint: str, seed: int) -> TrainingSetup:
     setup.validate(f"entrypoint {entrypoint!r}")
     return setup
 
-
-def ensure_importable(path: str) -> None:
-    """Put ``path`` (a job's working directory) first on ``sys.path`` for entrypoint imports."""
-    if path not in sys.path:
-        sys.path.insert(0, path)

@@ -14,8 +14,8 @@ import threading
 
 import redis
 
-from events.keys import JobKeys
-from events.models import ShardTable
+from shoal.events.keys import JobKeys
+from shoal.events.models import ShardTable
 
 log = logging.getLogger("shoal.worker.watcher")
 

@@ -1,0 +1,163 @@
+"""Deterministic fault injection keyed by (who, number, phase), for tests and chaos runs.
+
+Rules are comma-separated ``WHO@N:PHASE:ACTION``. Workers read ``SHOAL_FAULTS``:
+
+- WHO: a worker id (``w1``) or ``*``; N: the committed-step count (for the checkpoint
+  phases: the step being checkpointed);
+- PHASE, in the order a step meets them:
+
+  ``before_step``          at the step boundary, before the batch is computed;
+  ``mid_step``             local gradients computed, peers already waiting in the collective;
+  ``after_commit``         optimizer stepped, the step is committed;
+  ``ckpt_write``           a checkpoint state file fully written but not yet published
+                           (still under its temporary name);
+  ``ckpt_before_latest``   every file and the manifest written, the store's LATEST not moved;
+  ``ckpt_before_event``    the store's LATEST moved, the ``checkpoint`` event not yet sent,
+                           so the Redis LATEST pointer has not moved either;
+  ``rendezvous``           a generation switch: every member met at the Redis barrier, this
+                           one has not yet published its address for the process group.
+
+Coordinators read ``SHOAL_COORD_FAULTS``: WHO is an event kind (``checkpoint``, ``join``...)
+or ``*``, N counts the events of that kind this process has applied (1 = the first), and
+PHASE is ``before_apply`` (the entry was delivered to this replica and is pending, nothing
+applied) or ``after_apply`` (applied and acknowledged in one fenced call). A coordinator has
+no window between moving LATEST and acknowledging the event: both are one Lua call.
+
+ACTION: ``kill`` (SIGKILL self), ``segv`` (SIGSEGV self: a native crash), ``exit=N``
+(``os._exit(N)``), ``raise`` (an exception from that point: a crash with a traceback in the
+training thread, a failed save in the checkpoint thread), ``stop=S`` (SIGSTOP self for S
+seconds; a helper process sends SIGCONT), ``sleep=S`` (the calling thread sleeps S seconds:
+a member that is slow, not hung - its heartbeats go on).
+
+A rule fires at most once per process. Unset or empty: no faults, and the cost of a call is
+one attribute test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from shoal.core.errors import ConfigError
+
+WORKER_PHASES = ("before_step", "mid_step", "after_commit", "ckpt_write", "ckpt_before_latest", "ckpt_before_event",
+                 "rendezvous")
+COORDINATOR_PHASES = ("before_apply", "after_apply")
+WORKER_ENV = "SHOAL_FAULTS"
+COORDINATOR_ENV = "SHOAL_COORD_FAULTS"
+
+
+class InjectedFault(RuntimeError):
+    """The ``raise`` action."""
+
+
+class BadFaultRule(ConfigError):
+    """A rule in ``SHOAL_FAULTS`` / ``SHOAL_COORD_FAULTS`` that does not parse."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    who: str
+    n: int
+    phase: str
+    action: str
+
+
+def parse(text: str, phases: tuple[str, ...] = WORKER_PHASES) -> list[Rule]:
+    """Parse rules; raises BadFaultRule naming the variable's bad rule."""
+    rules = []
+    for raw in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            who_n, phase, action = raw.split(":", 2)
+            who, n = who_n.split("@")
+            rule = Rule(who, int(n), phase, action)
+        except ValueError as exc:
+            raise BadFaultRule(f"bad fault rule {raw!r}: expected WHO@N:PHASE:ACTION") from exc
+        if phase not in phases:
+            raise BadFaultRule(f"bad fault rule {raw!r}: phase must be one of {', '.join(phases)}")
+        kind, _, arg = action.partition("=")
+        if not ((action in ("kill", "segv", "raise")) or (kind in ("exit", "stop", "sleep") and _is_number(arg))):
+            raise BadFaultRule(f"bad fault rule {raw!r}: action must be kill, segv, raise, exit=N, stop=S or sleep=S")
+        rules.append(rule)
+    return rules
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+class FaultPlan:
+    """The rules of one process. :meth:`at` is called at each injection point."""
+
+    def __init__(self, rules: list[Rule]):
+        self._rules: dict[tuple[str, int], list[Rule]] = defaultdict(list)
+        for r in rules:
+            self._rules[(r.phase, r.n)].append(r)
+        self._fired: set[Rule] = set()
+        self._counts: dict[str, int] = defaultdict(int)
+
+    @classmethod
+    def from_env(cls, var: str = WORKER_ENV, phases: tuple[str, ...] = WORKER_PHASES) -> "FaultPlan":
+        return cls(parse(os.environ.get(var, ""), phases))
+
+    @classmethod
+    def for_coordinator(cls) -> "FaultPlan":
+        return cls.from_env(COORDINATOR_ENV, COORDINATOR_PHASES)
+
+    def __bool__(self) -> bool:
+        return bool(self._rules)
+
+    def at(self, who: str | None, n: int, phase: str) -> None:
+        """Fire the rule for (who, n, phase), if there is one that has not fired yet."""
+        if not self._rules:
+            return
+        for rule in self._rules.get((phase, n), ()):
+            if rule not in self._fired and rule.who in ("*", who):
+                self._fired.add(rule)
+                _fire(rule, f"{who}@{n}:{phase}")
+
+    def count(self, who: str, phase: str) -> None:
+        """For counted points (coordinator events): the Nth call for ``who`` fires the rules
+        ``who@N``; the Nth call for anyone fires ``*@N``."""
+        if not self._rules:
+            return
+        for key in (who, "*"):
+            self._counts[f"{key}\0{phase}"] += 1
+            n = self._counts[f"{key}\0{phase}"]
+            for rule in self._rules.get((phase, n), ()):
+                if rule.who == key and rule not in self._fired:
+                    self._fired.add(rule)
+                    _fire(rule, f"{who} event #{n}:{phase}")
+
+
+def _fire(rule: Rule, where: str) -> None:
+    sys.stderr.write(f"fault injected: {rule.action} at {where}\n")
+    sys.stderr.flush()
+    pid = os.getpid()
+    if rule.action == "kill":
+        os.kill(pid, signal.SIGKILL)
+    if rule.action == "segv":
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGSEGV, signal.SIG_DFL)  # a crash by signal even if faulthandler is on
+        os.kill(pid, signal.SIGSEGV)
+    if rule.action == "raise":
+        raise InjectedFault(f"injected fault at {where}")
+    kind, _, arg = rule.action.partition("=")
+    if kind == "exit":
+        os._exit(int(float(arg)))
+    if kind == "sleep":
+        time.sleep(float(arg))
+    if kind == "stop":
+        subprocess.Popen([sys.executable, "-c", f"import os,time,signal;time.sleep({float(arg)});os.kill({pid},signal.SIGCONT)"],
+                         start_new_session=True)
+        os.kill(pid, signal.SIGSTOP)

@@ -1,0 +1,135 @@
+"""The job spec: what a user submits (YAML), validated by pydantic before anything is queued.
+
+The spec is stored as JSON at ``keys.spec``; readers tolerate fields they do not know
+(``extra="ignore"`` on read) so older readers survive newer specs. Connection settings
+(``REDIS_URL``, ``S3_ENDPOINT``, credentials) never live in the spec: they come from the
+environment, so no secret is ever written to Redis.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from shoal.events.keys import valid_job_id
+from shoal.core.errors import ConfigError
+from shoal.core.yamlfile import printable, read_yaml
+
+
+class ShardStrategy(str, Enum):
+    contiguous = "contiguous"
+    round_robin = "round_robin"
+    hash = "hash"
+
+
+#: Upper bound of ``max_workers``: ``shoal submit`` queues up to that many launch units and
+#: the coordinator's launcher sizes re-enqueues from it, so it must stay a sane number.
+MAX_WORKERS = 4096
+
+
+class JobSpec(BaseModel):
+    """A training job. Times are seconds. ``entrypoint`` is ``module:function``."""
+
+    # no inf/nan: JSON cannot hold them, so the stored spec would not read back
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    entrypoint: str = "shoal.examples.digits:build"
+    global_batch_size: Annotated[int, Field(gt=0)] = 64
+    epochs: Annotated[int, Field(gt=0)] = 1
+    max_steps: Annotated[int | None, Field(gt=0)] = None
+    #: Seeds python, numpy and torch in every worker and the data order; torch takes no more
+    #: than 64 bits, so a larger seed would crash every worker at start (a crash loop).
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
+    min_workers: Annotated[int, Field(ge=1)] = 1
+    max_workers: Annotated[int, Field(ge=1, le=MAX_WORKERS)] = 8
+    heartbeat_interval: Annotated[float, Field(gt=0, le=60)] = 0.5
+    heartbeat_ttl: Annotated[float, Field(gt=0, le=600)] = 2.0
+    max_restarts: Annotated[int, Field(ge=0)] = 3
+    checkpoint_uri: str | None = None
+    checkpoint_interval: Annotated[int, Field(ge=0)] = 0
+    checkpoint_keep: Annotated[int, Field(ge=1)] = 3
+    data_uri: str | None = None
+    shard_strategy: ShardStrategy = ShardStrategy.contiguous
+    #: Size of the index space the shard table splits. Defaults to the global batch size:
+    #: each rank takes its ranges of every global batch.
+    num_samples: Annotated[int | None, Field(gt=0)] = None
+    #: A worker whose recent step time exceeds ``straggler_factor`` x the job median is flagged.
+    straggler_factor: Annotated[float, Field(gt=1)] = 2.0
+    #: Simulated step time for workers with ``entrypoint: simulate`` (control-plane tests).
+    simulate_step_time: Annotated[float, Field(ge=0)] = 0.05
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_key_safe(cls, v: str) -> str:
+        if not valid_job_id(v):
+            raise ValueError("use letters, digits, '_', '.', '-' only (it becomes part of Redis keys)")
+        return v
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_form(cls, v: str) -> str:
+        if v != "simulate" and (v.count(":") != 1 or not all(v.split(":"))):
+            raise ValueError("must be 'module:function' (or 'simulate')")
+        return v
+
+    @field_validator("checkpoint_uri", "data_uri")
+    @classmethod
+    def _uri_scheme(cls, v: str | None) -> str | None:
+        if v is not None and not (v.startswith("file://") or v.startswith("s3://")):
+            raise ValueError("must start with file:// or s3://")
+        return v
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "JobSpec":
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers ({self.min_workers}) exceeds max_workers ({self.max_workers})")
+        if self.heartbeat_ttl <= self.heartbeat_interval:
+            raise ValueError(
+                f"heartbeat_ttl ({self.heartbeat_ttl}) must exceed heartbeat_interval ({self.heartbeat_interval})"
+            )
+        if self.entrypoint != "simulate" and self.num_samples not in (None, self.global_batch_size):
+            raise ValueError("num_samples applies to simulated jobs only: training shards each global batch")
+        return self
+
+    @property
+    def shard_space(self) -> int:
+        return self.num_samples or self.global_batch_size
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def from_stored(cls, raw: str | bytes) -> "JobSpec":
+        """Parse a spec read back from Redis, ignoring fields added by newer writers."""
+        import json
+
+        data = json.loads(raw)
+        known = {k: v for k, v in data.items() if k in cls.model_fields}
+        return cls.model_validate(known)
+
+
+def _format_errors(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        path = ".".join(printable(p) for p in err["loc"]) or "(spec)"
+        parts.append(f"{path}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def parse_spec(data: object, source: str = "job spec") -> JobSpec:
+    """Validate a mapping as a JobSpec; raises ConfigError naming each bad field path."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of fields, got {type(data).__name__}")
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: invalid: {_format_errors(exc)}") from exc
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Read and validate a YAML job spec file; every failure is a one-line ConfigError."""
+    return parse_spec(read_yaml(path, "job spec"), str(path))

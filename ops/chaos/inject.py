@@ -1,0 +1,145 @@
+"""The chaos soak's faults: what each one does to which process, and when it is allowed.
+
+Every fault is injected from outside, with real signals, into real processes:
+
+- ``worker_kill``: SIGKILL an Active worker (its agent starts a replacement);
+- ``worker_segv``: SIGSEGV an Active worker (an abrupt native crash, no Python cleanup);
+- ``worker_stop``: SIGSTOP an Active worker for longer than the heartbeat TTL, then SIGCONT
+  (it is declared failed while frozen, finds itself evicted when it wakes, and exits);
+- ``coordinator_kill``: SIGKILL the replica holding the job's lease (a new replica is
+  started at once, so two always run; the standby takes over);
+- ``redis_restart``: SIGKILL Redis and start it again from its AOF on the same port;
+- ``worker_join``: start one more worker process outside the agent (up to ``max_workers``).
+
+Worker faults need two Active workers and the previous worker fault recovered: losing every
+replica at once can only resume from a checkpoint, which re-commits the steps after it, and
+the soak proves the elastic path, not the restart path (that one has its own test).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from shoal.events.keys import JobKeys
+
+KINDS = ("worker_kill", "worker_segv", "worker_stop", "coordinator_kill", "redis_restart", "worker_join")
+WORKER_FAULTS = ("worker_kill", "worker_segv", "worker_stop")
+
+
+@dataclass
+class Injected:
+    kind: str
+    t: float  #: time.time() when injected
+    target: str
+    generation: int  #: the job's generation when injected (-1 when unknown)
+    worker: str | None = None  #: the worker id a worker fault hit
+
+
+@dataclass
+class Injector:
+    """Performs faults on the soak's processes. ``procs`` is the soak's LocalProcs, ``server``
+    its embedded Redis; ``restart_redis``/``new_coordinator``/``new_worker`` are callbacks of
+    the soak (they own the processes)."""
+
+    client: redis.Redis
+    keys: JobKeys
+    ttl: float
+    max_workers: int
+    coordinators: dict  #: replica name -> Proc, kept current by the soak
+    restart_redis: callable
+    new_coordinator: callable
+    new_worker: callable
+    done: list[Injected] = field(default_factory=list)
+    _frozen: set[int] = field(default_factory=set)
+    _thaws: list = field(default_factory=list)
+
+    def workers(self) -> dict[str, dict]:
+        return {k.decode(): json.loads(v) for k, v in self.client.hgetall(self.keys.workers).items()}
+
+    def generation(self) -> int:
+        raw = self.client.hget(self.keys.state, "generation")
+        return int(raw) if raw else 0
+
+    def worker_fault_allowed(self) -> bool:
+        active = [w for w in self.workers().values() if w["state"] == "Active" and w["pid"] not in self._frozen]
+        if len(active) < 2:
+            return False
+        last = next((f for f in reversed(self.done) if f.kind in WORKER_FAULTS), None)
+        # recovered: the generation moved past the one the last worker fault hit
+        return last is None or self.generation() > last.generation
+
+    def allowed(self, kind: str) -> bool:
+        if kind in WORKER_FAULTS:
+            return self.worker_fault_allowed()
+        if kind == "worker_join":
+            planned = [w for w in self.workers().values() if w["state"] in ("Syncing", "Active")]
+            return len(planned) < self.max_workers
+        if kind == "coordinator_kill":
+            return self._leader() is not None
+        return True
+
+    def _leader(self):
+        token = self.client.get(self.keys.lease)
+        if not token:
+            return None
+        name = token.decode().split(":", 1)[0]
+        return self.coordinators.get(name)
+
+    def inject(self, kind: str, rng) -> Injected:
+        gen = self.generation()
+        wid = None
+        if kind in WORKER_FAULTS:
+            candidates = sorted((wid, w["pid"]) for wid, w in self.workers().items()
+                                if w["state"] == "Active" and w["pid"] not in self._frozen)
+            wid, pid = candidates[rng.randrange(len(candidates))]
+            target = f"{wid} (pid {pid})"
+            if kind == "worker_kill":
+                os.kill(pid, signal.SIGKILL)
+            elif kind == "worker_segv":
+                os.kill(pid, signal.SIGSEGV)
+            else:
+                os.kill(pid, signal.SIGSTOP)
+                self._frozen.add(pid)
+                thaw = threading.Timer(self.ttl + 1.0, self._thaw, args=(pid,))
+                thaw.start()
+                self._thaws.append(thaw)
+        elif kind == "coordinator_kill":
+            proc = self._leader()
+            target = proc.name
+            proc.signal(signal.SIGKILL)
+            proc.wait(10)
+            self.coordinators.pop(proc.name, None)
+            self.new_coordinator()
+        elif kind == "redis_restart":
+            target = "redis"
+            self.restart_redis()
+            gen = -1
+        else:
+            target = self.new_worker().name
+        fault = Injected(kind, time.time(), target, gen, wid)
+        self.done.append(fault)
+        return fault
+
+    def _thaw(self, pid: int) -> None:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        self._frozen.discard(pid)
+
+    def let_stops_finish(self) -> None:
+        """Wait for every SIGSTOP to be held its full time: one cut short at the end of the
+        window would wake the worker before it was declared failed, so it never is."""
+        for thaw in self._thaws:
+            thaw.join(self.ttl + 5.0)
+
+    def thaw_all(self) -> None:
+        for pid in list(self._frozen):
+            self._thaw(pid)

@@ -1,0 +1,288 @@
+"""``shoal chaos``: a training job under random faults, then a check of its end state.
+
+The soak starts its own Redis (AOF, ``appendfsync always``) in a run directory, a local
+checkpoint store, two coordinator replicas, and a node agent with ``workers`` workers of the
+digits example in float64 (restarts unlimited). For ``duration`` seconds it injects a fault
+every ``min_gap``..``max_gap`` seconds (kinds in a seeded, shuffled cycle, so each kind comes
+up about equally; see :mod:`shoal.ops.chaos.inject`). Then it lets the job finish, and judges the
+end state (:mod:`shoal.ops.chaos.verdict`) against a failure-free single-process run of the same
+number of steps, computed meanwhile in a background thread.
+
+The job has a fixed length (``steps``); so that it neither ends before the window nor drags
+on long after it, the soak steers the pause each step takes (``PaceSteer``, through the file
+the paced entrypoint re-reads every second): the job is paced to reach its last step as the
+window closes. If it still ends first, the window is cut short and the table says so.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shoal.events.keys import job_keys
+from shoal.ops.chaos.inject import KINDS, Injector
+from shoal.ops.chaos.sampler import Sampler
+from shoal.ops.chaos.verdict import Verdict, judge, load_finals
+from shoal.core.connection import connect
+from shoal.ops.embedded import start_server
+from shoal.core.registry import create_job
+from shoal.core.jobspec import JobSpec
+from shoal.ops.localproc import LocalProcs
+from shoal.storage.uri import open_store
+from shoal.worker import ledger
+from shoal.worker.data import DataOrder
+from shoal.worker.engine import StepEngine
+from shoal.worker.userapi import load_entrypoint
+
+ENTRYPOINT = "shoal.examples.digits:build_double_paced"
+REFERENCE = "shoal.examples.digits:build_double"  #: the same arithmetic, without the pause
+BATCH = 64
+#: Steps per second the default job length assumes; the pace steering makes it so.
+TARGET_RATE = 20.0
+
+
+@dataclass
+class ChaosConfig:
+    duration: float = 60.0
+    seed: int = 1
+    workers: int = 3
+    steps: int | None = None  #: job length; default: ``duration`` at TARGET_RATE steps/s
+    min_gap: float = 2.0
+    max_gap: float = 5.0
+    ttl: float = 1.5
+    run_dir: Path | None = None
+    finish_timeout: float = 300.0  #: grace after the window, on top of the time the steps still to go need
+    step_pace: float = 0.03  #: first seconds of sleep per step; then steered (PaceSteer)
+    agent_backoff_max: float = 2.0  #: replacements come quickly: the soak tests faults, not crash loops
+
+
+def reference_parameters(steps: int, seed: int) -> dict:
+    """The failure-free run: one process, the same global batches, no collectives."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        setup = load_entrypoint(REFERENCE, seed)
+        engine = StepEngine.from_setup(setup, require_group=False)
+        order = DataOrder(len(setup.dataset), seed, BATCH)
+        cursor = 0
+        for _ in range(steps):
+            batch = order.batch(cursor)
+            engine.step(batch.indices, batch.count, 0)
+            cursor = batch.next_cursor
+        return {k: v.detach().clone() for k, v in setup.model.state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_chaos(cfg: ChaosConfig, out=print) -> Verdict:
+    with tempfile.TemporaryDirectory(prefix="shoal-chaos-") as tmp:
+        return _run(cfg, Path(cfg.run_dir) if cfg.run_dir else Path(tmp), out)
+
+
+def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
+    rng = random.Random(cfg.seed)
+    steps = cfg.steps or int(cfg.duration * TARGET_RATE) + 200
+    server = start_server(root / "redis", appendonly=True, fsync="always")
+    port = server.port
+    client = connect(server.url, ride_out=60)
+    job = "chaos"
+    keys = job_keys(job)
+    ckpt = f"file://{root / 'ckpt'}"
+    spec = JobSpec(name=job, entrypoint=ENTRYPOINT, global_batch_size=BATCH, seed=cfg.seed, max_steps=steps, epochs=10_000,
+                   min_workers=1, max_workers=cfg.workers + 1, heartbeat_interval=0.2, heartbeat_ttl=cfg.ttl,
+                   max_restarts=1000, checkpoint_uri=ckpt, checkpoint_interval=25, checkpoint_keep=3)
+    create_job(client, spec)
+    env = {"SHOAL_LEDGER_DIR": str(root / "ledger"), "SHOAL_EXPORT_DIR": str(root / "final"),
+           "SHOAL_STEP_PACE": str(cfg.step_pace), "SHOAL_STEP_PACE_FILE": str(root / "pace")}
+    steer = PaceSteer(root / "pace", steps, cfg.step_pace)
+    out(f"shoal chaos: {cfg.duration:.0f} s of faults, seed {cfg.seed}, {cfg.workers} workers under an agent, "
+        f"2 coordinators, Redis with AOF; job of {steps} steps; run dir {root}")
+    state = {"server": server, "coords": 0, "joiners": 0}
+    procs = LocalProcs(server.url, root / "logs", extra_env=env)
+    reference = Background(lambda: reference_parameters(steps, cfg.seed))
+    coordinators: dict = {}
+
+    def new_coordinator():
+        state["coords"] += 1
+        name = f"coord{state['coords']}"
+        coordinators[name] = procs.coordinator(name, "--lease-ttl", "1")
+        return coordinators[name]
+
+    def restart_redis():
+        state["server"].kill()
+        state["server"] = start_server(root / "redis", port=port, appendonly=True, fsync="always")
+
+    def new_worker():
+        state["joiners"] += 1
+        return procs.worker(job, f"joiner{state['joiners']}")
+
+    injector = Injector(client, keys, cfg.ttl, spec.max_workers, coordinators, restart_redis, new_coordinator, new_worker)
+    sampler = Sampler(connect(server.url, ride_out=60), keys, open_store(ckpt))
+    started = time.monotonic()
+    completed = False
+    try:
+        with procs:
+            new_coordinator()
+            new_coordinator()
+            procs.start("agent", "agent", job, "--workers", str(cfg.workers), "--max-restarts", "100000",
+                        "--backoff", "0.1", "--backoff-max", str(cfg.agent_backoff_max), "--run-dir", str(root / "agent"))
+            _wait_state(client, keys, ("running",), 120)
+            sampler.start()
+            cycle: list[str] = []
+            started = time.monotonic()  # the window starts once the job trains
+            window_end = started + cfg.duration
+            next_at = time.monotonic() + rng.uniform(cfg.min_gap, cfg.max_gap)
+            while time.monotonic() < window_end and not _ended(client, keys):
+                if steer.due():
+                    steer.update(int(client.hget(keys.state, "latest_step") or 0), window_end)
+                if time.monotonic() < next_at:
+                    time.sleep(0.05)
+                    continue
+                kind = next((k for k in cycle if injector.allowed(k)), None)
+                if kind is None and len(cycle) < len(KINDS):
+                    # the cycle is used up, or only kinds that cannot happen now remain (a join
+                    # while max_workers are planned): the next cycle starts and the leftovers
+                    # stay queued, so the faults never stall and each kind still comes as often
+                    fresh = list(KINDS)
+                    rng.shuffle(fresh)
+                    cycle += fresh
+                    kind = next((k for k in cycle if injector.allowed(k)), None)
+                if kind is None:
+                    next_at = time.monotonic() + 0.5
+                    continue
+                cycle.remove(kind)
+                f = injector.inject(kind, rng)
+                out(f"  {time.monotonic() - started:6.1f} s  {f.kind:<17} {f.target}")
+                next_at = time.monotonic() + rng.uniform(cfg.min_gap, cfg.max_gap)
+            window = time.monotonic() - started
+            injector.let_stops_finish()
+            to_go = max(0, steps - int(client.hget(keys.state, "latest_step") or 0))
+            out(f"fault window over after {window:.1f} s (from the first committed steps); "
+                f"letting the job finish its last {to_go} steps")
+            # Faults slow a long soak down, so the steps left at the window's end are not known in
+            # advance; allow each of them twice the nominal pace on top of the fixed grace.
+            finish = cfg.finish_timeout + 2 * to_go * (steer.pace + 0.02)
+            completed = _wait_state(client, keys, ("completed",), finish)
+            elapsed = time.monotonic() - started
+            samples = sampler.stop()
+            final_step = int(client.hget(keys.state, "latest_step") or 0)
+            failed = [f[b"worker"].decode() for _id, f in client.xrange(keys.failures) if b"worker" in f]
+    finally:
+        sampler.stop()
+        injector.thaw_all()
+        state["server"].stop()
+    entries = ledger.read(root / "ledger")
+    last_step = max((e["step"] for e in entries), default=0)
+    finals = load_finals(root / "final")
+    if last_step != steps:
+        out(f"the job stopped at step {last_step} of {steps}: computing the failure-free run of {last_step} steps...")
+        ref = reference_parameters(last_step, cfg.seed) if last_step else None
+    else:
+        out("waiting for the failure-free reference run...")
+        ref = reference.result()
+    verdict = judge(completed=completed, final_step=max(last_step, final_step), elapsed=elapsed, entries=entries,
+                    num_samples=_num_samples(), finals=finals, reference=ref, samples=samples, faults=injector.done,
+                    window=window, duration=cfg.duration, failed=failed)
+    out("")
+    out(verdict.table())
+    return verdict
+
+
+class Background:
+    """``fn()`` in a daemon thread; :meth:`result` waits for it (re-raising its error)."""
+
+    def __init__(self, fn) -> None:
+        self._out: dict = {}
+
+        def run() -> None:
+            try:
+                self._out["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to result()
+                self._out["error"] = exc
+
+        self._thread = threading.Thread(target=run, name="chaos-reference", daemon=True)
+        self._thread.start()
+
+    def result(self):
+        self._thread.join()
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out["value"]
+
+
+class PaceSteer:
+    """Steers the per-step pause so that the job reaches ``steps`` as the window closes.
+
+    Every ``every`` seconds it compares the step rate of the last interval with the rate
+    still needed, and moves the pause by half the difference in step time (kept within
+    [0, ``max_pace``]). It writes the pause to ``path`` (atomically); workers re-read it."""
+
+    def __init__(self, path: Path, steps: int, pace: float, every: float = 5.0, max_pace: float = 0.5) -> None:
+        self.path, self.steps, self.pace, self.every, self.max_pace = path, steps, pace, every, max_pace
+        self._last: tuple[float, int] | None = None
+        self.history: list[float] = [pace]
+        self._write()
+
+    def due(self, now: float | None = None) -> bool:
+        """Whether :meth:`update` would act now (so the caller reads the step only then)."""
+        now = time.monotonic() if now is None else now
+        return self._last is None or now - self._last[0] >= self.every
+
+    def update(self, step: int, window_end: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if self._last is None:
+            self._last = (now, step)
+            return
+        t0, s0 = self._last
+        if now - t0 < self.every:
+            return
+        self._last = (now, step)
+        if step <= s0:
+            return  # nothing committed in the interval (a fault): no evidence of the rate
+        measured = (now - t0) / (step - s0)  # seconds per step, pause included
+        left, time_left = self.steps - step, window_end - now
+        # aim to commit the last step a little after the window closes, so that the job
+        # outlasts the window rather than cutting it short
+        needed = (time_left + self.every * 4) / left if left > 0 and time_left > 0 else self.max_pace
+        self.pace = min(self.max_pace, max(0.0, self.pace + 0.5 * (needed - measured)))
+        self.history.append(self.pace)
+        self._write()
+
+    def _write(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(f"{self.pace:.5f}\n")
+        os.replace(tmp, self.path)
+
+
+def _num_samples() -> int:
+    return len(load_entrypoint(REFERENCE, 0).dataset)
+
+
+def _ended(client, keys) -> bool:
+    raw = client.hget(keys.state, "state")
+    return raw is not None and raw.decode() in ("completed", "failed", "stopped")
+
+
+def _wait_state(client, keys, wanted: tuple[str, ...], timeout: float) -> bool:
+    """Follow the job's control stream until its state is one of ``wanted`` (True) or the
+    job ended otherwise / ``timeout`` passed (False)."""
+    deadline = time.monotonic() + timeout
+    last = "0-0"
+    while (left := deadline - time.monotonic()) > 0:
+        raw = client.hget(keys.state, "state")
+        st = raw.decode() if raw else "pending"
+        if st in wanted:
+            return True
+        if st in ("completed", "failed", "stopped"):
+            return False
+        resp = client.xread({keys.control: last}, count=100, block=max(1, int(min(left, 1.0) * 1000)))
+        for _s, entries in resp or []:
+            last = entries[-1][0].decode()
+    return False

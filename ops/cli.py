@@ -1,0 +1,636 @@
+"""The ``shoal`` command line. Each subcommand is a small function; errors a user can cause
+(ShoalError) print one line ``shoal: <message>`` and exit non-zero without a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import redis
+
+from shoal.core.connection import connect, redact_url, url_from_env
+from shoal.ops.embedded import default_run_dir, ensure_server
+from shoal.core.errors import ConfigError, ConnectionFailed, ShoalError
+from shoal.core.yamlfile import escape_controls
+
+log = logging.getLogger("shoal.cli")
+
+#: How long workers and agents keep retrying Redis commands through an outage.
+RIDE_OUT_S = 60.0
+
+
+@contextlib.contextmanager
+def redis_client(*, start_embedded: bool, ride_out: float = 0.0) -> Iterator[redis.Redis]:
+    """A client for ``REDIS_URL``, or for the embedded server (started if allowed).
+    ``ride_out``: see :func:`shoal.core.connection.connect`."""
+    url = url_from_env()
+    server = None
+    if url is None:
+        run_dir = default_run_dir()
+        if not start_embedded and not (run_dir / "port").exists():
+            raise ConnectionFailed(f"REDIS_URL is not set and no embedded server runs in {run_dir}")
+        server = ensure_server(run_dir)
+        url = server.url
+        if server.owned:
+            log.info("started embedded Redis at %s (AOF in %s)", url, run_dir)
+    client = connect(url, ride_out=ride_out)
+    try:
+        yield client
+    finally:
+        client.close()
+        if server is not None:
+            server.stop()
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    def handler(signum, _frame):
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+# ---- subcommands ----------------------------------------------------------------------------
+
+
+def _every(stop: threading.Event, interval: float, fn, name: str) -> threading.Thread:
+    """Run ``fn`` every ``interval`` s in a daemon thread until ``stop``; errors are logged."""
+
+    def loop() -> None:
+        while not stop.wait(interval):
+            try:
+                fn()
+            except redis.RedisError as exc:
+                log.warning("%s: Redis error: %s", name, exc)
+            except Exception:  # a launcher bug must not take the coordinator down
+                log.exception("%s failed", name)
+
+    t = threading.Thread(target=loop, name=name, daemon=True)
+    t.start()
+    return t
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from shoal.coordinator.loop import Coordinator
+
+    if not 0 <= args.metrics_port <= 65535:
+        raise ConfigError(f"--metrics-port must be 0..65535, got {args.metrics_port}")
+    if args.launch_interval <= 0:
+        raise ConfigError("--launch-interval must be > 0")
+    stop = threading.Event()
+    _stop_on_signals(stop)
+    with redis_client(start_embedded=True) as client:
+        coord = Coordinator(client, instance_id=args.id, lease_ttl=args.lease_ttl, tick_interval=args.tick)
+        metrics = None
+        if args.metrics_port:
+            from shoal.ops.metrics import MetricsServer
+
+            metrics = MetricsServer(client, coord, host=args.metrics_host, port=args.metrics_port).start()
+        if args.launcher:
+            # not part of the fenced decision path: it only enqueues RQ launch units
+            from shoal.coordinator.launcher import Launcher
+
+            launcher = Launcher(client, instance_id=coord.instance_id, cooldown=args.launch_cooldown)
+            _every(stop, args.launch_interval, launcher.run_once, "launcher")
+        log.info("coordinator %s serving (lease ttl %.1fs)", coord.instance_id, args.lease_ttl)
+        try:
+            coord.run(stop)
+        finally:
+            stop.set()
+            if metrics is not None:
+                metrics.stop()
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from shoal.core.jobspec import JobSpec
+    from shoal.events.keys import job_keys
+    from shoal.worker.membership import Membership, MembershipError
+    from shoal.worker.simulated import SimulatedWorker
+
+    # a worker lives through a Redis restart: its commands retry while training goes on
+    with redis_client(start_embedded=False, ride_out=RIDE_OUT_S) as client:
+        raw = client.get(job_keys(args.job).spec)
+        if raw is None:
+            raise MembershipError(f"job {args.job!r} does not exist")
+        spec = JobSpec.from_stored(raw)
+        membership = Membership(client, args.job, node=args.node or "")
+        if spec.entrypoint != "simulate":
+            from shoal.worker.training import TrainingWorker  # the elastic training runtime
+
+            runner = TrainingWorker(membership, spec, join_timeout=args.join_timeout)
+        else:
+            runner = SimulatedWorker(membership, spec, join_timeout=args.join_timeout)
+        signal.signal(signal.SIGTERM, lambda *_: runner.stop.set())
+        signal.signal(signal.SIGINT, lambda *_: runner.stop.set())
+        from shoal.worker.loghandler import redis_logging  # log lines also go to keys.logs (`shoal logs`)
+
+        with redis_logging(client, args.job, lambda: membership.worker_id or f"pid{os.getpid()}"):
+            return runner.run()
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from shoal.events.keys import job_keys
+    from shoal.core.jobspec import JobSpec
+    from shoal.worker.agent import NodeAgent
+
+    if args.queue or args.job is None:
+        if args.job is not None:
+            raise ConfigError("give a JOB (direct mode) or --queue, not both")
+        if args.workers is not None:
+            raise ConfigError("--workers applies to direct mode: each launch unit says how many workers it runs")
+        return _agent_queue(args)
+    if args.burst:
+        raise ConfigError("--burst applies to --queue mode only")
+    args.workers = 1 if args.workers is None else args.workers
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    for flag in ("backoff", "backoff_max", "backoff_reset"):
+        value = getattr(args, flag)
+        if not 0 <= value < float("inf"):
+            raise ConfigError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
+    _job_keys(args.job)
+    with redis_client(start_embedded=False, ride_out=RIDE_OUT_S) as client:
+        raw = client.get(job_keys(args.job).spec)
+        if raw is None:
+            raise ConfigError(f"job {args.job!r} does not exist")
+        spec = JobSpec.from_stored(raw)
+        url = url_from_env() or f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/0"
+        run_dir = Path(args.run_dir or default_run_dir().parent / "agent" / args.job)
+        agent = NodeAgent(client, url, args.job, args.workers, run_dir=run_dir,
+                          max_restarts=spec.max_restarts if args.max_restarts is None else args.max_restarts,
+                          backoff=args.backoff, backoff_max=args.backoff_max, backoff_reset=args.backoff_reset,
+                          node=args.node, spec=spec)
+        signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
+        signal.signal(signal.SIGINT, lambda *_: agent.stop.set())
+        return agent.run()
+
+
+def _agent_queue(args: argparse.Namespace) -> int:
+    """The node agent as an RQ worker on the launch queue: each launch unit it takes runs
+    ``shoal.launch.run_launch`` (a NodeAgent for that job) in RQ's forked work horse."""
+    from shoal.events.keys import LAUNCH_QUEUE
+    from shoal.ops.launch import launch_worker
+
+    with redis_client(start_embedded=False) as client:
+        url = url_from_env() or f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/0"
+        os.environ["REDIS_URL"] = url  # work horses inherit it: run_launch connects with it
+        if args.node:
+            os.environ["SHOAL_NODE"] = args.node
+        if args.run_dir:
+            os.environ["SHOAL_AGENT_DIR"] = str(Path(args.run_dir).resolve())
+        worker = launch_worker(client, name=args.name)
+        log.info("agent %s serving RQ queue %s at %s%s", worker.name, LAUNCH_QUEUE, redact_url(url),
+                 " (burst: until the queue is empty)" if args.burst else "")
+        worker.work(burst=args.burst, logging_level="DEBUG" if args.verbose else "INFO", with_scheduler=False)
+    return 0
+
+
+def _job_keys(job_id: str):
+    from shoal.events.keys import job_keys
+
+    try:
+        return job_keys(job_id)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
+def _positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {x:g}")
+    return x
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from shoal.events.keys import LAUNCH_QUEUE
+    from shoal.core.jobspec import load_spec
+    from shoal.ops.submit import submit
+
+    spec = load_spec(args.spec)  # refused here, before anything is written or queued
+    with redis_client(start_embedded=True) as client:
+        done = submit(client, spec, workers_per_unit=args.workers)
+    print(done.job_id)
+    print(f"shoal: job {done.job_id} registered; {len(done.unit_ids)} launch unit(s) queued on {LAUNCH_QUEUE} "
+          f"(workers per unit: {', '.join(map(str, done.sizes))}); run 'shoal agent --queue' on each node",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from shoal.coordinator.launcher import cancel_queued, launch_queue
+    from shoal.events import bus
+    from shoal.events.models import StopJob
+
+    keys = _job_keys(args.job)
+    if args.wait is not None and args.wait <= 0:
+        raise ConfigError("--wait must be > 0 seconds")
+    with redis_client(start_embedded=False) as client:
+        if client.get(keys.spec) is None:
+            raise ConfigError(f"no job {args.job!r} in this Redis")
+        state = (client.hget(keys.state, "state") or b"pending").decode()
+        if state in ("completed", "failed", "stopped"):
+            print(f"job {args.job} is already {state}; nothing to stop")
+            return 0
+        bus.publish(client, keys.events, StopJob(job_id=args.job, reason=args.reason))
+        dropped = cancel_queued(launch_queue(client), args.job)
+        print(f"stop requested for job {args.job} (was {state})"
+              + (f"; dropped {dropped} queued launch unit(s)" if dropped else ""))
+        if args.wait is None:
+            return 0
+        deadline = time.monotonic() + args.wait
+        while time.monotonic() < deadline:
+            state = (client.hget(keys.state, "state") or b"pending").decode()
+            if state in ("completed", "failed", "stopped"):
+                print(f"job {args.job} is {state}")
+                return 0
+            time.sleep(0.2)
+        raise ShoalError(f"job {args.job} is still {state} after {args.wait:g} s (is a coordinator running?)")
+
+
+def cmd_purge(args: argparse.Namespace) -> int:
+    from shoal.coordinator.launcher import cancel_queued, launch_queue
+    from shoal.core.registry import delete_jobs, job_states, list_jobs
+
+    finished = ("completed", "failed", "stopped")
+    wanted = [w.strip() for w in args.state.split(",") if w.strip()]
+    bad = [w for w in wanted if w not in finished]
+    if not wanted or bad:
+        raise ConfigError(f"--state takes finished states only ({', '.join(finished)}), got {args.state!r}")
+    with redis_client(start_embedded=False) as client:
+        states = job_states(client, list_jobs(client))
+        targets = [j for j, st in states.items() if st in wanted]
+        if not targets:
+            print(f"no {'/'.join(wanted)} jobs")
+            return 0
+        for j in targets:
+            print(f"{j:<24} {states[j]}")
+        if not args.yes:
+            print(f"dry run: pass --yes to delete these {len(targets)} job(s) (their checkpoints are kept)")
+            return 0
+        n = delete_jobs(client, targets)  # waits for their coordinator leases to lapse (~lease TTL)
+        queue = launch_queue(client)
+        for j in targets:
+            cancel_queued(queue, j)
+    print(f"purged {len(targets)} job(s) ({n} keys); checkpoints were not touched")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from collections import deque
+
+    keys = _job_keys(args.job)
+    if args.tail is not None and args.tail < 1:
+        raise ConfigError("--tail must be >= 1")
+
+    def lines(entries) -> Iterator[str]:
+        for _sid, f in entries:
+            d = {k.decode(): v.decode(errors="replace") for k, v in f.items()}
+            if args.worker and d.get("worker") != args.worker:
+                continue
+            try:
+                ts = time.strftime("%H:%M:%S", time.localtime(float(d.get("ts") or 0)))
+            except (ValueError, OverflowError):
+                ts = "--:--:--"
+            yield f"{ts} {d.get('worker', '-'):<8} {d.get('level', ''):<7} {d.get('msg', '')}"
+
+    with redis_client(start_embedded=False) as client:
+        if client.get(keys.spec) is None and not client.exists(keys.logs):
+            raise ConfigError(f"no job {args.job!r} in this Redis")
+        # what is there now (the stream is capped at ~10000 lines), then new lines with --follow
+        shown: deque = deque(maxlen=args.tail)
+        last, start = "0-0", "-"
+        while True:
+            chunk = client.xrange(keys.logs, min=start, count=1000)
+            if not chunk:
+                break
+            last = chunk[-1][0].decode()
+            start = "(" + last
+            shown.extend(lines(chunk))
+        for line in shown:
+            print(line)
+        if not args.follow:
+            return 0
+        sys.stdout.flush()
+        quiet_since = time.monotonic()
+        while True:
+            resp = client.xread({keys.logs: last}, count=500, block=1000)
+            for _s, entries in resp or []:
+                last = entries[-1][0].decode()
+                for line in lines(entries):
+                    print(line, flush=True)
+            if resp:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since > 2.0:
+                state = (client.hget(keys.state, "state") or b"").decode()
+                if state in ("completed", "failed", "stopped"):
+                    return 0  # the job ended and its workers went quiet
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    from shoal.core.registry import create_job
+    from shoal.core.jobspec import load_spec, parse_spec
+
+    if args.spec:
+        spec = load_spec(args.spec)
+        if args.name:
+            spec = parse_spec({**spec.model_dump(mode="json"), "name": args.name}, args.spec)
+    else:
+        if not args.name:
+            raise ConfigError("give a job spec file or --name")
+        fields = {"name": args.name}
+        for item in args.set or []:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ConfigError(f"--set expects key=value, got {item!r}")
+            fields[key] = _yaml_scalar(value)
+        spec = parse_spec(fields, "--set options")
+    with redis_client(start_embedded=True) as client:
+        create_job(client, spec)
+    print(spec.name)
+    return 0
+
+
+def _yaml_scalar(text: str):
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from shoal.ops.status import format_status, job_status
+
+    with redis_client(start_embedded=False) as client:
+        while True:
+            s = job_status(client, args.job)
+            if args.json:
+                print(json.dumps(s, indent=2))
+            else:
+                if args.watch:
+                    print("\033[2J\033[H", end="")
+                print(format_status(s))
+            if not args.watch or s["state"] in ("completed", "failed", "stopped"):
+                return 0
+            time.sleep(args.interval)
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from shoal.core.registry import list_jobs
+    from shoal.ops.status import job_status
+
+    with redis_client(start_embedded=False) as client:
+        for jid in list_jobs(client):
+            try:
+                s = job_status(client, jid)
+                print(f"{jid:<24} {s['state']:<10} generation {s['generation']:<4} workers {s['world_size']}")
+            except ShoalError as exc:
+                print(f"{jid:<24} ? ({exc})")
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    from shoal.core.registry import delete_job
+
+    with redis_client(start_embedded=False) as client:
+        n = delete_job(client, args.job)
+    print(f"deleted job {args.job} ({n} keys)")
+    return 0
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    from shoal.events.keys import job_keys
+
+    keys = job_keys(args.job)
+    with redis_client(start_embedded=False) as client:
+        last = "0-0"
+        while True:
+            resp = client.xread({keys.control: last}, count=500, block=1000 if args.follow else None)
+            for _s, entries in resp or []:
+                for sid, f in entries:
+                    last = sid.decode()
+                    d = {k.decode(): v.decode() for k, v in f.items()}
+                    ts = time.strftime("%H:%M:%S", time.localtime(int(d.get("ts_ms", 0)) / 1000))
+                    print(f"{ts} gen {d.get('generation', '?'):>3} {d.get('job_state', ''):<9} [{d.get('kind', '')}] {d.get('reason', '')}")
+            if not args.follow and not resp:
+                return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from shoal.ops.report import write_report
+
+    _job_keys(args.job)
+    with redis_client(start_embedded=False) as client:
+        marks = write_report(client, args.job, args.output)
+    failures = [m for m in marks if m.kind == "failure"]
+    changes = [m for m in marks if m.kind != "end"]
+    print(f"wrote {args.output}: {len(changes)} generation change(s), {len(failures)} failure(s)"
+          + "".join(f"\n  {m.label}" + (f" (recovered in {m.recovery_s:.2f} s)" if m.recovery_s is not None else "")
+                    for m in marks))
+    return 0
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from shoal.ops.chaos import ChaosConfig, run_chaos
+
+    cfg = ChaosConfig(duration=args.duration, seed=args.seed, workers=args.workers, steps=args.steps,
+                      run_dir=Path(args.run_dir) if args.run_dir else None)
+    verdict = run_chaos(cfg)
+    print(f"\nchaos soak {'PASSED' if verdict.ok else 'FAILED'}")
+    return 0 if verdict.ok else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from shoal.ops.demo import run_demo
+
+    return run_demo(duration=args.duration, epochs=args.epochs, report=args.report or None)
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    try:
+        from shoal.ops import cluster
+    except ImportError as exc:  # pragma: no cover
+        raise ConfigError("cluster support is not installed") from exc
+    return cluster.cli_validate(args.file) if args.action == "validate" else cluster.cli_show(args.file)
+
+
+# ---- parser ---------------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line (``shoal: ...``) with exit status 2, like every other error."""
+
+    def error(self, message: str):
+        self.exit(2, f"shoal: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="shoal", description="Elastic, fault-tolerant data-parallel training over Redis.")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("coordinator", help="run a coordinator replica (any number may run)")
+    c.add_argument("--id", help="replica name (default: random)")
+    c.add_argument("--lease-ttl", type=float, default=2.0, help="leadership lease TTL in seconds")
+    c.add_argument("--tick", type=float, default=0.1, help="heartbeat scan interval in seconds")
+    c.add_argument("--launcher", action=argparse.BooleanOptionalAction, default=True,
+                   help="re-enqueue launch units of submitted jobs that lost their node agents (default: on)")
+    c.add_argument("--launch-interval", type=float, default=5.0, help="seconds between launcher passes")
+    c.add_argument("--launch-cooldown", type=float, default=30.0,
+                   help="at most one re-enqueue per job per this many seconds (all replicas together)")
+    c.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
+    c.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds to")
+    c.set_defaults(func=cmd_coordinator)
+
+    w = sub.add_parser("worker", help="run one worker process of a job")
+    w.add_argument("job")
+    w.add_argument("--node", help="node name reported to the coordinator")
+    w.add_argument("--join-timeout", type=float, default=30.0)
+    w.set_defaults(func=cmd_worker)
+
+    ag = sub.add_parser("agent", help="run this node's workers of a job, or (--queue) serve the launch queue")
+    ag.add_argument("job", nargs="?", help="direct mode: the job to run workers of (omit with --queue)")
+    ag.add_argument("--queue", action="store_true",
+                    help="run as an RQ worker on the launch queue (also the mode when no JOB is given)")
+    ag.add_argument("--burst", action="store_true", help="--queue: exit once the queue is empty")
+    ag.add_argument("--name", help="--queue: RQ worker name (default: random)")
+    ag.add_argument("--workers", "-n", type=int, default=None, help="direct mode: worker processes (default 1)")
+    ag.add_argument("--max-restarts", type=int, default=None, help="default: the job spec's max_restarts")
+    ag.add_argument("--backoff", type=float, default=0.5, help="first restart delay; doubles each time")
+    ag.add_argument("--backoff-max", type=float, default=30.0, help="longest restart delay (default 30 s)")
+    ag.add_argument("--backoff-reset", type=float, default=60.0,
+                    help="a worker that ran this long before dying restarts after --backoff again (default 60 s)")
+    ag.add_argument("--node", help="node name (default: host name)")
+    ag.add_argument("--run-dir", help="where worker logs go (default: ~/.shoal/agent/JOB)")
+    ag.set_defaults(func=cmd_agent)
+
+    sb = sub.add_parser("submit", help="validate a job spec, register the job and queue its launch units")
+    sb.add_argument("spec", help="job spec YAML")
+    sb.add_argument("--workers", "-n", type=_positive_int, default=1,
+                    help="worker processes per launch unit, i.e. per node agent (default 1)")
+    sb.set_defaults(func=cmd_submit)
+
+    st = sub.add_parser("stop", help="stop a job gracefully (workers see 'stopped' and exit)")
+    st.add_argument("job")
+    st.add_argument("--reason", default="stopped by operator")
+    st.add_argument("--wait", type=float, metavar="SECONDS", help="wait up to this long for the job to be stopped")
+    st.set_defaults(func=cmd_stop)
+
+    pg = sub.add_parser("purge", help="delete the keys of finished jobs (checkpoints stay)")
+    pg.add_argument("--state", required=True, help="comma-separated: completed, failed, stopped")
+    pg.add_argument("--yes", action="store_true", help="really delete (default: list what would go)")
+    pg.set_defaults(func=cmd_purge)
+
+    lg = sub.add_parser("logs", help="workers' log lines of a job")
+    lg.add_argument("job")
+    lg.add_argument("--worker", "-w", help="only this worker id (e.g. w3)")
+    lg.add_argument("--follow", "-f", action="store_true", help="wait for new lines (ends once the job ended)")
+    lg.add_argument("--tail", type=int, help="start with the last N lines")
+    lg.set_defaults(func=cmd_logs)
+
+    cr = sub.add_parser("create", help="register a job from a spec file or options (no queue)")
+    cr.add_argument("spec", nargs="?", help="job spec YAML")
+    cr.add_argument("--name")
+    cr.add_argument("--set", action="append", metavar="KEY=VALUE", help="spec field (repeatable)")
+    cr.set_defaults(func=cmd_create)
+
+    s = sub.add_parser("status", help="show a job's state, generation and workers")
+    s.add_argument("job")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--watch", action="store_true")
+    s.add_argument("--interval", type=float, default=1.0)
+    s.set_defaults(func=cmd_status)
+
+    j = sub.add_parser("jobs", help="list jobs")
+    j.set_defaults(func=cmd_jobs)
+
+    d = sub.add_parser("delete", help="remove every key of a job")
+    d.add_argument("job")
+    d.set_defaults(func=cmd_delete)
+
+    e = sub.add_parser("events", help="the coordinator's decisions with their reasons")
+    e.add_argument("job")
+    e.add_argument("--follow", "-f", action="store_true")
+    e.set_defaults(func=cmd_events)
+
+    ch = sub.add_parser("chaos", help="a job under random faults for a while, then a check of its end state")
+    ch.add_argument("--duration", type=_positive_float, default=60.0, help="seconds of fault injection (default 60)")
+    ch.add_argument("--seed", type=int, default=1, help="seeds the faults and the job (default 1)")
+    ch.add_argument("--workers", type=_positive_int, default=3, help="workers under the node agent (default 3)")
+    ch.add_argument("--steps", type=_positive_int, default=None, help="job length (default: outlasts --duration)")
+    ch.add_argument("--run-dir", help="keep logs, ledgers and checkpoints here (default: a temporary directory)")
+    ch.set_defaults(func=cmd_chaos)
+
+    dm = sub.add_parser("demo", help="embedded Redis + coordinator + 3 workers, with a kill and a join")
+    dm.add_argument("--duration", type=float, default=None, help="give up after this many seconds (default 600)")
+    dm.add_argument("--epochs", type=int, default=40)
+    dm.add_argument("--report", metavar="PATH", default="report.png",
+                    help="write the run's report (shoal report) here at the end ('' : none)")
+    dm.set_defaults(func=cmd_demo)
+
+    rp = sub.add_parser("report", help="a PNG of a job's loss and throughput with its membership changes")
+    rp.add_argument("job")
+    rp.add_argument("-o", "--output", default="report.png", help="PNG file to write (default report.png)")
+    rp.set_defaults(func=cmd_report)
+
+    cl = sub.add_parser("cluster", help="validate or show a cluster.yaml")
+    cl.add_argument("action", choices=["validate", "show"])
+    cl.add_argument("file")
+    cl.set_defaults(func=cmd_cluster)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return int(args.func(args) or 0)
+    except ShoalError as exc:
+        # one line whatever it quotes (a newline in a file name given on the command line)
+        print(f"shoal: {escape_controls(str(exc))}", file=sys.stderr)
+        return exc.exit_code
+    except redis.RedisError as exc:
+        url = url_from_env()
+        where = redact_url(url) if url else "the embedded server"
+        print(f"shoal: {escape_controls(f'Redis error talking to {where}: {exc}')}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""The launch unit: the RQ job function a node runs for a submitted job.
+
+``run_launch(job_id, workers)`` runs a :class:`shoal.worker.agent.NodeAgent` with ``workers``
+worker processes of the job on this node until they are done (the job ended, or the node
+was asked to drain with SIGTERM), reports progress in the RQ job's ``meta`` every few
+seconds, and returns the job's summary as the RQ result. It connects with ``REDIS_URL``
+from this node's environment: the RQ payload holds only the job id and the worker count.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import redis
+
+from shoal.events.keys import job_keys
+from shoal.events.models import ShardTable
+from shoal.core.connection import connect, redact_url, url_from_env
+from shoal.ops.embedded import default_run_dir
+from shoal.core.errors import ConfigError, ShoalError
+from shoal.core.jobspec import JobSpec
+
+log = logging.getLogger("shoal.launch")
+
+TERMINAL = {"completed", "failed", "stopped"}
+#: Seconds between two progress reports in the RQ job's meta.
+META_INTERVAL = 3.0
+
+
+class Progress:
+    """Job-level progress (step, loss, generation, steps/s, ETA) from the shard table,
+    the state hash and the members' heartbeats: three reads per report."""
+
+    def __init__(self, client: redis.Redis, job_id: str, spec: JobSpec):
+        self.client = client
+        self.keys = job_keys(job_id)
+        self.spec = spec
+        self._last: tuple[float, int] | None = None
+        self.rate: float | None = None
+        self.max_step = 0
+
+    def sample(self) -> dict:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(self.keys.shard)
+        pipe.hmget(self.keys.state, ["state", "generation"])
+        raw, (state, gen) = pipe.execute()
+        table = ShardTable.model_validate_json(raw) if raw else None
+        members = sorted(table.members, key=lambda m: m.rank) if table else []
+        hbs = self.client.mget([self.keys.heartbeat(m.worker_id) for m in members]) if members else []
+        beats = [json.loads(h) for h in hbs if h]
+        step = max((int(b.get("step") or 0) for b in beats), default=self.max_step)
+        self.max_step = max(self.max_step, step)
+        loss = next((b.get("loss") for b in beats if b.get("loss") is not None), None)
+        now = time.monotonic()
+        if self._last is not None and now > self._last[0] and step >= self._last[1]:
+            inst = (step - self._last[1]) / (now - self._last[0])
+            self.rate = inst if self.rate is None else 0.5 * self.rate + 0.5 * inst
+        self._last = (now, step)
+        eta = None
+        if self.spec.max_steps and self.rate:
+            eta = round(max(0, self.spec.max_steps - self.max_step) / self.rate, 1)
+        return {
+            "state": state.decode() if state else "pending",
+            "generation": int(gen or 0),
+            "world_size": table.world_size if table else 0,
+            "step": self.max_step,
+            "loss": loss,
+            "steps_per_s": round(self.rate, 3) if self.rate is not None else None,
+            "eta_s": eta,
+            "updated_at": time.time(),
+        }
+
+
+def job_summary(client: redis.Redis, job_id: str, *, steps: int = 0) -> dict:
+    """What a launch unit returns: state, reason, generation, steps and the summary the
+    job's rank 0 reported at completion (``summary`` in the state hash, JSON)."""
+    keys = job_keys(job_id)
+    h = {k.decode(): v.decode() for k, v in client.hgetall(keys.state).items()}
+    summary = None
+    if h.get("summary"):
+        try:
+            summary = json.loads(h["summary"])
+        except ValueError:
+            summary = None
+    if isinstance(summary, dict) and isinstance(summary.get("step"), int):
+        steps = summary["step"]
+    return {
+        "job_id": job_id,
+        "state": h.get("state", "pending"),
+        "reason": h.get("reason", ""),
+        "generation": int(h.get("generation", 0) or 0),
+        "steps": steps,
+        "summary": summary,
+    }
+
+
+def _save_meta(rq_job, fields: dict) -> None:
+    if rq_job is None:
+        return
+    try:
+        rq_job.meta.update(fields)
+        rq_job.save_meta()
+    except redis.RedisError as exc:  # progress is best effort; the workers keep training
+        log.warning("could not update the launch unit's progress: %s", exc)
+
+
+def run_launch(job_id: str, workers: int, *, meta_interval: float | None = None) -> dict:
+    """Run ``workers`` worker processes of ``job_id`` on this node until they are done;
+    returns :func:`job_summary` plus ``node``, ``workers`` and ``agent_exit_code``.
+    Progress goes to the RQ job's meta every ``meta_interval`` s (default: the node's
+    ``SHOAL_LAUNCH_META_INTERVAL``, else 3)."""
+    from rq import get_current_job
+
+    from shoal.worker.agent import NodeAgent
+
+    if meta_interval is None:
+        try:
+            meta_interval = max(0.1, float(os.environ.get("SHOAL_LAUNCH_META_INTERVAL") or META_INTERVAL))
+        except ValueError:
+            meta_interval = META_INTERVAL
+    url = url_from_env()
+    if not url:
+        raise ConfigError("REDIS_URL is not set on this node")
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ConfigError(f"workers must be a positive integer, got {workers!r}")
+    try:
+        keys = job_keys(job_id)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    rq_job = get_current_job()
+    client = connect(url)
+    try:
+        raw = client.get(keys.spec)
+        if raw is None:  # the unit fails with this one line as its reason
+            raise ConfigError(f"job {job_id!r} does not exist in this Redis (deleted?): nothing to launch")
+        spec = JobSpec.from_stored(raw)
+        if workers > spec.max_workers:  # never start more processes than the job can use
+            raise ConfigError(f"workers {workers} exceeds job {job_id!r}'s max_workers={spec.max_workers}")
+        state = client.hget(keys.state, "state")
+        if state is not None and state.decode() in TERMINAL:
+            log.info("job %s already %s: no workers started", job_id, state.decode())
+            return {**job_summary(client, job_id), "node": "", "workers": 0, "agent_exit_code": None}
+        unit = rq_job.id if rq_job is not None else f"direct-{uuid.uuid4().hex[:12]}"
+        run_dir = Path(os.environ.get("SHOAL_AGENT_DIR") or default_run_dir().parent / "agent") / job_id / unit
+        agent = NodeAgent(client, url, job_id, workers, run_dir=run_dir, max_restarts=spec.max_restarts,
+                          node=os.environ.get("SHOAL_NODE") or None, spec=spec)
+        log.info("launch unit %s: %d worker(s) of job %s on node %s (Redis %s, logs in %s)",
+                 unit, workers, job_id, agent.node, redact_url(url), run_dir)
+        progress = Progress(client, job_id, spec)
+        base = {"job_id": job_id, "node": agent.node, "workers": workers, "run_dir": str(run_dir)}
+        _save_meta(rq_job, {**base, "state": "starting", "step": 0, "updated_at": time.time()})
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM to the unit (e.g. forwarded by `shoal agent --queue` on shutdown) drains the workers
+            previous = signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
+        next_report = time.monotonic() + meta_interval
+        try:
+            while agent.run_once(timeout=0.5):
+                if time.monotonic() >= next_report:
+                    next_report = time.monotonic() + meta_interval
+                    try:
+                        _save_meta(rq_job, {**base, **progress.sample()})
+                    except (redis.RedisError, ValueError) as exc:
+                        log.warning("progress sample failed: %s", exc)
+        finally:
+            for s in agent.slots:
+                if s.proc is not None:
+                    s.proc.kill()
+                    s.proc.wait(timeout=10)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        rc = 1 if any(s.gave_up for s in agent.slots) else 0
+        try:
+            final = progress.sample()
+        except (redis.RedisError, ValueError):
+            final = {}
+        result = {**job_summary(client, job_id, steps=progress.max_step), "node": agent.node,
+                  "workers": workers, "agent_exit_code": rc}
+        _save_meta(rq_job, {**base, **final, "state": result["state"], "step": result["steps"], "done": True})
+        log.info("launch unit %s done: job %s is %s (%s)", unit, job_id, result["state"], result["reason"])
+        return result
+    finally:
+        client.close()
+
+
+class LaunchRefused(ConfigError):
+    """An RQ job on the launch queue that is not a well-formed launch unit."""
+
+
+def _show(value: object) -> str:
+    text = repr(value).replace("\n", " ")
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def unit_args(func_name: object, args: object, kwargs: object) -> tuple[str, int]:
+    """``(job_id, workers)`` of a launch unit's payload, checked before anything is imported
+    or run: the function must be ``run_launch`` and the arguments exactly a valid job id and a
+    positive worker count. Anything else (another function, e.g. one pushed onto the queue
+    by hand) raises LaunchRefused with a one-line reason."""
+    from shoal.coordinator.launcher import LAUNCH_FUNC
+    from shoal.events.keys import valid_job_id
+
+    if func_name != LAUNCH_FUNC:
+        raise LaunchRefused(f"refused: {_show(func_name)} is not a launch unit (only {LAUNCH_FUNC} runs here)")
+    if kwargs:
+        raise LaunchRefused(f"refused: a launch unit takes no keyword arguments, got {_show(kwargs)}")
+    if not isinstance(args, (list, tuple)) or len(args) != 2:
+        raise LaunchRefused(f"refused: a launch unit's arguments are [job_id, workers], got {_show(args)}")
+    job_id, workers = args
+    if not isinstance(job_id, str) or not valid_job_id(job_id):
+        raise LaunchRefused(f"refused: job id must be 1-64 letters, digits, '_', '.', '-', got {_show(job_id)}")
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise LaunchRefused(f"refused: workers must be a positive integer, got {_show(workers)}")
+    return job_id, workers
+
+
+def launch_worker(client: redis.Redis, *, name: str | None = None):
+    """An RQ worker on the launch queue (JSON payloads) whose warm shutdown also drains the
+    running launch unit: SIGTERM is forwarded to the work horse, whose agent asks its
+    workers to leave the job; a second SIGTERM is RQ's cold shutdown (kills the horse's
+    process group, workers included).
+
+    It runs launch units only (:func:`unit_args`), never whatever function a payload names.
+    A unit that is refused, or whose launch fails with a ShoalError (e.g. the job does not
+    exist), fails with that one line as its RQ failure reason; other exceptions are bugs and
+    keep their traceback."""
+    from rq import Worker
+    from rq.exceptions import DeserializationError
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from shoal.coordinator.launcher import launch_queue
+
+    class LaunchUnit(Job):
+        shoal_error: str | None = None
+
+        @property
+        def func(self):
+            try:
+                job_id, workers = unit_args(self.func_name, self.args, self.kwargs)
+            except LaunchRefused as exc:
+                self.shoal_error = str(exc)
+                raise
+
+            def launch(*_args, **_kwargs):  # the checked arguments, whatever the payload says
+                try:
+                    return run_launch(job_id, workers)
+                except ShoalError as exc:
+                    self.shoal_error = str(exc)
+                    raise
+
+            return launch
+
+    def one_line(job) -> str | None:
+        if getattr(job, "shoal_error", None):
+            return job.shoal_error
+        try:
+            job.func_name
+        except DeserializationError:
+            return "refused: the payload is not an RQ JSON job (function, instance, args, kwargs)"
+        return None
+
+    class LaunchWorker(Worker):
+        def handle_exception(self, job, *exc_info):
+            reason = one_line(job)
+            if reason is None:
+                return super().handle_exception(job, *exc_info)
+            self.log.warning("launch unit %s failed: %s", job.id, reason)
+
+        def handle_job_failure(self, job, queue, *args, **kwargs):
+            reason = one_line(job)
+            if reason is not None:
+                kwargs["exc_string"] = reason
+            return super().handle_job_failure(job, queue, *args, **kwargs)
+
+        def request_stop(self, signum, frame):
+            if self.horse_pid:
+                try:
+                    os.kill(self.horse_pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            super().request_stop(signum, frame)
+
+    return LaunchWorker([launch_queue(client)], connection=client, serializer=JSONSerializer, name=name,
+                        job_class=LaunchUnit)

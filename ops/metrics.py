@@ -1,0 +1,195 @@
+"""Prometheus text-format metrics of a coordinator process, over plain HTTP.
+
+:class:`MetricsServer` serves ``GET /metrics`` from a daemon thread (stdlib
+``http.server``), bound to 127.0.0.1 unless told otherwise. Each scrape reads job and
+worker states from Redis (one pipeline per kind) and this replica's counters from
+:class:`shoal.coordinator.loop.Stats`. When Redis cannot be read the scrape still answers, with
+``shoal_redis_up 0`` and without the Redis-derived series.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import redis
+
+from shoal.coordinator.states import JobState, WorkerState
+from shoal.events.keys import JOBS, job_keys
+
+log = logging.getLogger("shoal.metrics")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: Failure-detection latency buckets, seconds (beyond the heartbeat TTL).
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class _Latency:
+    """Histogram over ``Stats.detection_latency_ms``, which only grows: each scrape folds in
+    the entries appended since the previous one."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.counts = [0] * len(LATENCY_BUCKETS)
+        self.total = 0
+        self.sum_s = 0.0
+        self._lock = threading.Lock()
+
+    def update(self, values: list[int]) -> None:
+        with self._lock:
+            new = values[self.seen:len(values)]
+            self.seen += len(new)
+            for ms in new:
+                s = max(0, ms) / 1000
+                self.total += 1
+                self.sum_s += s
+                for i, bound in enumerate(LATENCY_BUCKETS):
+                    if s <= bound:
+                        self.counts[i] += 1
+
+    def lines(self) -> list[str]:
+        name = "shoal_failure_detection_latency_seconds"
+        out = [f"# HELP {name} Time from a worker's heartbeat TTL expiry to this replica declaring it failed.",
+               f"# TYPE {name} histogram"]
+        with self._lock:
+            for bound, n in zip(LATENCY_BUCKETS, self.counts):
+                out.append(f'{name}_bucket{{le="{bound}"}} {n}')
+            out += [f'{name}_bucket{{le="+Inf"}} {self.total}', f"{name}_sum {self.sum_s:.6f}", f"{name}_count {self.total}"]
+        return out
+
+
+def redis_lines(client: redis.Redis) -> list[str]:
+    """Series read from Redis: jobs by state, workers by state, each job's generation."""
+    job_ids = sorted(j.decode() for j in client.smembers(JOBS))
+    keys = []
+    for jid in job_ids:
+        try:
+            keys.append(job_keys(jid))
+        except ValueError:
+            continue
+    pipe = client.pipeline(transaction=False)
+    for k in keys:
+        pipe.hmget(k.state, ["state", "generation"])
+        pipe.hvals(k.workers)
+    replies = pipe.execute() if keys else []
+    jobs = {s.value: 0 for s in JobState}
+    workers = {s.value: 0 for s in WorkerState}
+    gens = []
+    for k, (state, gen), records in zip(keys, replies[0::2], replies[1::2]):
+        st = state.decode() if state else JobState.PENDING.value
+        jobs[st] = jobs.get(st, 0) + 1
+        gens.append((k.job_id, int(gen or 0)))
+        for raw in records:
+            try:
+                ws = json.loads(raw)["state"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            workers[ws] = workers.get(ws, 0) + 1
+    out = ["# HELP shoal_jobs Registered jobs by state.", "# TYPE shoal_jobs gauge"]
+    out += [f'shoal_jobs{{state="{_label(s)}"}} {n}' for s, n in jobs.items()]
+    out += ["# HELP shoal_workers Worker records of all jobs by state.", "# TYPE shoal_workers gauge"]
+    out += [f'shoal_workers{{state="{_label(s)}"}} {n}' for s, n in workers.items()]
+    out += ["# HELP shoal_job_generation Current generation (shard table number) of each job.",
+            "# TYPE shoal_job_generation gauge"]
+    out += [f'shoal_job_generation{{job="{_label(j)}"}} {g}' for j, g in gens]
+    return out
+
+
+class MetricsServer:
+    """``GET /metrics`` for one coordinator replica. ``coordinator`` may be None (Redis
+    series only). ``port=0`` binds an ephemeral port (see :attr:`port`)."""
+
+    def __init__(self, client: redis.Redis, coordinator=None, *, host: str = "127.0.0.1", port: int = 0):
+        self.client = client
+        self.coordinator = coordinator
+        self._latency = _Latency()
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            timeout = 10  # a stalled client never pins a thread
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server API)
+                if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+                    self.send_error(404, "try /metrics")
+                    return
+                body = owner.render().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, fmt: str, *args) -> None:
+                log.debug("metrics %s " + fmt, self.address_string(), *args)
+
+        try:
+            self._server = ThreadingHTTPServer((host, port), Handler)
+        except OSError as exc:
+            from shoal.core.errors import ConfigError
+
+            raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from exc
+        self._server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def host(self) -> str:
+        return self._server.server_address[0]
+
+    @property
+    def port(self) -> int:
+        return self._server.server_address[1]
+
+    def render(self) -> str:
+        lines = []
+        try:
+            lines += redis_lines(self.client)
+            up = 1
+        except redis.RedisError as exc:
+            log.warning("metrics: cannot read Redis: %s", exc)
+            up = 0
+        lines += ["# HELP shoal_redis_up Whether this scrape could read Redis.", "# TYPE shoal_redis_up gauge",
+                  f"shoal_redis_up {up}"]
+        coord = self.coordinator
+        if coord is not None:
+            st = coord.stats
+            counters = [
+                ("shoal_events_handled_total", "Worker events applied by this replica.", st.events_handled),
+                ("shoal_events_dead_lettered_total", "Events this replica moved to a dead-letter stream.", st.dead_lettered),
+                ("shoal_generations_total", "Shard-table generations this replica published.", st.generations),
+                ("shoal_failures_detected_total", "Workers this replica declared failed on heartbeat expiry.", st.failures_detected),
+                ("shoal_takeovers_total", "Job leases this replica took (fencing epoch increments).", st.takeovers),
+                ("shoal_handoffs_total", "Job leases this replica handed to a less loaded replica.", st.handoffs),
+                ("shoal_ticks_total", "Heartbeat-scan ticks of this replica.", st.ticks),
+            ]
+            for name, help_, value in counters:
+                lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {int(value)}"]
+            lines += ["# HELP shoal_leading_jobs Jobs whose lease this replica holds.", "# TYPE shoal_leading_jobs gauge",
+                      f"shoal_leading_jobs {len(coord.leads)}"]
+            self._latency.update(st.detection_latency_ms)
+            lines += self._latency.lines()
+        return "\n".join(lines) + "\n"
+
+    def start(self) -> "MetricsServer":
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
+                                        name="metrics-http", daemon=True)
+        self._thread.start()
+        log.info("metrics on http://%s:%d/metrics", self.host, self.port)
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread.join(timeout)
+        self._server.server_close()
+
+    def __enter__(self) -> "MetricsServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

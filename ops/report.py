@@ -1,0 +1,347 @@
+"""``shoal report JOB -o report.png``: a job's training history as one PNG.
+
+Four panels: loss and throughput (committed steps/s) against step and against time.
+Every new generation is a vertical line with a short label saying why (``w1 failed``,
+``w3 joined``, ``w2 left``, ``paused``); the end of the job (completed/stopped/failed) too.
+The time from a failure decision to the next committed step of a generation at least as new
+is a shaded recovery gap.
+
+Sources, both read-only: the coordinator's ``control`` stream (``ts_ms``, ``generation``,
+``kind``, ``reason``, ``job_state`` of every decision) and the ``progress`` stream rank 0
+writes (:mod:`shoal.worker.progress`). Times are Redis server time on both (``ts_ms``; a progress
+entry's id), so workers' clocks do not matter. Both streams are capped (~10000 decisions,
+~100000 progress entries): a very long job shows its most recent history only.
+
+Rendering uses matplotlib's Agg canvas directly (no pyplot, no display needed).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import redis
+
+from shoal.events.keys import job_keys
+from shoal.core.errors import ConfigError, ShoalError
+
+TERMINAL = ("completed", "failed", "stopped")
+_FAILED = re.compile(r"\b(w\d+) failed\b")
+_LEFT = re.compile(r"\b(w\d+) (?:draining|left|exited cleanly)\b")
+_WORLD = re.compile(r"; generation (\d+): world size (\d+) \(([^)]*)\)")
+
+
+class NoProgress(ShoalError):
+    """The job exists but rank 0 has not recorded any committed step yet."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class Point:
+    """One progress entry: Redis server time (ms) and what rank 0 had committed then."""
+
+    t_ms: int
+    step: int
+    loss: float
+    generation: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class Marked:
+    """A vertical line of the report: a new generation, or the end of the job."""
+
+    ts_ms: int
+    generation: int
+    kind: str  #: start | join | failure | leave | pause | end
+    label: str
+    reason: str
+    joined: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
+    world_size: int | None = None
+    #: the step rank 0 had committed at ts_ms (from the progress history; None before any)
+    step: int | None = None
+    #: for a failure: seconds to the next committed step of generation >= ``generation``
+    #: (None when training never went on); the shaded gap on the time panels
+    recovery_s: float | None = None
+    #: for a failure: when the shaded gap ends (ms), the end of the history if it never did
+    gap_end_ms: int | None = None
+
+
+@dataclass
+class History:
+    job_id: str
+    points: list[Point] = field(default_factory=list)
+    control: list[dict] = field(default_factory=list)
+    state: str = ""
+
+
+# ---- reading -----------------------------------------------------------------------------------
+
+
+def _xrange_all(client: redis.Redis, key: str, chunk: int = 10_000) -> list[tuple[str, dict[str, str]]]:
+    out, start = [], "-"
+    while True:
+        entries = client.xrange(key, min=start, count=chunk)
+        for sid, f in entries:
+            out.append((sid.decode(), {k.decode(): v.decode(errors="replace") for k, v in f.items()}))
+        if len(entries) < chunk:
+            return out
+        start = "(" + entries[-1][0].decode()
+
+
+def _int(v: str | None, default: int = 0) -> int:
+    try:
+        return int(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return default
+
+
+def _float(v: str | None) -> float:
+    try:
+        return float(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def load_history(client: redis.Redis, job_id: str) -> History:
+    """Both streams of ``job_id``. ConfigError for an unknown job, NoProgress when rank 0
+    has not recorded anything yet."""
+    try:
+        keys = job_keys(job_id)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    pipe = client.pipeline(transaction=False)
+    pipe.exists(keys.spec)
+    pipe.exists(keys.control)
+    pipe.exists(keys.progress)
+    pipe.hget(keys.state, "state")
+    has_spec, has_control, has_progress, state = pipe.execute()
+    if not (has_spec or has_control or has_progress):
+        raise ConfigError(f"no job {job_id!r} in this Redis")
+    if not has_progress:
+        raise NoProgress(f"job {job_id!r} has no progress history yet (nothing in {keys.progress}: "
+                         f"rank 0 records committed steps once training runs)")
+    h = History(job_id=job_id, state=state.decode() if state else "")
+    for sid, f in _xrange_all(client, keys.progress):
+        h.points.append(Point(t_ms=int(sid.split("-")[0]), step=_int(f.get("step")), loss=_float(f.get("loss")),
+                              generation=_int(f.get("generation")), world_size=_int(f.get("world_size"))))
+    for _sid, f in _xrange_all(client, keys.control):
+        h.control.append(f)
+    if not h.state and h.control:
+        h.state = h.control[-1].get("job_state", "")
+    return h
+
+
+# ---- what to mark ------------------------------------------------------------------------------
+
+
+def _names(ids: tuple[str, ...] | list[str]) -> str:
+    return ",".join(ids)
+
+
+def membership_events(control: list[dict]) -> list[Marked]:
+    """The decisions that made a new generation (in order), then the job's end if any.
+
+    Who joined or went is the difference between consecutive generations' member lists (from
+    the reason, ``...; generation N: world size K (w0, w1)``); who failed is named by the
+    reason (``w1 failed: ...``). Whatever was removed without failing left (drained)."""
+    marks: list[Marked] = []
+    generation = 0
+    members: list[str] = []
+    was_paused = False
+    ended = False
+    for d in control:
+        gen = _int(d.get("generation"), -1)
+        reason = d.get("reason", "")
+        ts = _int(d.get("ts_ms"))
+        job_state = d.get("job_state", "")
+        if gen > generation:
+            m = _WORLD.search(reason)
+            paused = m is None and "paused" in reason
+            now = [w.strip() for w in m.group(3).split(",") if w.strip()] if m else []
+            world = int(m.group(2)) if m else (0 if paused else None)
+            failed = tuple(dict.fromkeys(_FAILED.findall(reason)))
+            if paused:  # the paused table has no members: only the named workers went
+                left = tuple(w for w in dict.fromkeys(_LEFT.findall(reason)) if w not in failed)
+                removed = failed + left
+                now = [w for w in members if w not in removed]
+            else:
+                removed = tuple(w for w in members if w not in now) if m else ()
+                left = tuple(w for w in removed if w not in failed)
+            joined = tuple(w for w in now if w not in members) if m else ()
+            parts = ["resumed"] if was_paused and m else []
+            if failed:
+                parts.append(f"{_names(failed)} failed")
+            if left:
+                parts.append(f"{_names(left)} left")
+            if joined and generation > 0:
+                parts.append(f"{_names(joined)} joined")
+            if failed:
+                kind = "failure"
+            elif left:
+                kind = "leave"
+            elif generation == 0 and not paused:
+                kind, parts = "start", ["start"]
+            elif joined:
+                kind = "join"
+            elif paused:
+                kind = "pause"
+            else:
+                kind, parts = "join", parts or ["replanned"]
+            if paused:
+                parts.append("paused")
+            label = f"g{gen} " + "; ".join(parts) + (f" →{world}" if world else "")
+            marks.append(Marked(ts_ms=ts, generation=gen, kind=kind, label=label, reason=reason, joined=joined,
+                                removed=removed, failed=failed, world_size=world))
+            generation = gen
+            if m or paused:
+                members, was_paused = now, paused
+        if job_state in TERMINAL and not ended:
+            ended = True
+            marks.append(Marked(ts_ms=ts, generation=max(gen, generation), kind="end",
+                                label="job failed" if job_state == "failed" else job_state, reason=reason))
+    return marks
+
+
+def _with_steps_and_gaps(marks: list[Marked], points: list[Point]) -> list[Marked]:
+    """Each mark's committed step at its time; each failure's recovery gap."""
+    from bisect import bisect_right
+
+    times = [p.t_ms for p in points]
+    end_ms = max([times[-1]] + [m.ts_ms for m in marks]) if times else 0
+    out = []
+    for m in marks:
+        i = bisect_right(times, m.ts_ms)
+        step = points[i - 1].step if i > 0 else None
+        recovery = gap_end = None
+        if m.kind == "failure":
+            nxt = next((p for p in points[i:] if p.generation >= m.generation and p.t_ms >= m.ts_ms), None)
+            if nxt is not None:
+                recovery, gap_end = (nxt.t_ms - m.ts_ms) / 1000.0, nxt.t_ms
+            else:
+                gap_end = end_ms
+        out.append(replace(m, step=step, recovery_s=recovery, gap_end_ms=gap_end))
+    return out
+
+
+def analyse(history: History) -> list[Marked]:
+    """The marked events of a history, with steps and recovery gaps filled in."""
+    return _with_steps_and_gaps(membership_events(history.control), history.points)
+
+
+# ---- drawing -----------------------------------------------------------------------------------
+
+_COLOURS = {"start": "#2b8a3e", "join": "#2b8a3e", "failure": "#c92a2a", "leave": "#e67700",
+            "pause": "#868e96", "end": "#212529"}
+_STYLES = {"start": ":", "join": "--", "failure": "-", "leave": "--", "pause": ":", "end": "-."}
+
+
+def _rates(points: list[Point]) -> list[float]:
+    """Committed steps/s between each point and the previous one (NaN for the first, or when
+    the step went backwards, e.g. after a resume from an older checkpoint)."""
+    out = [math.nan]
+    for a, b in zip(points, points[1:]):
+        dt = (b.t_ms - a.t_ms) / 1000.0
+        ds = b.step - a.step
+        out.append(ds / dt if dt > 0 and ds >= 0 else math.nan)
+    return out
+
+
+def render(history: History, marks: list[Marked], path: str | Path) -> Path:
+    """Draw the four panels into ``path`` (PNG, 1400x900 px)."""
+    # matplotlib's first import builds a font cache and says so at INFO: not news for the user
+    logging.getLogger("matplotlib").setLevel(max(logging.WARNING, logging.getLogger("matplotlib").level))
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    pts = history.points
+    t0 = min([pts[0].t_ms] + [m.ts_ms for m in marks])
+    secs = [(p.t_ms - t0) / 1000.0 for p in pts]
+    steps = [p.step for p in pts]
+    losses = [p.loss for p in pts]
+    rates = _rates(pts)
+
+    fig = Figure(figsize=(14, 9), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 2, sharex="col")
+    (loss_step, loss_time), (rate_step, rate_time) = axes
+    for ax, x, y in ((loss_step, steps, losses), (loss_time, secs, losses),
+                     (rate_step, steps, rates), (rate_time, secs, rates)):
+        ax.plot(x, y, color="#1864ab", linewidth=1.2, marker="." if len(pts) < 200 else None, markersize=3)
+        ax.grid(True, alpha=0.3)
+    for ax in (rate_step, rate_time):
+        ax.set_ylim(bottom=0)
+    loss_step.set_ylabel("loss (global batch mean)")
+    rate_step.set_ylabel("throughput (committed steps/s)")
+    rate_step.set_xlabel("step")
+    rate_time.set_xlabel("time since start (s)")
+    loss_step.set_title("against step")
+    loss_time.set_title("against time")
+    if any(v > 0 for v in losses if not math.isnan(v)) and _spread(losses) > 20:
+        for ax in (loss_step, loss_time):
+            ax.set_yscale("log")
+
+    for m in marks:
+        colour, style = _COLOURS[m.kind], _STYLES[m.kind]
+        x_time = (m.ts_ms - t0) / 1000.0
+        x_step = m.step if m.step is not None else (steps[0] if steps else 0)
+        for ax, x in ((loss_step, x_step), (rate_step, x_step), (loss_time, x_time), (rate_time, x_time)):
+            ax.axvline(x, color=colour, linestyle=style, linewidth=1.1, alpha=0.85)
+        for ax, x in ((loss_step, x_step), (loss_time, x_time)):
+            ax.annotate(m.label, xy=(x, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -4),
+                        textcoords="offset points", rotation=90, va="top", ha="left", fontsize=8, color=colour)
+        if m.kind == "failure" and m.gap_end_ms is not None:
+            x_end = (m.gap_end_ms - t0) / 1000.0
+            for ax in (loss_time, rate_time):
+                ax.axvspan(x_time, x_end, color=_COLOURS["failure"], alpha=0.15, linewidth=0)
+            if m.recovery_s is not None:
+                rate_time.annotate(f"{m.recovery_s:.2f} s", xy=(x_end, 0.97), xycoords=("data", "axes fraction"),
+                                   xytext=(2, 0), textcoords="offset points", ha="left", va="top", fontsize=8,
+                                   color=_COLOURS["failure"])
+
+    failures = [m for m in marks if m.kind == "failure"]
+    rec = [m.recovery_s for m in failures if m.recovery_s is not None]
+    gens = max([p.generation for p in pts] + [m.generation for m in marks])
+    title = (f"shoal job {history.job_id}: {history.state or 'unknown state'}, {steps[-1]} steps committed, "
+             f"{gens} generation(s), {len(failures)} failure(s)")
+    if rec:
+        title += f", recovery {rec[0]:.2f} s" if len(rec) == 1 else f", recovery {min(rec):.2f}–{max(rec):.2f} s"
+    fig.suptitle(title, fontsize=12)
+    handles = [Line2D([], [], color=_COLOURS[k], linestyle=_STYLES[k], label=lbl) for k, lbl in
+               (("join", "joined / start"), ("failure", "failure"), ("leave", "left (drained)"),
+                ("pause", "paused"), ("end", "job ended"))
+               if any(m.kind == k or (k == "join" and m.kind == "start") for m in marks)]
+    if failures:
+        handles.append(Patch(color=_COLOURS["failure"], alpha=0.15, label="recovery: failure → next committed step"))
+    if handles:
+        fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=9, frameon=False)
+    out = Path(path)
+    try:
+        fig.savefig(out, format="png")
+    except OSError as exc:
+        raise ConfigError(f"cannot write {out}: {exc.strerror or exc}") from None
+    return out
+
+
+def _spread(values: list[float]) -> float:
+    pos = [v for v in values if not math.isnan(v) and v > 0]
+    return max(pos) / min(pos) if pos else 0.0
+
+
+def write_report(client: redis.Redis, job_id: str, path: str | Path) -> list[Marked]:
+    """Read ``job_id``'s history, draw it into ``path`` and return the marked events."""
+    out = Path(path)
+    if out.parent and not out.parent.is_dir():
+        raise ConfigError(f"cannot write {out}: no directory {out.parent}")
+    history = load_history(client, job_id)
+    marks = analyse(history)
+    render(history, marks, out)
+    return marks

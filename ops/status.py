@@ -1,0 +1,111 @@
+"""What ``shoal status`` shows: read-only view of a job assembled from its keys.
+
+Ages are computed against Redis server time, like failure detection. Nothing here writes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import redis
+
+from shoal.coordinator.states import JobStatus
+from shoal.events.keys import job_keys
+from shoal.events.models import ShardTable
+from shoal.core.errors import ConfigError
+from shoal.core.yamlfile import escape_controls
+
+
+#: Lines of the first failure's traceback ``shoal status`` prints (``--json`` has all of it).
+TRACEBACK_LINES = 12
+
+
+def job_status(client: redis.Redis, job_id: str) -> dict:
+    """A JSON-able dict: job state, generation, reason, first failure, the leading coordinator
+    replica (its name, never its lease token) and fencing epoch, and per worker id, state,
+    step, last heartbeat age (ms), straggler flag, digest, ranges."""
+    keys = job_keys(job_id)
+    pipe = client.pipeline(transaction=False)
+    pipe.get(keys.spec)
+    pipe.hgetall(keys.state)
+    pipe.hgetall(keys.workers)
+    pipe.zrange(keys.last_seen, 0, -1, withscores=True)
+    pipe.get(keys.shard)
+    pipe.time()
+    pipe.xlen(keys.dead)
+    pipe.get(keys.lease)
+    pipe.get(keys.epoch)
+    pipe.xlen(keys.failures)
+    spec_raw, state_raw, workers_raw, seen, shard_raw, (sec, usec), dead, lease, epoch, failures = pipe.execute()
+    if spec_raw is None:
+        raise ConfigError(f"no job {job_id!r} in this Redis")
+    now_ms = int(sec) * 1000 + int(usec) // 1000
+    status = JobStatus.from_hash(state_raw)
+    last_seen = {w.decode(): int(s) for w, s in seen}
+    table = ShardTable.model_validate_json(shard_raw) if shard_raw else None
+    records = {wid.decode(): json.loads(raw) for wid, raw in workers_raw.items()}
+    hb_keys = [keys.heartbeat(w) for w in records]
+    hbs = client.mget(hb_keys) if hb_keys else []
+    workers = []
+    for (wid, rec), hb_raw in sorted(zip(records.items(), hbs), key=lambda x: (len(x[0][0]), x[0][0])):
+        hb = json.loads(hb_raw) if hb_raw else {}
+        member = table.member(wid) if table else None
+        workers.append({
+            "worker_id": wid,
+            "state": rec["state"],
+            "rank": member.rank if member else None,
+            "step": hb.get("step"),
+            "loss": hb.get("loss"),
+            "step_time": hb.get("step_time"),
+            "digest": hb.get("digest"),
+            "heartbeat_age_ms": (now_ms - last_seen[wid]) if wid in last_seen else None,
+            "straggler": rec.get("straggler", False),
+            "host": rec.get("host", ""),
+            "pid": rec.get("pid", 0),
+            "reason": rec.get("reason", ""),
+            "ranges": [list(r) for r in member.ranges] if member else [],
+        })
+    return {
+        "job_id": job_id,
+        "state": status.state.value,
+        "generation": status.generation,
+        "world_size": table.world_size if table else 0,
+        "reason": status.reason,
+        "first_failure": status.first_failure,
+        "first_failure_traceback": status.first_failure_traceback,
+        "failures": int(failures),
+        "dead_letters": int(dead),
+        # the lease value is "<replica name>:<secret-ish token>": show only the name
+        "leader": lease.decode(errors="replace").split(":")[0] if lease else None,
+        "epoch": int(epoch or 0),
+        "workers": workers,
+    }
+
+
+def format_status(s: dict) -> str:
+    lines = [
+        f"job {s['job_id']}: {s['state']}  generation {s['generation']}  world size {s['world_size']}",
+        f"reason: {s['reason']}",
+        f"coordinator: {s['leader'] or 'none (the lease is free)'}  epoch {s['epoch']}",
+    ]
+    if s["first_failure"]:
+        more = f"  ({s['failures']} failures in all: redis-cli XRANGE 'shoal:{{{s['job_id']}}}:failures' - +)" \
+            if s["failures"] > 1 else ""
+        lines.append(f"first failure: {s['first_failure']}{more}")
+        tb = s["first_failure_traceback"].strip().splitlines()
+        if len(tb) > 1:
+            shown = tb[-TRACEBACK_LINES:]
+            lines.append(f"  its output{' (last %d lines)' % len(shown) if len(tb) > len(shown) else ''}:")
+            lines += [f"    {escape_controls(line)}" for line in shown]
+    if s["dead_letters"]:
+        lines.append(f"dead-lettered events: {s['dead_letters']}")
+    lines.append(f"{'worker':<8} {'state':<9} {'rank':>4} {'step':>6} {'loss':>9} {'hb age':>8}  {'flags':<9} ranges")
+    for w in s["workers"]:
+        age = f"{w['heartbeat_age_ms'] / 1000:.1f}s" if w["heartbeat_age_ms"] is not None else "-"
+        loss = f"{w['loss']:.4f}" if w["loss"] is not None else "-"
+        rank = str(w["rank"]) if w["rank"] is not None else "-"
+        step = str(w["step"]) if w["step"] is not None else "-"
+        flags = "straggler" if w["straggler"] else ""
+        ranges = " ".join(f"[{a},{b})" + (f"/{c}" if c != 1 else "") for a, b, c in w["ranges"])
+        lines.append(f"{w['worker_id']:<8} {w['state']:<9} {rank:>4} {step:>6} {loss:>9} {age:>8}  {flags:<9} {ranges}")
+    return "\n".join(lines)

@@ -1,0 +1,98 @@
+"""Bad input at the command line: a bad job spec, a bad cluster file, an unreachable Redis
+(whose password must not be printed) and an unreachable S3 endpoint each end the command
+with one ``shoal: ...`` line naming the cause, a non-zero exit and no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from shoal.events.keys import job_keys
+from shoal.ops.embedded import free_port
+from shoal.core.registry import create_job
+from shoal.core.jobspec import JobSpec
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def env(subprocess_env, tmp_path):
+    return {**subprocess_env, "SHOAL_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+
+
+def shoal(env, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shoal", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def one_line_error(res: subprocess.CompletedProcess, code: int, *needles: str) -> str:
+    """The command printed exactly one line, ``shoal: ...``, on stderr (and nothing else)."""
+    assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr + res.stdout
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith("shoal: "), res.stderr
+    for n in needles:
+        assert n in res.stderr, res.stderr
+    return res.stderr
+
+
+def write(path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("command, body, needles", [
+    ("submit", "entrypoint: simulate\nmin_workers: 3\nmax_workers: 2\n", ["min_workers (3) exceeds max_workers (2)"]),
+    ("submit", "entrypoint: simulate\ncolour: red\n", ["colour: Extra inputs are not permitted"]),
+    ("create", "entrypoint: simulate\nglobal_batch_size: -1\n", ["global_batch_size: Input should be greater than 0"]),
+    ("create", "entrypoint: [simulate\n", ["not valid YAML at line"]),
+])
+def test_bad_job_spec_is_one_line_and_writes_nothing(r, env, tmp_path, job_id, command, body, needles) -> None:
+    spec = write(tmp_path / "job.yaml", f"name: {job_id}\n{body}")
+    one_line_error(shoal(env, command, spec), 2, spec, *needles)
+    assert not r.exists(job_keys(job_id).spec)
+    if "min_workers" in body:
+        one_line_error(shoal(env, "submit", str(tmp_path / "missing.yaml")), 2, "cannot read job spec", "missing.yaml")
+
+
+@pytest.mark.parametrize("action, body, needles", [
+    ("validate", "nodes:\n  - name: a\n    transport: ssh\n    cpu_cores: 2\n    max_workers: 1\n",
+     ["nodes[a]: transport ssh needs a host"]),
+    ("show", "nodes:\n  - name: a\n    transport: local\n    max_workers: 1\n    gpus:\n      - uuid: g\n        vram_mb: -5\n",
+     ["nodes[a].gpus[0].vram_mb"]),
+    ("validate", "nodes: [\n", ["not valid YAML"]),
+    ("validate", None, ["cannot read cluster file"]),
+])
+def test_bad_cluster_file_is_one_line(env, tmp_path, action, body, needles) -> None:
+    path = write(tmp_path / "cluster.yaml", body) if body is not None else str(tmp_path / "absent.yaml")
+    one_line_error(shoal(env, "cluster", action, path), 2, *needles)
+
+
+def test_unreachable_redis_is_one_line_without_the_password(env, tmp_path) -> None:
+    port = free_port()  # nothing listens there
+    env = {**env, "REDIS_URL": f"redis://shoal:hunter2-secret@127.0.0.1:{port}/0"}
+    spec = write(tmp_path / "ok.yaml", "name: fine\nentrypoint: simulate\n")
+    for args in (["status", "fine"], ["submit", spec], ["stop", "fine"], ["purge", "--state", "stopped", "--yes"],
+                 ["report", "fine", "-o", str(tmp_path / "r.png")], ["coordinator"]):
+        res = shoal(env, *args)
+        err = one_line_error(res, 3, f"cannot reach Redis at redis://shoal:***@127.0.0.1:{port}/0", "Connection refused")
+        assert "hunter2-secret" not in err + res.stdout, args
+
+
+def test_unreachable_s3_stops_the_worker_with_one_line(r, env, job_id) -> None:
+    """The checkpoint store is opened when a training worker starts (before it joins): an S3
+    endpoint that refuses connections ends the worker with exit 3 and one ``shoal:`` line."""
+    create_job(r, JobSpec(name=job_id, entrypoint="tests.entrypoints:slow_digits", checkpoint_uri="s3://bucket/x"))
+    env = {**env, "S3_ENDPOINT": f"http://127.0.0.1:{free_port()}", "S3_ACCESS_KEY": "shoal-key",
+           "S3_SECRET_KEY": "s3-very-secret"}
+    res = shoal(env, "worker", job_id, "--join-timeout", "5")
+    assert res.returncode == 3, (res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr + res.stdout
+    # the worker's log lines go to stderr too (urllib3 logs its retries); the error is the one last line
+    errors = [line for line in res.stderr.splitlines() if line.startswith("shoal: ")]
+    assert errors == [res.stderr.splitlines()[-1]], res.stderr
+    assert errors[0].startswith("shoal: create bucket bucket: S3 endpoint unreachable"), errors
+    assert "s3-very-secret" not in res.stderr + res.stdout
+    assert r.hlen(job_keys(job_id).workers) == 0  # it never joined

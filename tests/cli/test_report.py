@@ -1,0 +1,126 @@
+"""``shoal report``: the progress recorder, the marked membership changes and recovery gaps,
+the PNG itself, and the CLI's errors (unknown job: exit 2; no progress yet: exit 1)."""
+
+from __future__ import annotations
+
+import redis
+
+from shoal.events.keys import job_keys
+from shoal.ops.cli import main
+from shoal.ops.embedded import free_port
+from shoal.core.registry import create_job
+from shoal.core.jobspec import JobSpec
+from shoal.ops.report import membership_events, write_report
+from shoal.worker.progress import ProgressRecorder
+
+T0 = 1_700_000_000_000  # ms; progress entry ids and control ts_ms share this (Redis server) clock
+
+
+def control(r, job: str, t: int, kind: str, generation: int, job_state: str, reason: str) -> None:
+    r.xadd(job_keys(job).control, {"ts_ms": str(T0 + t), "epoch": "1", "kind": kind, "source_id": "tick",
+                                    "job_state": job_state, "generation": str(generation), "reason": reason})
+
+
+def progress(r, job: str, t: int, step: int, generation: int, world: int) -> None:
+    r.xadd(job_keys(job).progress, {"step": str(step), "loss": repr(2.3 * 0.97 ** step), "generation": str(generation),
+                                     "world_size": str(world), "t": f"{(T0 + t) / 1000:.3f}"}, id=f"{T0 + t}-0")
+
+
+def simulate_run(r, job: str) -> None:
+    """A run as the coordinator and rank 0 would record it: start with 3 workers, w1 killed
+    (0.8 s to the next committed step), w3 joins, w2 drains, completed."""
+    control(r, job, 0, "join", 0, "pending", "w0 joined from h pid 1")
+    control(r, job, 300, "tick", 1, "running", "joins settled; generation 1: world size 3 (w0, w1, w2)")
+    control(r, job, 400, "ready", 1, "running", "w0 active in generation 1")
+    step, t = 0, 500
+    while t <= 5000:  # 10 steps/s, one entry per 0.5 s
+        step += 5
+        progress(r, job, t, step, 1, 3)
+        t += 500
+    control(r, job, 5200, "exited", 2, "running",
+            "w1 failed (rank 1): process ended with signal 9; generation 2: world size 2 (w0, w2)")
+    t = 6000  # first committed step of generation 2: 0.8 s after the failure decision
+    while t <= 12000:
+        step += 4
+        progress(r, job, t, step, 2 if t < 8500 else 3 if t < 12100 else 4, 2 if t < 8500 else 3)
+        t += 500
+    control(r, job, 8000, "join", 2, "running", "w3 joined from h pid 9")
+    control(r, job, 8300, "tick", 3, "running", "joins settled; generation 3: world size 3 (w0, w2, w3)")
+    control(r, job, 12100, "leave", 4, "running", "w2 draining (SIGTERM); generation 4: world size 2 (w0, w3)")
+    control(r, job, 12600, "left", 4, "running", "w2 left")
+    t = 12700
+    while t <= 15000:
+        step += 4
+        progress(r, job, t, step, 4, 2)
+        t += 500
+    control(r, job, 15100, "completed", 4, "completed", f"completed at step {step} (reported by w0)")
+
+
+def test_report_marks_membership_changes_shades_recovery_and_writes_a_png(r, job_id, tmp_path) -> None:
+    simulate_run(r, job_id)
+    out = tmp_path / "report.png"
+    marks = write_report(r, job_id, out)
+
+    assert [(m.kind, m.generation) for m in marks] == [
+        ("start", 1), ("failure", 2), ("join", 3), ("leave", 4), ("end", 4)]
+    start, fail, join, leave, end = marks
+    assert start.world_size == 3 and start.label == "g1 start →3"
+    assert fail.failed == ("w1",) and fail.removed == ("w1",) and fail.label == "g2 w1 failed →2"
+    assert fail.recovery_s == 0.8 and fail.gap_end_ms == T0 + 6000 and fail.step == 50
+    assert join.joined == ("w3",) and join.label == "g3 w3 joined →3" and join.recovery_s is None
+    assert leave.removed == ("w2",) and not leave.failed and leave.label == "g4 w2 left →2"
+    assert end.label == "completed" and end.ts_ms == T0 + 15100
+
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 30_000
+    from matplotlib.image import imread
+
+    h, w, _ = imread(out).shape
+    assert (w, h) == (1400, 900)
+
+
+def test_pause_and_resume_are_labelled_without_inventing_leaves() -> None:
+    rows = [
+        ("tick", 1, "running", "joins settled; generation 1: world size 2 (w0, w1)"),
+        ("exited", 2, "paused", "w1 failed (rank 1): process ended with exit code 1; paused: 1 < min_workers=2"),
+        ("tick", 3, "running", "joins settled; generation 3: world size 2 (w0, w2)"),
+    ]
+    marks = membership_events([{"ts_ms": str(i), "kind": k, "generation": str(g), "job_state": s, "reason": why}
+                               for i, (k, g, s, why) in enumerate(rows)])
+    assert [m.label for m in marks] == ["g1 start →2", "g2 w1 failed; paused", "g3 resumed; w2 joined →2"]
+    assert marks[1].removed == ("w1",) and marks[2].joined == ("w2",)
+
+
+def test_progress_recorder_is_rate_limited_records_new_generations_and_never_raises(r, job_id) -> None:
+    keys = job_keys(job_id)
+    rec = ProgressRecorder(r, keys, interval=0.5)
+    wrote = [rec.record(1, 2.0, 1, 2, t=100.0), rec.record(2, 1.9, 1, 2, t=100.2), rec.record(3, 1.8, 1, 2, t=100.6),
+             rec.record(4, float("nan"), 2, 1, t=100.7), rec.record(5, None, 2, 1, t=100.8)]
+    assert wrote == [True, False, True, True, False]
+    entries = [{k.decode(): v.decode() for k, v in f.items()} for _id, f in r.xrange(keys.progress)]
+    assert [(e["step"], e["generation"], e["world_size"]) for e in entries] == [("1", "1", "2"), ("3", "1", "2"), ("4", "2", "1")]
+    assert entries[0]["loss"] == "2.0" and entries[2]["loss"] == "nan" and entries[0]["t"] == "100.000"
+
+    down = redis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5, socket_timeout=0.5, retry=None)
+    rec = ProgressRecorder(down, keys, error_backoff=5.0)
+    assert rec.record(1, 1.0, 1, 1, t=0.0) is False  # dropped, no exception
+    assert rec.record(2, 1.0, 2, 1, t=1.0) is False and rec.dropped == 1  # backing off: not even tried
+
+
+def test_report_cli_errors_are_one_line(r, redis_url, job_id, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    assert main(["report", job_id, "-o", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"shoal: no job {job_id!r} in this Redis\n"
+
+    create_job(r, JobSpec(name=job_id, entrypoint="simulate"))
+    assert main(["report", job_id, "-o", str(tmp_path / "x.png")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"shoal: job {job_id!r} has no progress history yet") and err.count("\n") == 1
+    assert not (tmp_path / "x.png").exists()
+
+    simulate_run(r, job_id)
+    assert main(["report", job_id, "-o", str(tmp_path / "x.png")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"wrote {tmp_path / 'x.png'}: 4 generation change(s), 1 failure(s)")
+    assert "g2 w1 failed →2 (recovered in 0.80 s)" in out

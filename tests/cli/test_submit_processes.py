@@ -1,0 +1,185 @@
+"""``shoal submit`` -> RQ -> ``shoal agent --queue`` with real processes and a real Redis:
+a job trained to completion, a graceful stop, logs, purge, metrics and bad input."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from shoal.coordinator.launcher import launch_queue
+from shoal.events.keys import JOBS, job_keys, job_of_launch_unit
+from shoal.ops.embedded import free_port
+from shoal.ops.localproc import LocalProcs
+from tests.helpers import ROOT
+from tests.helpers import ControlWatcher
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def env(subprocess_env, tmp_path):
+    return {**subprocess_env, "SHOAL_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def procs(redis_url, tmp_path):
+    with LocalProcs(redis_url, tmp_path / "logs", extra_env={"SHOAL_HOME": str(tmp_path / "home")}) as p:
+        yield p
+
+
+@pytest.fixture
+def queue(r):
+    q = launch_queue(r)
+    q.empty()  # units another test left would be taken by our burst agent
+    yield q
+    q.empty()
+
+
+def shoal(env, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shoal", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def units_of(queue, job_id: str) -> list[str]:
+    return [i for i in queue.get_job_ids() if job_of_launch_unit(i) == job_id]
+
+
+def write_spec(path, **fields) -> str:
+    path.write_text("".join(f"{k}: {v}\n" for k, v in fields.items()))
+    return str(path)
+
+
+def test_invalid_spec_is_refused_before_anything_is_queued(r, env, tmp_path, job_id, queue) -> None:
+    bad = write_spec(tmp_path / "bad.yaml", name=job_id, entrypoint="simulate", min_workers=3, max_workers=2)
+    res = shoal(env, "submit", bad)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith("shoal: ") and "min_workers" in res.stderr
+    nested = write_spec(tmp_path / "typo.yaml", name=job_id, max_workerz=2)
+    res = shoal(env, "submit", nested)
+    assert res.returncode == 2 and "max_workerz" in res.stderr and "Traceback" not in res.stderr
+    res = shoal(env, "submit", str(tmp_path / "missing.yaml"))
+    assert res.returncode == 2 and res.stderr.startswith("shoal: cannot read job spec")
+    assert not r.sismember(JOBS, job_id) and not r.exists(job_keys(job_id).spec)
+    assert queue.count == 0 and units_of(queue, job_id) == []
+    # an unreachable server: one line, exit 3, and the password in REDIS_URL is never printed
+    good = write_spec(tmp_path / "good.yaml", name=job_id, entrypoint="simulate")
+    res = shoal({**env, "REDIS_URL": f"redis://user:s3cret-pw@127.0.0.1:{free_port()}/0"}, "submit", good)
+    assert res.returncode == 3 and res.stderr.count("\n") == 1 and "s3cret-pw" not in res.stderr + res.stdout
+    assert "user:***@" in res.stderr
+    # bad input to the other new commands: one line, non-zero, nothing changed
+    for args in (["stop", job_id], ["logs", job_id], ["stop", "bad{id}"], ["purge", "--state", "running"],
+                 ["agent", job_id, "--queue"], ["coordinator", "--metrics-port", "70000"]):
+        res = shoal(env, *args)
+        assert res.returncode != 0 and res.stderr.count("\n") == 1 and res.stderr.startswith("shoal: "), (args, res.stderr)
+
+
+def test_submitted_digits_job_trains_to_completion_through_a_queue_agent(r, env, tmp_path, job_id, procs, queue) -> None:
+    port = free_port()
+    coord = procs.coordinator("coord", "--metrics-port", str(port))
+    spec = write_spec(tmp_path / "job.yaml", name=job_id, entrypoint="shoal.examples.digits:build", max_steps=5,
+                      global_batch_size=64, min_workers=1, max_workers=1, heartbeat_interval=0.2, heartbeat_ttl=2.0)
+    res = shoal(env, "submit", spec, "--workers", "1")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == job_id
+    [unit] = units_of(queue, job_id)
+    agent = procs.start("agent", "agent", "--queue", "--burst", "--name", f"agent-{job_id}")
+    rc = agent.wait(90)
+    assert rc == 0, agent.log_tail()
+
+    job = Job.fetch(unit, connection=r, serializer=JSONSerializer)
+    assert job.get_status() == "finished", agent.log_tail()
+    result = job.return_value()
+    assert result["state"] == "completed" and result["steps"] == 5, result
+    assert result["summary"]["step"] == 5 and result["summary"]["digest"]
+    assert result["agent_exit_code"] == 0 and result["generation"] >= 1
+    meta = job.get_meta(refresh=True)
+    assert meta["done"] is True and meta["step"] == 5 and meta["state"] == "completed"
+
+    # the worker's log lines went to the job's log stream
+    logs = shoal(env, "logs", job_id)
+    assert logs.returncode == 0 and re.search(r"\bw\d+\s+INFO\s+.*finished: ", logs.stdout), logs.stdout
+    only = shoal(env, "logs", job_id, "--worker", "nobody")
+    assert only.returncode == 0 and only.stdout == ""
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    assert re.search(r'^shoal_jobs\{state="completed"\} [1-9]', text, re.M), text
+    assert re.search(rf'^shoal_job_generation\{{job="{job_id}"\}} [1-9]', text, re.M)
+    assert re.search(r"^shoal_events_handled_total [1-9]", text, re.M)
+    assert coord.popen.poll() is None
+
+
+def wait_until(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_drained_agent_is_relaunched_then_stop_is_graceful_and_purge_removes_the_job(
+        r, env, tmp_path, job_id, procs, queue) -> None:
+    watch = ControlWatcher(r, job_id)
+    coord = procs.coordinator("coord", "--launch-interval", "0.3", "--launch-cooldown", "5")
+    spec = write_spec(tmp_path / "sim.yaml", name=job_id, entrypoint="simulate", min_workers=1, max_workers=2,
+                      global_batch_size=20, heartbeat_interval=0.2, heartbeat_ttl=1.0, max_steps=100000,
+                      simulate_step_time=0.02)
+    res = shoal(env, "submit", spec, "--workers", "2")
+    assert res.returncode == 0, res.stderr
+    [first] = units_of(queue, job_id)
+    procs.extra_env["SHOAL_LAUNCH_META_INTERVAL"] = "0.3"
+    agent1 = procs.start("agent1", "agent", "--queue")
+    watch.wait_for(lambda d: "world size 2" in d["reason"], 40)
+
+    # progress in the RQ job's meta while it runs: step, generation, rate, ETA (max_steps is set)
+    meta = wait_until(lambda: (m := Job.fetch(first, connection=r, serializer=JSONSerializer).get_meta(refresh=True))
+                      .get("steps_per_s") and m, 15, "progress in the unit's meta")
+    assert meta["step"] > 0 and meta["generation"] >= 1 and meta["world_size"] == 2 and meta["eta_s"] > 0
+    assert meta["state"] == "running" and meta["workers"] == 2
+
+    # SIGTERM to the queue agent drains its unit: workers leave, nobody fails, the unit ends
+    agent1.signal(signal.SIGTERM)
+    assert agent1.wait(30) == 0, agent1.log_tail()
+    watch.wait_for(lambda d: d["job_state"] == "paused", 10)
+    result = Job.fetch(first, connection=r, serializer=JSONSerializer).return_value()
+    assert result["state"] in ("paused", "running") and result["agent_exit_code"] == 0, result
+    assert all(rec["state"] == "Left" for rec in watch.workers().values()), watch.workers()
+
+    # the coordinator's launcher sees a paused job with no unit queued or running: one new unit of 2
+    [second] = wait_until(lambda: units_of(queue, job_id), 10, "a re-enqueued launch unit")
+    assert second != first and Job.fetch(second, connection=r, serializer=JSONSerializer).args == [job_id, 2]
+    agent2 = procs.start("agent2", "agent", "--queue", "--burst")
+    watch.wait_for(lambda d: "world size 2" in d["reason"], 40)
+
+    res = shoal(env, "stop", job_id, "--wait", "10")
+    assert res.returncode == 0 and "stop requested" in res.stdout, res.stderr
+    assert agent2.wait(30) == 0, agent2.log_tail()
+    result = Job.fetch(second, connection=r, serializer=JSONSerializer).return_value()
+    assert result["state"] == "stopped" and result["reason"] == "stopped by operator"
+    assert result["agent_exit_code"] == 0
+    # graceful: workers exited by themselves (status 0), nobody was declared failed
+    assert all(rec["state"] != "Failed" for rec in watch.workers().values())
+    assert "died" not in agent2.log_tail(200)
+    assert shoal(env, "stop", job_id).stdout.startswith(f"job {job_id} is already stopped")
+    time.sleep(1.0)  # a launcher pass after the stop must not queue anything
+    assert units_of(queue, job_id) == []
+
+    dry = shoal(env, "purge", "--state", "completed,stopped")
+    assert dry.returncode == 0 and job_id in dry.stdout and "dry run" in dry.stdout
+    assert r.exists(job_keys(job_id).spec)
+    done = shoal(env, "purge", "--state", "stopped", "--yes")
+    assert done.returncode == 0 and "purged" in done.stdout, done.stderr
+    assert not r.sismember(JOBS, job_id)
+    assert list(r.scan_iter(match=f"shoal:{{{job_id}}}:*")) == []
+    time.sleep(0.5)  # the coordinator that led the job let go of it before its keys went
+    assert coord.popen.poll() is None, coord.log_tail()

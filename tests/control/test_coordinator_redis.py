@@ -1,0 +1,163 @@
+"""The coordinator loop against a real Redis, driven step by step with run_once()."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import redis
+
+from shoal.coordinator.errors import StaleEpoch
+from shoal.coordinator.fenced import FencedBatch
+from shoal.coordinator.loop import Coordinator
+from shoal.events import bus
+from shoal.events.keys import COORDINATOR_GROUP, job_keys
+from shoal.events.models import JoinRequest, Ready
+from shoal.ops.embedded import server_binary
+from shoal.core.registry import create_job
+from shoal.core.jobspec import JobSpec
+from shoal.worker.membership import Membership
+
+
+def _spec(job_id: str, **kw) -> JobSpec:
+    return JobSpec(name=job_id, entrypoint="simulate", min_workers=1, max_workers=3, global_batch_size=12, **kw)
+
+
+def _join_all(client_url: str, job_id: str, n: int, coord: Coordinator) -> list:
+    """Join n workers concurrently while driving the coordinator; returns ids or errors."""
+    results: list = [None] * n
+
+    def go(i: int) -> None:
+        try:
+            results[i] = Membership(redis.Redis.from_url(client_url), job_id).join(10)
+        except Exception as exc:  # noqa: BLE001 - recorded for the assertion
+            results[i] = exc
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        coord.run_once(block_ms=20)
+    return results
+
+
+def test_takeover_fences_the_old_leader_and_reclaims_its_pending_events(r, redis_url, job_id) -> None:
+    keys = job_keys(job_id)
+    create_job(r, _spec(job_id))
+    a = Coordinator(redis.Redis.from_url(redis_url), instance_id="a", lease_ttl=5)
+    a.run_once(block_ms=1)
+    assert a.leads[job_id].epoch == 1
+    # two joins arrive; A reads them (they are now pending on A) and then "hangs"
+    joins = [JoinRequest(job_id=job_id, host="h", pid=i) for i in range(2)]
+    for ev in joins:
+        bus.publish(r, keys.events, ev)
+    delivered = bus.read_new(r, [keys.events], "a", count=10, block_ms=None)
+    assert len(delivered[keys.events]) == 2
+    # A's lease lapses; B takes over with a larger epoch
+    r.delete(keys.lease)
+    b = Coordinator(redis.Redis.from_url(redis_url), instance_id="b", lease_ttl=5)
+    b.run_once(block_ms=1)
+    assert b.leads[job_id].epoch == 2
+    # nothing lost: B reclaimed A's pending entries and answered both joins
+    for ev in joins:
+        assert r.lpop(keys.join_reply(ev.event_id)) is not None
+    assert bus.group_info(r, keys.events).pending == 0
+    # the old leader wakes up: its writes are refused and change nothing
+    before = r.hgetall(keys.state)
+    with pytest.raises(StaleEpoch):
+        a.leads[job_id].writer.commit(FencedBatch(keys).hset(keys.state, {"state": "failed"}))
+    assert r.hgetall(keys.state) == before
+    # and its loop drops the job instead of acting on it
+    late = JoinRequest(job_id=job_id, host="h", pid=9)
+    bus.publish(r, keys.events, late)
+    a._last_lease_ms = 10**15  # skip A's lease refresh: it still believes it leads
+    a.run_once(block_ms=1)
+    assert job_id not in a.leads
+    # the entry A read before being fenced is reclaimed by the leader, not lost
+    assert r.llen(keys.join_reply(late.event_id)) == 0
+    b.reclaim(b.leads[job_id], min_idle_ms=0, now=0)
+    assert r.lpop(keys.join_reply(late.event_id)) is not None
+
+
+def test_redelivered_event_changes_nothing(r, redis_url, job_id) -> None:
+    keys = job_keys(job_id)
+    create_job(r, _spec(job_id))
+    c = Coordinator(redis.Redis.from_url(redis_url), instance_id="c")
+    c.run_once(block_ms=1)
+    (wid,) = _join_all(redis_url, job_id, 1, c)
+    c.tick(10**15)  # settle the join -> generation 1
+    sid = bus.publish(r, keys.events, Ready(job_id=job_id, worker_id=wid, generation=1))
+    c.run_once(block_ms=50)
+    snapshot = (r.hgetall(keys.state), r.hgetall(keys.workers), r.xlen(keys.control))
+    # redeliver the same entry (as after a crash between apply and ack)
+    fields = r.xrange(keys.events, sid, sid)[0][1]
+    c._apply_entry(c.leads[job_id], sid, fields, now=0)
+    assert (r.hgetall(keys.state), r.hgetall(keys.workers), r.xlen(keys.control)) == snapshot
+
+
+def test_garbage_from_redis_cli_is_dead_lettered_and_service_continues(r, redis_url, redis_server, job_id) -> None:
+    keys = job_keys(job_id)
+    create_job(r, _spec(job_id))
+    c = Coordinator(redis.Redis.from_url(redis_url), instance_id="c")
+    c.run_once(block_ms=1)
+    cli = str(Path(server_binary()).with_name("valkey-cli"))
+    port = str(redis_server.port)
+    junk = [
+        ["hello", "world"],
+        ["data", "{not json"],
+        ["data", '{"kind": "ready", "job_id": "' + job_id + '", "gener'],
+        ["data", '{"kind": "ready", "job_id": "' + job_id + '", "generation": "soon"}'],
+        ["data", "x" * 70000],
+    ]
+    for fields in junk:
+        subprocess.run([cli, "-p", port, "XADD", keys.events, "*", *fields], check=True, capture_output=True, timeout=10)
+    ids = _join_all(redis_url, job_id, 1, c)
+    assert ids == ["w0"]  # the coordinator kept serving
+    dead = r.xrange(keys.dead)
+    reasons = [d[b"reason"].decode() for _, d in dead]
+    assert len(dead) == len(junk)
+    assert any("no 'data' field" in x for x in reasons)
+    assert any("oversized" in x for x in reasons)
+    assert sum("not JSON" in x for x in reasons) == 2
+    assert any("schema" in x for x in reasons)
+    assert bus.group_info(r, keys.events).pending == 0
+
+
+def test_trim_never_drops_unacknowledged_entries(r, redis_url, job_id) -> None:
+    keys = job_keys(job_id)
+    create_job(r, _spec(job_id))
+    c = Coordinator(redis.Redis.from_url(redis_url), instance_id="c", trim_interval=0)
+    c.run_once(block_ms=1)
+    _join_all(redis_url, job_id, 2, c)
+    # an entry delivered to a crashed consumer stays pending; one more is not yet delivered
+    bus.publish(r, keys.events, Ready(job_id=job_id, worker_id="w0", generation=7))
+    bus.read_new(r, [keys.events], "crashed", count=1, block_ms=None)
+    later = bus.publish(r, keys.events, Ready(job_id=job_id, worker_id="w1", generation=8))
+    c.trim(c.leads[job_id])
+    remaining = [sid.decode() for sid, _ in r.xrange(keys.events)]
+    assert later in remaining and len(remaining) == 2  # handled joins trimmed, the rest kept
+    assert r.xpending(keys.events, COORDINATOR_GROUP)["pending"] == 1
+
+
+def test_keys_deleted_under_a_running_coordinator_do_not_kill_it(r, redis_url, job_id) -> None:
+    keys = job_keys(job_id)
+    create_job(r, _spec(job_id))
+    c = Coordinator(redis.Redis.from_url(redis_url), instance_id="c", lease_ttl=5, block_ms=10)
+    c.run_once(block_ms=1)
+    assert job_id in c.leads
+    r.delete(keys.events)  # its stream and consumer group vanish (a purge racing the leader)
+    r.srem("shoal:jobs", job_id)
+    stop = threading.Event()
+    t = threading.Thread(target=c.run, args=(stop,), daemon=True)
+    t.start()
+    other = job_id + "-b"
+    create_job(r, _spec(other))
+    ev = JoinRequest(job_id=other, host="h", pid=1)
+    bus.publish(r, job_keys(other).events, ev)
+    got = r.blpop([job_keys(other).join_reply(ev.event_id)], timeout=15)
+    stop.set()
+    t.join(10)
+    assert got is not None  # still serving other jobs
+    assert job_id not in c.leads

@@ -1,0 +1,97 @@
+"""The node agent's restart policy and failure reports, with real child processes standing
+in for workers.
+
+A worker that dies at once is in a crash loop: its restart delay doubles up to the cap. A
+worker that ran ``backoff_reset`` seconds before dying starts the doubling over, so a
+long-lived slot that crashes rarely is not kept waiting the capped delay. The restart budget
+is a total either way.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import fakeredis
+
+from shoal.events.keys import job_keys
+from shoal.events.models import WorkerExited, decode_event
+from shoal.worker.agent import REPORT_CHARS, NodeAgent, failure_report, restart_delay
+
+
+def _agent(tmp_path, child: str, **kw) -> NodeAgent:
+    agent = NodeAgent(fakeredis.FakeRedis(), "redis://unused", "bk", 1, run_dir=tmp_path, **kw)
+    # the child records a worker id (so the agent reports its exit), then runs ``child``
+    agent.worker_argv = [sys.executable, "-c",
+                         "import os, time, sys; open(os.environ['SHOAL_WORKER_ID_FILE'], 'w').write('w-test'); " + child]
+    return agent
+
+
+def _run(agent: NodeAgent, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while agent.run_once(timeout=0.2):
+        assert time.monotonic() < deadline, "the agent never gave up"
+
+
+def _exits(agent: NodeAgent) -> list[WorkerExited]:
+    events = [decode_event(fields, "bk") for _id, fields in agent.client.xrange(job_keys("bk").events)]
+    assert all(isinstance(e, WorkerExited) for e in events)
+    return events
+
+
+def test_restart_delay_doubles_and_is_capped() -> None:
+    assert [restart_delay(n, 0.5, 30) for n in range(8)] == [0.5, 1, 2, 4, 8, 16, 30, 30]
+    assert restart_delay(10_000, 0.5, 30) == 30  # no overflow however long the loop
+
+
+def test_crash_loop_doubles_then_caps_and_spends_the_budget(tmp_path) -> None:
+    agent = _agent(tmp_path, "sys.exit(3)", max_restarts=5, backoff=0.01, backoff_max=0.05, backoff_reset=60)
+    _run(agent)
+    slot = agent.slots[0]
+    assert slot.delays == [0.01, 0.02, 0.04, 0.05, 0.05]
+    assert slot.gave_up and len(slot.spawns) == 6
+    events = _exits(agent)
+    assert [e.restarts for e in events] == [0, 1, 2, 3, 4, 5]
+    assert [e.will_restart for e in events] == [True] * 5 + [False] and events[-1].gave_up
+    assert all(e.exit_code == 3 and e.worker_id == "w-test" for e in events)
+
+
+def test_a_healthy_run_resets_the_backoff_not_the_budget(tmp_path) -> None:
+    reset_after = 0.2
+    # each run lasts longer than backoff_reset, so no restart waits more than the first delay
+    agent = _agent(tmp_path, "time.sleep(0.4); sys.exit(3)", max_restarts=3, backoff=0.01, backoff_max=10,
+                   backoff_reset=reset_after)
+    _run(agent)
+    slot = agent.slots[0]
+    assert all(b - a >= reset_after for a, b in zip(slot.spawns, slot.exits))
+    assert slot.delays == [0.01, 0.01, 0.01]
+    assert slot.gave_up and slot.restarts == 3  # the budget is still a total
+
+
+def test_the_report_is_the_dead_process_traceback_whole(tmp_path) -> None:
+    # a deep traceback (20 distinct frames): longer than any fixed number of tail lines
+    child = "".join(f"def f{i}():\n    return f{i + 1}()\n" for i in range(20)) + "def f20():\n    return 1 / 0\n"
+    child += "print('training...', flush=True)\nf0()"
+    agent = _agent(tmp_path, f"exec({child!r})", max_restarts=0)
+    _run(agent)
+    (event,) = _exits(agent)
+    assert event.exit_code == 1 and event.gave_up
+    assert event.traceback.startswith("Traceback (most recent call last):")
+    assert event.traceback.endswith("ZeroDivisionError: division by zero")
+    assert all(f"in f{i}\n" in event.traceback for i in range(21)) and "training..." not in event.traceback
+
+
+def test_the_report_reads_only_the_latest_process_output(tmp_path) -> None:
+    log = tmp_path / "slot.log"
+    old = "Traceback (most recent call last):\n  File \"x\", line 1\nValueError: an earlier crash\n"
+    log.write_text(old)
+    start = log.stat().st_size
+    with open(log, "a") as f:
+        f.write("step 1\nstep 2\nexiting with code 3\n")
+    # the latest process left no traceback: its last lines, never the earlier crash's
+    assert failure_report(log, start) == "step 1\nstep 2\nexiting with code 3"
+    # a traceback too long for the event keeps its end (the exception line)
+    with open(log, "a") as f:
+        f.write("Traceback (most recent call last):\n" + "  frame\n" * 5000 + "KeyError: 'x'\n")
+    report = failure_report(log, start)
+    assert len(report) == REPORT_CHARS and report.endswith("KeyError: 'x'")

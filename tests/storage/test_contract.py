@@ -1,0 +1,121 @@
+"""The ObjectStore contract, run identically on every backend.
+
+``memory`` is the in-process fake, ``local`` real files in a temp dir, ``s3`` a real
+S3-compatible HTTP server (moto) on loopback reached through the real minio client.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from tests.storage.support import BACKENDS, make_store
+
+from shoal.storage.backend import ObjectStore
+from shoal.storage.errors import ObjectNotFound, StorageError
+
+
+@pytest.fixture(params=BACKENDS)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    return make_store(request.param, tmp_path)
+
+
+def test_put_get_roundtrip_binary_and_empty(store: ObjectStore) -> None:
+    payload = bytes(range(256)) * 3
+    store.put_bytes("a/b/c.bin", payload)
+    store.put_bytes("empty", b"")
+    assert store.get_bytes("a/b/c.bin") == payload
+    assert store.get_bytes("empty") == b""
+    assert store.size("a/b/c.bin") == len(payload)
+    assert store.size("empty") == 0
+    assert store.exists("a/b/c.bin") and store.exists("empty")
+
+
+def test_put_replaces_existing_object(store: ObjectStore) -> None:
+    store.put_bytes("k", b"old content that is longer")
+    store.put_bytes("k", b"new")
+    assert store.get_bytes("k") == b"new"
+    assert store.size("k") == 3
+
+
+def test_open_write_publishes_only_on_clean_exit(store: ObjectStore) -> None:
+    store.put_bytes("obj", b"v1")
+    with store.open_write("obj") as f:
+        f.write(b"v2-")
+        f.write(b"part2")
+        # not visible while the block runs
+        assert store.get_bytes("obj") == b"v1"
+        assert not store.exists("fresh")
+    assert store.get_bytes("obj") == b"v2-part2"
+
+    with pytest.raises(RuntimeError, match="boom"), store.open_write("obj") as f:
+        f.write(b"half written")
+        raise RuntimeError("boom")
+    assert store.get_bytes("obj") == b"v2-part2"
+
+    with pytest.raises(RuntimeError), store.open_write("fresh") as f:
+        f.write(b"x")
+        raise RuntimeError("boom")
+    assert not store.exists("fresh")
+    assert store.list() == ["obj"]
+
+
+def test_missing_objects(store: ObjectStore) -> None:
+    assert store.exists("nope") is False
+    with pytest.raises(ObjectNotFound):
+        store.get_bytes("nope")
+    with pytest.raises(ObjectNotFound):
+        store.size("dir/nope")
+    store.delete("nope")  # no-op, no error
+    assert issubclass(ObjectNotFound, StorageError)
+
+
+def test_list_is_recursive_sorted_and_prefix_filtered(store: ObjectStore) -> None:
+    for key in ["b/2", "a/1", "a/sub/3", "ab", "a/0"]:
+        store.put_bytes(key, key.encode())
+    assert store.list() == ["a/0", "a/1", "a/sub/3", "ab", "b/2"]
+    assert store.list("a/") == ["a/0", "a/1", "a/sub/3"]
+    assert store.list("a") == ["a/0", "a/1", "a/sub/3", "ab"]
+    assert store.list("a/s") == ["a/sub/3"]
+    assert store.list("zzz/") == []
+
+
+def test_delete_removes_only_that_key(store: ObjectStore) -> None:
+    store.put_bytes("d/x", b"1")
+    store.put_bytes("d/y", b"2")
+    store.delete("d/x")
+    assert not store.exists("d/x")
+    assert store.list("d/") == ["d/y"]
+    assert store.get_bytes("d/y") == b"2"
+
+
+def test_put_file_large_object(store: ObjectStore, tmp_path: Path) -> None:
+    # 6 MiB crosses the S3 multipart threshold (5 MiB), so the multipart path is exercised.
+    src = tmp_path / "src.bin"
+    data = os.urandom(6 * 1024 * 1024 + 17)
+    src.write_bytes(data)
+    store.put_file("big/blob", src)
+    assert store.size("big/blob") == len(data)
+    assert store.get_bytes("big/blob") == data
+
+
+def test_put_file_missing_source_leaves_key_untouched(store: ObjectStore, tmp_path: Path) -> None:
+    store.put_bytes("k", b"keep")
+    with pytest.raises(StorageError):
+        store.put_file("k", tmp_path / "does-not-exist")
+    assert store.get_bytes("k") == b"keep"
+
+
+@pytest.mark.parametrize("bad", ["", "/abs", "a/../b", "a//b", "./a", "a/", "a\\b", "a\x00b"])
+def test_invalid_keys_rejected_before_io(store: ObjectStore, bad: str) -> None:
+    with pytest.raises(ValueError):
+        store.put_bytes(bad, b"x")
+    with pytest.raises(ValueError):
+        store.get_bytes(bad)
+    assert store.list() == []
+
+
+def test_uri_and_repr_name_the_location(store: ObjectStore) -> None:
+    assert store.uri.split("://")[0] in ("memory", "file", "s3")
+    assert store.uri in repr(store)

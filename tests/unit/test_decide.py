@@ -1,0 +1,211 @@
+"""The coordinator's pure decisions, driven with an explicit clock (no sleeping)."""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal.coordinator.decide import SETTLE_MS, EventInput, Forget, Publish, RecordFailure, ReplyJoin, Tick, decide
+from shoal.coordinator.states import CoordState, IllegalTransition, JobState, WorkerRecord, WorkerState
+from shoal.events.models import JoinRequest, LeaveRequest, Left, Ready, StopJob, WorkerExited
+from shoal.core.jobspec import JobSpec
+
+SPEC = JobSpec(name="j", entrypoint="simulate", min_workers=2, max_workers=3, global_batch_size=10, heartbeat_ttl=2.0, heartbeat_interval=0.5)
+T0 = 1_000_000
+
+
+def _ev(event, sid="1-0"):
+    return EventInput(sid, event)
+
+
+def join(state, now, spec=SPEC):
+    d = decide(state, _ev(JoinRequest(job_id="j", host="h", pid=1)), now, spec)
+    return d
+
+
+def three_workers(spec=SPEC):
+    s = CoordState()
+    for i in range(3):
+        s = join(s, T0 + i, spec).state
+    return s
+
+
+def tables(d):
+    return [a.table for a in d.actions if isinstance(a, Publish)]
+
+
+def test_three_joins_make_exactly_one_generation_and_a_fourth_is_rejected() -> None:
+    s = CoordState()
+    published = []
+    for i in range(3):
+        d = join(s, T0 + i)
+        published += tables(d)
+        s = d.state
+    assert len(published) == 1  # settled: one generation, not three
+    t = published[0]
+    assert (t.generation, t.world_size) == (1, 3)
+    assert sorted(i for m in t.members for s0, e, st in m.ranges for i in range(s0, e, st)) == list(range(10))
+    d = join(s, T0 + 10)
+    reply = [a for a in d.actions if isinstance(a, ReplyJoin)][0].reply
+    assert not reply.accepted and "max_workers=3" in reply.reason
+    assert len(d.state.workers) == 3
+
+
+def test_joins_below_max_settle_on_a_tick() -> None:
+    spec = SPEC.model_copy(update={"max_workers": 5})
+    s = join(CoordState(), T0, spec).state
+    s = join(s, T0 + 10, spec).state
+    assert not tables(decide(s, Tick(), T0 + 10 + SETTLE_MS - 1, spec))
+    d = decide(s, Tick(), T0 + 10 + SETTLE_MS, spec)
+    assert [t.world_size for t in tables(d)] == [2]
+    assert d.state.status.state == JobState.RUNNING
+
+
+def test_stale_heartbeat_fails_the_worker_and_replans_at_once() -> None:
+    s = three_workers()
+    ttl = 2000
+    d = decide(s, Tick(last_seen={"w1": T0}), T0 + ttl, SPEC)  # exactly ttl: not yet
+    assert not d.changed
+    d = decide(s, Tick(last_seen={"w1": T0}), T0 + ttl + 1, SPEC)
+    assert d.state.workers["w1"].state == WorkerState.FAILED
+    assert Forget("w1") in d.actions
+    (t,) = tables(d)
+    assert t.generation == 2 and [m.worker_id for m in t.members] == ["w0", "w2"]
+    assert "no heartbeat" in d.reason and d.state.status.first_failure.startswith("w1 failed (rank 1): no heartbeat")
+    (rec,) = [a for a in d.actions if isinstance(a, RecordFailure)]
+    assert (rec.worker_id, rec.rank, rec.exit_code, rec.traceback) == ("w1", 1, None, "")
+
+
+def test_sigterm_drains_then_leaves_without_failure() -> None:
+    s = three_workers()
+    d = decide(s, _ev(LeaveRequest(job_id="j", worker_id="w2")), T0 + 5, SPEC)
+    assert d.state.workers["w2"].state == WorkerState.DRAINING
+    assert [m.worker_id for m in tables(d)[0].members] == ["w0", "w1"]
+    d = decide(d.state, _ev(Left(job_id="j", worker_id="w2")), T0 + 6, SPEC)
+    assert d.state.workers["w2"].state == WorkerState.LEFT
+    assert not tables(d)  # membership of the plan did not change again
+    assert all(w.state != WorkerState.FAILED for w in d.state.workers.values())
+
+
+def test_below_min_workers_pauses_and_a_join_resumes() -> None:
+    s = three_workers()
+    s = decide(s, Tick(last_seen={"w0": T0}), T0 + 5000, SPEC).state
+    d = decide(s, Tick(last_seen={"w1": T0}), T0 + 5001, SPEC)
+    assert d.state.status.state == JobState.PAUSED
+    (t,) = tables(d)
+    assert t.paused and t.members == []
+    d = join(d.state, T0 + 6000)
+    d = decide(d.state, Tick(), T0 + 6000 + SETTLE_MS, SPEC)
+    assert d.state.status.state == JobState.RUNNING
+    assert [m.worker_id for m in tables(d)[0].members] == ["w2", "w3"]
+
+
+def test_ready_moves_syncing_to_active_only_for_the_current_generation() -> None:
+    s = three_workers()
+    d = decide(s, _ev(Ready(job_id="j", worker_id="w0", generation=0)), T0 + 5, SPEC)
+    assert not d.changed and "generation 0 ignored" in d.reason
+    d = decide(s, _ev(Ready(job_id="j", worker_id="w0", generation=1)), T0 + 5, SPEC)
+    assert d.state.workers["w0"].state == WorkerState.ACTIVE
+
+
+def test_agent_reported_exit_fails_at_once_with_the_root_cause() -> None:
+    s = three_workers()
+    d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w0", exit_code=3, traceback="Traceback...\nRuntimeError: boom")), T0 + 5, SPEC)
+    assert d.state.workers["w0"].state == WorkerState.FAILED
+    assert "exit code 3" in d.state.status.first_failure and "RuntimeError: boom" in d.state.status.first_failure
+    assert tables(d)[0].world_size == 2
+
+
+def test_unknown_worker_and_terminal_job_are_no_ops_with_reasons() -> None:
+    s = three_workers()
+    d = decide(s, _ev(Left(job_id="j", worker_id="w99")), T0, SPEC)
+    assert not d.changed and "unknown worker" in d.reason
+    d = decide(s, _ev(StopJob(job_id="j")), T0, SPEC)
+    assert d.state.status.state == JobState.STOPPED
+    d = join(d.state, T0 + 1)
+    assert "job is stopped" in d.reason
+
+
+def test_state_tables_refuse_illegal_moves() -> None:
+    rec = WorkerRecord("w0", WorkerState.LEFT, joined_ms=0)
+    with pytest.raises(IllegalTransition):
+        rec.moved(WorkerState.ACTIVE, "x", 1)
+
+
+def test_stragglers_are_flagged_against_the_median() -> None:
+    s = three_workers()
+    for w in ("w0", "w1", "w2"):
+        s = decide(s, _ev(Ready(job_id="j", worker_id=w, generation=1)), T0 + 5, SPEC).state
+    d = decide(s, Tick(step_times={"w0": 0.1, "w1": 0.11, "w2": 0.5}), T0 + 10, SPEC)
+    assert d.state.workers["w2"].straggler and not d.state.workers["w0"].straggler
+    assert "w2 straggler" in d.reason
+    d2 = decide(d.state, Tick(step_times={"w0": 0.1, "w1": 0.11, "w2": 0.5}), T0 + 20, SPEC)
+    assert not d2.changed  # logged only when it changes
+
+
+def test_agent_report_after_a_heartbeat_timeout_becomes_the_root_cause() -> None:
+    s = three_workers()
+    s = decide(s, Tick(last_seen={"w0": T0}), T0 + 5000, SPEC).state
+    assert "no heartbeat" in s.status.first_failure
+    d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w0", exit_code=1, traceback="x\nValueError: bad")), T0 + 5001, SPEC)
+    # the rank is the one w0 held when the heartbeat timeout failed it
+    assert d.state.status.first_failure == "w0 failed (rank 0): process ended with exit code 1 (ValueError: bad)"
+    assert d.state.status.first_failure_traceback == "x\nValueError: bad"
+    assert d.state.workers["w0"].state == WorkerState.FAILED
+    assert RecordFailure("w0", 0, d.state.status.first_failure, 1, None, "x\nValueError: bad") in d.actions
+
+
+def test_first_failure_keeps_rank_exit_code_and_traceback_and_later_ones_do_not_replace_it() -> None:
+    s = three_workers()
+    tb = "Traceback (most recent call last):\n  File \"train.py\", line 3, in step\nRuntimeError: boom"
+    d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w2", exit_code=7, traceback=tb)), T0, SPEC)
+    assert d.state.status.first_failure == "w2 failed (rank 2): process ended with exit code 7 (RuntimeError: boom)"
+    assert d.state.status.first_failure_traceback == tb
+    assert RecordFailure("w2", 2, d.state.status.first_failure, 7, None, tb) in d.actions
+    # a later failure, by signal, is recorded in the history but is not the root cause
+    d2 = decide(d.state, _ev(WorkerExited(job_id="j", worker_id="w0", signal=9)), T0 + 1, SPEC)
+    assert d2.state.status.first_failure == d.state.status.first_failure
+    assert d2.state.status.first_failure_traceback == tb
+    assert RecordFailure("w0", 0, "w0 failed (rank 0): process ended with signal 9", None, 9, "") in d2.actions
+
+
+def test_latest_pointer_only_moves_forward() -> None:
+    from shoal.events.models import Checkpointed
+    from shoal.storage.latest import LatestPointer
+
+    s = three_workers()
+    d = decide(s, _ev(Checkpointed(job_id="j", worker_id="w0", step=20, store="file:///c", generation=1)), T0, SPEC)
+    (act,) = d.actions
+    assert LatestPointer.from_json(act.pointer_json) == LatestPointer(step=20, store="file:///c", generation=1)
+    d2 = decide(d.state, _ev(Checkpointed(job_id="j", worker_id="w0", step=10, store="file:///c")), T0, SPEC)
+    assert not d2.changed and not d2.actions and "LATEST is at step 20" in d2.reason
+
+
+def test_an_exit_report_after_a_later_heartbeat_timeout_is_recorded_not_promoted() -> None:
+    s = three_workers()
+    s = decide(s, _ev(WorkerExited(job_id="j", worker_id="w2", exit_code=3)), T0, SPEC).state
+    first = s.status.first_failure
+    s = decide(s, Tick(last_seen={"w1": T0}), T0 + 5000, SPEC).state  # w1 times out: rank 1 of [w0, w1]
+    d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w1", signal=11, traceback="Fatal Python error")), T0 + 5001, SPEC)
+    assert d.state.status.first_failure == first  # w2's exit stays the root cause
+    assert d.state.workers["w1"].reason == "w1 failed (rank 1): process ended with signal 11 (Fatal Python error)"
+    assert RecordFailure("w1", 1, d.state.workers["w1"].reason, None, 11, "Fatal Python error") in d.actions
+
+
+def test_a_generation_that_could_not_form_is_replaced_by_a_new_one_of_the_same_members() -> None:
+    from shoal.events.models import StepFailed
+
+    s = three_workers()
+    gen = s.status.generation
+    # an ordinary failed step is only noted: the failure itself is what re-plans
+    d = decide(s, _ev(StepFailed(job_id="j", worker_id="w0", generation=gen, step=5, error="peer closed")), T0, SPEC)
+    assert not d.changed and not tables(d)
+    # the group could not form: its prefix is spent, so the same members get a new generation
+    bad = StepFailed(job_id="j", worker_id="w1", generation=gen, step=5, error="rendezvous timed out", rendezvous=True)
+    d = decide(s, _ev(bad), T0, SPEC)
+    (t,) = tables(d)
+    assert t.generation == gen + 1 and [m.worker_id for m in t.members] == ["w0", "w1", "w2"]
+    assert f"generation {gen} could not form (w1: rendezvous timed out)" in d.reason
+    # the other members' reports of the same failure change nothing more
+    late = StepFailed(job_id="j", worker_id="w2", generation=gen, step=5, error="rendezvous timed out", rendezvous=True)
+    d2 = decide(d.state, _ev(late), T0 + 1, SPEC)
+    assert not d2.changed and not tables(d2)

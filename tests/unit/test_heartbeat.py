@@ -1,0 +1,56 @@
+"""The heartbeat's membership answer (what the commit fence asks before a step is applied).
+fakeredis; heartbeats are aged by moving the last confirmation back, not by sleeping."""
+
+from __future__ import annotations
+
+import time
+
+import fakeredis
+import redis
+
+from shoal.events.keys import job_keys
+from shoal.worker.heartbeat import Heartbeater
+
+
+def _watched(client: redis.Redis, keys, wid: str) -> Heartbeater:
+    client.zadd(keys.last_seen, {wid: 0})
+    return Heartbeater(client, keys, wid, interval=0.2, ttl=1.5)
+
+
+def test_recent_beats_answer_without_redis_and_old_ones_ask_it() -> None:
+    client, keys = fakeredis.FakeRedis(), job_keys("hb")
+    hb = _watched(client, keys, "w0")
+    assert hb.beat()
+    client.zadd(keys.last_seen, {"w0": 1})  # marks what a beat would overwrite
+    assert hb.still_member()  # confirmed a moment ago: no beat sent
+    assert client.zscore(keys.last_seen, "w0") == 1
+
+    hb.confirmed_at = time.monotonic() - 1.0  # more than half the TTL ago: ask Redis
+    assert hb.still_member()
+    assert client.zscore(keys.last_seen, "w0") > 1
+    assert time.monotonic() - hb.confirmed_at < 1.0
+
+    client.zrem(keys.last_seen, "w0")  # the coordinator declared it failed
+    assert hb.still_member()  # still within half the TTL of the last confirmation
+    hb.confirmed_at = time.monotonic() - 1.0
+    assert not hb.still_member() and hb.evicted
+    client.zadd(keys.last_seen, {"w0": 0})
+    assert not hb.still_member()  # eviction is final for this incarnation
+
+
+def test_an_unreachable_redis_does_not_stop_training() -> None:
+    keys = job_keys("hb")
+    dead = redis.Redis(port=1, socket_connect_timeout=0.2)  # nothing listens on port 1
+    hb = Heartbeater(dead, keys, "w0", interval=0.2, ttl=1.5)
+    hb.confirmed_at = time.monotonic() - 5.0
+    assert hb.still_member() and not hb.evicted
+
+
+def test_during_an_outage_the_fence_trusts_the_thread_unless_the_thread_was_frozen_too() -> None:
+    client, keys = fakeredis.FakeRedis(), job_keys("hb")
+    hb = Heartbeater(client, keys, "w0", interval=0.2, ttl=1.5)  # not watched: a beat would say evicted
+    hb.confirmed_at = time.monotonic() - 5.0
+    hb._failing_since = hb._tried_at = time.monotonic()  # the thread's beats are failing right now
+    assert hb.still_member() and not hb.evicted  # no beat sent: the server is down
+    hb._tried_at = time.monotonic() - 5.0  # ... or the whole process was frozen: ask
+    assert not hb.still_member() and hb.evicted

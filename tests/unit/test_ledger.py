@@ -1,0 +1,51 @@
+"""The exactly-once checker must catch what it claims to catch."""
+
+from __future__ import annotations
+
+from shoal.worker.ledger import verify
+
+N = 6
+
+
+def _entry(step, gen, batch, indices, epoch=0, cursor=None):
+    return {"step": step, "generation": gen, "batch": batch, "indices": indices, "epoch": epoch,
+            "cursor": cursor if cursor is not None else (step - 1) * 3, "worker": "w", "pid": 1}
+
+
+def _good():
+    return [_entry(1, 1, [4, 1, 0], [4, 1]), _entry(1, 1, [4, 1, 0], [0]),
+            _entry(2, 2, [5, 3, 2], [5, 3, 2])]
+
+
+def test_a_clean_run_passes() -> None:
+    v = verify(_good(), N)
+    assert v.ok and v.steps == 2 and v.epochs_complete == 1
+
+
+def test_a_sample_used_twice_is_caught() -> None:
+    bad = _good()[:2] + [_entry(2, 2, [5, 3, 1], [5, 3, 1])]
+    assert "used twice" in verify(bad, N).problem or "missing" in verify(bad, N).problem
+
+
+def test_a_step_committed_in_two_generations_is_caught() -> None:
+    bad = _good() + [_entry(2, 3, [5, 3, 2], [5, 3, 2])]
+    assert "two generations" in verify(bad, N).problem
+
+
+def test_slices_that_do_not_partition_the_batch_are_caught() -> None:
+    bad = [_entry(1, 1, [4, 1, 0], [4, 1]), _entry(1, 1, [4, 1, 0], [1]), _entry(2, 2, [5, 3, 2], [5, 3, 2])]
+    assert "partition" in verify(bad, N).problem
+
+
+def test_gaps_in_committed_steps_are_caught() -> None:
+    assert "gaps" in verify([_entry(2, 1, [0], [0])], N).problem
+
+
+def test_a_step_committed_by_some_ranks_only_is_accepted_if_disjoint() -> None:
+    # a peer died in the last exchange: rank 0 committed (holding every rank's gradient), rank 1 adopted it
+    partial = [dict(_entry(1, 1, [4, 1, 0], [4, 1]), world=3), _entry(2, 2, [5, 3, 2], [5, 3, 2])]
+    v = verify(partial, N)
+    assert v.ok and v.partial_commits == 1
+    overlapping = [dict(_entry(1, 1, [4, 1, 0], [4, 1]), world=3), dict(_entry(1, 1, [4, 1, 0], [1]), world=3),
+                   _entry(2, 2, [5, 3, 2], [5, 3, 2])]
+    assert "overlap" in verify(overlapping, N).problem
