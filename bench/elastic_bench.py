@@ -35,6 +35,9 @@ import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 
+from shoal.events import bus
+from shoal.events.keys import job_keys
+from shoal.events.models import StopJob
 from shoal.ops.embedded import start_server
 from shoal.core.registry import create_job
 from shoal.core.jobspec import JobSpec
@@ -119,7 +122,7 @@ def run_recovery(url: str, tmp: Path, with_agent: bool) -> dict:
         time.sleep(3.0)  # steady state
         records = watch.workers()
         victim_id = sorted(w for w, r in records.items() if r["state"] == "Active")[1]
-        gen_before = int(client.hget(f"shoal:{{{job}}}:state", "generation"))
+        gen_before = int(client.hget(job_keys(job).state, "generation"))
         killed_at = time.time()
         os.kill(records[victim_id]["pid"], signal.SIGKILL)
         watch.wait_for(lambda d: "world size 2" in d["reason"], 60)
@@ -129,7 +132,7 @@ def run_recovery(url: str, tmp: Path, with_agent: bool) -> dict:
             time.sleep(2.0)
         else:
             time.sleep(2.0)
-        client.xadd(f"shoal:{{{job}}}:events", {"data": json.dumps({"kind": "stop", "job_id": job, "reason": "bench done"})})
+        bus.publish(client, job_keys(job).events, StopJob(job_id=job, reason="bench done"))
         watch.wait_for(lambda d: d["job_state"] == "stopped", 60)
     entries = ledger.read(lg)
     per = by_worker(entries)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import statistics
 from dataclasses import dataclass, field, replace
 
@@ -29,6 +28,7 @@ from shoal.coordinator.states import (
     PLANNED,
     TERMINAL_JOB_STATES,
     CoordState,
+    FailureCause,
     JobState,
     JobStatus,
     WorkerRecord,
@@ -41,6 +41,7 @@ from shoal.events.models import (
     JobCompleted,
     JoinReply,
     JoinRequest,
+    LatestPointer,
     LeaveRequest,
     Left,
     Member,
@@ -51,7 +52,6 @@ from shoal.events.models import (
     WorkerExited,
 )
 from shoal.core.jobspec import JobSpec
-from shoal.storage.latest import LatestPointer
 
 SETTLE_MS = 300
 
@@ -106,9 +106,11 @@ class Forget:
 
 @dataclass(frozen=True)
 class SetLatest:
-    """Point the job's Redis LATEST at a complete checkpoint (only ever forwards)."""
+    """Point the job's Redis LATEST at a complete checkpoint (only ever forwards: the write
+    is refused in Redis when the pointer already names a higher ``step``)."""
 
     pointer_json: str
+    step: int = 0
 
 
 @dataclass(frozen=True)
@@ -210,13 +212,15 @@ def _move(state: CoordState, wid: str, dst: WorkerState, reason: str, now_ms: in
     return replace(state, workers={**state.workers, wid: rec})
 
 
-def rank_of(state: CoordState, wid: str) -> int:
-    """``wid``'s rank in the published generation, or -1 when it has none (joining, paused,
-    or the planned membership already differs from the published one)."""
+def published_ranks(state: CoordState) -> dict[str, int]:
+    """Worker id -> rank in the published generation, for the workers that have one. Empty
+    when the planned membership already differs from the published one (a join not yet
+    planned, a failure not yet re-planned) or the job is paused: the ranks are then unknown.
+    Take them before failing anyone: a failure changes the planned membership."""
     ids = planned_ids(state)
-    if wid in ids and _plan_digest(ids, False) == state.status.plan_digest:
-        return ids.index(wid)
-    return -1
+    if ids and _plan_digest(ids, False) == state.status.plan_digest:
+        return {wid: rank for rank, wid in enumerate(ids)}
+    return {}
 
 
 def _failed(wid: str, rank: int) -> str:
@@ -225,17 +229,17 @@ def _failed(wid: str, rank: int) -> str:
     return f"{wid} failed (rank {rank}):" if rank >= 0 else f"{wid} failed:"
 
 
-_RANK_IN_REASON = re.compile(r"^\S+ failed \(rank (\d+)\):")
-
-
-def _fail(state: CoordState, wid: str, reason: str, now_ms: int, rank: int,
+def _fail(state: CoordState, wid: str, cause: FailureCause, rank: int, reason: str, now_ms: int,
           exited: WorkerExited | None = None) -> tuple[CoordState, list[Action]]:
-    """Mark ``wid`` failed. The first failure of the job (its root cause) is kept with the
-    full traceback the agent reported; every failure goes to the ``failures`` stream."""
-    state = _move(state, wid, WorkerState.FAILED, reason, now_ms)
+    """Mark ``wid`` failed for ``cause`` holding ``rank``. The first failure of the job (its
+    root cause) is kept with the full traceback the agent reported; every failure goes to
+    the ``failures`` stream."""
+    rec = state.workers[wid].failed(cause, rank, reason, now_ms)
+    state = replace(state, workers={**state.workers, wid: rec})
     if not state.status.first_failure:
         tb = exited.traceback if exited else ""
-        state = replace(state, status=replace(state.status, first_failure=reason, first_failure_traceback=tb))
+        status = replace(state.status, first_failure=reason, first_failure_worker=wid, first_failure_traceback=tb)
+        state = replace(state, status=status)
     return state, [Forget(wid), _record(wid, rank, reason, exited)]
 
 
@@ -275,7 +279,7 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
         pointer = LatestPointer(step=ev.step, store=ev.store, generation=ev.generation).to_json()
         reason = f"LATEST -> checkpoint of step {ev.step} in {ev.store}"
         state = replace(state, status=replace(state.status, latest_step=ev.step))
-        return Decision(state, (SetLatest(pointer),), reason)
+        return Decision(state, (SetLatest(pointer, ev.step),), reason)
     if rec is None:
         return _unchanged(state, f"{ev.kind} from unknown worker {wid!r} ignored")
     if isinstance(ev, Ready):
@@ -307,24 +311,22 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
         how = f"signal {ev.signal}" if ev.signal else f"exit code {ev.exit_code}"
         tail = ev.traceback.strip().splitlines()[-1] if ev.traceback.strip() else ""
         ended = f"process ended with {how}" + (f" ({tail})" if tail else "")
-        rank = rank_of(state, wid)
-        why = f"{_failed(wid, rank)} {ended}"
-        if rec.state == WorkerState.FAILED and ": no heartbeat for " in rec.reason:
+        if rec.state == WorkerState.FAILED and rec.cause == FailureCause.HEARTBEAT_TIMEOUT:
             # the heartbeat timeout won the race; the agent's report says why the process
             # died, and is the root cause if the timeout was (the rank is the one the timeout
             # recorded: the worker is planned no more)
-            m = _RANK_IN_REASON.match(rec.reason)
-            rank = int(m.group(1)) if m else -1
-            why = f"{_failed(wid, rank)} {ended}"
+            why = f"{_failed(wid, rec.rank)} {ended}"
             status = state.status
-            if status.first_failure == rec.reason:
+            if status.first_failure_worker == wid:
                 status = replace(status, first_failure=why, first_failure_traceback=ev.traceback)
-            workers = {**state.workers, wid: replace(rec, reason=why)}
+            workers = {**state.workers, wid: replace(rec, reason=why, cause=FailureCause.EXITED)}
             state = replace(state, status=status, workers=workers)
-            actions = [_record(wid, rank, why, ev)]
+            actions = [_record(wid, rec.rank, why, ev)]
             if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:
                 return _give_up(state, wid, ev, spec, now_ms, actions)
             return Decision(state, tuple(actions), f"root cause of {wid}: {why}")
+        rank = published_ranks(state).get(wid, -1)
+        why = f"{_failed(wid, rank)} {ended}"
         if rec.state not in LIVE:
             if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:
                 return _give_up(state, wid, ev, spec, now_ms, [])
@@ -333,7 +335,7 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
             state = _move(state, wid, WorkerState.LEFT, f"{wid} exited cleanly while draining", now_ms)
             actions: list[Action] = [Forget(wid)]
         else:
-            state, actions = _fail(state, wid, why, now_ms, rank, ev)
+            state, actions = _fail(state, wid, FailureCause.EXITED, rank, why, now_ms, ev)
         if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:
             return _give_up(state, wid, ev, spec, now_ms, actions)
         state, more, reason = replan(state, spec, now_ms, epoch, why)
@@ -393,23 +395,24 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
     reasons: list[str] = []
     actions: list[Action] = []
     changed = False
+    removals = False
+    ranks = published_ranks(state)  # before this tick's first failure changes the membership
     for wid, seen in sorted(tick.last_seen.items()):
         rec = state.workers.get(wid)
         if rec is None or rec.state not in LIVE or now_ms - seen <= ttl_ms:
             continue
-        rank = rank_of(state, wid)
+        rank = ranks.get(wid, -1)
         why = f"{_failed(wid, rank)} no heartbeat for {now_ms - seen} ms (ttl {ttl_ms} ms)"
-        state, more = _fail(state, wid, why, now_ms, rank)
+        state, more = _fail(state, wid, FailureCause.HEARTBEAT_TIMEOUT, rank, why, now_ms)
         actions += more
         reasons.append(why)
-        changed = True
+        changed = removals = True
     if tick.step_times:
         state, flagged = _flag_stragglers(state, tick.step_times, spec.straggler_factor, now_ms)
         if flagged:
             reasons.append(flagged)
             changed = True
     pending = state.status.pending_join_ms
-    removals = bool(reasons) and any("failed" in r for r in reasons)
     if removals or (pending and now_ms - pending >= SETTLE_MS):
         why = "; ".join(reasons) if reasons else "joins settled"
         state, more, reason = replan(state, spec, now_ms, epoch, why)

@@ -14,20 +14,27 @@ import redis
 
 from shoal.coordinator.errors import StaleEpoch
 from shoal.events.keys import JobKeys
+from shoal.storage.latest import FORWARD_SET_LUA
 
-_APPLY = """
+_APPLY = FORWARD_SET_LUA + """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('STALE lease not held') end
 if redis.call('GET', KEYS[2]) ~= ARGV[2] then return redis.error_reply('STALE epoch changed') end
 local ops = cjson.decode(ARGV[3])
 for _, op in ipairs(ops) do
   local args = {}
   for i = 3, #op do args[#args + 1] = op[i] end
-  redis.call(op[1], KEYS[op[2]], unpack(args))
+  if op[1] == 'SETLATEST' then
+    forward_set(KEYS[op[2]], args[1], args[2])
+  else
+    redis.call(op[1], KEYS[op[2]], unpack(args))
+  end
 end
 return #ops
 """
 
-ALLOWED = frozenset({"HSET", "HDEL", "SET", "DEL", "XADD", "XACK", "XTRIM", "ZADD", "ZREM", "RPUSH", "EXPIRE", "PEXPIRE"})
+#: Redis commands a batch may hold, plus ``SETLATEST key step value``: the LATEST pointer's
+#: forward-only SET (``shoal.storage.latest.FORWARD_SET_LUA``; a lower step is not written).
+ALLOWED = frozenset({"SETLATEST", "HSET", "HDEL", "SET", "DEL", "XADD", "XACK", "XTRIM", "ZADD", "ZREM", "RPUSH", "EXPIRE", "PEXPIRE"})
 
 
 class FencedBatch:
@@ -65,9 +72,6 @@ class FencedBatch:
             args += [k, v]
         return self.add("XADD", key, *args)
 
-    def __len__(self) -> int:
-        return len(self.ops)
-
     @property
     def keys(self) -> list[str]:
         return self._keys
@@ -82,13 +86,13 @@ class FencedWriter:
         self.token = token
         self.epoch = epoch
 
-    def commit(self, batch: FencedBatch, client=None) -> None:
+    def commit(self, batch: FencedBatch) -> None:
         """Apply ``batch`` atomically; raises StaleEpoch if we no longer hold the job.
         Other Redis errors propagate as redis-py exceptions (the loop handles them)."""
         if not batch.ops:
             return
         try:
-            self._script(keys=batch.keys, args=[self.token, str(self.epoch), json.dumps(batch.ops)], client=client)
+            self._script(keys=batch.keys, args=[self.token, str(self.epoch), json.dumps(batch.ops)])
         except redis.ResponseError as exc:
             if "STALE" in str(exc):
                 raise StaleEpoch(f"job {self.keys.job_id}: write with epoch {self.epoch} refused ({exc})") from exc

@@ -29,6 +29,8 @@ from rq.serializers import JSONSerializer
 from shoal.coordinator.persist import load_state
 from shoal.coordinator.states import PLANNED, TERMINAL_JOB_STATES, CoordState, JobState
 from shoal.events.keys import JOBS, LAUNCH_QUEUE, job_keys, job_of_launch_unit, launch_unit_id
+from shoal.events.keys import LAUNCH_UNIT_RESULT_TTL_S as RESULT_TTL
+from shoal.events.models import LaunchSettings
 from shoal.core.jobspec import JobSpec
 
 log = logging.getLogger("shoal.launcher")
@@ -37,12 +39,9 @@ log = logging.getLogger("shoal.launcher")
 LAUNCH_FUNC = "shoal.launch.run_launch"
 #: RQ's "no timeout": a launch unit runs as long as the job trains (RQ's default is 180 s).
 NO_TIMEOUT = -1
-#: How long RQ keeps a finished or failed unit (its result / traceback), seconds.
-RESULT_TTL = 7 * 24 * 3600
 #: States in which a job wants workers (re-enqueue applies to these only).
 WANTS_WORKERS = frozenset({JobState.RUNNING, JobState.PAUSED})
-TERMINAL = TERMINAL_JOB_STATES
-_TERMINAL_NAMES = frozenset(s.value for s in TERMINAL)
+_TERMINAL_NAMES = frozenset(s.value for s in TERMINAL_JOB_STATES)
 _WANTING_NAMES = frozenset(s.value for s in WANTS_WORKERS)
 
 
@@ -147,7 +146,7 @@ class Launcher:
         for keys, launch, state in zip(managed, replies[0::2], replies[1::2]):
             if launch:
                 try:
-                    per_unit = max(1, int(launch.get(b"workers", b"1")))
+                    per_unit = max(1, LaunchSettings.from_hash(launch).workers)
                 except ValueError:
                     per_unit = 1
                 todo.append((keys, per_unit, state.decode() if state else JobState.PENDING.value))

@@ -29,14 +29,12 @@ from shoal.coordinator.lease import LeaseScripts
 from shoal.coordinator.persist import decision_batch, load_state
 from shoal.coordinator.states import TERMINAL_JOB_STATES, CoordState, WorkerState
 from shoal.events import bus
-from shoal.events.keys import COORDINATOR_GROUP, COORDINATORS, JOBS, JobKeys, job_keys
-from shoal.events.models import InvalidEvent, decode_event
+from shoal.events.keys import CONTROL_MAXLEN, COORDINATOR_GROUP, COORDINATORS, DEAD_MAXLEN, JOBS, JobKeys, job_keys
+from shoal.events.models import Heartbeat, InvalidEvent, decode_event
 from shoal.core.faults import FaultPlan
 from shoal.core.jobspec import JobSpec
 
 log = logging.getLogger("shoal.coordinator")
-
-DEAD_MAXLEN = 10_000
 
 
 @dataclass
@@ -359,7 +357,7 @@ class Coordinator:
         batch.hset(keys.state, {"applied": sid})
         batch.xadd(keys.control, {"ts_ms": str(now), "epoch": str(lead.epoch), "kind": "dead_letter", "source_id": sid,
                                   "job_state": status.state.value, "generation": str(status.generation),
-                                  "reason": f"dead-lettered {sid}: {reason}"}, maxlen=10_000)
+                                  "reason": f"dead-lettered {sid}: {reason}"}, maxlen=CONTROL_MAXLEN)
         batch.add("XACK", keys.events, COORDINATOR_GROUP, sid)
         if self._commit(lead, batch):
             lead.state = replace(lead.state, status=status)
@@ -402,7 +400,7 @@ class Coordinator:
             if lead.keys.job_id not in self.leads:
                 continue
             last_seen = {(w.decode() if isinstance(w, bytes) else w): max(int(score), lead.taken_ms) for w, score in stale}
-            step_times = _step_times(lead, progress.get(lead.keys.job_id))
+            step_times = _step_times(progress.get(lead.keys.job_id))
             if not last_seen and not step_times and not lead.state.status.pending_join_ms:
                 continue
             decision = decide(lead.state, Tick(last_seen=last_seen, step_times=step_times), now, lead.spec, lead.epoch)
@@ -428,19 +426,17 @@ class Coordinator:
         self._commit(lead, FencedBatch(lead.keys).add("XTRIM", lead.keys.events, "MINID", bus.safe_trim_id(info)))
 
 
-def _step_times(lead: JobLead, values: list | None) -> dict[str, float]:
-    if not values:
-        return {}
-    import json
-
+def _step_times(values: list | None) -> dict[str, float]:
+    """Recent step time per worker from sampled heartbeat values (missing or unreadable
+    heartbeats, and those without a step time yet, are left out)."""
     out: dict[str, float] = {}
-    for raw in values:
+    for raw in values or []:
         if raw is None:
             continue
         try:
-            hb = json.loads(raw)
-            if hb.get("step_time"):
-                out[str(hb["worker_id"])] = float(hb["step_time"])
-        except (ValueError, KeyError, TypeError):
+            hb = Heartbeat.model_validate_json(raw)
+        except ValueError:
             continue
+        if hb.step_time:
+            out[hb.worker_id] = hb.step_time
     return out

@@ -6,30 +6,24 @@ how many workers the job has.
 
 from __future__ import annotations
 
-import json
-
 import redis
 
 from shoal.coordinator.decide import Decision, Forget, Publish, RecordFailure, ReplyJoin, SetLatest, Watch
 from shoal.coordinator.fenced import FencedBatch
 from shoal.coordinator.states import CoordState, JobStatus, WorkerRecord
-from shoal.events.keys import JobKeys
-
-JOIN_REPLY_TTL_S = 60
-CONTROL_MAXLEN = 10_000
-GENERATIONS_MAXLEN = 1_000
-FAILURES_MAXLEN = 1_000
+from shoal.events.keys import CONTROL_MAXLEN, FAILURES_MAXLEN, GENERATIONS_MAXLEN, JOIN_REPLY_TTL_S, JobKeys
 
 
 def load_state(client: redis.Redis, keys: JobKeys) -> CoordState:
-    """The job's state as last written by a leader (empty state for a new job)."""
+    """The job's state as last written by a leader (empty state for a new job). A worker
+    record that does not parse raises ValueError (see ``WorkerRecord.from_json``)."""
     pipe = client.pipeline(transaction=False)
     pipe.hgetall(keys.state)
     pipe.hgetall(keys.workers)
     status_raw, workers_raw = pipe.execute()
     workers = {}
-    for wid, raw in workers_raw.items():
-        rec = WorkerRecord.from_json_dict(json.loads(raw))
+    for raw in workers_raw.values():
+        rec = WorkerRecord.from_json(raw)
         workers[rec.worker_id] = rec
     return CoordState(status=JobStatus.from_hash(status_raw), workers=workers)
 
@@ -45,7 +39,7 @@ def decision_batch(
     # records are immutable: an unchanged worker is the very same object (O(1) per worker)
     changed = {wid: rec for wid, rec in new.workers.items() if old.workers.get(wid) is not rec}
     if changed:
-        batch.hset(keys.workers, {wid: json.dumps(rec.to_json_dict()) for wid, rec in changed.items()})
+        batch.hset(keys.workers, {wid: rec.to_json() for wid, rec in changed.items()})
     for action in decision.actions:
         if isinstance(action, ReplyJoin):
             key = keys.join_reply(action.event_id)
@@ -58,7 +52,7 @@ def decision_batch(
         elif isinstance(action, Watch):
             batch.add("ZADD", keys.last_seen, action.now_ms, action.worker_id)
         elif isinstance(action, SetLatest):
-            batch.add("SET", keys.latest, action.pointer_json)
+            batch.add("SETLATEST", keys.latest, action.step, action.pointer_json)
         elif isinstance(action, Forget):
             batch.add("ZREM", keys.last_seen, action.worker_id)
             batch.add("DEL", keys.heartbeat(action.worker_id))

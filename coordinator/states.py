@@ -21,8 +21,11 @@ Job states::
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from enum import Enum
+
+from shoal.events.models import WorkerDoc
 
 
 class WorkerState(str, Enum):
@@ -40,6 +43,30 @@ WORKER_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
     WorkerState.LEFT: frozenset(),
     WorkerState.FAILED: frozenset(),
 }
+
+
+class FailureCause(str, Enum):
+    """Why a worker ended Failed: what decisions read (the record's ``reason`` is for people).
+
+    Moves: a worker is failed with HEARTBEAT_TIMEOUT or EXITED; a HEARTBEAT_TIMEOUT becomes
+    EXITED when the node agent's report of the process's end arrives after it (the report
+    names the root cause). Nothing else changes a cause."""
+
+    #: Not failed; or failed in a record written before causes were recorded, or with a
+    #: cause this version does not know.
+    NONE = ""
+    #: The coordinator saw no heartbeat for the heartbeat TTL.
+    HEARTBEAT_TIMEOUT = "heartbeat_timeout"
+    #: A node agent reported that the process ended (exit code or signal, traceback).
+    EXITED = "exited"
+
+
+def _cause(value: str) -> FailureCause:
+    try:
+        return FailureCause(value)
+    except ValueError:
+        return FailureCause.NONE
+
 
 #: States whose workers are members of the planned generation.
 PLANNED = frozenset({WorkerState.SYNCING, WorkerState.ACTIVE})
@@ -84,7 +111,8 @@ def check_job_move(src: JobState, dst: JobState) -> None:
 
 @dataclass(frozen=True)
 class WorkerRecord:
-    """The coordinator's record of one worker (stored as JSON in ``keys.workers``)."""
+    """The coordinator's record of one worker (stored in ``keys.workers`` as the JSON of a
+    :class:`~shoal.events.models.WorkerDoc`)."""
 
     worker_id: str
     state: WorkerState
@@ -92,25 +120,39 @@ class WorkerRecord:
     host: str = ""
     pid: int = 0
     node: str = ""
+    #: For people (``shoal status``, logs); no decision reads it.
     reason: str = ""
     changed_ms: int = 0
     restarts: int = 0
     straggler: bool = False
+    #: Why it failed (NONE unless Failed).
+    cause: FailureCause = FailureCause.NONE
+    #: Its rank in the generation it failed in (-1: none, or not failed).
+    rank: int = -1
 
     def moved(self, dst: WorkerState, reason: str, now_ms: int) -> "WorkerRecord":
         check_worker_move(self.state, dst)
         return replace(self, state=dst, reason=reason, changed_ms=now_ms)
 
+    def failed(self, cause: FailureCause, rank: int, reason: str, now_ms: int) -> "WorkerRecord":
+        """This worker moved to Failed for ``cause``, holding ``rank`` (-1: none) when it did."""
+        return replace(self.moved(WorkerState.FAILED, reason, now_ms), cause=cause, rank=rank)
+
     def to_json_dict(self) -> dict:
-        d = self.__dict__.copy()
-        d["state"] = self.state.value
-        return d
+        """The stored fields (a :class:`WorkerDoc`'s), in declaration order, enums as their values."""
+        return WorkerDoc(**{**self.__dict__, "state": self.state.value, "cause": self.cause.value}).model_dump()
+
+    def to_json(self) -> str:
+        """The stored value (what ``keys.workers`` holds for this worker)."""
+        return json.dumps(self.to_json_dict())
 
     @classmethod
-    def from_json_dict(cls, d: dict) -> "WorkerRecord":
-        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
-        known["state"] = WorkerState(known["state"])
-        return cls(**known)
+    def from_json(cls, raw: bytes | str) -> "WorkerRecord":
+        """Parse a stored value. Missing optional fields take their defaults and unknown ones
+        are ignored; an unknown cause reads as NONE. ValueError (pydantic's ValidationError,
+        or an unknown state) if it is not a worker record."""
+        doc = WorkerDoc.model_validate_json(raw)
+        return cls(**{**doc.model_dump(), "state": WorkerState(doc.state), "cause": _cause(doc.cause)})
 
 
 @dataclass(frozen=True)
@@ -127,7 +169,10 @@ class JobStatus:
     applied: str = "0-0"
     next_worker: int = 0
     changed_ms: int = 0
+    #: The job's first worker failure (its root cause), for people.
     first_failure: str = ""
+    #: The worker id of ``first_failure`` ("" : none yet, or state written before the field).
+    first_failure_worker: str = ""
     #: What the agent reported of the first failure's process (the tail of its output,
     #: normally the Python traceback); empty for a heartbeat timeout.
     first_failure_traceback: str = ""
@@ -148,6 +193,7 @@ class JobStatus:
             "next_worker": str(self.next_worker),
             "changed_ms": str(self.changed_ms),
             "first_failure": self.first_failure,
+            "first_failure_worker": self.first_failure_worker,
             "first_failure_traceback": self.first_failure_traceback,
             "plan_digest": self.plan_digest,
             "pending_join_ms": str(self.pending_join_ms),
@@ -168,6 +214,7 @@ class JobStatus:
             next_worker=int(g.get("next_worker", 0)),
             changed_ms=int(g.get("changed_ms", 0)),
             first_failure=g.get("first_failure", ""),
+            first_failure_worker=g.get("first_failure_worker", ""),
             first_failure_traceback=g.get("first_failure_traceback", ""),
             plan_digest=g.get("plan_digest", ""),
             pending_join_ms=int(g.get("pending_join_ms", 0)),

@@ -1,4 +1,6 @@
-"""Every Redis key and stream name shoal uses. Nothing else in the code base spells a key.
+"""Every Redis key and stream name shoal uses, with the fixed stream caps and key TTLs.
+Nothing else in the code base spells a key; TTLs that are settings (lease, heartbeat,
+relaunch cooldown) come from those settings, every other cap or TTL is a constant here.
 
 All keys of one job share the hash tag ``{JOB}`` so that multi-key Lua scripts (the fenced
 coordinator write, the heartbeat) stay legal on Redis Cluster. The few global keys (the job
@@ -30,6 +32,27 @@ LAUNCH_QUEUE = "shoal-launch"
 #: Writer: ``shoal submit`` and the coordinator's launcher. Reader: ``shoal agent --queue``.
 LAUNCH_UNIT_PREFIX = "shoal-launch-"
 _UNIT_SUFFIX = re.compile(r"^[0-9a-f]{12}$")
+
+#: How long RQ keeps a finished or failed launch unit (its result / traceback), seconds.
+LAUNCH_UNIT_RESULT_TTL_S = 7 * 24 * 3600
+
+# ---- caps (XADD MAXLEN ~) of the informational streams and TTLs of the job keys below ----
+#: Cap of ``generations``: workers only ever need the newest shard tables.
+GENERATIONS_MAXLEN = 1_000
+#: Cap of ``control``, the coordinator's decision log (``shoal events``).
+CONTROL_MAXLEN = 10_000
+#: Cap of ``dead``, the dead-lettered events.
+DEAD_MAXLEN = 10_000
+#: Cap of ``failures``, the history of worker failures.
+FAILURES_MAXLEN = 1_000
+#: Cap of ``logs``, the workers' log lines (``shoal logs``).
+LOGS_MAXLEN = 10_000
+#: Cap of ``progress``, the committed steps ``shoal report`` plots.
+PROGRESS_MAXLEN = 100_000
+#: TTL of a ``join_reply`` list, seconds: a reply nobody popped (the joiner gave up) expires.
+JOIN_REPLY_TTL_S = 60
+#: TTL of the keys under a generation's ``rendezvous`` prefix, seconds (each generation has its own).
+RENDEZVOUS_TTL_S = 3600
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -79,7 +102,8 @@ class JobKeys:
 
     @property
     def workers(self) -> str:
-        """HASH worker_id -> JSON worker record. Writer: coordinator."""
+        """HASH worker_id -> JSON worker record (:class:`shoal.events.models.WorkerDoc`).
+        Writer: coordinator."""
         return f"{self.base}:workers"
 
     @property
@@ -89,17 +113,19 @@ class JobKeys:
 
     @property
     def generations(self) -> str:
-        """STREAM of published shard tables (field ``data``); workers block on it. Capped."""
+        """STREAM of published shard tables (field ``data``); workers block on it. Capped
+        at ~:data:`GENERATIONS_MAXLEN`."""
         return f"{self.base}:generations"
 
     @property
     def control(self) -> str:
-        """STREAM of coordinator decisions with their reasons (``shoal events``). Capped."""
+        """STREAM of coordinator decisions with their reasons (``shoal events``). Capped at
+        ~:data:`CONTROL_MAXLEN`."""
         return f"{self.base}:control"
 
     def join_reply(self, event_id: str) -> str:
         """LIST holding the single reply to a join request (accepted + worker id, or the reason).
-        Writer: coordinator. Reader: the joining worker (BLPOP). TTL 60 s."""
+        Writer: coordinator. Reader: the joining worker (BLPOP). TTL :data:`JOIN_REPLY_TTL_S`."""
         return f"{self.base}:join:{event_id}"
 
     @property
@@ -115,7 +141,8 @@ class JobKeys:
 
     @property
     def dead(self) -> str:
-        """STREAM of dead-lettered events: original fields + ``reason`` + ``source_id``. Capped."""
+        """STREAM of dead-lettered events: original fields + ``reason`` + ``source_id``. Capped at
+        ~:data:`DEAD_MAXLEN`."""
         return f"{self.base}:dead"
 
     def heartbeat(self, worker_id: str) -> str:
@@ -129,7 +156,7 @@ class JobKeys:
 
     @property
     def logs(self) -> str:
-        """STREAM of worker log lines (``shoal logs``). Capped."""
+        """STREAM of worker log lines (``shoal logs``). Capped at ~:data:`LOGS_MAXLEN`."""
         return f"{self.base}:logs"
 
     @property
@@ -138,19 +165,21 @@ class JobKeys:
         (the worker's unix time); the entry id is Redis server time, the clock of ``control``.
         Writer: rank 0 of the training worker (``worker/progress.py``: at most one entry per
         0.5 s, plus the first step of each generation; dropped when Redis is down). Reader:
-        ``shoal report``. Capped at ~100000 entries. The coordinator never reads it."""
+        ``shoal report``. Capped at ~:data:`PROGRESS_MAXLEN` entries. The coordinator never reads it."""
         return f"{self.base}:progress"
 
     @property
     def failures(self) -> str:
         """STREAM of worker failures as the coordinator decided them (fenced): ``ts_ms``,
         ``worker``, ``rank`` (-1: none), ``reason``, ``exit_code`` or ``signal`` and the
-        ``traceback`` a node agent reported (empty for a heartbeat timeout). Capped at ~1000."""
+        ``traceback`` a node agent reported (empty for a heartbeat timeout). Capped at
+        ~:data:`FAILURES_MAXLEN`."""
         return f"{self.base}:failures"
 
     @property
     def launch(self) -> str:
-        """HASH launch settings of a queue-launched job (``workers`` per launch unit, ``units``).
+        """HASH launch settings of a queue-launched job (``workers`` per launch unit, ``units``;
+        :class:`shoal.events.models.LaunchSettings`).
         Writer: ``shoal submit`` (in the transaction that registers the job). Reader: the
         coordinator's launcher, which re-enqueues launch units only for jobs that have it."""
         return f"{self.base}:launch"
@@ -162,8 +191,14 @@ class JobKeys:
         return f"{self.base}:relaunch"
 
     def rendezvous(self, generation: int) -> str:
-        """Prefix of the torch.distributed store keys of one generation (fresh per generation)."""
+        """Prefix of the torch.distributed store keys of one generation (fresh per generation);
+        its keys expire after :data:`RENDEZVOUS_TTL_S`."""
         return f"{self.base}:rdzv:{generation}:"
+
+    def barrier(self, generation: int) -> str:
+        """SET of the worker ids that arrived at generation ``generation``'s barrier before
+        forming its group (under the generation's rendezvous prefix, same TTL)."""
+        return self.rendezvous(generation) + "arrived"
 
     def all_patterns(self) -> list[str]:
         """SCAN patterns that together match every key of this job (used by delete/purge)."""

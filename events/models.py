@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import asdict, dataclass
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -234,3 +235,91 @@ class Heartbeat(_Wire):
     loss: float | None = None
     digest: str | None = None
     pid: int = 0
+
+
+class WorkerDoc(_Wire):
+    """Value of one field of a job's ``workers`` hash: the coordinator's record of one worker
+    (``shoal.coordinator.states.WorkerRecord`` converts to and from it). Writer: the
+    coordinator. Readers: the coordinator when it takes a job over, status, metrics, a
+    worker checking it is still on record. Everything but ``worker_id`` and ``state`` is
+    optional: records written before a field existed parse with its default."""
+
+    worker_id: str
+    #: A ``WorkerState`` value: Syncing, Active, Draining, Left, Failed.
+    state: str
+    joined_ms: int = 0
+    host: str = ""
+    pid: int = 0
+    node: str = ""
+    #: For people only; decisions read ``cause`` and ``rank``.
+    reason: str = ""
+    changed_ms: int = 0
+    restarts: int = 0
+    straggler: bool = False
+    #: A ``FailureCause`` value: why a Failed worker failed ("" when not failed, or when the
+    #: record predates the field).
+    cause: str = ""
+    #: Its rank in the generation it failed in (-1: none, or not failed).
+    rank: int = -1
+
+
+class LaunchSettings(_Wire):
+    """A job's ``launch`` hash (queue-launched jobs only). Writer: ``shoal submit``. Reader:
+    the coordinator's launcher."""
+
+    #: Worker processes per launch unit.
+    workers: int = 1
+    #: Launch units enqueued at submit time.
+    units: int = 0
+
+    @classmethod
+    def from_hash(cls, h: dict) -> "LaunchSettings":
+        """Parse an HGETALL reply (bytes or str); ValidationError (a ValueError) if malformed."""
+        return cls.model_validate({(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+                                   for k, v in h.items()})
+
+
+# ---- the LATEST pointer ------------------------------------------------------------------
+
+#: prefix of a checkpoint's folder in a store; the folder of step N is ``step-00000000N``
+CHECKPOINT_DIR_PREFIX = "step-"
+
+
+def checkpoint_dir(step: int) -> str:
+    """``step-000000123`` (zero-padded to 9 digits so names sort by step up to 10^9)."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"{CHECKPOINT_DIR_PREFIX}{step:09d}"
+
+
+@dataclass(frozen=True)
+class LatestPointer:
+    """The value of a job's LATEST pointer (Redis key ``latest``, and the store's ``LATEST``
+    object): ``{"checkpoint": "step-00000000N", "generation": G, "step": N, "store": URI}``.
+    Writers: the coordinator (Redis, moved only forwards) and rank 0's saver (the store).
+    ``shoal.storage.latest.LatestPointer`` is the same value whose parse errors are storage
+    errors (PointerCorrupt)."""
+
+    step: int
+    store: str
+    generation: int = 0
+
+    @property
+    def checkpoint(self) -> str:
+        return checkpoint_dir(self.step)
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "checkpoint": self.checkpoint}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> "LatestPointer":
+        """Parse a pointer; ValueError naming the problem if it is malformed or inconsistent."""
+        try:
+            obj = json.loads(raw)
+            ptr = cls(step=obj["step"], store=obj["store"], generation=obj.get("generation", 0))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"Redis LATEST pointer is not valid JSON: {exc}") from exc
+        ints_ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (ptr.step, ptr.generation))
+        if not ints_ok or not isinstance(ptr.store, str) or obj.get("checkpoint") != ptr.checkpoint:
+            raise ValueError(f"Redis LATEST pointer is inconsistent: {obj!r}")
+        return ptr

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from shoal.worker.userapi import TrainingSetup
+from shoal import TrainingSetup
 
 _FONT = {
     0: [".###.", "#...#", "#..##", "#.#.#", "##..#", "#...#", ".###."],
@@ -137,11 +137,6 @@ def build_double() -> TrainingSetup:
     return setup
 
 
-def build_paced() -> TrainingSetup:
-    """``build`` with a pause in every step (see :func:`paced`)."""
-    return paced(build())
-
-
 def build_double_paced() -> TrainingSetup:
     """``build_double`` with a pause in every step: the chaos soak's job (``shoal chaos``)."""
     return paced(build_double())
@@ -180,7 +175,7 @@ def train_locally(epochs: int = 3, global_batch: int = 64, seed: int = 0, log=pr
     """Train single-process with shoal's engine and data order (no Redis); per-epoch metrics."""
     from shoal.worker.data import DataOrder
     from shoal.worker.engine import StepEngine
-    from shoal.worker.userapi import load_entrypoint
+    from shoal import load_entrypoint
 
     setup = load_entrypoint("shoal.examples.digits:build", seed)
     engine = StepEngine.from_setup(setup, require_group=False)

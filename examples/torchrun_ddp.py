@@ -1,9 +1,9 @@
 """The digits example as a plain torchrun + DDP script, for comparison with examples/digits.py.
 
-    torchrun --nproc_per_node=2 examples/torchrun_ddp.py
+    torchrun --nproc_per_node=2 -m shoal.examples.torchrun_ddp
 
-Same data, model, optimizer, global batch (64) and epochs as ``examples/job.yaml``. Run it
-from the repository with the project installed (``python3 scripts/dev.py`` sets that up).
+Same data, model, optimizer, global batch (64) and epochs as ``examples/job.yaml``. It needs
+shoal installed only for the shared data and model (``python3 scripts/dev.py`` sets that up).
 Unlike the shoal version it cannot lose or gain a worker: if one process dies, torchrun
 tears the whole job down.
 """

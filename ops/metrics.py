@@ -9,7 +9,6 @@ worker states from Redis (one pipeline per kind) and this replica's counters fro
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,6 +17,7 @@ import redis
 
 from shoal.coordinator.states import JobState, WorkerState
 from shoal.events.keys import JOBS, job_keys
+from shoal.events.models import WorkerDoc
 
 log = logging.getLogger("shoal.metrics")
 
@@ -87,8 +87,8 @@ def redis_lines(client: redis.Redis) -> list[str]:
         gens.append((k.job_id, int(gen or 0)))
         for raw in records:
             try:
-                ws = json.loads(raw)["state"]
-            except (ValueError, KeyError, TypeError):
+                ws = WorkerDoc.model_validate_json(raw).state
+            except ValueError:  # pydantic's ValidationError is one: a malformed record is skipped
                 continue
             workers[ws] = workers.get(ws, 0) + 1
     out = ["# HELP shoal_jobs Registered jobs by state.", "# TYPE shoal_jobs gauge"]

@@ -5,15 +5,25 @@ Ages are computed against Redis server time, like failure detection. Nothing her
 
 from __future__ import annotations
 
-import json
-
 import redis
+from pydantic import ValidationError
 
 from shoal.coordinator.states import JobStatus
 from shoal.events.keys import job_keys
-from shoal.events.models import ShardTable
+from shoal.events.models import Heartbeat, ShardTable, WorkerDoc
 from shoal.core.errors import ConfigError
 from shoal.core.yamlfile import escape_controls
+
+
+def _heartbeat(raw: bytes | None) -> Heartbeat | None:
+    """A heartbeat value through its model; None when absent or not a heartbeat (a
+    malformed value shows as no heartbeat rather than breaking ``status``)."""
+    if not raw:
+        return None
+    try:
+        return Heartbeat.model_validate_json(raw)
+    except ValidationError:
+        return None
 
 
 #: Lines of the first failure's traceback ``shoal status`` prints (``--json`` has all of it).
@@ -43,26 +53,26 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
     status = JobStatus.from_hash(state_raw)
     last_seen = {w.decode(): int(s) for w, s in seen}
     table = ShardTable.model_validate_json(shard_raw) if shard_raw else None
-    records = {wid.decode(): json.loads(raw) for wid, raw in workers_raw.items()}
+    records = {wid.decode(): WorkerDoc.model_validate_json(raw) for wid, raw in workers_raw.items()}
     hb_keys = [keys.heartbeat(w) for w in records]
     hbs = client.mget(hb_keys) if hb_keys else []
     workers = []
     for (wid, rec), hb_raw in sorted(zip(records.items(), hbs), key=lambda x: (len(x[0][0]), x[0][0])):
-        hb = json.loads(hb_raw) if hb_raw else {}
+        hb = _heartbeat(hb_raw)
         member = table.member(wid) if table else None
         workers.append({
             "worker_id": wid,
-            "state": rec["state"],
+            "state": rec.state,
             "rank": member.rank if member else None,
-            "step": hb.get("step"),
-            "loss": hb.get("loss"),
-            "step_time": hb.get("step_time"),
-            "digest": hb.get("digest"),
+            "step": hb.step if hb else None,
+            "loss": hb.loss if hb else None,
+            "step_time": hb.step_time if hb else None,
+            "digest": hb.digest if hb else None,
             "heartbeat_age_ms": (now_ms - last_seen[wid]) if wid in last_seen else None,
-            "straggler": rec.get("straggler", False),
-            "host": rec.get("host", ""),
-            "pid": rec.get("pid", 0),
-            "reason": rec.get("reason", ""),
+            "straggler": rec.straggler,
+            "host": rec.host,
+            "pid": rec.pid,
+            "reason": rec.reason,
             "ranges": [list(r) for r in member.ranges] if member else [],
         })
     return {

@@ -70,7 +70,6 @@ class AsyncCheckpointer:
         self._claim = threading.Lock()
         self._closed = False
         self.last_error: BaseException | None = None
-        self.last_manifest: Manifest | None = None
         self.saved = 0
         self.failed = 0
         self.skipped = 0
@@ -114,7 +113,6 @@ class AsyncCheckpointer:
                 on_phase=self._on_phase,
                 protect=self._protect,
             )
-            self.last_manifest = manifest
             if self._on_saved is not None:
                 self._on_saved(manifest)
             self.saved += 1

@@ -1,67 +1,55 @@
 """The Redis LATEST pointer of a job (key ``job_keys(job).latest``): JSON naming the newest
-published checkpoint, moved only forwards by a Lua compare-and-set.
+published checkpoint, moved only forwards.
 
 Value: ``{"step": N, "checkpoint": "step-00000000N", "store": "<store uri>",
-"generation": G}``. :data:`CAS_LUA` refuses a value whose step is lower than the stored one
-(an equal step rewrites it; an unparsable stored value is replaced). The coordinator routes
-this write through its fenced-epoch path by wrapping :data:`CAS_LUA` / :func:`cas_args`;
-:func:`publish_latest` is the plain, unfenced call.
+"generation": G}`` (the wire model is ``shoal.events.models.LatestPointer``). A write is
+refused when the stored value names a higher step (an equal step rewrites it; an unparsable
+stored value is replaced). That rule is the Lua function :data:`FORWARD_SET_LUA`, used in two
+places: :data:`CAS_LUA` / :func:`publish_latest`, the plain call, and the coordinator's fenced
+write path (``shoal.coordinator.fenced``, op ``SETLATEST``), which is how the coordinator moves
+the pointer when a worker reports a checkpoint.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
-
 import redis
 
 from shoal.events.keys import job_keys
+from shoal.events.models import LatestPointer as _WirePointer
 from shoal.storage.errors import LatestRegression, PointerCorrupt, translated
-from shoal.storage.layout import checkpoint_dir
+
+#: ``forward_set(key, step, value)``: SET ``key`` to ``value`` unless the value stored there
+#: names a step above ``step``. Returns -1 when written, else that (higher) stored step.
+FORWARD_SET_LUA = """
+local function forward_set(key, step, value)
+  local cur = redis.call('GET', key)
+  if cur then
+    local ok, obj = pcall(cjson.decode, cur)
+    if ok and type(obj) == 'table' and type(obj['step']) == 'number'
+       and obj['step'] > tonumber(step) then
+      return obj['step']
+    end
+  end
+  redis.call('SET', key, value)
+  return -1
+end
+"""
 
 #: KEYS[1] = pointer key; ARGV[1] = new step; ARGV[2] = new JSON value.
 #: Returns -1 when written, else the (higher) current step, which is left untouched.
-CAS_LUA = """
-local cur = redis.call('GET', KEYS[1])
-if cur then
-  local ok, obj = pcall(cjson.decode, cur)
-  if ok and type(obj) == 'table' and type(obj['step']) == 'number'
-     and obj['step'] > tonumber(ARGV[1]) then
-    return obj['step']
-  end
-end
-redis.call('SET', KEYS[1], ARGV[2])
-return -1
-"""
+CAS_LUA = FORWARD_SET_LUA + "return forward_set(KEYS[1], ARGV[1], ARGV[2])\n"
 
 
-@dataclass(frozen=True)
-class LatestPointer:
-    """Where the newest published checkpoint of a job is."""
-
-    step: int
-    store: str
-    generation: int = 0
-
-    @property
-    def checkpoint(self) -> str:
-        return checkpoint_dir(self.step)
-
-    def to_json(self) -> str:
-        return json.dumps({**asdict(self), "checkpoint": self.checkpoint}, sort_keys=True)
+class LatestPointer(_WirePointer):
+    """Where the newest published checkpoint of a job is; :meth:`from_json` raises
+    PointerCorrupt (a storage error) for a malformed or inconsistent value."""
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> LatestPointer:
-        """Parse a pointer; PointerCorrupt if it is malformed or inconsistent."""
         try:
-            obj = json.loads(raw)
-            ptr = cls(step=obj["step"], store=obj["store"], generation=obj.get("generation", 0))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise PointerCorrupt(f"Redis LATEST pointer is not valid JSON: {exc}") from exc
-        ints_ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (ptr.step, ptr.generation))
-        if not ints_ok or not isinstance(ptr.store, str) or obj.get("checkpoint") != ptr.checkpoint:
-            raise PointerCorrupt(f"Redis LATEST pointer is inconsistent: {obj!r}")
-        return ptr
+            return super().from_json(raw)
+        except ValueError as exc:
+            raise PointerCorrupt(str(exc)) from exc
 
 
 def cas_args(pointer: LatestPointer) -> list[str | int]:

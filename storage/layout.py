@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import re
 
+from shoal.events.models import CHECKPOINT_DIR_PREFIX as DIR_PREFIX
+from shoal.events.models import checkpoint_dir
+
 LATEST = "LATEST"
 MANIFEST = "manifest.json"
-DIR_PREFIX = "step-"
 
 _DIR = re.compile(r"^step-(\d{9,})$")
 
-
-def checkpoint_dir(step: int) -> str:
-    """``step-000000123`` (zero-padded to 9 digits so names sort by step up to 10^9)."""
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    return f"{DIR_PREFIX}{step:09d}"
+__all__ = ["DIR_PREFIX", "LATEST", "MANIFEST", "checkpoint_dir", "file_key", "manifest_key", "step_of_dir"]
 
 
 def file_key(step: int, name: str) -> str:

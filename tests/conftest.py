@@ -1,4 +1,7 @@
-"""Shared fixtures: a real embedded Redis server per test session, unique job ids per test."""
+"""Fixtures shared by every layer: a real embedded Redis server per test session, a client
+of it, unique job ids, the environment of child processes, ``LocalProcs`` against the
+session's server and the launch queue. Fixtures of one layer only live in that layer's
+``conftest.py`` (``tests/cli``, ``tests/storage``)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import pytest
 import redis
 
 from shoal.ops.embedded import start_server
+from shoal.ops.localproc import LocalProcs
 from tests.helpers import ROOT
 
 
@@ -69,3 +73,26 @@ def subprocess_env(redis_url: str) -> dict[str, str]:
     env["REDIS_URL"] = redis_url
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+@pytest.fixture
+def procs(redis_url: str, tmp_path):
+    """Real ``python -m shoal`` processes against the session's server, a log file each under
+    ``tmp_path/logs``, every one reaped at the end. ``SHOAL_HOME`` is the test's own, so no
+    process touches the user's ``~/.shoal``."""
+    with LocalProcs(redis_url, tmp_path / "logs", extra_env={"SHOAL_HOME": str(tmp_path / "home")}) as p:
+        yield p
+
+
+@pytest.fixture
+def queue(r):
+    """The RQ launch queue, emptied before the test (units another test left would be taken by
+    an agent of this one) and after it, together with its intermediate queue."""
+    from shoal.coordinator.launcher import launch_queue  # rq: only for the tests that use it
+
+    q = launch_queue(r)
+    q.empty()
+    yield q
+    q.empty()
+    for rq_id in q.intermediate_queue.get_job_ids():
+        q.intermediate_queue.remove(rq_id)

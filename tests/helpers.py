@@ -1,22 +1,58 @@
-"""Test helpers: await coordinator decisions on the control stream instead of sleeping."""
+"""Test helpers shared by every layer: one :func:`wait_until` for anything a test awaits,
+:class:`ControlWatcher` to await coordinator decisions on a job's control stream, and
+:func:`run_cli` to run ``python -m shoal ...`` as an operator would."""
 
 from __future__ import annotations
 
-import json
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import redis
 
 from shoal.events.keys import job_keys
-from shoal.events.models import ShardTable
+from shoal.events.models import ShardTable, WorkerDoc
 
 #: the repository root
 ROOT = Path(__file__).resolve().parent.parent
 
+T = TypeVar("T")
+
+
+def wait_until(pred: Callable[[], T], timeout: float, what: str | Callable[[], str], interval: float = 0.05) -> T:
+    """Call ``pred`` until it returns something truthy, and return that value.
+
+    ``pred`` is called at least once, and once more at the deadline; ``interval`` seconds
+    pass between calls (0 for a ``pred`` that blocks or drives a loop itself). Past
+    ``timeout`` seconds: AssertionError naming ``what`` and the timeout. ``what`` may be a
+    callable, evaluated only then, to report the state seen at the timeout. An exception
+    raised by ``pred`` propagates at once: a ``pred`` can fail fast, e.g. when the process
+    it watches has died."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what() if callable(what) else what}")
+        time.sleep(min(interval, left))
+
+
+def run_cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``python -m shoal ARGS`` from the repository root with ``env``; its output as text."""
+    return subprocess.run([sys.executable, "-m", "shoal", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
 
 class ControlWatcher:
     """Reads a job's control stream (the coordinator's decisions) from the beginning."""
+
+    #: longest single XREAD block: how far past its timeout ``wait_for`` may return
+    BLOCK_MS = 200
 
     def __init__(self, client: redis.Redis, job_id: str):
         self.client = client
@@ -27,15 +63,15 @@ class ControlWatcher:
 
     def wait_for(self, pred, timeout: float) -> dict:
         """The first decision after the previous match that satisfies ``pred``, blocking on
-        XREAD until it arrives; AssertionError on timeout."""
+        XREAD until it arrives; AssertionError on timeout, naming the last decisions seen."""
         while self._pos < len(self.seen):
             d = self.seen[self._pos]
             self._pos += 1
             if pred(d):
                 return d
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            resp = self.client.xread({self.keys.control: self.last}, count=100, block=max(1, int(min(left, 1.0) * 1000)))
+
+        def next_match() -> dict | None:
+            resp = self.client.xread({self.keys.control: self.last}, count=100, block=self.BLOCK_MS)
             for _s, entries in resp or []:
                 for sid, f in entries:
                     self.last = sid.decode()
@@ -44,15 +80,21 @@ class ControlWatcher:
                     self._pos = len(self.seen)
                     if pred(d):
                         return d
-        raise AssertionError(f"no matching decision within {timeout}s; saw: {[d['reason'] for d in self.seen][-10:]}")
+            return None
+
+        return wait_until(next_match, timeout, lambda: f"a matching decision on {self.keys.control}; saw: "
+                          f"{[d['reason'] for d in self.seen][-10:]}", interval=0)
 
     def table(self) -> ShardTable:
         return ShardTable.model_validate_json(self.client.get(self.keys.shard))
 
     def workers(self) -> dict[str, dict]:
-        return {k.decode(): json.loads(v) for k, v in self.client.hgetall(self.keys.workers).items()}
+        """The job's worker records, each read through its model (``WorkerDoc``), as dicts."""
+        return {k.decode(): WorkerDoc.model_validate_json(v).model_dump()
+                for k, v in self.client.hgetall(self.keys.workers).items()}
 
 
 def server_ms(client: redis.Redis) -> int:
+    """Redis server time in ms (the clock the coordinator decides by)."""
     sec, usec = client.time()
     return int(sec) * 1000 + int(usec) // 1000

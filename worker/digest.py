@@ -18,12 +18,6 @@ import torch
 DIGEST_CHARS = 16
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The raw bytes of ``t`` (any dtype, any device, contiguous copy on CPU)."""
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes()
-
-
 def _raw(t: torch.Tensor):
     """A buffer over ``t``'s raw bytes (a view when ``t`` is a contiguous CPU tensor)."""
     return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
@@ -43,9 +37,5 @@ def digest_of(state: Mapping[str, torch.Tensor], *, length: int = DIGEST_CHARS) 
         for name, t in state.items():
             h.update(name.encode())
             h.update(f"|{t.dtype}|{tuple(t.shape)}|".encode())
-            h.update(_raw(t))  # the same bytes as tensor_bytes(t), without copying them
+            h.update(_raw(t))  # no copy for a contiguous CPU tensor
     return h.hexdigest()[:length]
-
-
-#: Alias: the heartbeat field is called the parameter digest.
-param_digest = state_digest

@@ -36,8 +36,8 @@ class Heartbeater:
     """Refreshes a worker's heartbeat every ``interval`` s from a daemon thread.
 
     ``update(**fields)`` changes what the next beat publishes (step, loss, digest...).
-    ``on_evicted`` is called once, from whichever thread's beat found that the coordinator no
-    longer watches this worker (the heartbeat thread, or the training thread through
+    :attr:`evicted` becomes True, for good, once a beat finds that the coordinator no longer
+    watches this worker (a beat of the heartbeat thread, or of the training thread through
     :meth:`still_member`).
 
     The thread beats on a connection pool of its own whose commands fail at once instead of
@@ -51,7 +51,7 @@ class Heartbeater:
     :meth:`beat` called directly uses ``client`` as given (riding out outages if it does).
     """
 
-    def __init__(self, client: redis.Redis, keys: JobKeys, worker_id: str, *, interval: float, ttl: float, on_evicted=None, pid: int = 0):
+    def __init__(self, client: redis.Redis, keys: JobKeys, worker_id: str, *, interval: float, ttl: float, pid: int = 0):
         self._script = client.register_script(_BEAT)
         self._fast = without_retries(client)
         self._keys = keys
@@ -62,7 +62,6 @@ class Heartbeater:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._on_evicted = on_evicted
         self.evicted = False
         #: set while the thread's beats raise (Redis unreachable): when they started failing,
         #: and when the thread last tried
@@ -84,10 +83,8 @@ class Heartbeater:
                                args=[self.worker_id, value, self._ttl_ms], client=client))
         if ok:
             self.confirmed_at = max(self.confirmed_at, sent)
-        elif not self.evicted:
+        else:
             self.evicted = True
-            if self._on_evicted:
-                self._on_evicted()
         return ok
 
     def still_member(self) -> bool:

@@ -2,7 +2,7 @@
 
 :class:`RedisLogHandler` never blocks or raises into the caller: ``emit`` formats the record
 and puts it on a bounded in-memory queue (dropping it when the queue is full); a daemon
-thread XADDs queued lines ``{worker, level, msg, ts}`` in pipelines with ``MAXLEN ~ 10000``.
+thread XADDs queued lines ``{worker, level, msg, ts}`` in pipelines with ``MAXLEN ~`` :data:`~shoal.events.keys.LOGS_MAXLEN`.
 A Redis error drops that batch (counted in ``dropped``) and the thread carries on, so a
 Redis outage costs log lines, never training steps.
 """
@@ -18,10 +18,8 @@ from collections.abc import Callable, Iterator
 
 import redis
 
-from shoal.events.keys import job_keys
+from shoal.events.keys import LOGS_MAXLEN, job_keys
 
-#: Approximate cap of a job's log stream (``XADD MAXLEN ~``: trimming whole nodes is cheap).
-LOG_MAXLEN = 10_000
 #: Longest message kept; the rest of a line is cut.
 MAX_MSG = 4000
 
@@ -31,7 +29,7 @@ class RedisLogHandler(logging.Handler):
     callable returning the current name (a worker learns its id only when it joins)."""
 
     def __init__(self, client: redis.Redis, stream: str, worker: str | Callable[[], str | None], *,
-                 level: int = logging.INFO, maxlen: int = LOG_MAXLEN, capacity: int = 1000, batch: int = 100):
+                 level: int = logging.INFO, maxlen: int = LOGS_MAXLEN, capacity: int = 1000, batch: int = 100):
         super().__init__(level)
         self.client = client
         self.stream = stream

@@ -6,7 +6,6 @@ worker; the worker never writes coordinator state.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 
@@ -25,6 +24,7 @@ from shoal.events.models import (
     Ready,
     ShardTable,
     StepFailed,
+    WorkerDoc,
 )
 from shoal.core.errors import ShoalError
 
@@ -94,8 +94,8 @@ class Membership:
         process of a job registered again."""
         raw = self.client.hget(self.keys.workers, self.worker_id or "")
         try:
-            return raw is not None and int(json.loads(raw).get("pid", -1)) == os.getpid()
-        except (ValueError, TypeError, AttributeError):
+            return raw is not None and WorkerDoc.model_validate_json(raw).pid == os.getpid()
+        except ValueError:  # not a worker record (pydantic's ValidationError is a ValueError)
             return False
 
     def current_table(self) -> ShardTable | None:
@@ -121,10 +121,6 @@ class Membership:
     def job_state(self) -> str:
         v = self.client.hget(self.keys.state, "state")
         return v.decode() if v else "pending"
-
-    def spec_json(self) -> dict:
-        raw = self.client.get(self.keys.spec)
-        return json.loads(raw) if raw else {}
 
     def ready(self, generation: int) -> None:
         self.send(Ready(job_id=self.job_id, worker_id=self.worker_id, generation=generation))

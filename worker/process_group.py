@@ -39,7 +39,7 @@ from shoal.worker.errors import (
     RendezvousTimeout,
     WorkerError,
 )
-from shoal.worker.store import RedisStore, cleanup_prefix
+from shoal.worker.store import RedisStore
 
 log = logging.getLogger(__name__)
 
@@ -228,13 +228,6 @@ def _destroy_quietly(*, background: bool = False) -> None:
         _free_later(box)
     else:
         _pending_sends.clear()
-
-
-def cleanup_generation(client: redis.Redis, job_id: str, generation: int) -> int:
-    """Delete the rendezvous keys of one generation (count returned). For the control plane,
-    once no member of that generation is still rendezvousing; the keys expire after an hour
-    anyway."""
-    return cleanup_prefix(client, job_keys(job_id).rendezvous(generation))
 
 
 # --- collectives with translated errors ------------------------------------------------------

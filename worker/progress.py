@@ -17,11 +17,9 @@ import time
 
 import redis
 
-from shoal.events.keys import JobKeys
+from shoal.events.keys import PROGRESS_MAXLEN, JobKeys
 
 log = logging.getLogger("shoal.worker.progress")
-
-MAXLEN = 100_000
 
 
 class ProgressRecorder:
@@ -48,7 +46,7 @@ class ProgressRecorder:
             loss_s = "nan" if loss is None or not math.isfinite(float(loss)) else repr(float(loss))
             fields = {"step": str(int(step)), "loss": loss_s, "generation": str(int(generation)),
                       "world_size": str(int(world_size)), "t": f"{now:.3f}"}
-            self.client.xadd(self.keys.progress, fields, maxlen=MAXLEN, approximate=True)
+            self.client.xadd(self.keys.progress, fields, maxlen=PROGRESS_MAXLEN, approximate=True)
         except redis.RedisError as exc:
             self.dropped += 1
             self._quiet_until = (time.time() if t is None else float(t)) + self.error_backoff

@@ -18,7 +18,6 @@ from shoal.worker.membership import Membership
 
 log = logging.getLogger("shoal.worker")
 
-TERMINAL = {"completed", "failed", "stopped"}
 #: How long a worker whose job vanished from Redis waits for it to be registered again.
 LOST_JOB_WAIT_S = 60.0
 

@@ -17,7 +17,8 @@ import time
 from shoal.events.models import ShardTable
 from shoal.core.jobspec import JobSpec
 from shoal.worker.membership import Membership
-from shoal.worker.runner import TERMINAL, WorkerRunner
+from shoal.worker.decide import TERMINAL
+from shoal.worker.runner import WorkerRunner
 
 log = logging.getLogger("shoal.worker")
 

@@ -41,7 +41,9 @@ from datetime import timedelta
 import redis
 import torch.distributed as dist
 
-DEFAULT_TTL = 3600.0
+from shoal.events.keys import RENDEZVOUS_TTL_S
+
+DEFAULT_TTL = float(RENDEZVOUS_TTL_S)  #: the store serves one generation's rendezvous
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 
 _SET = """

@@ -18,9 +18,14 @@ Protocol (every member of a generation runs the same loop):
 3. **Failure.** If a peer dies mid-step the collective fails: nothing is applied
    (StepAborted), the worker leaves the group and waits for the coordinator's next
    generation, then redoes the same step. No sample is skipped or counted twice: the cursor
-   only moves on a committed step, and resync copies the most advanced member's cursor.
+   only moves on a committed step, and the catch-up copies the most advanced member's cursor.
 4. **Drain** (SIGTERM): finish the step, send ``leave``, keep stepping until the generation
    without this worker is agreed, then send ``left`` and exit 0.
+
+Every choice above is made by :func:`shoal.worker.decide.decide`, a pure function whose phases
+and allowed moves are documented there. :class:`TrainingWorker` is the loop around it: it
+observes (:class:`~shoal.worker.decide.Tick`), performs the decision's actions and feeds what
+they produced back as the next input.
 """
 
 from __future__ import annotations
@@ -30,54 +35,97 @@ import json
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from shoal.events.models import ShardTable
-from shoal.core.jobspec import JobSpec
-from shoal.worker import process_group as pg
-from shoal.worker.data import DataOrder, contiguous_table
-from shoal.worker.digest import digest_of, state_digest
-from shoal.worker.engine import StepEngine, catch_up_state
-from shoal.worker.errors import CollectiveFailed, RendezvousFailed, StateMismatch, StepAborted
 from shoal.core.connection import without_retries
 from shoal.core.faults import FaultPlan
+from shoal.core.jobspec import JobSpec
+from shoal.events.keys import RENDEZVOUS_TTL_S
+from shoal.events.models import ShardTable
+from shoal.worker import process_group as pg
 from shoal.worker.checkpoints import Checkpoints
+from shoal.worker.data import DataOrder
+from shoal.worker.decide import (
+    Aborted,
+    Action,
+    Announce,
+    Arrive,
+    BarrierPolled,
+    Beat,
+    Committed,
+    FetchTable,
+    Finish,
+    Form,
+    Formed,
+    FormFailed,
+    Input,
+    LeaveGroup,
+    Limits,
+    PollBarrier,
+    RecordProgress,
+    Rejoined,
+    ReportFailure,
+    SaveCheckpoint,
+    SendLeave,
+    SendLeft,
+    TERMINAL,
+    TableFetched,
+    TableWaited,
+    Tick,
+    TrainerState,
+    TrainStep,
+    TryRejoin,
+    WaitTable,
+    decide,
+)
+from shoal.worker.digest import digest_of, state_digest
+from shoal.worker.engine import StepEngine
+from shoal.worker.errors import CollectiveFailed, RendezvousFailed, StateMismatch, StepAborted
 from shoal.worker.ledger import Ledger
 from shoal.worker.membership import Membership
 from shoal.worker.progress import ProgressRecorder
-from shoal.worker.runner import TERMINAL, WorkerRunner
-from shoal.worker.userapi import load_entrypoint
+from shoal.worker.runner import WorkerRunner
+from shoal.worker.transfer import catch_up_state
+from shoal.worker.userapi import TrainingSetup, load_entrypoint
 from shoal.worker.watcher import GenerationWatcher
 
 log = logging.getLogger("shoal.worker")
 
-DIGEST_EVERY = 50  # sha256 of every parameter: cheap for small models, not free for large
 DIGEST_JOIN_TIMEOUT = 60.0  # the switch digest's thread, awaited before the first update
 
 
 class TrainingWorker(WorkerRunner):
-    """One worker process of a training job. Drive with :meth:`run`; ``stop`` drains."""
+    """One worker process of a training job. Drive with :meth:`run` (or :meth:`run_once`);
+    ``stop`` drains. :meth:`prepare` builds the model before joining; every attribute exists
+    from ``__init__`` on (None until prepared or started)."""
 
     def __init__(self, membership: Membership, spec: JobSpec, *, join_timeout: float = 30.0):
         super().__init__(membership, spec, join_timeout=join_timeout)
         self.faults = FaultPlan.from_env()
         self.ledger = Ledger.from_env()
-        self.step = 0
-        self.cursor = 0
-        self.has_state = False
-        self.group_gen = 0  # generation of the process group we are in (0: none)
-        self.seen_gen = 0  # newest generation seen locally
-        self.switch_to = 0  # generation the last step agreed to switch to
-        self.draining = False
-        self._first_ranges: list | None = None  # this rank's part of a generation's first step after a catch-up
-        self._caught_up: tuple[int, list[int]] = (0, [])  # (src, ranks behind) of the last catch-up
+        #: bounds the Redis barrier and each wait of the rendezvous
         self.rdzv_timeout = 30.0
-        self.formed_not = 0  # newest generation whose group could not form (never retried)
         self.collective_timeout = max(3.0, spec.heartbeat_ttl + 1.0)
+        #: everything the decisions read; replaced by each decision
+        self.state = TrainerState(Limits(max_steps=spec.max_steps, checkpoint_interval=spec.checkpoint_interval,
+                                         wait_s=5 * spec.heartbeat_ttl + 5, barrier_s=self.rdzv_timeout))
+        # built by prepare()
+        self.setup: TrainingSetup | None = None
+        self.engine: StepEngine | None = None
+        self.order: DataOrder | None = None
+        self.ckpt: Checkpoints | None = None
+        # started by start()
+        self.watcher: GenerationWatcher | None = None
+        self.progress: ProgressRecorder | None = None
+        # the switch digest's helper (one long-lived thread: no start-up per switch) and the
+        # (future, generation) it is working on
+        self._digester = ThreadPoolExecutor(1, thread_name_prefix="switch-digest")
+        self._digesting: tuple[Future, int] | None = None
 
     # ---- setup -------------------------------------------------------------------------------
 
@@ -87,17 +135,19 @@ class TrainingWorker(WorkerRunner):
         self.engine = StepEngine.from_setup(setup, device=None, require_group=True)
         self.order = DataOrder(len(setup.dataset), self.spec.seed, self.spec.global_batch_size)
         n = len(setup.dataset)
-        self.total_samples = n * self.spec.epochs
-        self.has_state = True  # the seeded initial model: identical on every worker
         log.info("built %s: %d samples, %d steps/epoch", self.spec.entrypoint, n, self.order.steps_per_epoch())
         self.ckpt = Checkpoints.open(self.spec, self.m, self.faults) if self.spec.checkpoint_uri else None
+        step, cursor = 0, 0
         if self.ckpt is not None:
             resumed = self.ckpt.resume(self.engine)
             if resumed is not None:
-                self.step, self.cursor = resumed
+                step, cursor = resumed
+        limits = replace(self.state.limits, total_samples=n * self.spec.epochs)
+        self.state = replace(self.state, limits=limits, step=step, cursor=cursor)
 
     def start(self) -> str:
         wid = super().start()
+        self.state = replace(self.state, worker_id=wid)
         # the client's pool gives the watcher's blocking XREAD a connection of its own
         self.watcher = GenerationWatcher(self.m.client, self.m.keys, interval=min(1.0, self.spec.heartbeat_interval * 2))
         self.watcher.start()
@@ -115,166 +165,158 @@ class TrainingWorker(WorkerRunner):
             raise StepAborted("evicted by the coordinator (declared failed): this step is not applied")
 
     def cleanup(self) -> None:
-        if getattr(self, "watcher", None) is not None:
+        if self.watcher is not None:
             self.watcher.stop()
         pg.leave_group()
-        if getattr(self, "ckpt", None) is not None:
+        if self.ckpt is not None:
             self.ckpt.close()
 
-    @property
-    def is_rank0(self) -> bool:
-        member = self._table.member(self.m.worker_id) if self.group_gen else None
-        return member is not None and member.rank == 0
-
-    def _checkpoint(self, *, final: bool = False) -> None:
-        """Rank 0 saves (async) at the job's interval; ``final`` waits for it to be written."""
-        if self.ckpt is None or not self.is_rank0:
-            return
-        interval = self.spec.checkpoint_interval
-        if final or (interval and self.step % interval == 0):
-            self.ckpt.save(self.engine, step=self.step, cursor=self.cursor, epoch=self.cursor // self.order.num_samples,
-                           generation=self.group_gen, world_size=self._table.world_size, wait=final)
-
-    def _done(self) -> bool:
-        return self.cursor >= self.total_samples or (self.spec.max_steps is not None and self.step >= self.spec.max_steps)
+    # ---- the loop ----------------------------------------------------------------------------
 
     def run_once(self) -> int | None:
-        """One step (or one switch / wait). Returns an exit code when the worker should end."""
-        wid = self.m.worker_id
-        if self.evicted:
-            if self.rejoin_lost_job(self.seen_gen):
-                pg.leave_group()  # the new incarnation of the job plans a new generation
-                self.group_gen = self.switch_to = 0
-                return None
-            log.error("evicted by the coordinator (declared failed); exiting")
-            return 1
-        if self.stop.is_set() and not self.draining:
-            self.draining = True
-            self.m.leave("SIGTERM")
-            log.info("draining after step %d", self.step)
-        self.seen_gen = max(self.seen_gen, self.watcher.latest)
-        job_state = self.watcher.job_state
-        if job_state in TERMINAL:
-            if job_state == "stopped":
-                self._checkpoint(final=True)  # a graceful stop keeps the progress
-            return 0
-        if self.group_gen == 0 or self.switch_to > self.group_gen:
-            return self._switch()
-        self.faults.at(wid, self.step, "before_step")
-        batch = self.order.batch(self.cursor)
-        member = self._table.member(wid)
-        local = batch.for_rank(self._step_ranges(member))
-        started = time.monotonic()
-        self.faults.at(wid, self.step, "mid_step")
-        aborted = ""
-        try:
-            result = self.engine.step(local, batch.count, self.seen_gen, base_generation=self.group_gen)
-        except StepAborted as exc:
-            aborted = str(exc)
-        if aborted:
-            # outside the except block: the exception's frames no longer pin the broken group,
-            # so destroying it closes its sockets and peers still inside the collective fail now
-            pg.leave_group()
-            gc.collect()
-            log.warning("step %d aborted in generation %d: %s", self.step, self.group_gen, aborted)
-            self.m.step_failed(self.group_gen, self.step, aborted)
-            self.group_gen = 0
-            self._wait_newer(self._table.generation)
-            return None
-        self.step += 1
-        self.cursor = batch.next_cursor
-        self.ledger.commit(wid, self.step, batch, self.group_gen, local, self._table.world_size)
-        self.faults.at(wid, self.step, "after_commit")
-        self.switch_to = result.max_generation
-        if self.is_rank0:  # the history `shoal report` draws
-            self.progress.record(self.step, result.loss, self.group_gen, self._table.world_size)
-        self._checkpoint()
-        if self.hb is not None:
-            fields = dict(step=self.step, generation=self.group_gen, step_time=time.monotonic() - started, loss=result.loss)
-            if self.step % DIGEST_EVERY == 0:
-                fields["digest"] = state_digest(self.engine.model)
-            self.hb.update(**fields)
-        if self._done():
-            return self._finish()
-        return None
+        """One iteration: observe, then decide and perform until a decision asks for nothing
+        more (one step, one switch, one bounded wait). Returns the exit code once the worker
+        should end. Raises what the user's code or an unexpected failure raises (a crash)."""
+        event: Input | None = Tick(evicted=self.evicted, stop=self.stop.is_set(), latest=self.watcher.latest,
+                                   job_state=self.watcher.job_state)
+        while event is not None:
+            d = decide(self.state, event, time.monotonic())
+            if d.level:
+                log.log(d.level, "%s", d.reason)
+            self.state = d.state
+            event = None
+            for action in d.actions:  # only the last one may produce the next input
+                event = self._perform(action) or event
+        return self.state.exit_code
 
-    # ---- generations ---------------------------------------------------------------------------
-
-    def _wait_newer(self, generation: int) -> ShardTable | None:
-        """Block (bounded) until a table newer than ``generation`` exists."""
-        deadline = time.monotonic() + 5 * self.spec.heartbeat_ttl + 5
-        while time.monotonic() < deadline and not self.evicted:
-            table = self.m.next_table(generation, timeout=min(1.0, self.spec.heartbeat_ttl))
-            if table is not None:
-                self.seen_gen = max(self.seen_gen, table.generation)
-                return table
-            if self.m.job_state() in TERMINAL:
-                return None
-        return None
-
-    def _switch(self) -> int | None:
-        """Leave the current group and join the newest generation that includes us."""
-        wid = self.m.worker_id
-        # an orderly switch (a failed step already left synchronously): the old group's
-        # teardown runs off the critical path
-        pg.leave_group(background=True)
-        self.group_gen = 0
-        self._first_ranges = None
-        self._digest_done()  # a catch-up below may overwrite what it still reads
-        table = self.m.current_table()
-        if table is None or table.generation < self.switch_to:
-            table = self._wait_newer(max(self.switch_to - 1, 0) if table is None else table.generation)
-            if table is None:
-                return None
-        self.seen_gen = max(self.seen_gen, table.generation)
-        if table.generation <= self.formed_not:
-            self._wait_newer(table.generation)  # the one that failed to form: never again
-            return None
-        member = table.member(wid) if not table.paused else None
-        if member is None:
-            if self.draining:
+    def _perform(self, action: Action) -> Input | None:
+        """Carry out one action; the input it produced, if it produces one."""
+        match action:
+            case TrainStep():
+                return self._train_step(action)
+            case Beat():
+                self._beat(action)
+            case RecordProgress(step=step, loss=loss, generation=generation, world=world):
+                self.progress.record(step, loss, generation, world)
+            case SaveCheckpoint():
+                self._save(action)
+            case TryRejoin(last_generation=last):
+                return Rejoined(self.rejoin_lost_job(last), self.m.worker_id or "")
+            case LeaveGroup(background=background):
+                pg.leave_group(background=background)
+                if not background:
+                    gc.collect()  # a failed collective's leftovers may pin the broken group's sockets
+                self._digest_done()  # a catch-up may overwrite what the digest still reads
+            case SendLeave():
+                self.m.leave("SIGTERM")
+            case SendLeft():
                 self.m.left()
-                log.info("left after step %d (generation %d no longer includes us)", self.step, table.generation)
-                return 0
-            self._wait_newer(table.generation)
-            return None
-        if not self._barrier(table):
-            return None
-        self.faults.at(wid, self.step, "rendezvous")
+            case ReportFailure(generation=generation, step=step, error=error, rendezvous=rendezvous):
+                self.m.step_failed(generation, step, error, rendezvous=rendezvous)
+            case FetchTable():
+                return TableFetched(self.m.current_table())
+            case WaitTable(after=after):
+                return self._wait_table(after)
+            case Arrive(generation=generation):
+                pipe = self.m.client.pipeline(transaction=False)
+                pipe.sadd(self.m.keys.barrier(generation), self.m.worker_id)
+                pipe.expire(self.m.keys.barrier(generation), RENDEZVOUS_TTL_S)
+                pipe.execute()
+            case PollBarrier(generation=generation, pause=pause):
+                return self._poll_barrier(generation, pause)
+            case Form(table=table, rank=rank):
+                return self._form(table, rank)
+            case Announce():
+                self._announce(action)
+            case Finish():
+                self._finish(action)
+            case _:  # pragma: no cover - a new action type without a performer
+                raise TypeError(f"no performer for {action!r}")
+        return None
+
+    # ---- performers --------------------------------------------------------------------------
+
+    def _train_step(self, act: TrainStep) -> Input:
+        """Train one step; the ledger records a committed one before anything else happens."""
+        wid = self.m.worker_id
+        self.faults.at(wid, act.step, "before_step")
+        batch = self.order.batch(act.cursor)
+        local = batch.for_rank(act.ranges)
+        started = time.monotonic()
+        self.faults.at(wid, act.step, "mid_step")
+        try:
+            result = self.engine.step(local, batch.count, act.generation, base_generation=act.base)
+        except StepAborted as exc:
+            # returned, not handled here: once this frame is gone nothing pins the broken
+            # group, so leaving it closes its sockets and peers still inside the collective fail now
+            return Aborted(str(exc))
+        self.ledger.commit(wid, act.step + 1, batch, act.base, local, act.world)
+        self.faults.at(wid, act.step + 1, "after_commit")
+        return Committed(cursor=batch.next_cursor, max_generation=result.max_generation, loss=result.loss, started=started)
+
+    def _beat(self, act: Beat) -> None:
+        if self.hb is None:
+            return
+        fields = dict(step=act.step, generation=act.generation, step_time=time.monotonic() - act.started, loss=act.loss)
+        if act.digest:
+            fields["digest"] = state_digest(self.engine.model)
+        self.hb.update(**fields)
+
+    def _save(self, act: SaveCheckpoint) -> None:
+        """Rank 0's checkpoint (the decision chose when); async unless ``final``."""
+        if self.ckpt is None:
+            return
+        self.ckpt.save(self.engine, step=act.step, cursor=act.cursor, epoch=act.cursor // self.order.num_samples,
+                       generation=act.generation, world_size=act.world, wait=act.final)
+
+    def _wait_table(self, after: int) -> TableWaited:
+        """One bounded wait for a table newer than ``after``."""
+        if self.evicted:
+            return TableWaited(evicted=True)
+        table = self.m.next_table(after, timeout=min(1.0, self.spec.heartbeat_ttl))
+        if table is not None:
+            return TableWaited(table)
+        return TableWaited(job_ended=self.m.job_state() in TERMINAL)
+
+    def _poll_barrier(self, generation: int, pause: float) -> BarrierPolled:
+        if pause:
+            time.sleep(pause)
+        pipe = self.m.client.pipeline(transaction=False)
+        pipe.scard(self.m.keys.barrier(generation))
+        pipe.get(self.m.keys.shard)
+        arrived, raw = pipe.execute()
+        newest = ShardTable.model_validate_json(raw).generation if raw else 0
+        return BarrierPolled(arrived, newest, self.evicted)
+
+    def _form(self, table: ShardTable, rank: int) -> Formed | FormFailed:
+        """Join ``table``'s group and make every member's state equal to the most advanced
+        member's: only the members that are behind (a joiner; after a failure, one that missed
+        the contested step) receive it, from one sender that does not wait for the transfer."""
+        self.faults.at(self.m.worker_id, self.state.step, "rendezvous")
         t0 = time.monotonic()
         try:
-            pg.join_group(self.m.client, self.m.job_id, table.generation, member.rank, table.world_size,
+            pg.join_group(self.m.client, self.m.job_id, table.generation, rank, table.world_size,
                           timeout=self.rdzv_timeout, collective_timeout=self.collective_timeout)
-            self._resync(table)
+            extra = {"step": self.state.step, "cursor": self.state.cursor}
+            src, got, behind = catch_up_state(self.engine.model, self.engine.optimizer, extra, self.state.step,
+                                              lr_scheduler=self.engine.lr_scheduler)
         except (RendezvousFailed, CollectiveFailed, StateMismatch) as exc:
-            log.warning("generation %d could not form: %s", table.generation, exc)
-            pg.leave_group()
-            self.formed_not = table.generation
-            # a generation is never retried (its rendezvous prefix is spent): ask for a new one
-            self.m.step_failed(table.generation, self.step, str(exc), rendezvous=True)
-            self._wait_newer(table.generation)
-            return None
-        self._table = table
-        self.group_gen = table.generation
-        self.switch_to = table.generation
-        if self.hb is not None:
-            self.hb.update(generation=table.generation, digest=None, step=self.step)
-        self._digest_switch(table, member.rank, time.monotonic() - t0)  # then sends ready
-        return None
+            return FormFailed(str(exc))
+        return Formed(int(got["step"]), int(got["cursor"]), src, tuple(behind), time.monotonic() - t0)
 
-    def _digest_switch(self, table: ShardTable, rank: int, took: float) -> None:
-        """Log (and publish with the heartbeat) the digest of the state this member starts
-        ``table``'s generation from, then send ``ready``: on a helper thread while the first
-        step runs. The parameters do not change before that step's update, which waits for
-        the helper (``engine.before_update``); buffers, which the forward pass may update, are
-        copied. So a member reported Active has logged its starting digest, and ``ready``
+    def _announce(self, act: Announce) -> None:
+        """Publish the new generation with the heartbeat, then log (and publish) the digest of
+        the state this member starts it from and send ``ready``: on a helper thread while the
+        first step runs. The parameters do not change before that step's update, which waits
+        for the helper (``engine.before_update``); buffers, which the forward pass may update,
+        are copied. So a member reported Active has logged its starting digest, and ``ready``
         precedes its first commit in the generation, as when this was done inline."""
+        if self.hb is not None:
+            self.hb.update(generation=act.generation, digest=None, step=act.step)
         model = self.engine.model
         params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
         state = {k: v if k in params else v.clone() for k, v in model.state_dict().items()}
-        step, cursor = self.step, self.cursor
-        src, behind = self._caught_up
-        moved = f"; state from rank {src} to {behind}" if behind else ""
+        moved = f"; state from rank {act.src} to {list(act.behind)}" if act.behind else ""
 
         def run() -> None:
             try:
@@ -282,20 +324,18 @@ class TrainingWorker(WorkerRunner):
                 if self.hb is not None:
                     self.hb.update(digest=digest)
                 log.info("generation %d: rank %d/%d, step %d, cursor %d, digest %s (switch %.3fs%s)",
-                         table.generation, rank, table.world_size, step, cursor, digest, took, moved)
+                         act.generation, act.rank, act.world, act.step, act.cursor, digest, act.took, moved)
             except Exception:  # noqa: BLE001 - a diagnostic: never stops training
-                log.warning("the digest of generation %d's starting state failed", table.generation, exc_info=True)
-            self.m.ready(table.generation)  # on failure, sent again by _digest_done
+                log.warning("the digest of generation %d's starting state failed", act.generation, exc_info=True)
+            self.m.ready(act.generation)  # on failure, sent again by _digest_done
 
-        if getattr(self, "_digester", None) is None:  # one long-lived thread: no start-up per switch
-            self._digester = ThreadPoolExecutor(1, thread_name_prefix="switch-digest")
-        self._digesting = (self._digester.submit(run), table.generation)
+        self._digesting = (self._digester.submit(run), act.generation)
         self.engine.before_update(self._digest_done)
 
     def _digest_done(self) -> None:
-        """Wait (bounded) for :meth:`_digest_switch`'s helper; send ``ready`` from here when it
+        """Wait (bounded) for :meth:`_announce`'s helper; send ``ready`` from here when it
         could not (raising what the send raises)."""
-        pending, self._digesting = getattr(self, "_digesting", None), None
+        pending, self._digesting = self._digesting, None
         if pending is None:
             return
         future, generation = pending
@@ -307,72 +347,19 @@ class TrainingWorker(WorkerRunner):
             log.warning("ready for generation %d failed on the helper thread (%s); sending it again", generation, exc)
             self.m.ready(generation)
 
-    def _barrier(self, table: ShardTable) -> bool:
-        """Meet every member of ``table`` before forming the group; False (and nothing
-        formed) when a newer generation appears first or the wait times out."""
-        key = self.m.keys.rendezvous(table.generation) + "arrived"
-        pipe = self.m.client.pipeline(transaction=False)
-        pipe.sadd(key, self.m.worker_id)
-        pipe.expire(key, 3600)
-        pipe.execute()
-        deadline = time.monotonic() + self.rdzv_timeout
-        while time.monotonic() < deadline:
-            pipe = self.m.client.pipeline(transaction=False)
-            pipe.scard(key)
-            pipe.get(self.m.keys.shard)
-            arrived, raw = pipe.execute()
-            if arrived >= table.world_size:
-                return True
-            newest = ShardTable.model_validate_json(raw) if raw else None
-            if newest is not None and newest.generation > table.generation:
-                self.seen_gen = max(self.seen_gen, newest.generation)
-                self.switch_to = newest.generation
-                return False
-            if self.evicted:
-                return False
-            time.sleep(0.002)
-        return False
-
-    def _resync(self, table: ShardTable) -> None:
-        """Make every member's state equal to the most advanced member's: only the members
-        that are behind (a joiner; after a failure, one that missed the contested step)
-        receive it, from one sender that does not wait for the transfer.
-
-        While they catch up the others already compute: in the generation's first step the
-        members that were behind take no samples and the up-to-date ones split the global
-        batch (contiguous over the table's positions; still a partition, so exactly-once
-        holds); everyone applies the same all-reduced update. From the second step on, the
-        table's ranges apply."""
-        extra = {"step": self.step, "cursor": self.cursor}
-        src, got, behind = catch_up_state(self.engine.model, self.engine.optimizer, extra, self.step,
-                                          lr_scheduler=self.engine.lr_scheduler)
-        self.step, self.cursor = int(got["step"]), int(got["cursor"])
-        self._caught_up = (src, behind)
-        self._first_ranges = None
-        if behind:
-            rank = table.member(self.m.worker_id).rank
-            ready = [r for r in range(table.world_size) if r not in behind]
-            self._first_ranges = [] if rank in behind else contiguous_table(table.num_samples, len(ready))[ready.index(rank)]
-
-    def _step_ranges(self, member) -> list:
-        """This rank's ranges for the next step: the table's, or once after a catch-up the
-        split computed by :meth:`_resync`."""
-        ranges, self._first_ranges = self._first_ranges, None
-        return member.ranges if ranges is None else ranges
-
-    def _finish(self) -> int:
-        summary = {"step": self.step, "cursor": self.cursor, "digest": state_digest(self.engine.model)}
+    def _finish(self, act: Finish) -> None:
+        summary = {"step": act.step, "cursor": act.cursor, "digest": state_digest(self.engine.model)}
         if self.setup.eval_fn is not None:
             summary.update({k: float(v) for k, v in self.engine.evaluate(self.setup.eval_fn).items()})
-        self._checkpoint(final=True)
+        if act.checkpoint is not None:
+            self._save(act.checkpoint)
         export = os.environ.get("SHOAL_EXPORT_DIR")
         if export:  # tests and tools compare final weights across runs
             Path(export).mkdir(parents=True, exist_ok=True)
             torch.save(self.engine.model.state_dict(), Path(export) / f"final-{self.m.worker_id}.pt")
-        if self._table.member(self.m.worker_id).rank == 0:
-            self.m.completed(self.step, summary)
+        if act.report:
+            self.m.completed(act.step, summary)
         if self.hb is not None:
-            self.hb.update(step=self.step, digest=summary["digest"])
+            self.hb.update(step=act.step, digest=summary["digest"])
             self.hb.beat()
         log.info("finished: %s", json.dumps(summary))
-        return 0

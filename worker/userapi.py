@@ -2,7 +2,7 @@
 
 The function takes no arguments and returns a :class:`TrainingSetup`::
 
-    from shoal.worker.userapi import TrainingSetup
+    from shoal import TrainingSetup
 
     def build() -> TrainingSetup:
         model = torch.nn.Sequential(...)

@@ -18,7 +18,6 @@ the soak proves the elastic path, not the restart path (that one has its own tes
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 import redis
 
 from shoal.events.keys import JobKeys
+from shoal.events.models import WorkerDoc
 
 KINDS = ("worker_kill", "worker_segv", "worker_stop", "coordinator_kill", "redis_restart", "worker_join")
 WORKER_FAULTS = ("worker_kill", "worker_segv", "worker_stop")
@@ -60,15 +60,15 @@ class Injector:
     _frozen: set[int] = field(default_factory=set)
     _thaws: list = field(default_factory=list)
 
-    def workers(self) -> dict[str, dict]:
-        return {k.decode(): json.loads(v) for k, v in self.client.hgetall(self.keys.workers).items()}
+    def workers(self) -> dict[str, WorkerDoc]:
+        return {k.decode(): WorkerDoc.model_validate_json(v) for k, v in self.client.hgetall(self.keys.workers).items()}
 
     def generation(self) -> int:
         raw = self.client.hget(self.keys.state, "generation")
         return int(raw) if raw else 0
 
     def worker_fault_allowed(self) -> bool:
-        active = [w for w in self.workers().values() if w["state"] == "Active" and w["pid"] not in self._frozen]
+        active = [w for w in self.workers().values() if w.state == "Active" and w.pid not in self._frozen]
         if len(active) < 2:
             return False
         last = next((f for f in reversed(self.done) if f.kind in WORKER_FAULTS), None)
@@ -79,7 +79,7 @@ class Injector:
         if kind in WORKER_FAULTS:
             return self.worker_fault_allowed()
         if kind == "worker_join":
-            planned = [w for w in self.workers().values() if w["state"] in ("Syncing", "Active")]
+            planned = [w for w in self.workers().values() if w.state in ("Syncing", "Active")]
             return len(planned) < self.max_workers
         if kind == "coordinator_kill":
             return self._leader() is not None
@@ -96,8 +96,8 @@ class Injector:
         gen = self.generation()
         wid = None
         if kind in WORKER_FAULTS:
-            candidates = sorted((wid, w["pid"]) for wid, w in self.workers().items()
-                                if w["state"] == "Active" and w["pid"] not in self._frozen)
+            candidates = sorted((wid, w.pid) for wid, w in self.workers().items()
+                                if w.state == "Active" and w.pid not in self._frozen)
             wid, pid = candidates[rng.randrange(len(candidates))]
             target = f"{wid} (pid {pid})"
             if kind == "worker_kill":

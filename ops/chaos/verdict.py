@@ -23,6 +23,14 @@ from pathlib import Path
 
 import torch
 
+from shoal.events.keys import (
+    CONTROL_MAXLEN,
+    DEAD_MAXLEN,
+    FAILURES_MAXLEN,
+    GENERATIONS_MAXLEN,
+    LOGS_MAXLEN,
+    PROGRESS_MAXLEN,
+)
 from shoal.ops.chaos.inject import KINDS, Injected
 from shoal.ops.chaos.sampler import Samples
 from shoal.worker import ledger
@@ -34,8 +42,10 @@ from shoal.worker import ledger
 #: doubled batch (which the ledger check also catches) moves the weights by far more.
 REL_L2 = 1e-8
 #: bounds: the event stream is trimmed exactly to its pending entries; the others are capped
-STREAM_BOUNDS = {"events": 5_000, "control": 11_000, "logs": 11_000, "progress": 110_000, "dead": 11_000,
-                 "failures": 1_100, "generations": 1_100}
+#: at their XADD MAXLEN ~ (shoal.events.keys), which Redis may overshoot by up to a tenth
+STREAM_BOUNDS = {"events": 5_000, **{name: cap + cap // 10 for name, cap in (
+    ("control", CONTROL_MAXLEN), ("logs", LOGS_MAXLEN), ("progress", PROGRESS_MAXLEN), ("dead", DEAD_MAXLEN),
+    ("failures", FAILURES_MAXLEN), ("generations", GENERATIONS_MAXLEN))}}
 MEMORY_BOUND = 256 * 1024 * 1024
 #: the longest spell without a fault that still counts as "faults for the whole window": a
 #: worker fault waits for the previous one's recovery, but never this long

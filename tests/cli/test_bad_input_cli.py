@@ -5,7 +5,6 @@ with one ``shoal: ...`` line naming the cause, a non-zero exit and no traceback.
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
@@ -13,19 +12,9 @@ from shoal.events.keys import job_keys
 from shoal.ops.embedded import free_port
 from shoal.core.registry import create_job
 from shoal.core.jobspec import JobSpec
-from tests.helpers import ROOT
+from tests.helpers import run_cli as shoal
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def env(subprocess_env, tmp_path):
-    return {**subprocess_env, "SHOAL_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
-
-
-def shoal(env, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shoal", *args], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 def one_line_error(res: subprocess.CompletedProcess, code: int, *needles: str) -> str:

@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from redis.retry import Retry
 
 from shoal.ops.embedded import free_port, server_binary
 from shoal.core.jobspec import load_spec
+from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
@@ -288,19 +288,25 @@ class Server:
              "--dir", str(tmp), "--save", "", "--logfile", str(tmp / "server.log"), "--daemonize", "no"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                self.client().ping()
-                break
-            except (redis.AuthenticationError, redis.ResponseError):
-                break  # it answers: NOAUTH means it is up and wants a password
-            except redis.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    log = (tmp / "server.log").read_text(errors="replace") if (tmp / "server.log").exists() else ""
-                    self.stop()
-                    raise RuntimeError(f"server did not start: {log[-500:]}")
-                time.sleep(0.05)
+        self.log = tmp / "server.log"
+        try:
+            wait_until(self._answers, 10, lambda: f"the server to answer: {self._log_tail()}")
+        except AssertionError:
+            self.stop()
+            raise
+
+    def _answers(self) -> bool:
+        try:
+            self.client().ping()
+        except (redis.AuthenticationError, redis.ResponseError):
+            pass  # it answers: NOAUTH means it is up and wants a password
+        except redis.ConnectionError:
+            assert self.proc.poll() is None, f"the server exited: {self._log_tail()}"
+            return False
+        return True
+
+    def _log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-500:] if self.log.exists() else ""
 
     def client(self, username: str | None = None, password: str | None = None) -> redis.Redis:
         # no retries: redis-py retries ConnectionError (AuthenticationError is one) with backoff

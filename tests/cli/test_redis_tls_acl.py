@@ -14,8 +14,6 @@ import contextlib
 import hashlib
 import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,8 +30,8 @@ from shoal.core.errors import ConnectionFailed
 from shoal.core.registry import create_job
 from shoal.core.jobspec import JobSpec
 from shoal.ops.localproc import LocalProcs
-from tests.helpers import ROOT
-from tests.helpers import ControlWatcher
+from tests.helpers import ROOT, ControlWatcher
+from tests.helpers import run_cli as shoal
 
 pytest.importorskip("cryptography", reason="the test CA is made with the cryptography package")
 from tests.tlsproxy import TlsProxy, make_pki  # noqa: E402
@@ -67,11 +65,6 @@ def url(tls, pki, user: str = "default", pw: str = ADMIN_PW, ca=None, host: str 
 def spec(name: str, workers: int = 2) -> JobSpec:
     return JobSpec(name=name, entrypoint="simulate", min_workers=workers, max_workers=workers, global_batch_size=8,
                    heartbeat_interval=0.2, heartbeat_ttl=1.0, simulate_step_time=0.02, max_steps=25)
-
-
-def shoal(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shoal", *args], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
 
 
 def every_value(client: redis.Redis) -> bytes:
@@ -194,8 +187,7 @@ def test_confined_worker_user_completes_its_job_and_touches_nothing_else(tls, pk
             for w in ws:
                 assert w.wait(30) == 0, w.log_tail()
             assert intruder.wait(30) == 3
-            status = subprocess.run([sys.executable, "-m", "shoal", "status", job_id, "--json"], cwd=ROOT,
-                                    env=coords.env(), capture_output=True, text=True, timeout=60)
+            status = shoal(coords.env(), "status", job_id, "--json")
         tail = intruder.log_tail()
         assert tail.count("\n") == 0 and tail.startswith("shoal: ") and "No permissions" in tail, tail
         assert json.loads(status.stdout)["state"] == "completed"

@@ -5,47 +5,19 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import sys
-import time
 import urllib.request
 
 import pytest
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from shoal.coordinator.launcher import launch_queue
-from shoal.events.keys import JOBS, job_keys, job_of_launch_unit
+from shoal.coordinator.launcher import enqueue_units
+from shoal.events.keys import COORDINATORS, JOBS, job_keys, job_of_launch_unit
 from shoal.ops.embedded import free_port
-from shoal.ops.localproc import LocalProcs
-from tests.helpers import ROOT
-from tests.helpers import ControlWatcher
+from tests.helpers import ControlWatcher, server_ms, wait_until
+from tests.helpers import run_cli as shoal
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def env(subprocess_env, tmp_path):
-    return {**subprocess_env, "SHOAL_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
-
-
-@pytest.fixture
-def procs(redis_url, tmp_path):
-    with LocalProcs(redis_url, tmp_path / "logs", extra_env={"SHOAL_HOME": str(tmp_path / "home")}) as p:
-        yield p
-
-
-@pytest.fixture
-def queue(r):
-    q = launch_queue(r)
-    q.empty()  # units another test left would be taken by our burst agent
-    yield q
-    q.empty()
-
-
-def shoal(env, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shoal", *args], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 def units_of(queue, job_id: str) -> list[str]:
@@ -117,16 +89,6 @@ def test_submitted_digits_job_trains_to_completion_through_a_queue_agent(r, env,
     assert coord.popen.poll() is None
 
 
-def wait_until(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_drained_agent_is_relaunched_then_stop_is_graceful_and_purge_removes_the_job(
         r, env, tmp_path, job_id, procs, queue) -> None:
     watch = ControlWatcher(r, job_id)
@@ -171,8 +133,18 @@ def test_drained_agent_is_relaunched_then_stop_is_graceful_and_purge_removes_the
     assert all(rec["state"] != "Failed" for rec in watch.workers().values())
     assert "died" not in agent2.log_tail(200)
     assert shoal(env, "stop", job_id).stdout.startswith(f"job {job_id} is already stopped")
-    time.sleep(1.0)  # a launcher pass after the stop must not queue anything
+    # no launcher pass since the stop queued anything. Evidence that one ran: a decoy unit of the
+    # stopped job, queued now, is dropped by the next pass, which logs how many it dropped
     assert units_of(queue, job_id) == []
+    [decoy] = enqueue_units(queue, job_id, [1])
+    drops = rf"job {re.escape(job_id)} is stopped: dropped (\d+) queued"
+    dropped = wait_until(lambda: re.findall(drops, coord.log_path.read_text()), 10,
+                         "a launcher pass dropping the stopped job's decoy unit")
+    assert dropped == ["1"], coord.log_tail()  # the decoy alone
+    assert units_of(queue, job_id) == [] and not r.exists(Job.key_for(decoy))
+    # the launcher enqueued for this job once in all: the unit after the drain
+    enqueued = re.findall(rf"job {re.escape(job_id)} \(\w+\) has .* enqueued", coord.log_path.read_text())
+    assert len(enqueued) == 1, enqueued
 
     dry = shoal(env, "purge", "--state", "completed,stopped")
     assert dry.returncode == 0 and job_id in dry.stdout and "dry run" in dry.stdout
@@ -181,5 +153,14 @@ def test_drained_agent_is_relaunched_then_stop_is_graceful_and_purge_removes_the
     assert done.returncode == 0 and "purged" in done.stdout, done.stderr
     assert not r.sismember(JOBS, job_id)
     assert list(r.scan_iter(match=f"shoal:{{{job_id}}}:*")) == []
-    time.sleep(0.5)  # the coordinator that led the job let go of it before its keys went
+    purged_ms = server_ms(r)
+
+    # the coordinator that led the job let go of it before its keys went and carries on: its
+    # entry in the replica registry (written every lease refresh) moves past the purge
+    def refreshed_since_purge() -> bool:
+        assert coord.popen.poll() is None, coord.log_tail()
+        entries = {k.decode(): v.decode() for k, v in r.hgetall(COORDINATORS).items()}
+        return any(k.startswith("coord:") and int(v.split(":")[0]) > purged_ms for k, v in entries.items())
+
+    wait_until(refreshed_since_purge, 10, "a lease refresh of the coordinator after the purge")
     assert coord.popen.poll() is None, coord.log_tail()

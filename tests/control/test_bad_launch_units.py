@@ -9,18 +9,11 @@ import pytest
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from shoal.coordinator.launcher import LAUNCH_FUNC, NO_TIMEOUT, launch_queue
+from shoal.coordinator.launcher import LAUNCH_FUNC, NO_TIMEOUT
 from shoal.core.jobspec import JobSpec
 from shoal.ops.launch import LaunchRefused, unit_args
 from shoal.ops.localproc import LocalProcs
 from shoal.ops.submit import submit
-
-@pytest.fixture
-def queue(r):
-    q = launch_queue(r)
-    q.empty()  # units another test left would be taken by our burst agent
-    yield q
-    q.empty()
 
 
 def _spec(name: str) -> JobSpec:

@@ -15,7 +15,6 @@ from shoal.coordinator.launcher import (
     Launcher,
     cancel_queued,
     count_launches,
-    launch_queue,
     launches_needed,
     unit_sizes,
 )
@@ -76,16 +75,6 @@ def test_launch_unit_ids_round_trip(job_id) -> None:
                                    "shoal-launch-{x}-0123456789ab", "other-digits-0123456789ab"])
 def test_foreign_rq_ids_belong_to_no_job(rq_id) -> None:
     assert job_of_launch_unit(rq_id) is None
-
-
-@pytest.fixture
-def queue(r):
-    q = launch_queue(r)
-    q.empty()
-    yield q
-    q.empty()
-    for rq_id in q.intermediate_queue.get_job_ids():
-        q.intermediate_queue.remove(rq_id)
 
 
 @pytest.fixture

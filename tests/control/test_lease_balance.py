@@ -6,8 +6,6 @@ The plan is a pure function (tested on its own); the loop is then driven step by
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import redis
 
@@ -19,6 +17,7 @@ from shoal.events.models import JoinRequest
 from shoal.ops.embedded import start_server
 from shoal.core.registry import create_job
 from shoal.core.jobspec import JobSpec
+from tests.helpers import wait_until
 
 #: Short, so that a dead replica's leases lapse quickly; several times the time one
 #: ``run_once`` of every replica takes, so that the live ones keep theirs while the test
@@ -63,13 +62,19 @@ def _replica(url: str, name: str) -> Coordinator:
 
 
 def _drive(replicas: list[Coordinator], until, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not until():
-        assert time.monotonic() < deadline, {c.instance_id: sorted(c.leads) for c in replicas}
+    """Run every replica's ``run_once`` in turn until ``until()`` holds."""
+
+    def done() -> bool:
+        if until():
+            return True
         for c in replicas:
             # no blocking read: Redis times blocked reads out at its ~100 ms clock, which
             # would leave each replica's turn too far apart to keep its leases
             c.run_once(block_ms=0)
+        return False
+
+    leads = lambda: {c.instance_id: sorted(c.leads) for c in replicas}  # noqa: E731
+    wait_until(done, timeout, lambda: f"the replicas to settle; they lead {leads()}", interval=0)
 
 
 def _holders(r: redis.Redis, jobs: list[str]) -> dict[str, str | None]:

@@ -1,8 +1,8 @@
 """RedisStore (worker/store.py) and join/leave (worker/process_group.py) against a real server.
 
 Unit tests run in-process; the process-group test runs this file as a script in 3 real
-processes (``python tests/test_store.py child RANK JOB``) doing gloo collectives over the store
-across two generations.
+processes (``python -m tests.control.test_store child RANK JOB``) doing gloo collectives over
+the store across two generations.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-
-from shoal.events.keys import job_keys  # noqa: E402
-from shoal.worker.store import RedisStore, cleanup_prefix  # noqa: E402
+from shoal.events.keys import job_keys
+from shoal.worker.store import RedisStore, cleanup_prefix
+from tests.helpers import wait_until
 
 
 @pytest.fixture
@@ -43,13 +43,14 @@ def test_set_get_bytes_and_str(store):
     assert store.check(["a", "b"]) and not store.check(["a", "missing"])
 
 
-def test_get_wakes_every_blocked_reader_on_set(store, redis_url):
+def test_get_wakes_every_blocked_reader_on_set(store, r, redis_url, job_id):
     """Readers blocked in get() return within a fraction of a second of the set(): they are
     notified (a polling or slice-based store would take up to its slice, 5 s here)."""
     results: dict[int, tuple[bytes, float]] = {}
+    names = {f"reader-{job_id}-{i}" for i in range(4)}
 
     def reader(i: int) -> None:
-        client = redis.Redis.from_url(redis_url, socket_timeout=10)
+        client = redis.Redis.from_url(redis_url, socket_timeout=10, client_name=f"reader-{job_id}-{i}")
         s = RedisStore(client, store.prefix, timeout=8)
         value = s.get("late")
         results[i] = (value, time.monotonic())
@@ -58,8 +59,12 @@ def test_get_wakes_every_blocked_reader_on_set(store, redis_url):
     threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    time.sleep(0.3)  # let them block
-    assert not results
+
+    def blocked() -> set[str]:  # the readers' connections that Redis holds blocked in BLMOVE
+        return {c["name"] for c in r.client_list() if c["name"] in names and "b" in c["flags"] and c["cmd"] == "blmove"}
+
+    wait_until(lambda: blocked() == names, 10, lambda: f"every reader blocked in get() (blocked: {sorted(blocked())})")
+    assert not results  # each of them is waiting, none returned without the key
     set_at = time.monotonic()
     store.set("late", b"v")
     for t in threads:

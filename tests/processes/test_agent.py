@@ -10,13 +10,13 @@ is a total either way.
 from __future__ import annotations
 
 import sys
-import time
 
 import fakeredis
 
 from shoal.events.keys import job_keys
 from shoal.events.models import WorkerExited, decode_event
 from shoal.worker.agent import REPORT_CHARS, NodeAgent, failure_report, restart_delay
+from tests.helpers import wait_until
 
 
 def _agent(tmp_path, child: str, **kw) -> NodeAgent:
@@ -28,9 +28,8 @@ def _agent(tmp_path, child: str, **kw) -> NodeAgent:
 
 
 def _run(agent: NodeAgent, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while agent.run_once(timeout=0.2):
-        assert time.monotonic() < deadline, "the agent never gave up"
+    """Drive the agent until its loop ends (every slot gave up or finished)."""
+    wait_until(lambda: not agent.run_once(timeout=0.2), timeout, "the agent to give up", interval=0)
 
 
 def _exits(agent: NodeAgent) -> list[WorkerExited]:

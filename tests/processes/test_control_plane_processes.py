@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 
 import pytest
 
@@ -15,17 +13,10 @@ from shoal.coordinator.shards import expand
 from shoal.events.keys import job_keys
 from shoal.core.registry import create_job
 from shoal.core.jobspec import JobSpec
-from shoal.ops.localproc import LocalProcs
-from tests.helpers import ControlWatcher, server_ms
+from tests.helpers import ControlWatcher, run_cli, server_ms
 
 pytestmark = pytest.mark.slow
 TTL = 1.0
-
-
-@pytest.fixture
-def procs(redis_url, tmp_path):
-    with LocalProcs(redis_url, tmp_path / "logs") as p:
-        yield p
 
 
 def _spec(job_id: str, **kw) -> JobSpec:
@@ -134,8 +125,8 @@ def test_status_json_reports_state_generation_and_workers(r, job_id, procs, subp
     for i in range(2):
         procs.worker(job_id, f"w{i}")
     watch.wait_for(_world(2), 30)
-    out = subprocess.run([sys.executable, "-m", "shoal", "status", job_id, "--json"], env=subprocess_env,
-                         capture_output=True, text=True, timeout=30, check=True)
+    out = run_cli(subprocess_env, "status", job_id, "--json", timeout=30)
+    assert out.returncode == 0, out.stderr
     s = json.loads(out.stdout)
     assert s["state"] == "running" and s["generation"] == 1 and s["world_size"] == 2
     assert {w["worker_id"] for w in s["workers"]} == {"w0", "w1"}
@@ -146,6 +137,5 @@ def test_status_json_reports_state_generation_and_workers(r, job_id, procs, subp
         assert w["state"] in ("Syncing", "Active")
         assert w["heartbeat_age_ms"] is not None and 0 <= w["heartbeat_age_ms"] <= TTL * 1000
         assert "step" in w
-    bad = subprocess.run([sys.executable, "-m", "shoal", "status", "no-such-job"], env=subprocess_env,
-                         capture_output=True, text=True, timeout=30)
+    bad = run_cli(subprocess_env, "status", "no-such-job", timeout=30)
     assert bad.returncode == 2 and bad.stderr.strip() == "shoal: no job 'no-such-job' in this Redis"

@@ -1,4 +1,4 @@
-"""The training step (worker/engine.py), state transfer, digest, user API and the example.
+"""The training step (worker/engine.py), state transfer (worker/transfer.py), digest, user API and the example.
 
 In-process tests cover the local contracts (mean-loss semantics, micro-batching, rollback,
 errors). The multi-process test runs this file as a script in 4 real processes (gloo over
@@ -22,7 +22,8 @@ from torch import nn
 
 
 from shoal.worker.digest import state_digest  # noqa: E402
-from shoal.worker.engine import StepEngine, _decode, _encode  # noqa: E402
+from shoal.worker.engine import StepEngine  # noqa: E402
+from shoal.worker.transfer import _decode, _encode  # noqa: E402
 from shoal.worker.errors import EntrypointError, InconsistentStep, StepAborted, UserCodeError  # noqa: E402
 from shoal.worker.userapi import TrainingSetup, load_entrypoint  # noqa: E402
 
@@ -206,11 +207,11 @@ def _needs_args(x):
         ("shoal.examples.digits", "module:function"),
         ("no_such_module_xyz:build", "cannot import"),
         ("shoal.examples.digits:nope", "no attribute"),
-        ("tests.test_engine:GLOBAL_BATCH", "not callable"),
-        ("tests.test_engine:_needs_args", "without arguments"),
-        ("tests.test_engine:_raises", "cannot build"),
-        ("tests.test_engine:_not_a_setup", "expected worker.userapi.TrainingSetup"),
-        ("tests.test_engine:_bad_setup", "not parameters of the model"),
+        ("tests.processes.test_engine:GLOBAL_BATCH", "not callable"),
+        ("tests.processes.test_engine:_needs_args", "without arguments"),
+        ("tests.processes.test_engine:_raises", "cannot build"),
+        ("tests.processes.test_engine:_not_a_setup", "expected worker.userapi.TrainingSetup"),
+        ("tests.processes.test_engine:_bad_setup", "not parameters of the model"),
     ],
 )
 def test_load_entrypoint_errors(entrypoint, message):
@@ -248,7 +249,7 @@ def _child(role: str, rank: int, job: str, outdir: str) -> None:
     from shoal.core.connection import connect
     from shoal.worker import process_group as pg
     from shoal.worker.data import DataOrder, contiguous_table, round_robin_table
-    from shoal.worker.engine import broadcast_state, resync_state
+    from shoal.worker.transfer import broadcast_state, resync_state
     from shoal.worker.errors import StateMismatch
 
     torch.set_num_threads(1)  # 4 processes share 2 cores: intra-op threads only contend
@@ -422,7 +423,7 @@ def _catchup_child(rank: int, job: str) -> None:
     from shoal.core.connection import connect
     from shoal.worker import process_group as pg
     from shoal.worker.data import contiguous_table
-    from shoal.worker.engine import catch_up_state
+    from shoal.worker.transfer import catch_up_state
     from shoal.worker.errors import StateMismatch
 
     torch.set_num_threads(1)

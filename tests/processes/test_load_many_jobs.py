@@ -28,7 +28,7 @@ from shoal.ops.embedded import free_port
 from shoal.core.registry import create_job
 from shoal.core.jobspec import JobSpec
 from shoal.ops.localproc import LocalProcs
-from tests.helpers import ControlWatcher, server_ms
+from tests.helpers import ControlWatcher, server_ms, wait_until
 from shoal.worker.membership import Membership
 from shoal.worker.simulated import SimulatedWorker
 
@@ -54,14 +54,15 @@ def _rss_mb(pid: int) -> float:
 
 
 def _wait_serving(port: int, proc, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
+    def serving() -> bool:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5):
-                return
+                return True
         except OSError:
-            assert proc.popen.poll() is None and time.monotonic() < deadline, proc.log_tail()
-            time.sleep(0.1)
+            assert proc.popen.poll() is None, proc.log_tail()
+            return False
+
+    wait_until(serving, timeout, lambda: f"{proc.name} serving metrics on port {port}\n{proc.log_tail()}", interval=0.1)
 
 
 def _step(r, job: str, watch: ControlWatcher) -> int:
@@ -154,12 +155,17 @@ def test_many_jobs_complete_through_worker_and_coordinator_kills(r, redis_url, t
 
 
 def _drive(coord: Coordinator, until, what: str, timeout: float = 15, workers=()) -> None:
-    deadline = time.monotonic() + timeout
-    while not until():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+    """Run the coordinator's (and the workers') ``run_once`` in turn until ``until()`` holds."""
+
+    def done() -> bool:
+        if until():
+            return True
         coord.run_once(block_ms=20)
         for w in workers:
             w.run_once()
+        return False
+
+    wait_until(done, timeout, what, interval=0)
 
 
 def test_simulated_job_completes_by_the_next_rank0_after_leader_and_rank0_die(r, redis_url, job_id, request) -> None:

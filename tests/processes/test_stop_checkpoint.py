@@ -5,56 +5,43 @@ the job while the checkpoint stays in the store."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
-
 import pytest
 
 from shoal.events.keys import job_keys
 from shoal.core.registry import create_job
 from shoal.core.jobspec import JobSpec
 from shoal.ops.localproc import LocalProcs
-from tests.helpers import ROOT
 from shoal.ops.status import job_status
 from shoal.storage.checkpoint import load_latest
 from shoal.storage.latest import LatestPointer
 from shoal.storage.uri import open_store
-from tests.helpers import ControlWatcher
+from tests.helpers import ControlWatcher, run_cli, wait_until
 from shoal.worker import ledger
 
 pytestmark = pytest.mark.slow
 
 
-def shoal(env, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shoal", *args], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
-
-
 def test_stop_writes_a_final_checkpoint_latest_follows_and_purge_leaves_no_key(
-        r, redis_url, subprocess_env, tmp_path) -> None:
-    job = "stopck-" + tmp_path.name[-6:]
-    keys = job_keys(job)
+        r, redis_url, subprocess_env, tmp_path, job_id) -> None:
+    keys = job_keys(job_id)
     ckpt = f"file://{tmp_path / 'ckpt'}"
-    spec = JobSpec(name=job, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, epochs=5,
+    spec = JobSpec(name=job_id, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, epochs=5,
                    min_workers=1, max_workers=2, heartbeat_interval=0.2, heartbeat_ttl=1.5,
                    checkpoint_uri=ckpt, checkpoint_interval=0)  # 0: no periodic saves, only the final one
     create_job(r, spec)
-    watch = ControlWatcher(r, job)
+    watch = ControlWatcher(r, job_id)
     env = {"SHOAL_TEST_STEP_DELAY": "0.05", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger")}
     with LocalProcs(redis_url, tmp_path / "logs", extra_env=env) as procs:
         procs.coordinator("coord")
-        workers = [procs.worker(job, "a"), procs.worker(job, "b")]
+        workers = [procs.worker(job_id, "a"), procs.worker(job_id, "b")]
         watch.wait_for(lambda d: "world size 2" in d["reason"], 90)
         rank0 = next(m.worker_id for m in watch.table().members if m.rank == 0)
-        deadline = time.monotonic() + 60
-        while max((w["step"] or 0 for w in job_status(r, job)["workers"]), default=0) < 8:
-            assert time.monotonic() < deadline, [p.log_tail() for p in procs.procs]
-            time.sleep(0.1)
+        wait_until(lambda: max((w["step"] or 0 for w in job_status(r, job_id)["workers"]), default=0) >= 8, 60,
+                   lambda: f"a worker at step 8; logs: {[p.log_tail() for p in procs.procs]}", interval=0.1)
 
-        res = shoal(subprocess_env, "stop", job, "--wait", "60")
+        res = run_cli(subprocess_env, "stop", job_id, "--wait", "60", timeout=90)
         assert res.returncode == 0, res.stderr
-        assert f"job {job} is stopped" in res.stdout
+        assert f"job {job_id} is stopped" in res.stdout
         for w in workers:
             assert w.wait(60) == 0, w.log_tail()
         # rank 0's save finishes after `stopped`; the coordinator still applies its event
@@ -77,7 +64,7 @@ def test_stop_writes_a_final_checkpoint_latest_follows_and_purge_leaves_no_key(
     pointer = LatestPointer.from_json(r.get(keys.latest))
     assert pointer.step == stopped_at and pointer.store == store.uri
 
-    res = shoal(subprocess_env, "purge", "--state", "stopped", "--yes")
+    res = run_cli(subprocess_env, "purge", "--state", "stopped", "--yes", timeout=90)
     assert res.returncode == 0 and "purged" in res.stdout, res.stderr
-    assert list(r.scan_iter(match=f"shoal:{{{job}}}:*", count=1000)) == []
+    assert list(r.scan_iter(match=f"shoal:{{{job_id}}}:*", count=1000)) == []
     assert load_latest(store)[0].step == stopped_at  # checkpoints are not the keys' to delete

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from shoal.core.registry import create_job
+from shoal.events.keys import job_keys
 from shoal.core.jobspec import JobSpec
 from shoal.ops.localproc import LocalProcs
-from tests.helpers import ControlWatcher
+from tests.helpers import ControlWatcher, wait_until
 from shoal.worker import ledger
 
 pytestmark = pytest.mark.slow
@@ -126,7 +127,7 @@ def test_join_kill_and_leave_mid_epoch_use_every_sample_exactly_once(r, redis_ur
     assert codes["p0"] == 0  # the SIGTERM'd worker finished its step and left cleanly
 
 
-def test_crash_loop_backs_off_gives_up_and_reports_root_cause(r, redis_url, tmp_path) -> None:
+def test_crash_loop_backs_off_gives_up_and_reports_root_cause(r, redis_url, tmp_path, job_id) -> None:
     """A worker that always fails: restarts with backoff, the budget outlives a coordinator
     restart, the job fails naming the first failure's worker, rank, exit code and traceback."""
     import redis as redis_mod
@@ -134,18 +135,25 @@ def test_crash_loop_backs_off_gives_up_and_reports_root_cause(r, redis_url, tmp_
     from shoal.ops.status import format_status, job_status
     from shoal.worker.agent import NodeAgent
 
-    job = "crash-" + tmp_path.name[-8:]
+    job, keys = job_id, job_keys(job_id)
     create_job(r, _spec(job, min_workers=1, max_workers=1, max_restarts=3))
     watch = ControlWatcher(r, job)
     with LocalProcs(redis_url, tmp_path / "logs") as procs:
         coord = procs.coordinator("coord")
         agent = NodeAgent(redis_mod.Redis.from_url(redis_url), redis_url, job, 1, run_dir=tmp_path / "agent",
                           max_restarts=3, backoff=0.2, extra_env={"SHOAL_FAULTS": "*@0:before_step:raise"})
-        while agent.run_once(timeout=1.0):
+
+        def agent_done() -> bool:
+            if not agent.run_once(timeout=1.0):
+                return True
             if len(agent.slots[0].exits) == 1 and coord.popen.poll() is None:
                 coord.signal(signal.SIGKILL)  # the coordinator dies mid-loop; another takes over
                 coord.wait(10)
                 procs.coordinator("coord2")
+            return False
+
+        wait_until(agent_done, 180, lambda: f"the agent to give up; slot exits so far: {len(agent.slots[0].exits)}",
+                   interval=0)
         slot = agent.slots[0]
         assert slot.gave_up and slot.restarts == 3 and len(slot.spawns) == 4
         assert slot.delays == [0.2, 0.4, 0.8]  # exponential backoff
@@ -153,7 +161,7 @@ def test_crash_loop_backs_off_gives_up_and_reports_root_cause(r, redis_url, tmp_
             assert respawned - exited >= delay
         d = watch.wait_for(lambda d: d["job_state"] == "failed", 30)
         assert "gave up after 3 restarts" in d["reason"]
-        status = r.hgetall(f"shoal:{{{job}}}:state")
+        status = r.hgetall(keys.state)
         assert b"InjectedFault" in status[b"first_failure"]
         # the root cause names the rank and the exit code, and keeps the whole traceback
         s = job_status(r, job)
@@ -162,8 +170,8 @@ def test_crash_loop_backs_off_gives_up_and_reports_root_cause(r, redis_url, tmp_
         assert "InjectedFault" in s["first_failure_traceback"].splitlines()[-1]
         assert f"\n    {s['first_failure_traceback'].splitlines()[-1]}" in format_status(s)
         # every failed process is in the failures stream, with its exit code
-        history = r.xrange(f"shoal:{{{job}}}:failures")
+        history = r.xrange(keys.failures)
         exits = [h for _, h in history if h.get(b"exit_code") == b"1"]
         assert len(exits) == 4 and all(h[b"rank"] == b"0" and b"InjectedFault" in h[b"traceback"] for h in exits)
         assert s["failures"] == len(history)
-        assert int(r.get(f"shoal:{{{job}}}:epoch")) >= 2  # decided by the replica that took over
+        assert int(r.get(keys.epoch)) >= 2  # decided by the replica that took over

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tests.storage.support import BACKENDS, HookedStore, Warnings, make_store, tiny_state
+from tests.storage.support import HookedStore, Warnings, tiny_state
 
 from shoal.storage.backend import ObjectStore
 from shoal.storage.checkpoint import load_checkpoint, load_latest, save_checkpoint
@@ -21,11 +21,6 @@ from shoal.storage.layout import LATEST, file_key, manifest_key
 from shoal.storage.memory import MemoryStore
 from shoal.storage.train_state import TrainState
 from shoal.storage.verify import list_checkpoint_steps
-
-
-@pytest.fixture(params=BACKENDS)
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
-    return make_store(request.param, tmp_path)
 
 
 def _train(model, opt, sched, steps: int) -> list[float]:

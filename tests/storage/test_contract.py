@@ -10,15 +10,9 @@ import os
 from pathlib import Path
 
 import pytest
-from tests.storage.support import BACKENDS, make_store
 
 from shoal.storage.backend import ObjectStore
 from shoal.storage.errors import ObjectNotFound, StorageError
-
-
-@pytest.fixture(params=BACKENDS)
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
-    return make_store(request.param, tmp_path)
 
 
 def test_put_get_roundtrip_binary_and_empty(store: ObjectStore) -> None:

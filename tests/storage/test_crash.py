@@ -16,6 +16,7 @@ bounded. The restarted writer must resume at exactly LATEST.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import random
 import signal
@@ -149,7 +150,7 @@ def supervisor_main(root: str) -> None:
     first); once it is dead, report ``exit STATUS`` (negative signal number when killed). Importing torch
     once here and forking keeps each restart cheap, so the test can afford many kills; every
     writer still starts from what is on disk only."""
-    import shoal.storage.checkpoint  # noqa: F401  (pay the imports once)
+    importlib.import_module("shoal.storage.checkpoint")  # pay the imports once, before forking
 
     for line in sys.stdin:
         crash_point = line.split()[1] if len(line.split()) > 1 else ""

@@ -7,16 +7,12 @@ import os
 from pathlib import Path
 
 import pytest
-from tests.storage.support import BACKENDS, HookedStore, make_store
+from tests.storage.support import HookedStore
 
 from shoal.storage.backend import ObjectStore
 from shoal.storage.datasets import ShardReader, build_index
 from shoal.storage.errors import ObjectNotFound, ShardCorrupt
 
-
-@pytest.fixture(params=BACKENDS)
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
-    return make_store(request.param, tmp_path)
 
 SHARDS = {f"train-{i:05d}.bin": os.urandom(1000 + i) for i in range(3)}
 

@@ -7,8 +7,7 @@ import os
 import time
 from pathlib import Path
 
-import pytest
-from tests.storage.support import BACKENDS, HookedStore, make_store, tiny_state
+from tests.storage.support import HookedStore, tiny_state
 
 from shoal.storage.backend import ObjectStore
 from shoal.storage.checkpoint import load_latest, save_checkpoint
@@ -17,11 +16,6 @@ from shoal.storage.local import LocalStore
 from shoal.storage.memory import MemoryStore
 from shoal.storage.retention import apply_retention
 from shoal.storage.verify import list_checkpoint_steps
-
-
-@pytest.fixture(params=BACKENDS)
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
-    return make_store(request.param, tmp_path)
 
 
 def _point_latest(s: ObjectStore, step: int) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.storage.support import BACKENDS, Warnings, make_store, tiny_state
+from tests.storage.support import Warnings, tiny_state
 
 from shoal.storage.backend import ObjectStore
 from shoal.storage.checkpoint import load_checkpoint, load_latest, save_checkpoint
@@ -21,10 +21,6 @@ from shoal.storage.manifest import HMAC_ENV
 from shoal.storage.memory import MemoryStore
 from shoal.storage.resume import resume
 
-
-@pytest.fixture(params=BACKENDS)
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
-    return make_store(request.param, tmp_path)
 
 HMAC_SECRET = "hmac-key-that-must-never-show-up"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shoal.coordinator.decide import SETTLE_MS, EventInput, Forget, Publish, RecordFailure, ReplyJoin, Tick, decide
-from shoal.coordinator.states import CoordState, IllegalTransition, JobState, WorkerRecord, WorkerState
+from shoal.coordinator.states import CoordState, FailureCause, IllegalTransition, JobState, WorkerRecord, WorkerState
 from shoal.events.models import JoinRequest, LeaveRequest, Left, Ready, StopJob, WorkerExited
 from shoal.core.jobspec import JobSpec
 
@@ -209,3 +209,17 @@ def test_a_generation_that_could_not_form_is_replaced_by_a_new_one_of_the_same_m
     late = StepFailed(job_id="j", worker_id="w2", generation=gen, step=5, error="rendezvous timed out", rendezvous=True)
     d2 = decide(d.state, _ev(late), T0 + 1, SPEC)
     assert not d2.changed and not tables(d2)
+
+
+def test_two_workers_timing_out_in_one_tick_are_recorded_with_their_own_ranks() -> None:
+    s = three_workers()  # generation 1: w0 rank 0, w1 rank 1, w2 rank 2
+    d = decide(s, Tick(last_seen={"w0": T0, "w1": T0}), T0 + 5000, SPEC)
+    recorded = {a.worker_id: a for a in d.actions if isinstance(a, RecordFailure)}
+    assert {w: a.rank for w, a in recorded.items()} == {"w0": 0, "w1": 1}
+    assert recorded["w0"].reason == "w0 failed (rank 0): no heartbeat for 5000 ms (ttl 2000 ms)"
+    assert recorded["w1"].reason == "w1 failed (rank 1): no heartbeat for 5000 ms (ttl 2000 ms)"
+    for wid, rank in (("w0", 0), ("w1", 1)):
+        rec = d.state.workers[wid]
+        assert (rec.state, rec.rank, rec.cause) == (WorkerState.FAILED, rank, FailureCause.HEARTBEAT_TIMEOUT)
+        assert rec.reason == recorded[wid].reason
+    assert d.state.status.first_failure == recorded["w0"].reason

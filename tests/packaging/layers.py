@@ -1,0 +1,132 @@
+"""The import-direction rule of the package, as data and a checker (used by test_layout.py).
+
+Every module of the installed ``shoal`` package belongs to a layer; a module may import its
+own layer's package and any layer below it, never one above it nor a sibling on its own level:
+
+====  ===================================  ==========================================
+rank  packages                             what they hold
+====  ===================================  ==========================================
+0     ``shoal.events``                     the wire contract: key names, TTLs, models
+1     ``shoal.core``                       errors, connection, job spec, registry, faults
+2     ``shoal.storage``                    checkpoints, LATEST, datasets
+3     ``shoal.coordinator``, ``shoal.worker``  the control plane and the training runtime
+4     ``shoal.ops``                        operator tooling: CLI, demo, chaos, report, ...
+5     ``shoal`` (its own modules)          the public API, ``python -m shoal``
+6     ``shoal.examples``                   user code: imports the public API
+====  ===================================  ==========================================
+
+Pure decision modules (:data:`PURE`) may import only the wire contract, the core and their
+own package (whose pure helpers they use), never a storage backend or anything doing I/O.
+The folders come from ``pyproject.toml``'s ``package-dir`` table, so the rule follows the build.
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+RANKS: dict[str, int] = {
+    "shoal.events": 0,
+    "shoal.core": 1,
+    "shoal.storage": 2,
+    "shoal.coordinator": 3,
+    "shoal.worker": 3,
+    "shoal.ops": 4,
+    "shoal": 5,
+    "shoal.examples": 6,
+}
+
+#: modules whose decisions must stay pure: they import only these layers
+PURE: dict[str, tuple[str, ...]] = {
+    "shoal.coordinator.decide": ("shoal.events", "shoal.core"),
+    "shoal.worker.decide": ("shoal.events", "shoal.core"),
+}
+
+
+@dataclass(frozen=True)
+class Violation:
+    path: str
+    line: int
+    importer: str
+    imported: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.importer} imports {self.imported} ({self.why})"
+
+
+def package_dirs(pyproject: Path) -> dict[str, str]:
+    """``{"shoal.worker": "worker", ...}`` from ``[tool.setuptools.package-dir]``."""
+    table = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]
+    return dict(table["package-dir"])
+
+
+def layer_of(module: str) -> str | None:
+    """The layer (a key of RANKS) a dotted module name belongs to: the longest prefix."""
+    best = None
+    for pkg in RANKS:
+        if (module == pkg or module.startswith(pkg + ".")) and (best is None or len(pkg) > len(best)):
+            best = pkg
+    return best
+
+
+def _modules(root: Path, dirs: dict[str, str]) -> list[tuple[str, Path]]:
+    """(dotted module name, file) for every .py file the build installs."""
+    out = []
+    for pkg, folder in dirs.items():
+        base = root / folder
+        for path in sorted(base.glob("*.py")):
+            name = pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"
+            out.append((name, path))
+    return out
+
+
+def _imports(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """Absolute names imported by a module (relative imports resolved); ``if TYPE_CHECKING``
+    blocks count too: a type-only import that runs back up still couples the layers."""
+    found = []
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.append((node.lineno, target))
+            # ``from shoal import ops`` names a subpackage: count it as that subpackage
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                if layer_of(sub) == sub:
+                    found[-1] = (node.lineno, sub)
+    return found
+
+
+def check(root: Path, dirs: dict[str, str] | None = None) -> list[Violation]:
+    """Every import in the tree at ``root`` that breaks the layering."""
+    dirs = dirs if dirs is not None else package_dirs(root / "pyproject.toml")
+    problems: list[Violation] = []
+    for module, path in _modules(root, dirs):
+        own = layer_of(module)
+        if own is None:
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        rel = str(path.relative_to(root))
+        for line, imported in _imports(tree, module, path.stem == "__init__"):
+            target = layer_of(imported)
+            if target is None:
+                continue  # not ours: stdlib or a dependency
+            if module in PURE and target not in PURE[module] and target != own:
+                problems.append(Violation(rel, line, module, imported, f"{module} is a pure decision module"))
+            elif target == own:
+                continue
+            elif RANKS[target] > RANKS[own]:
+                problems.append(Violation(rel, line, module, imported, f"{own} may not import upwards into {target}"))
+            elif RANKS[target] == RANKS[own]:
+                problems.append(Violation(rel, line, module, imported, f"{own} and {target} are siblings"))
+    return problems

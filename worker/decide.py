@@ -1,0 +1,592 @@
+"""The training worker's own decisions: a pure function of (state, input, now).
+
+:func:`decide` never touches Redis, torch or the clock. It returns a :class:`Decision`: the
+worker's new :class:`TrainerState`, the actions to perform in order, and a one-line reason
+for people (logged when ``level`` says so). The loop in :mod:`shoal.worker.training` performs
+the actions - join the group, move state, train a step, checkpoint, send events, exit - and
+feeds what they produced back as the next input. At most one action of a decision produces an
+input, and it is the last one; a decision whose actions produce none ends the loop's
+iteration (``run_once``). Tests drive it by passing a later ``now`` instead of sleeping.
+
+The phases and their allowed moves are documented on :class:`Phase`.
+
+Invariants: the cursor and step move only on a committed step (or a catch-up); a generation
+is joined at most once (``used``: its rendezvous prefix is spent whether or not the group
+formed); draining (SIGTERM) sends ``leave`` once and trains on until a table without this
+worker arrives.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+from shoal.events.models import Member, ShardTable
+from shoal.worker.data import contiguous_table
+
+#: Job states after which a worker has nothing left to do.
+TERMINAL = frozenset({"completed", "failed", "stopped"})
+#: A heartbeat carries the parameter digest every this many steps (sha256 of every parameter:
+#: cheap for small models, not free for large ones).
+DIGEST_EVERY = 50
+#: Pause between two polls of the Redis barrier, seconds.
+BARRIER_POLL_S = 0.002
+
+Ranges = tuple[tuple[int, int, int], ...]
+
+
+class Phase(str, Enum):
+    """Where the worker stands between generations.
+
+    Phases and their allowed moves (:data:`PHASE_MOVES`; staying in a phase is always allowed)::
+
+        IDLE      -> FORMING   a fetched table includes this worker
+        IDLE      -> EXITED    draining and the newest table excludes it; the job ended; evicted
+        FORMING   -> TRAINING  the group formed and caught up
+        FORMING   -> IDLE      the barrier gave up (deadline, a newer table, evicted); could not form
+        FORMING   -> EXITED    as from IDLE (the loop does not start an iteration while forming)
+        TRAINING  -> IDLE      a step agreed on a newer generation (an orderly switch); a step
+                               failed; rejoined a job that Redis had lost
+        TRAINING  -> EXITED    training complete; the job ended; evicted
+        EXITED    -> (none)
+
+    - IDLE: in no process group. An iteration starts a switch: fetch the newest table; meet its
+      members if it includes this worker, else wait (bounded: IDLE with a ``deadline``) for a
+      newer one.
+    - FORMING: meeting the other members of ``table`` at the Redis barrier (until ``deadline``),
+      then forming the group and catching up state.
+    - TRAINING: a member of ``table``'s generation; one step per iteration. When a step's
+      all-reduce says some member saw a newer generation (``switch_to``), every member leaves at
+      that step boundary; a failed step leaves at once.
+    - EXITED: terminal; ``exit_code`` says how (0: finished, left, or the job ended; 1: evicted).
+    """
+
+    IDLE = "idle"
+    FORMING = "forming"
+    TRAINING = "training"
+    EXITED = "exited"
+
+
+PHASE_MOVES: dict[Phase, frozenset[Phase]] = {
+    Phase.IDLE: frozenset({Phase.FORMING, Phase.EXITED}),
+    Phase.FORMING: frozenset({Phase.IDLE, Phase.TRAINING, Phase.EXITED}),
+    Phase.TRAINING: frozenset({Phase.IDLE, Phase.EXITED}),
+    Phase.EXITED: frozenset(),
+}
+
+
+class IllegalMove(ValueError):
+    """A decision tried a move :data:`PHASE_MOVES` forbids (a bug in this module)."""
+
+
+def check_move(src: Phase, dst: Phase) -> None:
+    """Raise :class:`IllegalMove` unless ``src -> dst`` is listed (staying is always allowed,
+    except in EXITED, which no input changes)."""
+    if dst != src and dst not in PHASE_MOVES[src]:
+        raise IllegalMove(f"worker phase {src.value} -> {dst.value} is not allowed")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the decisions need of the job and the process; fixed for a run."""
+
+    #: dataset length x epochs: the cursor at which training is complete (None: not known yet)
+    total_samples: int | None = None
+    max_steps: int | None = None
+    #: rank 0 checkpoints every this many committed steps (0: only a final one)
+    checkpoint_interval: int = 0
+    #: how long one wait for a newer table lasts before the worker looks again, seconds
+    wait_s: float = 10.0
+    #: how long the members of a table are awaited at the barrier, seconds
+    barrier_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    limits: Limits = field(default_factory=Limits)
+    worker_id: str = ""
+    phase: Phase = Phase.IDLE
+    #: committed steps, and the global cursor after them
+    step: int = 0
+    cursor: int = 0
+    #: FORMING, TRAINING: the table of the generation being formed / trained in, and this
+    #: worker's entry in it (None in the other phases)
+    table: ShardTable | None = None
+    member: Member | None = None
+    #: newest generation seen anywhere (the watcher, a table, the barrier)
+    seen: int = 0
+    #: generation the last committed step agreed to switch to
+    switch_to: int = 0
+    #: newest generation whose group this process joined or tried to: never joined again
+    used: int = 0
+    draining: bool = False
+    #: IDLE while waiting: a table newer than this ends the wait
+    awaiting: int = 0
+    #: monotonic seconds: the end of the current wait (IDLE) or barrier (FORMING)
+    deadline: float = 0.0
+    #: TRAINING: this rank's part of the generation's first step after a catch-up
+    first_ranges: Ranges | None = None
+    #: EXITED: the process's exit code
+    exit_code: int | None = None
+
+    @property
+    def group(self) -> int:
+        """The generation of the process group this worker is in (0: none)."""
+        return self.table.generation if self.phase is Phase.TRAINING and self.table else 0
+
+    @property
+    def rank0(self) -> bool:
+        return self.phase is Phase.TRAINING and self.member is not None and self.member.rank == 0
+
+    @property
+    def done(self) -> bool:
+        total, max_steps = self.limits.total_samples, self.limits.max_steps
+        return (total is not None and self.cursor >= total) or (max_steps is not None and self.step >= max_steps)
+
+
+# ---- inputs ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tick:
+    """The start of an iteration: what the heartbeat (``evicted``), the stop flag (SIGTERM)
+    and the generation watcher (``latest`` generation, ``job_state``) say now."""
+
+    evicted: bool = False
+    stop: bool = False
+    latest: int = 0
+    job_state: str = "running"
+
+
+@dataclass(frozen=True)
+class Rejoined:
+    """The result of :class:`TryRejoin`: ``ok`` with the new ``worker_id``, or not."""
+
+    ok: bool
+    worker_id: str = ""
+
+
+@dataclass(frozen=True)
+class TableFetched:
+    """The result of :class:`FetchTable`: the job's current table (None: none yet)."""
+
+    table: ShardTable | None
+
+
+@dataclass(frozen=True)
+class TableWaited:
+    """The result of one bounded :class:`WaitTable`: a newer table, or none - and then whether
+    the job has ended or this worker was evicted meanwhile."""
+
+    table: ShardTable | None = None
+    job_ended: bool = False
+    evicted: bool = False
+
+
+@dataclass(frozen=True)
+class BarrierPolled:
+    """The result of :class:`PollBarrier`: members arrived, the newest published generation."""
+
+    arrived: int
+    newest: int = 0
+    evicted: bool = False
+
+
+@dataclass(frozen=True)
+class Formed:
+    """:class:`Form` succeeded: the group is joined and caught up from rank ``src`` (``behind``:
+    the ranks that received state); ``step``/``cursor`` are the caught-up ones; ``took`` s."""
+
+    step: int
+    cursor: int
+    src: int = 0
+    behind: tuple[int, ...] = ()
+    took: float = 0.0
+
+
+@dataclass(frozen=True)
+class FormFailed:
+    """:class:`Form` failed (rendezvous, a collective, a state mismatch); the group is spent."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class Committed:
+    """:class:`TrainStep` committed: the cursor after it, the generation its all-reduce agreed
+    on (newer than the group's: every member switches after this step), its loss; ``started``
+    is when the step began (monotonic), for the heartbeat's step time."""
+
+    cursor: int
+    max_generation: int
+    loss: float | None = None
+    started: float = 0.0
+
+
+@dataclass(frozen=True)
+class Aborted:
+    """:class:`TrainStep` was aborted (a collective failed, or the commit fence refused):
+    nothing was applied."""
+
+    error: str
+
+
+Input = Tick | Rejoined | TableFetched | TableWaited | BarrierPolled | Formed | FormFailed | Committed | Aborted
+
+
+# ---- actions --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TryRejoin:
+    """Evicted: if the job lost its record of this process (Redis lost its data), wait for the
+    job to be registered again and join it anew. -> :class:`Rejoined`."""
+
+    last_generation: int
+
+
+@dataclass(frozen=True)
+class LeaveGroup:
+    """Leave the process group. ``background``: an orderly switch (no collective in flight),
+    the backend is freed off the critical path; otherwise synchronously, so that closing the
+    sockets of a broken group makes peers still inside a collective fail at once."""
+
+    background: bool = False
+
+
+@dataclass(frozen=True)
+class SendLeave:
+    """Ask the coordinator to plan a generation without this worker (a drain)."""
+
+
+@dataclass(frozen=True)
+class SendLeft:
+    """Tell the coordinator this draining worker is gone."""
+
+
+@dataclass(frozen=True)
+class ReportFailure:
+    """Send ``step_failed`` for ``generation`` (``rendezvous``: its group could not form)."""
+
+    generation: int
+    step: int
+    error: str
+    rendezvous: bool = False
+
+
+@dataclass(frozen=True)
+class FetchTable:
+    """Read the job's current table. -> :class:`TableFetched`."""
+
+
+@dataclass(frozen=True)
+class WaitTable:
+    """Wait (about a second at most) for a table newer than ``after``. -> :class:`TableWaited`."""
+
+    after: int
+
+
+@dataclass(frozen=True)
+class Arrive:
+    """Add this worker to the barrier of ``generation`` in Redis."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class PollBarrier:
+    """After ``pause`` s, count the arrivals at ``generation``'s barrier and read the newest
+    table. -> :class:`BarrierPolled`."""
+
+    generation: int
+    pause: float = 0.0
+
+
+@dataclass(frozen=True)
+class Form:
+    """Join the group of ``table``'s generation as ``rank`` and catch up state from the most
+    advanced member. -> :class:`Formed` or :class:`FormFailed`."""
+
+    table: ShardTable
+    rank: int
+
+
+@dataclass(frozen=True)
+class Announce:
+    """A generation formed: publish it with the heartbeat, then (off the critical path) the
+    digest of the state it starts from, the switch log line, and ``ready``."""
+
+    generation: int
+    rank: int
+    world: int
+    step: int
+    cursor: int
+    took: float
+    src: int
+    behind: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TrainStep:
+    """Train the step after ``step`` at ``cursor`` on ``ranges`` of the global batch, in group
+    ``base`` of ``world`` ranks, telling the others the newest ``generation`` seen.
+    -> :class:`Committed` or :class:`Aborted`."""
+
+    step: int
+    cursor: int
+    ranges: Ranges
+    generation: int
+    base: int
+    world: int
+
+
+@dataclass(frozen=True)
+class RecordProgress:
+    """Append a committed step to the job's progress history (rank 0)."""
+
+    step: int
+    loss: float | None
+    generation: int
+    world: int
+
+
+@dataclass(frozen=True)
+class SaveCheckpoint:
+    """Save a checkpoint of ``step`` (rank 0); ``final`` waits until it is written."""
+
+    step: int
+    cursor: int
+    generation: int
+    world: int
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class Beat:
+    """Put a committed step into the heartbeat (with the parameter digest if ``digest``)."""
+
+    step: int
+    generation: int
+    loss: float | None
+    started: float
+    digest: bool = False
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Training is complete: evaluate, save ``checkpoint`` if any, report the job completed if
+    ``report`` (rank 0), publish the final digest."""
+
+    step: int
+    cursor: int
+    report: bool
+    checkpoint: SaveCheckpoint | None = None
+
+
+Action = (TryRejoin | LeaveGroup | SendLeave | SendLeft | ReportFailure | FetchTable | WaitTable | Arrive
+          | PollBarrier | Form | Announce | TrainStep | RecordProgress | SaveCheckpoint | Beat | Finish)
+
+
+@dataclass(frozen=True)
+class Decision:
+    state: TrainerState
+    actions: tuple[Action, ...] = ()
+    reason: str = ""
+    #: the logging level at which the loop logs ``reason`` (0: not logged)
+    level: int = 0
+
+
+# ---- the decision -----------------------------------------------------------------------------
+
+
+def decide(state: TrainerState, event: Input, now: float) -> Decision:
+    """The worker's next move after ``event``, at monotonic time ``now`` (seconds).
+
+    Inputs that make no sense in the current phase (a late result, anything once EXITED)
+    change nothing and say why. Raises :class:`IllegalMove` only on a bug here."""
+    if state.phase is Phase.EXITED:
+        return Decision(state, (), f"exited ({state.exit_code}): {type(event).__name__} ignored")
+    handler, phases = _HANDLERS[type(event)]
+    if state.phase not in phases:
+        return Decision(state, (), f"{type(event).__name__} ignored while {state.phase.value}")
+    d = handler(state, event, now)
+    check_move(state.phase, d.state.phase)
+    return d
+
+
+def _idle(s: TrainerState, **changes) -> TrainerState:
+    return replace(s, phase=Phase.IDLE, table=None, member=None, first_ranges=None, **changes)
+
+
+def _exit(s: TrainerState, code: int) -> TrainerState:
+    return replace(s, phase=Phase.EXITED, exit_code=code)
+
+
+def _wait(s: TrainerState, after: int, now: float) -> tuple[TrainerState, tuple[Action, ...]]:
+    """IDLE, waiting until ``now + wait_s`` for a table newer than ``after``."""
+    return _idle(s, awaiting=after, deadline=now + s.limits.wait_s), (WaitTable(after),)
+
+
+def _checkpoint(s: TrainerState, *, final: bool) -> SaveCheckpoint:
+    return SaveCheckpoint(s.step, s.cursor, s.group, s.table.world_size, final=final)
+
+
+def _tick(s: TrainerState, t: Tick, now: float) -> Decision:
+    if t.evicted:
+        return Decision(s, (TryRejoin(s.seen),), "no longer counted by the coordinator: rejoin if the job lost its "
+                                                  "record of this worker, else exit")
+    actions: list[Action] = []
+    said: list[str] = []
+    level = 0
+    if t.stop and not s.draining:
+        s = replace(s, draining=True)
+        actions.append(SendLeave())
+        said.append(f"draining after step {s.step}")
+        level = logging.INFO
+    s = replace(s, seen=max(s.seen, t.latest))
+    if t.job_state in TERMINAL:
+        if t.job_state == "stopped" and s.rank0:
+            actions.append(_checkpoint(s, final=True))  # a graceful stop keeps the progress
+        said.append(f"the job is {t.job_state}")
+        return Decision(_exit(s, 0), tuple(actions), "; ".join(said), level)
+    if s.phase is Phase.TRAINING and s.switch_to <= s.group:
+        ranges = s.first_ranges if s.first_ranges is not None else tuple(map(tuple, s.member.ranges))
+        actions.append(TrainStep(s.step, s.cursor, ranges, s.seen, s.group, s.table.world_size))
+        said.append(f"step {s.step + 1} in generation {s.group}")
+        return Decision(replace(s, first_ranges=None), tuple(actions), "; ".join(said), level)
+    if s.phase is Phase.TRAINING:  # an orderly switch: the old group's teardown runs in the background
+        actions.append(LeaveGroup(background=True))
+        said.append(f"generation {s.switch_to} agreed after step {s.step}: leaving generation {s.group}")
+    else:
+        said.append("in no group: looking for the newest table")
+    actions.append(FetchTable())
+    return Decision(_idle(s), tuple(actions), "; ".join(said), level)
+
+
+def _rejoined(s: TrainerState, r: Rejoined, now: float) -> Decision:
+    if not r.ok:
+        return Decision(_exit(s, 1), (), "evicted by the coordinator (declared failed); exiting", logging.ERROR)
+    # the new incarnation of the job plans a new generation; no step was lost on our side
+    return Decision(_idle(s, worker_id=r.worker_id, switch_to=0), (LeaveGroup(),),
+                    f"rejoined the job as {r.worker_id} (it had lost its record of this worker)", logging.INFO)
+
+
+def _table_fetched(s: TrainerState, f: TableFetched, now: float) -> Decision:
+    table = f.table
+    if table is None or table.generation < s.switch_to:
+        after = max(s.switch_to - 1, 0) if table is None else table.generation
+        s, actions = _wait(s, after, now)
+        return Decision(s, actions, f"waiting for a table newer than generation {after}")
+    g = table.generation
+    s = replace(s, seen=max(s.seen, g))
+    if g <= s.used:
+        s, actions = _wait(s, g, now)
+        return Decision(s, actions, f"generation {g} was already joined or tried (its rendezvous is spent): "
+                                    "waiting for a newer one")
+    member = None if table.paused else table.member(s.worker_id)
+    if member is None:
+        if s.draining:
+            return Decision(_exit(s, 0), (SendLeft(),), f"left after step {s.step} (generation {g} no longer includes us)",
+                            logging.INFO)
+        s, actions = _wait(s, g, now)
+        return Decision(s, actions, f"generation {g} {'is paused' if table.paused else 'does not include this worker'}: "
+                                    "waiting for a newer one")
+    s = replace(s, phase=Phase.FORMING, table=table, member=member, deadline=now + s.limits.barrier_s)
+    return Decision(s, (Arrive(g), PollBarrier(g)), f"generation {g} includes this worker as rank {member.rank}: "
+                                                     "meeting its members")
+
+
+def _table_waited(s: TrainerState, w: TableWaited, now: float) -> Decision:
+    if w.table is not None:
+        return Decision(replace(s, seen=max(s.seen, w.table.generation)), (), f"generation {w.table.generation} published")
+    if w.evicted:
+        return Decision(s, (), "evicted while waiting for a table")
+    if w.job_ended:
+        return Decision(s, (), "the job ended while waiting for a table")
+    if now >= s.deadline:
+        return Decision(s, (), f"no table newer than generation {s.awaiting} came: looking again")
+    return Decision(s, (WaitTable(s.awaiting),), f"waiting for a table newer than generation {s.awaiting}")
+
+
+def _barrier_polled(s: TrainerState, b: BarrierPolled, now: float) -> Decision:
+    g, world = s.table.generation, s.table.world_size
+    if s.used >= g:
+        return Decision(s, (), f"the barrier of generation {g} is over: its group is being formed")
+    if b.arrived >= world:
+        return Decision(replace(s, used=max(s.used, g)), (Form(s.table, s.member.rank),),
+                        f"all {world} members of generation {g} arrived: forming its group")
+    if b.newest > g:
+        return Decision(_idle(s, seen=max(s.seen, b.newest), switch_to=b.newest), (),
+                        f"generation {b.newest} published while meeting generation {g}'s members: switching to it")
+    if b.evicted:
+        return Decision(_idle(s), (), f"evicted at the barrier of generation {g}")
+    if now >= s.deadline:
+        return Decision(_idle(s), (), f"only {b.arrived} of {world} members of generation {g} arrived within "
+                                      f"{s.limits.barrier_s:.0f} s: looking again", logging.INFO)
+    return Decision(s, (PollBarrier(g, BARRIER_POLL_S),), f"{b.arrived} of {world} members of generation {g} arrived")
+
+
+def _formed(s: TrainerState, f: Formed, now: float) -> Decision:
+    table, rank = s.table, s.member.rank
+    if s.used < table.generation:
+        return Decision(s, (), f"generation {table.generation}'s group is not being formed yet: Formed ignored")
+    first: Ranges | None = None
+    if f.behind:
+        # while the ranks behind receive state, the others split the first step's batch
+        ready = [r for r in range(table.world_size) if r not in f.behind]
+        mine = [] if rank in f.behind else contiguous_table(table.num_samples, len(ready))[ready.index(rank)]
+        first = tuple(tuple(r) for r in mine)
+    g = table.generation
+    s = replace(s, phase=Phase.TRAINING, step=f.step, cursor=f.cursor, switch_to=g, first_ranges=first)
+    return Decision(s, (Announce(g, rank, table.world_size, f.step, f.cursor, f.took, f.src, f.behind),),
+                    f"formed generation {g} as rank {rank}/{table.world_size} at step {f.step}")
+
+
+def _form_failed(s: TrainerState, f: FormFailed, now: float) -> Decision:
+    g = s.table.generation
+    if s.used < g:
+        return Decision(s, (), f"generation {g}'s group is not being formed yet: FormFailed ignored")
+    # a generation is never retried (its rendezvous prefix is spent): ask for a new one
+    failed = (LeaveGroup(), ReportFailure(g, s.step, f.error, rendezvous=True))
+    s, wait = _wait(s, g, now)
+    return Decision(s, failed + wait, f"generation {g} could not form: {f.error}", logging.WARNING)
+
+
+def _committed(s: TrainerState, c: Committed, now: float) -> Decision:
+    g, world, rank0 = s.group, s.table.world_size, s.rank0
+    s = replace(s, step=s.step + 1, cursor=c.cursor, switch_to=c.max_generation)
+    actions: list[Action] = []
+    if rank0:  # the history `shoal report` draws
+        actions.append(RecordProgress(s.step, c.loss, g, world))
+    interval = s.limits.checkpoint_interval
+    if rank0 and interval and s.step % interval == 0:
+        actions.append(_checkpoint(s, final=False))
+    actions.append(Beat(s.step, g, c.loss, c.started, digest=s.step % DIGEST_EVERY == 0))
+    if s.done:
+        actions.append(Finish(s.step, s.cursor, report=rank0, checkpoint=_checkpoint(s, final=True) if rank0 else None))
+        return Decision(_exit(s, 0), tuple(actions), f"training complete at step {s.step}, cursor {s.cursor}")
+    then = f"; generation {c.max_generation} agreed: switching" if c.max_generation > g else ""
+    return Decision(s, tuple(actions), f"step {s.step} committed in generation {g}{then}")
+
+
+def _aborted(s: TrainerState, a: Aborted, now: float) -> Decision:
+    g, step = s.group, s.step
+    # the cursor stays: the same global batch is redone in the next generation
+    failed = (LeaveGroup(), ReportFailure(g, step, a.error))
+    s, wait = _wait(s, g, now)
+    return Decision(s, failed + wait, f"step {step} aborted in generation {g}: {a.error}", logging.WARNING)
+
+
+_ANY = frozenset({Phase.IDLE, Phase.FORMING, Phase.TRAINING})
+_HANDLERS = {
+    Tick: (_tick, _ANY),
+    Rejoined: (_rejoined, _ANY),
+    TableFetched: (_table_fetched, frozenset({Phase.IDLE})),
+    TableWaited: (_table_waited, frozenset({Phase.IDLE})),
+    BarrierPolled: (_barrier_polled, frozenset({Phase.FORMING})),
+    Formed: (_formed, frozenset({Phase.FORMING})),
+    FormFailed: (_form_failed, frozenset({Phase.FORMING})),
+    Committed: (_committed, frozenset({Phase.TRAINING})),
+    Aborted: (_aborted, frozenset({Phase.TRAINING})),
+}

@@ -1,0 +1,381 @@
+"""State transfer between the members of a generation: a model, its optimizer and LR
+scheduler, and a small JSON-able ``extra`` (step, cursor), from one rank to others. No pickle.
+
+:func:`catch_up_state`
+    What a generation switch uses, first thing in every new generation: every rank passes its
+    number of committed steps; the most advanced member (lowest rank on ties) sends its state
+    point to point to the members that are behind only, and does not wait for the transfer.
+:func:`broadcast_state`
+    A collective: every rank gets ``src``'s state. :func:`resync_state` picks ``src`` the way
+    :func:`catch_up_state` does and broadcasts to every other rank, behind or not.
+
+Encoding
+    A JSON header describes the structure of ``model.state_dict()``, ``optimizer.state_dict()``,
+    the scheduler's state and ``extra``, with every tensor replaced by a reference (tuples and
+    non-string dict keys are tagged so they survive the round trip). The tensors follow as one
+    flat buffer per dtype (broadcast) or one message each (catch-up). A receiver whose model or
+    optimizer differs in structure raises :class:`~shoal.worker.errors.StateMismatch` before
+    anything is changed; a failed peer surfaces as
+    :class:`~shoal.worker.errors.CollectiveFailed`. Receivers copy weights and buffers in place
+    (the optimizer's parameter references stay valid) and load optimizer and scheduler state
+    with ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from shoal.worker import process_group as pg
+from shoal.worker.errors import StateMismatch
+
+_T = "__tensor__"
+_TUPLE = "__tuple__"
+_DICT = "__dict__"
+
+
+def _encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """JSON-able form of ``obj`` with tensors replaced by references into ``tensors``."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj.detach())
+        return {_T: len(tensors) - 1}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (np.integer, np.floating, np.bool_)):
+        return obj.item()
+    if isinstance(obj, tuple):
+        return {_TUPLE: [_encode(o, tensors) for o in obj]}
+    if isinstance(obj, list):
+        return [_encode(o, tensors) for o in obj]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and k not in (_T, _TUPLE, _DICT) for k in obj):
+            return {k: _encode(v, tensors) for k, v in obj.items()}
+        return {_DICT: [[_encode(k, tensors), _encode(v, tensors)] for k, v in obj.items()]}
+    raise TypeError(f"cannot send a {type(obj).__name__} in a state broadcast (JSON types and tensors only)")
+
+
+def _decode(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [_decode(o, tensors) for o in obj]
+    if isinstance(obj, dict):
+        if len(obj) == 1 and _T in obj:
+            return tensors[obj[_T]]
+        if len(obj) == 1 and _TUPLE in obj:
+            return tuple(_decode(o, tensors) for o in obj[_TUPLE])
+        if len(obj) == 1 and _DICT in obj:
+            return {_decode(k, tensors): _decode(v, tensors) for k, v in obj[_DICT]}
+        return {k: _decode(v, tensors) for k, v in obj.items()}
+    return obj
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise StateMismatch(f"unknown dtype {name!r} in a state broadcast")
+    return dt
+
+
+def _structure(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {
+        "model": [[k, str(v.dtype), list(v.shape)] for k, v in model.state_dict().items()],
+        "groups": [len(g["params"]) for g in optimizer.param_groups],
+    }
+
+
+def broadcast_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any] | None,
+    src: int,
+    *,
+    lr_scheduler: Any | None = None,
+) -> dict[str, Any]:
+    """Make every rank's model, optimizer (and LR scheduler) state equal to rank ``src``'s.
+
+    Collective: every rank of the current group calls it with the same ``src``. On ``src``,
+    ``extra`` is a dict of JSON types and tensors (step, cursor, ...) sent along; on the others
+    it is ignored. Returns ``src``'s ``extra`` on every rank. Model parameters and buffers are
+    overwritten in place (the optimizer's references stay valid); optimizer and scheduler
+    state are replaced with ``load_state_dict``.
+
+    Raises StateMismatch on every rank when some receiver's model or optimizer differs in
+    structure from ``src``'s (names, dtypes, shapes, parameter groups) or ``src``'s state
+    cannot be encoded (nothing is changed anywhere); CollectiveFailed when a peer fails.
+    """
+    rank, world = pg.world()
+    group = pg.current_group()
+    comm = group.device if group else torch.device("cpu")
+    if world == 1:
+        return dict(extra or {})
+
+    # 1. header: JSON structure + references to tensors
+    tensors: list[torch.Tensor] = []
+    payload = b""
+    error = ""
+    if rank == src:
+        try:
+            header = {
+                "structure": _structure(model, optimizer),
+                "model": _encode(dict(model.state_dict()), tensors),
+                "optimizer": _encode(optimizer.state_dict(), tensors),
+                "scheduler": _encode(lr_scheduler.state_dict(), tensors) if lr_scheduler is not None else None,
+                "extra": _encode(dict(extra or {}), tensors),
+            }
+            header["tensors"] = [[str(t.dtype), list(t.shape), t.device.type] for t in tensors]
+            payload = json.dumps(header, allow_nan=True).encode()
+        except (TypeError, ValueError) as exc:
+            error = f"rank {src} cannot encode its state: {exc}"
+            payload = b""
+    size = torch.tensor([len(payload) if not error else -1], dtype=torch.int64, device=comm)
+    pg.broadcast(size, src)
+    if int(size) < 0:
+        raise StateMismatch(error or f"rank {src} could not encode its state")
+    buf = torch.zeros(int(size), dtype=torch.uint8, device=comm)
+    if rank == src:
+        buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    pg.broadcast(buf, src)
+    header = json.loads(bytes(buf.cpu().numpy().tobytes()).decode())
+
+    # 2. every rank checks it can take the state; all agree before any tensor moves
+    mine = _structure(model, optimizer)
+    problem = "" if mine == header["structure"] else _describe_mismatch(mine, header["structure"])
+    flag = torch.tensor([1 if problem else 0], dtype=torch.int64, device=comm)
+    pg.all_reduce(flag, dist.ReduceOp.MAX)
+    if int(flag):
+        raise StateMismatch(
+            f"state broadcast from rank {src} refused: " + (problem or "another rank's model differs")
+        )
+
+    # 3. tensors: one flat buffer per dtype
+    specs = header["tensors"]
+    if rank != src:
+        tensors = [torch.empty(shape, dtype=_dtype(dt)) for dt, shape, _ in specs]
+    received = _broadcast_tensors(tensors, src, comm, rank)
+
+    if rank != src:
+        local_dev = group.device if group else torch.device("cpu")
+        placed = [
+            t.to(local_dev if devtype != "cpu" else torch.device("cpu"))
+            for t, (_, _, devtype) in zip(received, specs)
+        ]
+        return _load_received(model, optimizer, lr_scheduler, header, placed)
+    return _decode(header["extra"], tensors)
+
+
+def _describe_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
+    if mine["groups"] != theirs["groups"]:
+        return f"optimizer parameter groups differ: {mine['groups']} here vs {theirs['groups']}"
+    a = {k: (d, s) for k, d, s in mine["model"]}
+    b = {k: (d, s) for k, d, s in theirs["model"]}
+    for k in sorted(set(a) | set(b)):
+        if a.get(k) != b.get(k):
+            return f"model entry {k!r}: {a.get(k)} here vs {b.get(k)} at the source"
+    return "model state order differs"
+
+
+def _broadcast_tensors(
+    tensors: list[torch.Tensor], src: int, comm: torch.device, rank: int
+) -> list[torch.Tensor]:
+    """Broadcast ``tensors`` (filled on ``src``, correctly shaped everywhere) as one flat
+    buffer per dtype; returns the received tensors (on CPU unless ``comm`` is a GPU)."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    out: list[torch.Tensor] = list(tensors)
+    for dtype, idxs in by_dtype.items():
+        wire = torch.uint8 if dtype == torch.bool else dtype
+        total = sum(tensors[i].numel() for i in idxs)
+        if rank == src:
+            flat = torch.cat([tensors[i].reshape(-1).to(comm, wire) for i in idxs]) if total else torch.empty(0, dtype=wire, device=comm)
+        else:
+            flat = torch.empty(total, dtype=wire, device=comm)
+        if total:
+            pg.broadcast(flat, src)
+        offset = 0
+        for i in idxs:
+            n = tensors[i].numel()
+            out[i] = flat[offset : offset + n].reshape(tensors[i].shape).to(dtype).clone()
+            offset += n
+    return out
+
+
+def resync_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any] | None,
+    committed_step: int,
+    *,
+    lr_scheduler: Any | None = None,
+) -> tuple[int, dict[str, Any]]:
+    """Start a generation from the most advanced member's state. Collective.
+
+    Every rank passes the number of steps it has committed (``-1`` for a fresh joiner with no
+    state; workers that built the initial model from the seed pass ``0``); the rank with the
+    highest count (lowest rank on ties) broadcasts its model,
+    optimizer, scheduler and ``extra`` (which should hold at least the step and the cursor) to
+    all others with :func:`broadcast_state`. Returns ``(src, extra of src)``: every rank then
+    continues from ``extra``'s step and cursor. Errors as :func:`broadcast_state`.
+    """
+    rank, world = pg.world()
+    if committed_step < -1:
+        raise ValueError(f"committed_step must be >= -1, got {committed_step}")
+    if world == 1:
+        return 0, dict(extra or {})
+    group = pg.current_group()
+    comm = group.device if group else torch.device("cpu")
+    # encode (steps, lowest rank) in one MAX: larger step wins, then the smaller rank
+    key = torch.tensor([(committed_step + 1) * world + (world - 1 - rank)], dtype=torch.int64, device=comm)
+    pg.all_reduce(key, dist.ReduceOp.MAX)
+    src = world - 1 - int(key) % world
+    return src, broadcast_state(model, optimizer, extra, src, lr_scheduler=lr_scheduler)
+
+
+def _fingerprint(structure: dict[str, Any]) -> int:
+    """A signed 64-bit hash of :func:`_structure`'s result (equal structures, equal numbers)."""
+    return int.from_bytes(hashlib.sha256(json.dumps(structure).encode()).digest()[:8], "big", signed=True)
+
+
+def _wire(dtype: torch.dtype) -> torch.dtype:
+    return torch.uint8 if dtype == torch.bool else dtype
+
+
+def catch_up_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any] | None,
+    committed_step: int,
+    *,
+    lr_scheduler: Any | None = None,
+) -> tuple[int, dict[str, Any], list[int]]:
+    """Start a generation from the most advanced member's state, moving it only where needed.
+
+    Collective: every rank of the current group calls it first thing in a generation with its
+    number of committed steps (``-1``: a joiner with no state). One 16-byte-per-rank SUM
+    all-reduce gathers every rank's step count and a fingerprint of its model/optimizer
+    structure; every rank derives the same plan from it:
+
+    * ``src``: the lowest rank with the most committed steps; ``behind``: the ranks with fewer;
+    * nobody behind (the usual case after a failure or a leave): nothing moves;
+    * structures differ: :func:`broadcast_state` runs, which raises StateMismatch on every rank
+      (naming the difference) before any tensor moves;
+    * otherwise ``src`` posts its state point to point to each rank behind (the
+      :func:`broadcast_state` header, then each tensor as a message; weights and optimizer
+      state without a copy) and returns at once (:func:`shoal.worker.process_group.isend`; the
+      next all-reduce reaps the sends); each rank behind receives everything, then loads
+      it, before returning. The other ranks take no part - their state equals ``src``'s -
+      and go on to their next step, whose all-reduce waits for the ranks behind.
+
+    Returns ``(src, extra, behind)``: ``extra`` is ``src``'s (received on the ranks behind,
+    the caller's own elsewhere). Raises StateMismatch as above (or on ``src`` and the ranks
+    behind when ``src`` cannot encode its state), CollectiveFailed when a peer fails.
+    """
+    rank, world = pg.world()
+    if committed_step < -1:
+        raise ValueError(f"committed_step must be >= -1, got {committed_step}")
+    if world == 1:
+        return 0, dict(extra or {}), []
+    group = pg.current_group()
+    comm = group.device if group else torch.device("cpu")
+    mine = _structure(model, optimizer)
+    table = torch.zeros(world, 2, dtype=torch.int64, device=comm)
+    table[rank, 0] = committed_step
+    table[rank, 1] = _fingerprint(mine)
+    pg.all_reduce(table, dist.ReduceOp.SUM)
+    steps = [int(v) for v in table[:, 0].tolist()]
+    fingerprints = set(table[:, 1].tolist())
+    top = max(steps)
+    src = steps.index(top)
+    if len(fingerprints) > 1:
+        return src, broadcast_state(model, optimizer, extra, src, lr_scheduler=lr_scheduler), [r for r in range(world) if r != src]
+    behind = [r for r, s in enumerate(steps) if s < top]
+    if rank == src and behind:
+        _send_state(model, optimizer, extra, lr_scheduler, behind, comm)
+    elif rank in behind:
+        return src, _recv_state(model, optimizer, lr_scheduler, src, mine, comm), behind
+    return src, dict(extra or {}), behind
+
+
+def _send_state(model, optimizer, extra, lr_scheduler, dsts: list[int], comm: torch.device) -> None:
+    """Post ``src``'s state to ``dsts``: the header length, the header, then every tensor as its
+    own message. Parameters and optimizer state go as they are (no copy): they change only in
+    ``optimizer.step``, i.e. after the next all-reduce, which cannot complete before every
+    receiver has taken all of them. Everything else (buffers, which a forward pass updates;
+    scheduler state; extra) is copied first."""
+    tensors: list[torch.Tensor] = []
+    error = ""
+    try:
+        header = {"structure": _structure(model, optimizer), "model": _encode(dict(model.state_dict()), tensors)}
+        params = {(p.data_ptr(), p.numel()) for p in model.parameters()}
+        stable = [(t.data_ptr(), t.numel()) in params for t in tensors]  # weights, not buffers
+        header["optimizer"] = _encode(optimizer.state_dict(), tensors)
+        stable += [True] * (len(tensors) - len(stable))
+        header["scheduler"] = _encode(lr_scheduler.state_dict(), tensors) if lr_scheduler is not None else None
+        header["extra"] = _encode(dict(extra or {}), tensors)
+        stable += [False] * (len(tensors) - len(stable))
+        header["tensors"] = [[str(t.dtype), list(t.shape), t.device.type] for t in tensors]
+        payload = json.dumps(header, allow_nan=True).encode()
+    except (TypeError, ValueError) as exc:
+        error = f"rank {pg.world()[0]} cannot encode its state: {exc}"
+        payload = b""
+    size = torch.tensor([-1 if error else len(payload)], dtype=torch.int64, device=comm)
+    wire: list[torch.Tensor] = []
+    if not error:
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(comm)
+        for t, keep in zip(tensors, stable):
+            if t.numel() == 0:
+                continue
+            w = t.to(comm, _wire(t.dtype)).contiguous()
+            wire.append(w if keep or w.data_ptr() != t.data_ptr() else w.clone())
+    # posted, not waited for (the caller goes on training at once); the next all-reduce reaps
+    # the sends, since each receiver takes everything before it joins that all-reduce
+    for dst in dsts:
+        pg.isend(size, dst)
+        if error:
+            continue
+        pg.isend(buf, dst)
+        for w in wire:
+            pg.isend(w, dst)
+    if error:
+        pg.wait_sends()  # the receivers got the -1 and raise too
+        raise StateMismatch(error)
+
+
+def _recv_state(model, optimizer, lr_scheduler, src: int, mine: dict[str, Any], comm: torch.device) -> dict[str, Any]:
+    """Receive what :func:`_send_state` posts into fresh tensors, then load it (nothing is
+    changed before everything has arrived)."""
+    size = torch.zeros(1, dtype=torch.int64, device=comm)
+    pg.recv(size, src)
+    if int(size) < 0:
+        raise StateMismatch(f"rank {src} could not encode its state")
+    buf = torch.empty(int(size), dtype=torch.uint8, device=comm)
+    pg.recv(buf, src)
+    header = json.loads(bytes(buf.cpu().numpy().tobytes()).decode())
+    if header["structure"] != mine:  # the fingerprints matched: only a hash collision gets here
+        raise StateMismatch(f"state from rank {src} refused: {_describe_mismatch(mine, header['structure'])}")
+    specs = header["tensors"]
+    wire = [torch.empty(shape, dtype=_wire(_dtype(dt)), device=comm) for dt, shape, _ in specs]
+    pg.recv_many([w for w in wire if w.numel()], src)
+    placed = [
+        w.to(_dtype(dt)).to(comm if devtype != "cpu" else torch.device("cpu"))
+        for w, (dt, _, devtype) in zip(wire, specs)
+    ]
+    return _load_received(model, optimizer, lr_scheduler, header, placed)
+
+
+def _load_received(model, optimizer, lr_scheduler, header: dict, placed: list) -> dict:
+    """Copy a received state (header + tensors placed on this rank's devices) into the model
+    in place (the optimizer's parameter references stay valid), the optimizer and the
+    scheduler; returns the sender's ``extra``."""
+    model_state = _decode(header["model"], placed)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            t.copy_(model_state[name])
+    optimizer.load_state_dict(_decode(header["optimizer"], placed))
+    if lr_scheduler is not None and header["scheduler"] is not None:
+        lr_scheduler.load_state_dict(_decode(header["scheduler"], placed))
+    return _decode(header["extra"], placed)
