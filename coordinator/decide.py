@@ -12,7 +12,10 @@ Planning rules:
   have been quiet for ``SETTLE_MS`` or ``max_workers`` is reached, so three workers starting
   together make one generation, not three;
 - below ``min_workers`` a running job is paused (a paused table with no members is published
-  so workers stop training); it resumes with a fresh generation when enough are back.
+  so workers stop training); it resumes with a fresh generation when enough are back;
+- a running job that has planned generations for ``formation_timeout`` without any of them
+  forming (no member reported ready: every rendezvous failed) fails, naming the last
+  rendezvous error, instead of planning new generations forever.
 """
 
 from __future__ import annotations
@@ -202,7 +205,10 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
         epoch=epoch,
         planned_at_ms=now_ms,
     )
-    new_status = replace(status, generation=generation, plan_digest=digest, pending_join_ms=0, reason=reason)
+    # the formation clock runs from the first generation planned since one last formed
+    unformed = 0 if paused else (status.unformed_since_ms or now_ms)
+    new_status = replace(status, generation=generation, plan_digest=digest, pending_join_ms=0, reason=reason,
+                         unformed_since_ms=unformed, step_failed_ms=0, step_failure="")
     new_status = _set_job(new_status, JobState.PAUSED if paused else JobState.RUNNING, now_ms)
     return replace(state, status=new_status), [Publish(table)], reason
 
@@ -288,7 +294,10 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
         if ev.generation != state.status.generation:
             return _unchanged(state, f"ready from {wid} for generation {ev.generation} ignored: current is {state.status.generation}")
         reason = f"{wid} active in generation {ev.generation}"
-        return Decision(_move(state, wid, WorkerState.ACTIVE, reason, now_ms), (), reason)
+        state = _move(state, wid, WorkerState.ACTIVE, reason, now_ms)
+        if state.status.unformed_since_ms or state.status.rendezvous_error:  # the generation formed
+            state = replace(state, status=replace(state.status, unformed_since_ms=0, rendezvous_error=""))
+        return Decision(state, (), reason)
     if isinstance(ev, LeaveRequest):
         if rec.state not in PLANNED:
             return _unchanged(state, f"leave from {wid} ignored: it is {rec.state.value}")
@@ -342,16 +351,48 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
         return Decision(state, tuple(actions + more), reason)
     if isinstance(ev, StepFailed):
         said = f"{wid} reports step {ev.step} of generation {ev.generation} failed: {ev.error[:200]}"
-        if not ev.rendezvous:
-            return _unchanged(state, said)
         if ev.generation != state.status.generation or state.status.state != JobState.RUNNING or rec.state not in PLANNED:
             return _unchanged(state, f"{said}; nothing to do: generation {state.status.generation} is current")
+        if not ev.rendezvous:
+            # The step is dropped everywhere; the members need a fresh generation to redo it.
+            # Not at once: a peer that died is reported by its agent within moments, and the
+            # new generation should not include it. A slow peer is alive: it is kept.
+            if state.status.step_failed_ms:
+                return _unchanged(state, f"{said}; a new generation is already due")
+            failure = f"step {ev.step} of generation {ev.generation} failed on {wid} ({' '.join(ev.error.split())[:200]})"
+            status = replace(state.status, step_failed_ms=now_ms, step_failure=failure)
+            return Decision(replace(state, status=status), (),
+                            f"{failure}; the same members get a new generation in {SETTLE_MS} ms unless one leaves first")
+        error = " ".join(ev.error.split())[:RENDEZVOUS_ERROR_CHARS]  # one line
+        state = replace(state, status=replace(state.status, rendezvous_error=f"{wid}: {error}"))
+        if _formation_expired(state.status, spec, now_ms):
+            return _formation_failed(state, spec, now_ms)
         # the members cannot retry a generation (its rendezvous prefix is spent): give the
         # same members a new one; a member that is really gone is removed by its heartbeat
         why = f"generation {ev.generation} could not form ({wid}: {ev.error[:200]})"
         state, actions, reason = replan(state, spec, now_ms, epoch, why, force=True)
         return Decision(state, tuple(actions), reason)
     return _unchanged(state, f"event kind {ev.kind!r} has no handler")  # pragma: no cover
+
+
+#: How much of a rendezvous error the job status keeps (the formation failure's reason).
+RENDEZVOUS_ERROR_CHARS = 400
+
+
+def _formation_expired(status: JobStatus, spec: JobSpec, now_ms: int) -> bool:
+    """A running job whose planned generations have not formed for ``formation_timeout``."""
+    return (status.state == JobState.RUNNING and status.unformed_since_ms > 0
+            and now_ms - status.unformed_since_ms >= spec.formation_timeout * 1000)
+
+
+def _formation_failed(state: CoordState, spec: JobSpec, now_ms: int) -> Decision:
+    status = state.status
+    waited = (now_ms - status.unformed_since_ms) / 1000
+    reason = (f"job failed: no generation formed in {waited:.1f} s (formation_timeout {spec.formation_timeout:g} s, "
+              f"last generation {status.generation}); last rendezvous error: "
+              f"{status.rendezvous_error or 'none reported'}")
+    status = replace(_set_job(status, JobState.FAILED, now_ms), reason=reason)
+    return Decision(replace(state, status=status), (), reason)
 
 
 def _give_up(state: CoordState, wid: str, ev: WorkerExited, spec: JobSpec, now_ms: int, actions: list) -> Decision:
@@ -391,6 +432,8 @@ def _on_join(state: CoordState, ev: JoinRequest, now_ms: int, spec: JobSpec, epo
 
 
 def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: int) -> Decision:
+    if _formation_expired(state.status, spec, now_ms):
+        return _formation_failed(state, spec, now_ms)
     ttl_ms = int(spec.heartbeat_ttl * 1000)
     reasons: list[str] = []
     actions: list[Action] = []
@@ -413,9 +456,15 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
             reasons.append(flagged)
             changed = True
     pending = state.status.pending_join_ms
-    if removals or (pending and now_ms - pending >= SETTLE_MS):
-        why = "; ".join(reasons) if reasons else "joins settled"
-        state, more, reason = replan(state, spec, now_ms, epoch, why)
+    failed_at = state.status.step_failed_ms
+    step_failed = bool(failed_at) and now_ms - failed_at >= SETTLE_MS
+    if removals or (pending and now_ms - pending >= SETTLE_MS) or step_failed:
+        if reasons:
+            why = "; ".join(reasons)
+        else:
+            why = f"{state.status.step_failure}; same members" if step_failed else "joins settled"
+        # a failed step needs a fresh generation even when the members are the same
+        state, more, reason = replan(state, spec, now_ms, epoch, why, force=step_failed)
         actions += more
         return Decision(state, tuple(actions), reason, changed=True)
     return Decision(state, tuple(actions), "; ".join(reasons) or "tick", changed=changed)

@@ -401,7 +401,12 @@ class Coordinator:
                 continue
             last_seen = {(w.decode() if isinstance(w, bytes) else w): max(int(score), lead.taken_ms) for w, score in stale}
             step_times = _step_times(progress.get(lead.keys.job_id))
-            if not last_seen and not step_times and not lead.state.status.pending_join_ms:
+            status = lead.state.status
+            # a tick decides on stale heartbeats, step times, a settling join, a failed step
+            # awaiting its new generation, or a job whose generations have not formed yet (it
+            # fails at its formation deadline)
+            if (not last_seen and not step_times and not status.pending_join_ms and not status.unformed_since_ms
+                    and not status.step_failed_ms):
                 continue
             decision = decide(lead.state, Tick(last_seen=last_seen, step_times=step_times), now, lead.spec, lead.epoch)
             if not decision.changed and not decision.actions:

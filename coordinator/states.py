@@ -183,6 +183,18 @@ class JobStatus:
     summary: str = ""
     #: Step of the newest checkpoint the Redis LATEST pointer names (0: none yet).
     latest_step: int = 0
+    #: Redis ms since which the job has had a planned generation and none formed (no member
+    #: reported ready); 0: the newest generation formed, or none is planned (pending, paused).
+    unformed_since_ms: int = 0
+    #: The newest rendezvous failure a member reported (``w1: ...``), for the reason of a job
+    #: that fails because no generation forms; cleared when one forms.
+    rendezvous_error: str = ""
+    #: Redis ms at which a live member reported that a step of the current generation failed
+    #: (a peer too slow for the collective timeout, or one that died); the same members get a
+    #: new generation ``SETTLE_MS`` later unless a membership change re-plans first. 0: none.
+    step_failed_ms: int = 0
+    #: That report, for people: the reason of the generation it leads to.
+    step_failure: str = ""
 
     def to_hash(self) -> dict[str, str]:
         return {
@@ -199,6 +211,10 @@ class JobStatus:
             "pending_join_ms": str(self.pending_join_ms),
             "summary": self.summary,
             "latest_step": str(self.latest_step),
+            "unformed_since_ms": str(self.unformed_since_ms),
+            "rendezvous_error": self.rendezvous_error,
+            "step_failed_ms": str(self.step_failed_ms),
+            "step_failure": self.step_failure,
         }
 
     @classmethod
@@ -220,6 +236,10 @@ class JobStatus:
             pending_join_ms=int(g.get("pending_join_ms", 0)),
             summary=g.get("summary", ""),
             latest_step=int(g.get("latest_step", 0)),
+            unformed_since_ms=int(g.get("unformed_since_ms", 0)),
+            rendezvous_error=g.get("rendezvous_error", ""),
+            step_failed_ms=int(g.get("step_failed_ms", 0)),
+            step_failure=g.get("step_failure", ""),
         )
 
 

@@ -59,6 +59,10 @@ class JobSpec(BaseModel):
     num_samples: Annotated[int | None, Field(gt=0)] = None
     #: A worker whose recent step time exceeds ``straggler_factor`` x the job median is flagged.
     straggler_factor: Annotated[float, Field(gt=1)] = 2.0
+    #: A running job whose planned generations have all failed to form (no member reported
+    #: ready) for this long fails, with the last rendezvous error as its reason, instead of
+    #: planning new generations forever (a wrong interface, a firewall between nodes).
+    formation_timeout: Annotated[float, Field(gt=0, le=86400)] = 300.0
     #: Simulated step time for workers with ``entrypoint: simulate`` (control-plane tests).
     simulate_step_time: Annotated[float, Field(ge=0)] = 0.05
 

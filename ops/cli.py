@@ -135,7 +135,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         if spec.entrypoint != "simulate":
             from shoal.worker.training import TrainingWorker  # the elastic training runtime
 
-            runner = TrainingWorker(membership, spec, join_timeout=args.join_timeout)
+            runner = TrainingWorker(membership, spec, join_timeout=args.join_timeout, iface=args.iface)
         else:
             runner = SimulatedWorker(membership, spec, join_timeout=args.join_timeout)
         signal.signal(signal.SIGTERM, lambda *_: runner.stop.set())
@@ -177,7 +177,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         agent = NodeAgent(client, url, args.job, args.workers, run_dir=run_dir,
                           max_restarts=spec.max_restarts if args.max_restarts is None else args.max_restarts,
                           backoff=args.backoff, backoff_max=args.backoff_max, backoff_reset=args.backoff_reset,
-                          node=args.node, spec=spec)
+                          node=args.node, spec=spec, extra_env={"SHOAL_IFACE": args.iface} if args.iface else None)
         signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
         signal.signal(signal.SIGINT, lambda *_: agent.stop.set())
         return agent.run()
@@ -194,6 +194,8 @@ def _agent_queue(args: argparse.Namespace) -> int:
         os.environ["REDIS_URL"] = url  # work horses inherit it: run_launch connects with it
         if args.node:
             os.environ["SHOAL_NODE"] = args.node
+        if args.iface:
+            os.environ["SHOAL_IFACE"] = args.iface  # the work horses' workers inherit it
         if args.run_dir:
             os.environ["SHOAL_AGENT_DIR"] = str(Path(args.run_dir).resolve())
         worker = launch_worker(client, name=args.name)
@@ -518,6 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("job")
     w.add_argument("--node", help="node name reported to the coordinator")
     w.add_argument("--join-timeout", type=float, default=30.0)
+    w.add_argument("--iface", default=None,
+                   help="network interface whose address gloo advertises to the peers (default: env SHOAL_IFACE, "
+                        "else the interface this host reaches Redis through)")
     w.set_defaults(func=cmd_worker)
 
     ag = sub.add_parser("agent", help="run this node's workers of a job, or (--queue) serve the launch queue")
@@ -534,6 +539,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a worker that ran this long before dying restarts after --backoff again (default 60 s)")
     ag.add_argument("--node", help="node name (default: host name)")
     ag.add_argument("--run-dir", help="where worker logs go (default: ~/.shoal/agent/JOB)")
+    ag.add_argument("--iface", default=None,
+                    help="the workers' --iface: network interface whose address gloo advertises to the peers "
+                         "(default: env SHOAL_IFACE, else the interface this host reaches Redis through)")
     ag.set_defaults(func=cmd_agent)
 
     sb = sub.add_parser("submit", help="validate a job spec, register the job and queue its launch units")

@@ -43,6 +43,12 @@ log = logging.getLogger("shoal.agent")
 TERMINAL = {b"completed", b"failed", b"stopped"}
 #: How often the agent checks that its job still exists in Redis.
 JOB_CHECK_S = 1.0
+#: While Redis is unreachable (past the client's own ride-out), the agent tries again after
+#: this many seconds, doubling up to REDIS_RETRY_MAX_S, for as long as it runs: its workers
+#: keep training meanwhile, and a worker's exit is reported once Redis is back.
+REDIS_RETRY_MIN_S = 0.5
+REDIS_RETRY_MAX_S = 30.0
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
 @dataclass
@@ -137,6 +143,10 @@ class NodeAgent:
         self._server_id = server_run_id(client) if spec is not None else ""
         self._next_job_check = 0.0
         self.reregistered = 0
+        #: events not yet delivered because Redis was unreachable, oldest first
+        self._outbox: list[WorkerExited] = []
+        #: Redis outages this agent waited out (each one past the client's ride-out)
+        self.redis_outages = 0
 
     # ---- the job -----------------------------------------------------------------------------
 
@@ -184,6 +194,18 @@ class NodeAgent:
     def _job_over(self) -> bool:
         return self.client.hget(self.keys.state, "state") in TERMINAL
 
+    def _send(self, ev: WorkerExited) -> None:
+        """Publish ``ev`` after any undelivered ones; kept for later when Redis is down."""
+        self._outbox.append(ev)
+        self._flush()
+
+    def _flush(self) -> None:
+        """Deliver queued events in order. Raises the Redis error when Redis is still down
+        (the events stay queued)."""
+        while self._outbox:
+            bus.publish(self.client, self.keys.events, self._outbox[0])
+            self._outbox.pop(0)
+
     def _reap(self, slot: Slot) -> None:
         proc = slot.proc
         rc = proc.wait()
@@ -197,7 +219,10 @@ class NodeAgent:
             log.info("slot %d: worker %s exited cleanly", slot.index, wid)
             return
         sig = -rc if rc < 0 else None
-        over = self._draining or self._job_over()
+        try:
+            over = self._draining or self._job_over()
+        except _REDIS_DOWN:
+            over = False  # Redis is down: assume the job goes on (the restart waits for Redis)
         will_restart = not over and slot.restarts < self.max_restarts
         slot.gave_up = not over and not will_restart
         # a signal leaves no traceback; the log tail then is only the last ordinary line
@@ -209,7 +234,10 @@ class NodeAgent:
             ev = WorkerExited(job_id=self.job_id, worker_id=wid, exit_code=None if sig else rc, signal=sig,
                               traceback=tail, will_restart=will_restart, gave_up=slot.gave_up,
                               restarts=slot.restarts, pid=proc.pid)
-            bus.publish(self.client, self.keys.events, ev)
+            try:
+                self._send(ev)
+            except _REDIS_DOWN:
+                log.warning("slot %d: Redis is unreachable; the exit of %s is reported when it is back", slot.index, wid)
         if will_restart:
             if slot.spawns and slot.exits[-1] - slot.spawns[-1] >= self.backoff_reset:
                 slot.streak = 0  # it ran healthy for a while: this crash is not part of a loop
@@ -223,10 +251,23 @@ class NodeAgent:
 
     # ---- loop --------------------------------------------------------------------------------
 
+    def _reap_exits(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for children to exit and handle their exits; no Redis
+        needed (a report is queued while it is down), no worker started."""
+        live = [s for s in self.slots if s.proc is not None]
+        if not live:
+            self.stop.wait(timeout)
+            return
+        ready, _, _ = select.select([s.pidfd for s in live], [], [], timeout)
+        for s in live:
+            if s.pidfd in ready:
+                self._reap(s)
+
     def run_once(self, timeout: float = 0.5) -> bool:
         """Start due slots, wait up to ``timeout`` for a child to exit, handle exits.
         Returns False once every slot is finished."""
         now = time.monotonic()
+        self._flush()
         self._check_job(now)
         if self.stop.is_set() and not self._draining:
             self._draining = True
@@ -255,10 +296,31 @@ class NodeAgent:
         return any(not s.done for s in self.slots)
 
     def run(self) -> int:
-        """Until every slot is done; exit code 1 if any slot gave up."""
+        """Until every slot is done; exit code 1 if any slot gave up.
+
+        Redis being unreachable ends nothing: the workers keep running (they ride out the
+        outage themselves), their exits are reaped and queued for reporting, no worker is
+        started, and the agent tries Redis again with backoff (logged once per outage) for as
+        long as it runs. A job deleted meanwhile is noticed once Redis is back."""
+        down_since: float | None = None
+        delay = REDIS_RETRY_MIN_S
         try:
-            while self.run_once():
-                pass
+            while True:
+                try:
+                    if not self.run_once():
+                        break
+                except _REDIS_DOWN as exc:
+                    if down_since is None:
+                        down_since, delay = time.monotonic(), REDIS_RETRY_MIN_S
+                        self.redis_outages += 1
+                        log.warning("Redis is unreachable (%s); the workers keep running, retrying with backoff "
+                                    "up to %.0f s", exc, REDIS_RETRY_MAX_S)
+                    self._reap_exits(delay)
+                    delay = min(2 * delay, REDIS_RETRY_MAX_S)
+                    continue
+                if down_since is not None:
+                    log.warning("Redis is reachable again after %.1f s", time.monotonic() - down_since)
+                    down_since = None
         finally:
             for s in self.slots:
                 if s.proc is not None:

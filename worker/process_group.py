@@ -10,8 +10,16 @@ joins the next generation. Generations must strictly increase within a process: 
 never reused (re-using one after ``destroy_process_group`` can hang).
 
 Backend: nccl when CUDA is available (the worker is expected to see exactly one GPU, e.g.
-through ``CUDA_VISIBLE_DEVICES``), gloo otherwise. Multi-host gloo may need
-``GLOO_SOCKET_IFNAME`` to pick the right interface.
+through ``CUDA_VISIBLE_DEVICES``), gloo otherwise.
+
+The address gloo advertises to the peers (:func:`choose_address`): the interface named by the
+``iface`` option (``--iface`` / ``SHOAL_IFACE``); else an interface the user named in
+``GLOO_SOCKET_IFNAME``; else the interface holding the local address of this worker's
+connection to Redis - every peer reaches Redis, so that address routes by construction (gloo's
+own default is the host name's address, 127.0.0.1 on many hosts). A loopback or unknown local
+address (Redis on this host, a unix socket) leaves gloo's default. When the group cannot
+connect, the RendezvousFailed message is one line naming the peer address tried, the address
+advertised, where it came from, and the option that changes it.
 
 This module is the one place where torch.distributed and redis-py errors of the training side
 are translated (:func:`translate_error`); the collective wrappers :func:`all_reduce`,
@@ -22,9 +30,17 @@ are translated (:func:`translate_error`); the collective wrappers :func:`all_red
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import functools
 import logging
+import os
+import re
+import socket
+import struct
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -78,6 +94,135 @@ def current_group() -> Group | None:
     return _current
 
 
+# --- the address gloo advertises ------------------------------------------------------------
+#: The environment variable of the interface option (CLI: ``--iface`` of worker and agent).
+IFACE_ENV = "SHOAL_IFACE"
+#: gloo's own variable: read when a gloo group is created (torch's ``ProcessGroupGloo``
+#: constructor; ``init_process_group`` ignores ``pg_options`` for gloo, so no device can be
+#: handed in). An address, not an interface, cannot be given to gloo.
+GLOO_IFACE_ENV = "GLOO_SOCKET_IFNAME"
+_OPTION = f"--iface/{IFACE_ENV}"
+_SIOCGIFADDR = 0x8915
+
+
+@dataclass(frozen=True)
+class Advertised:
+    """Where this worker's gloo listens and what it tells its peers: ``address`` on ``iface``
+    ("": gloo's default, the host name's address), chosen because of ``source``."""
+
+    address: str
+    iface: str
+    source: str
+
+    def describe(self) -> str:
+        """E.g. ``10.0.0.5 on eth0 (the connection to Redis)``."""
+        where = f"{self.address or '?'} on {self.iface}" if self.iface else f"{self.address or '?'}"
+        return f"{where} ({self.source})"
+
+
+def interface_address(name: str) -> str:
+    """The (primary) IPv4 address of interface ``name``; "" when it has none or does not exist."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return ""
+    return socket.inet_ntoa(raw[20:24])
+
+
+def interface_of(address: str) -> str:
+    """The interface whose (primary) IPv4 address is ``address``; "" when none is."""
+    for _index, name in socket.if_nameindex():
+        if interface_address(name) == address:
+            return name
+    return ""
+
+
+def redis_local_address(client: redis.Redis) -> str:
+    """The local IP address of ``client``'s TCP connection to Redis ("" for a unix socket or
+    when it cannot be read). Takes a pooled connection (connecting it if needed, bounded by
+    the client's connect timeout) and gives it back. Raises redis errors of the connect."""
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    try:
+        sock = getattr(conn, "_sock", None)
+        name = sock.getsockname() if sock is not None else None
+    except OSError:
+        name = None
+    finally:
+        pool.release(conn)
+    return name[0] if isinstance(name, tuple) and name else ""
+
+
+def choose_address(client: redis.Redis, iface: str | None = None) -> Advertised:
+    """The address gloo should advertise, and why (see the module docstring for the order).
+    ``iface`` (default: ``SHOAL_IFACE``) names the interface outright. RendezvousFailed, one
+    line, when the named interface does not exist or has no IPv4 address."""
+    iface = iface or os.environ.get(IFACE_ENV) or ""
+    if iface:
+        address = interface_address(iface)
+        if not address:
+            known = ", ".join(n for _, n in socket.if_nameindex())
+            raise RendezvousFailed(f"interface {iface!r} ({_OPTION}) has no IPv4 address on this host "
+                                   f"(interfaces: {known}); name one the peers reach with {_OPTION}")
+        return Advertised(address, iface, _OPTION)
+    user = os.environ.get(GLOO_IFACE_ENV, "")
+    if user:
+        return Advertised(interface_address(user.split(",")[0]), user, GLOO_IFACE_ENV)
+    try:
+        local = redis_local_address(client)
+    except redis.RedisError as exc:
+        raise translate_error(exc, "finding the address to advertise", rendezvous=True) from exc
+    if local and not local.startswith("127.") and local != "::1":
+        found = interface_of(local)
+        if found:
+            return Advertised(local, found, "the connection to Redis")
+    return Advertised(_host_name_address(), "", "the host name; Redis is reached over loopback"
+                      if local.startswith("127.") else "the host name")
+
+
+@functools.lru_cache(maxsize=1)
+def _host_name_address() -> str:
+    """What the host name resolves to (what gloo advertises by default); looked up once: a
+    resolver that times out must not slow every rendezvous."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def _gloo_interface(advertised: Advertised) -> Iterator[None]:
+    """``GLOO_SOCKET_IFNAME`` names ``advertised.iface`` while a gloo group is created (the
+    user's own value, if any, is put back afterwards)."""
+    if not advertised.iface or advertised.source == GLOO_IFACE_ENV:
+        yield
+        return
+    before = os.environ.get(GLOO_IFACE_ENV)
+    os.environ[GLOO_IFACE_ENV] = advertised.iface
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(GLOO_IFACE_ENV, None)
+        else:
+            os.environ[GLOO_IFACE_ENV] = before
+
+
+_REMOTE = re.compile(r"remote=\[([^\]]+)\]:(\d+)")
+
+
+def connect_failure(text: str, what: str, advertised: Advertised) -> str:
+    """One line for a gloo group that could not connect: the peer address tried (when gloo
+    names one), the address this worker advertised and why, and the option to change it."""
+    remote = _REMOTE.search(text)
+    cause = "Connection refused" if "refused" in text else ("timed out" if "timeout" in text.lower() or
+                                                             "timed out" in text else "failed")
+    tried = f"could not connect to peer {remote.group(1)}:{remote.group(2)} ({cause})" if remote \
+        else f"peers could not connect ({cause})"
+    return f"{what}: {tried}; advertised {advertised.describe()}; set {_OPTION} to an interface the peers reach"
+
+
 def translate_error(exc: BaseException, what: str, *, rendezvous: bool = False) -> WorkerError:
     """The shoal error for a torch.distributed / redis-py failure during ``what``.
 
@@ -108,6 +253,7 @@ def join_group(
     *,
     collective_timeout: float | None = None,
     backend: str | None = None,
+    iface: str | None = None,
 ) -> Group:
     """Join generation ``generation`` of ``job_id`` as ``rank`` of ``world_size``.
 
@@ -115,7 +261,8 @@ def join_group(
     (each wait on the store is capped at ``timeout``; RendezvousTimeout otherwise; the caller then reports it and waits for a newer
     generation - it must not retry the same generation). ``collective_timeout`` (default
     ``timeout``) bounds every later collective of the group: a peer that hangs rather than
-    dies is detected after it.
+    dies is detected after it. ``iface`` (default ``SHOAL_IFACE``) names the interface a gloo
+    group advertises; see :func:`choose_address` for the default.
 
     Raises WorkerError when this process is still in a group (call :func:`leave_group` first)
     or ``generation`` is not greater than the last one joined for this job;
@@ -140,23 +287,49 @@ def join_group(
         raise ValueError(f"timeout must be positive, got {timeout}")
     backend = backend or default_backend()
     _last_generation[job_id] = generation
+    what = f"rendezvous of generation {generation} (rank {rank}/{world_size})"
+    advertised = _advertise(client, iface) if backend == "gloo" else None
     store = RedisStore(client, job_keys(job_id).rendezvous(generation), timeout=timeout, max_wait=timeout)
     try:
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=collective_timeout or timeout),
-        )
+        with _gloo_interface(advertised) if advertised else contextlib.nullcontext():
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=collective_timeout or timeout),
+            )
     except Exception as exc:  # noqa: BLE001 - translated
         _destroy_quietly()
-        raise translate_error(
-            exc, f"rendezvous of generation {generation} (rank {rank}/{world_size})", rendezvous=True
-        ) from exc
+        err = translate_error(exc, what, rendezvous=True)
+        if advertised is not None and _connect_failure(exc):
+            err = type(err)(connect_failure(str(exc), what, advertised))
+        raise err from exc
     _current = Group(job_id, generation, rank, world_size, backend, device_for(backend), store)
     log.info("joined generation %d as rank %d/%d (%s)", generation, rank, world_size, backend)
     return _current
+
+
+_advertised: Advertised | None = None
+
+
+def _advertise(client: redis.Redis, iface: str | None) -> Advertised:
+    """:func:`choose_address`, logged when it changes."""
+    global _advertised
+    chosen = choose_address(client, iface)
+    if chosen != _advertised:
+        log.info("gloo advertises %s", chosen.describe())
+        _advertised = chosen
+    return chosen
+
+
+def _connect_failure(exc: BaseException) -> bool:
+    """Whether a failed gloo group creation is gloo failing to connect to a peer (rather than
+    Redis, the store or our own checks)."""
+    if isinstance(exc, (WorkerError, redis.RedisError, dist.DistStoreError)):
+        return False
+    text = str(exc)
+    return "connect" in text.lower() and "RedisStore" not in text  # not a peer missing from the store
 
 
 def leave_group(*, background: bool = False) -> None:

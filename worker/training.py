@@ -104,8 +104,12 @@ class TrainingWorker(WorkerRunner):
     ``stop`` drains. :meth:`prepare` builds the model before joining; every attribute exists
     from ``__init__`` on (None until prepared or started)."""
 
-    def __init__(self, membership: Membership, spec: JobSpec, *, join_timeout: float = 30.0):
+    def __init__(self, membership: Membership, spec: JobSpec, *, join_timeout: float = 30.0,
+                 iface: str | None = None):
         super().__init__(membership, spec, join_timeout=join_timeout)
+        #: the interface gloo advertises (None: ``SHOAL_IFACE``, else the route to Redis; see
+        #: :func:`shoal.worker.process_group.choose_address`)
+        self.iface = iface
         self.faults = FaultPlan.from_env()
         self.ledger = Ledger.from_env()
         #: bounds the Redis barrier and each wait of the rendezvous
@@ -296,7 +300,7 @@ class TrainingWorker(WorkerRunner):
         t0 = time.monotonic()
         try:
             pg.join_group(self.m.client, self.m.job_id, table.generation, rank, table.world_size,
-                          timeout=self.rdzv_timeout, collective_timeout=self.collective_timeout)
+                          timeout=self.rdzv_timeout, collective_timeout=self.collective_timeout, iface=self.iface)
             extra = {"step": self.state.step, "cursor": self.state.cursor}
             src, got, behind = catch_up_state(self.engine.model, self.engine.optimizer, extra, self.state.step,
                                               lr_scheduler=self.engine.lr_scheduler)

@@ -196,9 +196,6 @@ def test_a_generation_that_could_not_form_is_replaced_by_a_new_one_of_the_same_m
 
     s = three_workers()
     gen = s.status.generation
-    # an ordinary failed step is only noted: the failure itself is what re-plans
-    d = decide(s, _ev(StepFailed(job_id="j", worker_id="w0", generation=gen, step=5, error="peer closed")), T0, SPEC)
-    assert not d.changed and not tables(d)
     # the group could not form: its prefix is spent, so the same members get a new generation
     bad = StepFailed(job_id="j", worker_id="w1", generation=gen, step=5, error="rendezvous timed out", rendezvous=True)
     d = decide(s, _ev(bad), T0, SPEC)
@@ -223,3 +220,103 @@ def test_two_workers_timing_out_in_one_tick_are_recorded_with_their_own_ranks() 
         assert (rec.state, rec.rank, rec.cause) == (WorkerState.FAILED, rank, FailureCause.HEARTBEAT_TIMEOUT)
         assert rec.reason == recorded[wid].reason
     assert d.state.status.first_failure == recorded["w0"].reason
+
+
+def _rendezvous_failed(wid: str, generation: int, error: str):
+    from shoal.events.models import StepFailed
+
+    return _ev(StepFailed(job_id="j", worker_id=wid, generation=generation, step=0, error=error, rendezvous=True))
+
+
+def test_a_job_whose_generations_never_form_fails_after_formation_timeout_naming_the_last_error() -> None:
+    from shoal.coordinator.states import JobStatus
+
+    spec = SPEC.model_copy(update={"formation_timeout": 10.0})
+    s = three_workers(spec)  # generation 1 planned at T0 + 2
+    planned = s.status.unformed_since_ms
+    assert planned == T0 + 2 and s.status.state == JobState.RUNNING
+    error = ("rendezvous of generation 1 (rank 0/3): could not connect to peer 127.0.0.1:4321 (Connection refused); "
+             "advertised 127.0.0.1 on lo (--iface/SHOAL_IFACE); set --iface/SHOAL_IFACE to an interface the peers reach")
+    d = decide(s, _rendezvous_failed("w0", 1, error), T0 + 3000, spec)
+    (t,) = tables(d)  # a new generation of the same members; the clock keeps running from the first
+    assert t.generation == 2 and d.state.status.unformed_since_ms == planned
+    assert d.state.status.rendezvous_error == f"w0: {error}"
+    assert JobStatus.from_hash(d.state.status.to_hash()) == d.state.status
+    s = d.state
+    assert not decide(s, Tick(), planned + 9_999, spec).changed  # not yet
+    d = decide(s, Tick(), planned + 10_000, spec)
+    assert d.state.status.state == JobState.FAILED and not tables(d)
+    assert d.reason == d.state.status.reason
+    assert d.reason.startswith("job failed: no generation formed in 10.0 s (formation_timeout 10 s, last generation 2)")
+    assert d.reason.endswith(f"last rendezvous error: w0: {error}") and "\n" not in d.reason
+    # a failure reported past the deadline fails the job too, rather than planning again
+    d = decide(s, _rendezvous_failed("w1", 2, "rank 1/3: peers could not connect\n(timed out)"), planned + 12_000, spec)
+    assert d.state.status.state == JobState.FAILED and not tables(d)
+    assert d.reason.endswith("last rendezvous error: w1: rank 1/3: peers could not connect (timed out)")
+
+
+def test_a_generation_that_forms_stops_the_formation_clock_and_the_next_plan_restarts_it() -> None:
+    spec = SPEC.model_copy(update={"formation_timeout": 10.0})
+    s = three_workers(spec)
+    s = decide(s, _rendezvous_failed("w0", 1, "refused"), T0 + 3000, spec).state  # generation 2
+    d = decide(s, _ev(Ready(job_id="j", worker_id="w1", generation=2)), T0 + 4000, spec)
+    assert (d.state.status.unformed_since_ms, d.state.status.rendezvous_error) == (0, "")
+    s = d.state
+    assert not decide(s, Tick(), T0 + 1_000_000, spec).changed  # formed: no deadline
+    # a failure plans generation 3: its clock starts at that plan
+    d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w2", exit_code=1)), T0 + 50_000, spec)
+    assert d.state.status.unformed_since_ms == T0 + 50_000 and tables(d)[0].generation == 3
+    assert not decide(d.state, Tick(), T0 + 59_999, spec).changed
+    assert decide(d.state, Tick(), T0 + 60_000, spec).state.status.state == JobState.FAILED
+
+
+def test_a_paused_job_is_not_on_the_formation_clock() -> None:
+    spec = SPEC.model_copy(update={"formation_timeout": 10.0})
+    s = three_workers(spec)
+    for i, wid in enumerate(("w1", "w2")):
+        s = decide(s, _ev(WorkerExited(job_id="j", worker_id=wid, exit_code=1), f"{2 + i}-0"), T0 + 100 + i, spec).state
+    assert s.status.state == JobState.PAUSED and s.status.unformed_since_ms == 0
+    assert decide(s, Tick(), T0 + 1_000_000, spec).state.status.state == JobState.PAUSED
+
+
+def test_a_failed_step_gives_the_same_members_a_new_generation_once_the_settle_window_ends() -> None:
+    """A slow peer (alive, heartbeating) made its peers' collective time out: the step is
+    dropped everywhere, so the same members need a fresh generation to redo it (issue 13)."""
+    from shoal.events.models import StepFailed
+
+    s = three_workers()
+    gen = s.status.generation
+    d = decide(s, _ev(StepFailed(job_id="j", worker_id="w0", generation=gen, step=5, error="Timed out\nwaiting")), T0, SPEC)
+    assert d.changed and not tables(d) and d.state.status.step_failed_ms == T0
+    assert "step 5 of generation 1 failed on w0 (Timed out waiting)" in d.reason
+    # the other members' reports of the same step change nothing more
+    d = decide(d.state, _ev(StepFailed(job_id="j", worker_id="w2", generation=gen, step=5, error="x")), T0 + 10, SPEC)
+    assert not d.changed and "already due" in d.reason
+    assert not tables(decide(d.state, Tick(), T0 + SETTLE_MS - 1, SPEC))
+    d = decide(d.state, Tick(), T0 + SETTLE_MS, SPEC)
+    (t,) = tables(d)
+    assert t.generation == gen + 1 and [m.worker_id for m in t.members] == ["w0", "w1", "w2"]
+    assert "step 5 of generation 1 failed on w0" in d.reason and "same members" in d.reason
+    assert d.state.status.step_failed_ms == 0 and not d.state.status.step_failure
+    assert all(r.state != WorkerState.FAILED for r in d.state.workers.values())
+    # the slow member's own late report, for the old generation, is ignored
+    late = decide(d.state, _ev(StepFailed(job_id="j", worker_id="w1", generation=gen, step=5, error="x")), T0 + 4000, SPEC)
+    assert not late.changed and not tables(late)
+    # a report from a worker that is not a member is ignored too
+    s2 = CoordState()
+    s2 = join(s2, T0).state
+    assert not decide(s2, _ev(StepFailed(job_id="j", worker_id="w0", generation=0, step=0, error="x")), T0, SPEC).changed
+
+
+def test_a_peer_that_died_is_left_out_of_the_generation_after_the_failed_step() -> None:
+    """A peer that died fails its peers' collective at once, and its agent reports the exit
+    moments later: one new generation without it, not one with it first."""
+    from shoal.events.models import StepFailed
+
+    s = three_workers()
+    gen = s.status.generation
+    d = decide(s, _ev(StepFailed(job_id="j", worker_id="w0", generation=gen, step=5, error="peer closed")), T0, SPEC)
+    d = decide(d.state, _ev(WorkerExited(job_id="j", worker_id="w2", signal=9)), T0 + 20, SPEC)
+    (t,) = tables(d)
+    assert t.generation == gen + 1 and [m.worker_id for m in t.members] == ["w0", "w1"]
+    assert not tables(decide(d.state, Tick(), T0 + SETTLE_MS + 20, SPEC))

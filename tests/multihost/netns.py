@@ -1,0 +1,403 @@
+"""A multi-host network on one machine: Linux network namespaces joined by a bridge.
+
+Every *host* is a network namespace with one interface, ``eth0``, holding a private address
+``10.77.<subnet>.<n>/24``, whose other end is a port of a bridge in a namespace of its own
+(the *switch*). The machine's own namespace is never touched: no address, route, interface
+or firewall rule is added there, and no packet leaves the namespaces created here.
+Every host's ``/etc/hosts`` maps the host name to 127.0.0.1 (a file in ``/etc/netns/<ns>``,
+which ``ip netns exec`` mounts over ``/etc/hosts``), as on a badly configured cluster - and as
+in namespaces that share the machine's ``/etc/hosts`` - so the host name's address is never
+one a peer can reach.
+
+Processes run in a host with ``ip netns exec``; :meth:`Host.shoal` starts ``python -m shoal``
+there, from the repository root, with a log file each.
+
+Faults are nftables rules on the switch's bridge (this kernel has no ``netem``):
+:meth:`Net.partition` (two-way or one-way, between two hosts: packets vanish, nothing is
+refused), :meth:`Net.loss` (random loss on a host's link), :meth:`Net.link_down` (the switch
+port goes down: the cable is pulled), and :meth:`Net.delay` (every frame to and from a host
+held in a user-space delay line, :mod:`tests.multihost.delayfwd`); :meth:`Net.heal` undoes
+them all.
+
+Clean-up: :meth:`Net.close` kills every process left in the namespaces (``ip netns pids``)
+and deletes them, which deletes their interfaces and the bridge with them. Namespace names
+carry the creating process's pid (``shn<pid>-<host>``): :func:`sweep` deletes those whose
+creator is dead (run at every :class:`Net` start, so a test run killed with SIGKILL is cleaned
+by the next one) and, at interpreter exit, this process's own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from shoal.ops.embedded import server_binary
+from shoal.ops.localproc import Proc
+from tests.helpers import ROOT, wait_until
+
+PREFIX = "shn"
+_NAME = re.compile(rf"^{PREFIX}(\d+)-[a-z0-9]+$")
+#: every command of the harness is bounded by this (seconds)
+CMD_TIMEOUT = 10.0
+REDIS_PORT = 6379
+
+
+class NetUnavailable(RuntimeError):
+    """Namespaces cannot be made here (not root, no ``ip``, no netns support)."""
+
+
+def _run(*argv: str, check: bool = True, timeout: float = CMD_TIMEOUT) -> subprocess.CompletedProcess:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: exit {done.returncode}: {(done.stderr or done.stdout).strip()}")
+    return done
+
+
+def unavailable_reason() -> str:
+    """Why namespaces cannot be made on this machine ("" when they can): tried for real."""
+    if os.geteuid() != 0:
+        return "multi-host tests need root (network namespaces)"
+    if shutil.which("ip") is None:
+        return "multi-host tests need iproute2's 'ip'"
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    try:
+        done = _run("ip", "netns", "add", probe, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"'ip netns add' failed: {exc}"
+    if done.returncode != 0:
+        return f"'ip netns add' failed: {done.stderr.strip()}"
+    _run("ip", "netns", "del", probe, check=False)
+    return ""
+
+
+def namespaces() -> list[str]:
+    """Names of this harness's namespaces on the machine (any creator)."""
+    out = _run("ip", "netns", "list", check=False).stdout
+    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    return [n for n in names if _NAME.match(n)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+#: ``ip netns exec NAME`` bind-mounts the files of ``/etc/netns/NAME`` over ``/etc``
+ETC_NETNS = Path("/etc/netns")
+
+
+def delete_namespace(name: str) -> None:
+    """Kill every process in ``name`` (SIGKILL: they are leftovers), then delete it and its
+    ``/etc/netns`` files."""
+    for _ in range(50):
+        pids = [int(p) for p in _run("ip", "netns", "pids", name, check=False).stdout.split()]
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)  # SIGKILLed processes leave the namespace as the kernel reaps them
+    _run("ip", "netns", "del", name, check=False)
+    shutil.rmtree(ETC_NETNS / name, ignore_errors=True)
+
+
+def sweep(*, own: bool = False) -> list[str]:
+    """Delete this harness's namespaces whose creating process is dead (and, with ``own``,
+    this process's). Returns the names deleted."""
+    gone = []
+    for name in namespaces():
+        pid = int(_NAME.match(name).group(1))
+        if (own and pid == os.getpid()) or (pid != os.getpid() and not _alive(pid)):
+            delete_namespace(name)
+            gone.append(name)
+    return gone
+
+
+_atexit_registered = False
+_SEQ = itertools.count()
+
+
+def _register_atexit() -> None:
+    global _atexit_registered
+    if not _atexit_registered:
+        atexit.register(sweep, own=True)
+        _atexit_registered = True
+
+
+@dataclass
+class Host:
+    """One host: a namespace ``ns`` with ``eth0`` at ``ip``; ``port`` is its switch port."""
+
+    net: "Net"
+    name: str
+    ns: str
+    ip: str
+    port: str
+    procs: list[Proc] = field(default_factory=list)
+
+    def exec(self, *argv: str, check: bool = True, timeout: float = CMD_TIMEOUT) -> subprocess.CompletedProcess:
+        """Run a command in this host and wait for it (bounded by ``timeout``)."""
+        return _run("ip", "netns", "exec", self.ns, *argv, check=check, timeout=timeout)
+
+    def popen(self, name: str, argv: list[str], env: dict[str, str] | None = None, role: str = "") -> Proc:
+        """Start ``argv`` in this host, output to ``<log_dir>/<name>.log``; reaped by ``Net.close``."""
+        log_path = self.net.log_dir / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as out:
+            popen = subprocess.Popen(["ip", "netns", "exec", self.ns, *argv], env=env, cwd=ROOT, stdout=out,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = Proc(name, popen, log_path, role=role)
+        self.procs.append(proc)
+        return proc
+
+    def shoal(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
+        """``python -m shoal ARGS`` in this host, with the network's Redis URL and ``env``."""
+        full = dict(os.environ)
+        full.update(self.net.env)
+        full.update(env or {})
+        full.update({"PYTHONUNBUFFERED": "1"})
+        full.setdefault("OMP_NUM_THREADS", "1")
+        return self.popen(name, [sys.executable, "-m", "shoal", *args], full, role=args[0] if args else "")
+
+    def can_connect(self, ip: str, port: int, timeout: float = 1.0) -> bool:
+        """Whether a TCP connection from this host to ``ip:port`` is accepted within ``timeout``."""
+        code = (f"import socket,sys\ntry:\n socket.create_connection(({ip!r},{port}),timeout={timeout})\n"
+                f"except OSError:\n sys.exit(1)")
+        return self.exec(sys.executable, "-c", code, check=False, timeout=timeout + CMD_TIMEOUT).returncode == 0
+
+
+class Net:
+    """Hosts on one bridge. Use as a context manager (or call :meth:`close`): every process
+    and namespace it made is gone afterwards, also when the body raised."""
+
+    def __init__(self, log_dir: Path, *, subnet: int | None = None):
+        reason = unavailable_reason()
+        if reason:
+            raise NetUnavailable(reason)
+        _register_atexit()
+        sweep()
+        #: where every process's log goes (``<name>.log``)
+        self.log_dir = log_dir
+        self.subnet = subnet if subnet is not None else os.getpid() % 250
+        self.tag = f"{PREFIX}{os.getpid()}"
+        self._seq = next(_SEQ)
+        self.hosts: dict[str, Host] = {}
+        #: environment every shoal process of this network gets (REDIS_URL once Redis runs)
+        self.env: dict[str, str] = {}
+        self.redis: Proc | None = None
+        self.redis_socket: Path | None = None
+        self._made: list[str] = []
+        self._faults = False
+        #: host name -> its delay line's process
+        self._delays: dict[str, Proc] = {}
+        #: a short directory for the Redis unix socket (a socket path holds at most 107 bytes)
+        self._sock_dir = Path(tempfile.mkdtemp(prefix=f"{self.tag}-"))
+        try:
+            self.switch = self._add_ns("sw")
+            self._sw("ip", "link", "add", "br0", "type", "bridge")
+            self._sw("ip", "link", "set", "br0", "up")
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- topology ----------------------------------------------------------------------------
+
+    def _add_ns(self, short: str) -> str:
+        name = f"{self.tag}-{short}{self._seq}"
+        _run("ip", "netns", "add", name)
+        self._made.append(name)
+        _run("ip", "-n", name, "link", "set", "lo", "up")
+        return name
+
+    def _sw(self, *argv: str) -> subprocess.CompletedProcess:
+        return _run("ip", "netns", "exec", self.switch, *argv)
+
+    def add_host(self, name: str) -> Host:
+        """A new host ``name`` (letters and digits, at most 8) on the bridge."""
+        if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", name) or name in self.hosts:
+            raise ValueError(f"bad or duplicate host name {name!r}")
+        ns = self._add_ns(name)
+        # the bug of a badly configured cluster, made certain: the host name means loopback
+        etc = ETC_NETNS / ns
+        etc.mkdir(parents=True, exist_ok=True)
+        (etc / "hosts").write_text(f"127.0.0.1 localhost {socket.gethostname()}\n")
+        ip = f"10.77.{self.subnet}.{len(self.hosts) + 2}"
+        port = f"p{name}"
+        self._sw("ip", "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        self._sw("ip", "link", "set", port, "master", "br0")
+        self._sw("ip", "link", "set", port, "up")
+        _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+        _run("ip", "-n", ns, "link", "set", "eth0", "up")
+        host = Host(self, name, ns, ip, port)
+        self.hosts[name] = host
+        return host
+
+    def start_redis(self, host: Host) -> str:
+        """The embedded server's binary in ``host``, bound to its address only, plus a unix
+        socket for the test itself (:meth:`client`: unix sockets are not namespaced, so the
+        test observes through no network path a fault could cut); returns the URL (also put in
+        :attr:`env` as ``REDIS_URL``) once it answers from that host."""
+        run_dir = self.log_dir / "redis"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.redis_socket = self._sock_dir / "redis.sock"
+        argv = [str(server_binary()), "--bind", host.ip, "--port", str(REDIS_PORT), "--dir", str(run_dir),
+                "--unixsocket", str(self.redis_socket), "--unixsocketperm", "700",
+                "--appendonly", "no", "--save", "", "--protected-mode", "no", "--daemonize", "no"]
+        self.redis = host.popen("redis", argv, dict(os.environ), role="redis")
+        wait_until(lambda: self.redis.popen.poll() is not None or host.can_connect(host.ip, REDIS_PORT), 15,
+                   "Redis to listen")
+        if self.redis.popen.poll() is not None:
+            raise RuntimeError(f"Redis exited: {self.redis.log_tail(5)}")
+        url = f"redis://{host.ip}:{REDIS_PORT}/0"
+        self.env["REDIS_URL"] = url
+        return url
+
+    def client(self) -> redis.Redis:
+        """A client of the network's Redis for the test process, over its unix socket."""
+        if self.redis_socket is None:
+            raise RuntimeError("start_redis first")
+        return redis.Redis(unix_socket_path=str(self.redis_socket), socket_timeout=10, socket_connect_timeout=5)
+
+    # ---- faults (nftables on the bridge) -----------------------------------------------------
+
+    def _nft(self, *rule: str) -> None:
+        if shutil.which("nft") is None:
+            raise NetUnavailable("faults need nftables ('nft'; Debian package nftables)")
+        if not self._faults:
+            self._sw("nft", "add", "table", "bridge", "shoal")
+            self._sw("nft", "add", "chain", "bridge", "shoal", "faults",
+                     "{ type filter hook forward priority 0; policy accept; }")
+            self._faults = True
+        self._sw("nft", "add", "rule", "bridge", "shoal", "faults", *rule)
+
+    def partition(self, a: Host, b: Host, *, oneway: bool = False) -> None:
+        """Drop every frame from ``a`` to ``b`` (and, unless ``oneway``, from ``b`` to ``a``)."""
+        self._nft("iifname", a.port, "oifname", b.port, "drop")
+        if not oneway:
+            self._nft("iifname", b.port, "oifname", a.port, "drop")
+
+    def loss(self, host: Host, percent: int) -> None:
+        """Drop ``percent`` % of the frames to and from ``host``, at random."""
+        if not 0 < percent <= 100:
+            raise ValueError(f"percent must be 1..100, got {percent}")
+        chance = ("numgen", "random", "mod", "100", "<", str(percent)) if percent < 100 else ()
+        for way in ("iifname", "oifname"):
+            self._nft(way, host.port, *chance, "drop")
+
+    def delay(self, host: Host, ms: float) -> None:
+        """Hold every frame to and from ``host`` for ``ms`` milliseconds (so a round trip to it
+        takes ``2 * ms`` more), established connections included: its switch port is moved
+        onto a bridge of its own, joined to the main one through a user-space delay line
+        (:mod:`tests.multihost.delayfwd`). Frames then enter the main bridge on the delay
+        line's port, not the host's: a :meth:`partition` of a delayed host does not match."""
+        if host.name in self._delays:
+            raise ValueError(f"{host.name} is already delayed")
+        near, far, side = f"dn{host.name}", f"df{host.name}", f"bd{host.name}"
+        line = Proc(f"delay-{host.name}", subprocess.Popen(
+            ["ip", "netns", "exec", self.switch, sys.executable, "-m", "tests.multihost.delayfwd", near, far, str(ms)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL), Path(os.devnull),
+            role="delay")
+        self._delays[host.name] = line
+        readable, _, _ = select.select([line.popen.stdout], [], [], CMD_TIMEOUT)
+        first = line.popen.stdout.readline().decode().strip() if readable else "no word in time"
+        if first != "ready":  # it says so once both devices exist
+            raise RuntimeError(f"the delay line did not start: {first}")
+        self._sw("ip", "link", "add", side, "type", "bridge")
+        self._sw("ip", "link", "set", host.port, "nomaster")
+        for port, bridge in ((host.port, side), (near, side), (far, "br0")):
+            self._sw("ip", "link", "set", port, "master", bridge)
+            self._sw("ip", "link", "set", port, "up")
+        self._sw("ip", "link", "set", side, "up")
+
+    def _undelay(self, name: str) -> None:
+        line = self._delays.pop(name)
+        line.signal(signal.SIGKILL)  # its devices go with it
+        line.wait(CMD_TIMEOUT)
+        line.popen.stdout.close()
+        self._sw("ip", "link", "del", f"bd{name}")
+        self._sw("ip", "link", "set", self.hosts[name].port, "master", "br0")
+
+    def link_down(self, host: Host) -> None:
+        """Pull ``host``'s cable: its switch port goes down."""
+        self._sw("ip", "link", "set", host.port, "down")
+
+    def link_up(self, host: Host) -> None:
+        self._sw("ip", "link", "set", host.port, "up")
+
+    def heal(self) -> None:
+        """Undo every fault: rules flushed, every link up."""
+        if self._faults:
+            self._sw("nft", "flush", "chain", "bridge", "shoal", "faults")
+        for name in list(self._delays):
+            self._undelay(name)
+        for host in self.hosts.values():
+            self.link_up(host)
+
+    # ---- the end -----------------------------------------------------------------------------
+
+    def procs(self) -> list[Proc]:
+        return [p for h in self.hosts.values() for p in h.procs]
+
+    def stop_procs(self, timeout: float = 10.0) -> None:
+        """SIGTERM workers and agents (they drain), then coordinators, then Redis; SIGKILL
+        whatever is still running after ``timeout``. Every child is reaped."""
+        roles = [lambda p: p.role not in ("coordinator", "redis"), lambda p: p.role == "coordinator",
+                 lambda p: p.role == "redis"]
+        for match in roles:
+            group = [p for p in self.procs() if match(p)]
+            for p in group:
+                p.signal(signal.SIGCONT)
+                p.signal(signal.SIGTERM)
+            for p in group:
+                try:
+                    p.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    p.signal(signal.SIGKILL)
+                    p.wait(timeout)
+
+    def close(self) -> None:
+        """Stop every process, delete every namespace made here. Never raises for a
+        namespace already gone; safe to call twice."""
+        if self._made:
+            try:
+                self.heal()  # so that draining processes can still talk
+            except Exception:  # noqa: BLE001 - best effort: the namespaces go anyway
+                pass
+        try:
+            self.stop_procs()
+        finally:
+            for name in reversed(self._made):
+                delete_namespace(name)
+            self._made.clear()
+            shutil.rmtree(self._sock_dir, ignore_errors=True)
+
+    def dump(self, lines: int = 30) -> str:
+        """The tail of every process's log (for a failing test)."""
+        return "\n".join(f"===== {p.name} ({p.role})\n{p.log_tail(lines)}" for p in self.procs())
+
+    def __enter__(self) -> "Net":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
