@@ -29,8 +29,10 @@ training thread, a failed save in the checkpoint thread), ``stop=S`` (SIGSTOP se
 seconds; a helper process sends SIGCONT), ``sleep=S`` (the calling thread sleeps S seconds:
 a member that is slow, not hung - its heartbeats go on).
 
-A rule fires at most once per process. Unset or empty: no faults, and the cost of a call is
-one attribute test.
+A rule fires at most once per process, except a rule armed by a signal: N given as ``usr1``
+(``*@usr1:mid_step:sleep=4``) fires at its phase once after each SIGUSR1 the process receives,
+so a harness picks the moment from outside (the chaos soak's ``worker_slow``). Unset or empty:
+no faults, and the cost of a call is one attribute test.
 """
 
 from __future__ import annotations
@@ -61,10 +63,14 @@ class BadFaultRule(ConfigError):
     """A rule in ``SHOAL_FAULTS`` / ``SHOAL_COORD_FAULTS`` that does not parse."""
 
 
+#: ``Rule.n`` of a rule armed by SIGUSR1 (written ``WHO@usr1:...``)
+ON_USR1 = -1
+
+
 @dataclass(frozen=True)
 class Rule:
     who: str
-    n: int
+    n: int  #: the count it fires at, or ON_USR1
     phase: str
     action: str
 
@@ -76,9 +82,9 @@ def parse(text: str, phases: tuple[str, ...] = WORKER_PHASES) -> list[Rule]:
         try:
             who_n, phase, action = raw.split(":", 2)
             who, n = who_n.split("@")
-            rule = Rule(who, int(n), phase, action)
+            rule = Rule(who, ON_USR1 if n == "usr1" else int(n), phase, action)
         except ValueError as exc:
-            raise BadFaultRule(f"bad fault rule {raw!r}: expected WHO@N:PHASE:ACTION") from exc
+            raise BadFaultRule(f"bad fault rule {raw!r}: expected WHO@N:PHASE:ACTION (N a number or usr1)") from exc
         if phase not in phases:
             raise BadFaultRule(f"bad fault rule {raw!r}: phase must be one of {', '.join(phases)}")
         kind, _, arg = action.partition("=")
@@ -105,6 +111,14 @@ class FaultPlan:
             self._rules[(r.phase, r.n)].append(r)
         self._fired: set[Rule] = set()
         self._counts: dict[str, int] = defaultdict(int)
+        #: SIGUSR1s received and not yet spent by a signal-armed rule
+        self._armed = 0
+        if any(r.n == ON_USR1 for r in rules):
+            # handlers can only be set from the main thread, which is where workers build plans
+            signal.signal(signal.SIGUSR1, self._arm)
+
+    def _arm(self, _signum, _frame) -> None:
+        self._armed += 1
 
     @classmethod
     def from_env(cls, var: str = WORKER_ENV, phases: tuple[str, ...] = WORKER_PHASES) -> "FaultPlan":
@@ -125,6 +139,12 @@ class FaultPlan:
             if rule not in self._fired and rule.who in ("*", who):
                 self._fired.add(rule)
                 _fire(rule, f"{who}@{n}:{phase}")
+        if self._armed:
+            for rule in self._rules.get((phase, ON_USR1), ()):
+                if rule.who in ("*", who):
+                    self._armed -= 1
+                    _fire(rule, f"{who}@usr1:{phase} (step {n})")
+                    break
 
     def count(self, who: str, phase: str) -> None:
         """For counted points (coordinator events): the Nth call for ``who`` fires the rules

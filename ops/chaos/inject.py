@@ -6,6 +6,10 @@ Every fault is injected from outside, with real signals, into real processes:
 - ``worker_segv``: SIGSEGV an Active worker (an abrupt native crash, no Python cleanup);
 - ``worker_stop``: SIGSTOP an Active worker for longer than the heartbeat TTL, then SIGCONT
   (it is declared failed while frozen, finds itself evicted when it wakes, and exits);
+- ``worker_slow``: SIGUSR1 to an Active worker, whose fault rule ``*@usr1:mid_step:sleep=S``
+  then stalls its next step past the collective timeout while its heartbeats go on (a slow
+  peer, not a dead one: its peers' step fails, the same members get a new generation, and
+  nobody is declared failed or exits);
 - ``coordinator_kill``: SIGKILL the replica holding the job's lease (a new replica is
   started at once, so two always run; the standby takes over);
 - ``redis_restart``: SIGKILL Redis and start it again from its AOF on the same port;
@@ -29,8 +33,17 @@ import redis
 from shoal.events.keys import JobKeys
 from shoal.events.models import WorkerDoc
 
-KINDS = ("worker_kill", "worker_segv", "worker_stop", "coordinator_kill", "redis_restart", "worker_join")
-WORKER_FAULTS = ("worker_kill", "worker_segv", "worker_stop")
+KINDS = ("worker_kill", "worker_segv", "worker_stop", "worker_slow", "coordinator_kill", "redis_restart", "worker_join")
+WORKER_FAULTS = ("worker_kill", "worker_segv", "worker_stop", "worker_slow")
+#: the workers' fault rule behind ``worker_slow``: the soak sets it for every worker, with S
+#: past their collective timeout (see :func:`slow_step_rule`)
+SLOW_STEP_RULE = "*@usr1:mid_step:sleep={seconds:g}"
+
+
+def slow_step_rule(ttl: float) -> str:
+    """The rule for a job with heartbeat TTL ``ttl``: a stall 1 s longer than the workers'
+    collective timeout (``TrainingWorker.collective_timeout``: max(3, TTL + 1) s)."""
+    return SLOW_STEP_RULE.format(seconds=max(3.0, ttl + 1.0) + 1.0)
 
 
 @dataclass
@@ -104,6 +117,8 @@ class Injector:
                 os.kill(pid, signal.SIGKILL)
             elif kind == "worker_segv":
                 os.kill(pid, signal.SIGSEGV)
+            elif kind == "worker_slow":
+                os.kill(pid, signal.SIGUSR1)
             else:
                 os.kill(pid, signal.SIGSTOP)
                 self._frozen.add(pid)

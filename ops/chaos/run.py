@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from shoal.events.keys import job_keys
-from shoal.ops.chaos.inject import KINDS, Injector
+from shoal.ops.chaos.inject import KINDS, Injector, slow_step_rule
 from shoal.ops.chaos.sampler import Sampler
 from shoal.ops.chaos.verdict import Verdict, judge, load_finals
 from shoal.core.connection import connect
@@ -100,7 +100,8 @@ def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
                    max_restarts=1000, checkpoint_uri=ckpt, checkpoint_interval=25, checkpoint_keep=3)
     create_job(client, spec)
     env = {"SHOAL_LEDGER_DIR": str(root / "ledger"), "SHOAL_EXPORT_DIR": str(root / "final"),
-           "SHOAL_STEP_PACE": str(cfg.step_pace), "SHOAL_STEP_PACE_FILE": str(root / "pace")}
+           "SHOAL_STEP_PACE": str(cfg.step_pace), "SHOAL_STEP_PACE_FILE": str(root / "pace"),
+           "SHOAL_FAULTS": slow_step_rule(cfg.ttl)}
     steer = PaceSteer(root / "pace", steps, cfg.step_pace)
     out(f"shoal chaos: {cfg.duration:.0f} s of faults, seed {cfg.seed}, {cfg.workers} workers under an agent, "
         f"2 coordinators, Redis with AOF; job of {steps} steps; run dir {root}")

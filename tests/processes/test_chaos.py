@@ -1,5 +1,6 @@
 """The chaos soak's 60-second version: every kind of fault, injected at random into real
-processes (SIGKILL, SIGSEGV and SIGSTOP past the TTL of workers, SIGKILL of the leading
+processes (SIGKILL, SIGSEGV and SIGSTOP past the TTL of workers, a step stalled past the
+collective timeout with heartbeats going on (a slow peer), SIGKILL of the leading
 coordinator, Redis killed and restarted from its AOF, workers joining), then the end state:
 the job completed, every sample exactly once per epoch, replicas bit-identical and close to a
 failure-free run, LATEST valid whenever sampled, Redis bounded. ``shoal chaos --duration

@@ -29,3 +29,11 @@ def test_a_worker_declared_failed_that_no_fault_hit_fails_the_soak() -> None:
         True, "2 workers declared failed, each hit by a fault")
     ok, detail = _checks(faults, ["w3", "w12", "w5", "w4"])["no failure without a fault"]
     assert not ok and "w4, w12" in detail
+
+
+def test_a_worker_declared_failed_after_only_a_slow_step_fails_the_soak() -> None:
+    # a slow step must cost nobody their membership: it does not excuse a failure
+    faults = [Injected("worker_slow", 1.0, "w2 (pid 10)", 2, "w2"), Injected("worker_kill", 5.0, "w3 (pid 11)", 3, "w3")]
+    assert _checks(faults, ["w3"])["no failure without a fault"][0]
+    ok, detail = _checks(faults, ["w2", "w3"])["no failure without a fault"]
+    assert not ok and "declared failed without a fault: w2" in detail
