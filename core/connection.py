@@ -85,12 +85,16 @@ def connect(url: str, *, timeout: float = 5.0, check: bool = True, ride_out: flo
     return client
 
 
-def without_retries(client: redis.Redis) -> redis.Redis:
+def without_retries(client: redis.Redis, *, timeout: float | None = None) -> redis.Redis:
     """A client to the same server (same URL, credentials, TLS, timeouts) whose commands fail
     at once instead of riding out an outage: for best-effort writes from a hot path, such as
-    progress entries from the training thread. It has its own connection pool."""
+    progress entries from the training thread. It has its own connection pool. ``timeout``
+    replaces the socket and connect timeouts (a call that must return within a bound even when
+    the server is blackholed, such as the commit fence)."""
     pool = client.connection_pool
     kwargs = {k: v for k, v in pool.connection_kwargs.items() if k not in ("retry", "retry_on_error", "retry_on_timeout")}
+    if timeout is not None:
+        kwargs.update(socket_timeout=timeout, socket_connect_timeout=timeout)
     return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class,
                                                             retry=Retry(NoBackoff(), 0), **kwargs))
 

@@ -51,9 +51,15 @@ class Heartbeater:
     :meth:`beat` called directly uses ``client`` as given (riding out outages if it does).
     """
 
-    def __init__(self, client: redis.Redis, keys: JobKeys, worker_id: str, *, interval: float, ttl: float, pid: int = 0):
+    def __init__(self, client: redis.Redis, keys: JobKeys, worker_id: str, *, interval: float, ttl: float, pid: int = 0,
+                 fence_timeout: float | None = None):
         self._script = client.register_script(_BEAT)
         self._fast = without_retries(client)
+        #: the training thread's own beat (:meth:`still_member`) waits at most this long on
+        #: Redis: a blackholed server must not hold a step for the socket timeout, longer than
+        #: the peers' collective timeout (default: a quarter of the TTL, at most 1 s)
+        self.fence_timeout = fence_timeout if fence_timeout is not None else min(1.0, ttl / 4)
+        self._fence = without_retries(client, timeout=self.fence_timeout)
         self._keys = keys
         self._ttl_ms = int(ttl * 1000)
         self.interval = interval
@@ -96,14 +102,16 @@ class Heartbeater:
         heartbeats from its own return (training rides out the outage over the collectives);
         while the thread's beats are failing, True without trying, unless the thread itself
         has not tried for half the TTL (a hung server would otherwise hold every step for the
-        socket timeout; a frozen process must still ask)."""
+        socket timeout; a frozen process must still ask). Its own beat waits at most
+        :attr:`fence_timeout` for Redis, so a blackholed server delays a step by that much at
+        most, well inside the peers' collective timeout."""
         if self.evicted:
             return False
         now, half = time.monotonic(), self._ttl_ms / 2000
         if now - self.confirmed_at <= half or (self._failing_since is not None and now - self._tried_at <= half):
             return True
         try:
-            return self.beat(client=self._fast)
+            return self.beat(client=self._fence)
         except redis.RedisError:
             return True
 
@@ -116,6 +124,7 @@ class Heartbeater:
         if self._thread is not None:
             self._thread.join(timeout)
         self._fast.close()
+        self._fence.close()
 
     def _run(self) -> None:
         last_ok = time.monotonic()

@@ -54,3 +54,23 @@ def test_during_an_outage_the_fence_trusts_the_thread_unless_the_thread_was_froz
     assert hb.still_member() and not hb.evicted  # no beat sent: the server is down
     hb._tried_at = time.monotonic() - 5.0  # ... or the whole process was frozen: ask
     assert not hb.still_member() and hb.evicted
+
+
+def test_a_blackholed_redis_holds_the_fence_for_its_own_short_timeout_not_the_socket_timeout() -> None:
+    """A server that accepts connections and never answers (packets dropped past the
+    handshake) must not hold a step for the client's 10 s socket timeout: the fence's own beat
+    gives up after ``fence_timeout``, inside the peers' 3 s minimum collective timeout."""
+    import socket
+
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(8)  # the kernel completes handshakes; nobody ever reads
+        client = redis.Redis(port=hole.getsockname()[1], socket_timeout=10, socket_connect_timeout=10)
+        hb = Heartbeater(client, job_keys("hb"), "w0", interval=0.2, ttl=2.0)
+        assert hb.fence_timeout == 0.5
+        hb.confirmed_at = time.monotonic() - 5.0  # old: the fence asks Redis
+        started = time.monotonic()
+        assert hb.still_member() and not hb.evicted
+        took = time.monotonic() - started
+        hb.stop()
+    assert took < 3.0, f"the fence held the step {took:.1f} s"
