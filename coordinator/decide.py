@@ -16,6 +16,15 @@ Planning rules:
 - a running job that has planned generations for ``formation_timeout`` without any of them
   forming (no member reported ready: every rendezvous failed) fails, naming the last
   rendezvous error, instead of planning new generations forever.
+
+Redone steps: the coordinator keeps the highest committed step reported on the job's line of
+state (``JobStatus.high_step``: sampled heartbeats, a joiner's ``ready``, a checkpoint). A
+member that reports ``ready`` for a generation newer than that report, at a lower step, means
+every replica that held the newer state was lost and the generation resumed from a checkpoint
+or from scratch: the steps in between, committed before, are committed again. The decision
+says which, adds them to ``steps_redone`` and restarts the line from the step resumed at. A
+normal switch (survivors keep their state, a joiner catches up from them) starts at the
+highest step and counts nothing; neither does a failed step, which nobody committed.
 """
 
 from __future__ import annotations
@@ -69,6 +78,14 @@ class EventInput:
 
 
 @dataclass(frozen=True)
+class StepSeen:
+    """A committed ``step`` a member of ``generation`` reported."""
+
+    generation: int
+    step: int
+
+
+@dataclass(frozen=True)
 class Tick:
     """A periodic scan. ``last_seen`` maps worker id -> Redis server ms of its last heartbeat
     for workers that look stale (the loop pre-filters with ZRANGEBYSCORE); ``step_times`` is
@@ -76,6 +93,9 @@ class Tick:
 
     last_seen: dict[str, int] = field(default_factory=dict)
     step_times: dict[str, float] = field(default_factory=dict)
+    #: worker id -> the committed step its sampled heartbeat reports, with the generation it
+    #: was committed in (sampled with ``step_times``; may be empty)
+    steps: dict[str, StepSeen] = field(default_factory=dict)
 
 
 # ---- actions --------------------------------------------------------------------------------
@@ -255,6 +275,38 @@ def _record(wid: str, rank: int, reason: str, exited: WorkerExited | None) -> Re
     return RecordFailure(wid, rank, reason, exited.exit_code, exited.signal, exited.traceback)
 
 
+def saw_step(status: JobStatus, seen: StepSeen) -> JobStatus:
+    """``status`` once ``seen`` was reported: ``high_step`` rises to a higher step reported by
+    a generation no older than the one that reported it. A report from an older generation is
+    stale (a late checkpoint event, a heartbeat of a member lost before the job resumed below
+    it) and changes nothing."""
+    if seen.generation < status.high_step_generation or seen.step <= status.high_step:
+        return status
+    return replace(status, high_step=seen.step, high_step_generation=seen.generation)
+
+
+def _resumed(status: JobStatus, generation: int, step: int | None) -> tuple[JobStatus, str]:
+    """A member starts ``generation`` at ``step`` (its ``ready``). When that is below the
+    highest step a previous generation committed, every replica of the newer state is gone:
+    the steps in between are redone. Returns the new status and the reason ("" : nothing
+    redone)."""
+    if step is None:
+        return status, ""
+    if step >= status.high_step or status.high_step_generation >= generation:
+        return saw_step(status, StepSeen(generation, step)), ""
+    high = status.high_step
+    origin = ("from scratch" if step == 0 else f"from the checkpoint of step {step}" if status.latest_step == step
+              else "from a checkpoint")
+    if high == step + 1:
+        steps = f"step {high}, committed before, is redone (every replica that held it was lost)"
+    else:
+        steps = f"steps {step + 1}-{high}, committed before, are redone (every replica that held them was lost)"
+    reason = f"generation {generation} resumed at step {step} ({origin}): {steps}"
+    status = replace(status, high_step=step, high_step_generation=generation,
+                     steps_redone=status.steps_redone + high - step, reason=reason)
+    return status, reason
+
+
 # ---- the decision function --------------------------------------------------------------------
 
 
@@ -277,9 +329,17 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
         if state.status.state in TERMINAL_JOB_STATES:
             return _unchanged(state, f"completion ignored: job already {state.status.state.value}")
         reason = f"completed at step {ev.step} (reported by {wid})"
-        status = replace(_set_job(state.status, JobState.COMPLETED, now_ms), reason=reason, summary=json.dumps(ev.summary))
+        summary = dict(ev.summary)
+        if state.status.steps_redone:
+            redone = state.status.steps_redone
+            reason += (f"; {redone} committed step{'s were' if redone != 1 else ' was'} redone "
+                       f"(every replica that held {'them' if redone != 1 else 'it'} was lost)")
+            summary["steps_redone"] = redone
+        status = replace(_set_job(state.status, JobState.COMPLETED, now_ms), reason=reason, summary=json.dumps(summary))
         return Decision(replace(state, status=status), (), reason)
     if isinstance(ev, Checkpointed):
+        # a checkpoint is of a committed step
+        state = replace(state, status=saw_step(state.status, StepSeen(ev.generation, ev.step)))
         if ev.step <= state.status.latest_step:
             return _unchanged(state, f"checkpoint of step {ev.step} ignored: LATEST is at step {state.status.latest_step}")
         pointer = LatestPointer(step=ev.step, store=ev.store, generation=ev.generation).to_json()
@@ -297,7 +357,9 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
         state = _move(state, wid, WorkerState.ACTIVE, reason, now_ms)
         if state.status.unformed_since_ms or state.status.rendezvous_error:  # the generation formed
             state = replace(state, status=replace(state.status, unformed_since_ms=0, rendezvous_error=""))
-        return Decision(state, (), reason)
+        status, redone = _resumed(state.status, ev.generation, ev.step)
+        state = replace(state, status=status)
+        return Decision(state, (), f"{reason}; {redone}" if redone else reason)
     if isinstance(ev, LeaveRequest):
         if rec.state not in PLANNED:
             return _unchanged(state, f"leave from {wid} ignored: it is {rec.state.value}")
@@ -450,6 +512,10 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
         actions += more
         reasons.append(why)
         changed = removals = True
+    status = state.status
+    for seen in tick.steps.values():  # no decision of its own: kept in the status
+        status = saw_step(status, seen)
+    state = replace(state, status=status)
     if tick.step_times:
         state, flagged = _flag_stragglers(state, tick.step_times, spec.straggler_factor, now_ms)
         if flagged:

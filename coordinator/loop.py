@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import redis
 
 from shoal.coordinator.balance import encode_entry, parse_registry, plan_handoffs
-from shoal.coordinator.decide import Decision, EventInput, Tick, decide
+from shoal.coordinator.decide import Decision, EventInput, StepSeen, Tick, decide
 from shoal.coordinator.errors import StaleEpoch
 from shoal.coordinator.fenced import FencedBatch, FencedWriter
 from shoal.coordinator.lease import LeaseScripts
@@ -391,7 +391,7 @@ class Coordinator:
         for lead in leads:
             if now - lead.last_progress_ms >= self.progress_ms:
                 active = [w for w, r in lead.state.workers.items() if r.state == WorkerState.ACTIVE]
-                if len(active) >= 2:
+                if active:  # step times (stragglers: two or more) and committed steps (redone steps)
                     pipe.mget([lead.keys.heartbeat(w) for w in active])
                     sampled.append(lead)
                 lead.last_progress_ms = now
@@ -400,16 +400,19 @@ class Coordinator:
             if lead.keys.job_id not in self.leads:
                 continue
             last_seen = {(w.decode() if isinstance(w, bytes) else w): max(int(score), lead.taken_ms) for w, score in stale}
-            step_times = _step_times(progress.get(lead.keys.job_id))
+            sample = progress.get(lead.keys.job_id)
+            step_times, steps = _step_times(sample), _steps_seen(sample)
             status = lead.state.status
-            # a tick decides on stale heartbeats, step times, a settling join, a failed step
-            # awaiting its new generation, or a job whose generations have not formed yet (it
-            # fails at its formation deadline)
-            if (not last_seen and not step_times and not status.pending_join_ms and not status.unformed_since_ms
-                    and not status.step_failed_ms):
+            # a tick decides on stale heartbeats, step times and committed steps, a settling
+            # join, a failed step awaiting its new generation, or a job whose generations have
+            # not formed yet (it fails at its formation deadline)
+            if (not last_seen and not step_times and not steps and not status.pending_join_ms
+                    and not status.unformed_since_ms and not status.step_failed_ms):
                 continue
-            decision = decide(lead.state, Tick(last_seen=last_seen, step_times=step_times), now, lead.spec, lead.epoch)
-            if not decision.changed and not decision.actions:
+            decision = decide(lead.state, Tick(last_seen=last_seen, step_times=step_times, steps=steps), now,
+                              lead.spec, lead.epoch)
+            # a higher committed step changes only the status: stored, with no control entry
+            if not decision.changed and not decision.actions and decision.state.status == status:
                 continue
             failed_before = sum(1 for r in lead.state.workers.values() if r.state == WorkerState.FAILED)
             self._record(lead, decision, kind="tick", source_id="tick", now=now)
@@ -434,14 +437,22 @@ class Coordinator:
 def _step_times(values: list | None) -> dict[str, float]:
     """Recent step time per worker from sampled heartbeat values (missing or unreadable
     heartbeats, and those without a step time yet, are left out)."""
-    out: dict[str, float] = {}
+    return {hb.worker_id: hb.step_time for hb in _heartbeats(values) if hb.step_time}
+
+
+def _steps_seen(values: list | None) -> dict[str, StepSeen]:
+    """The committed step (and its generation) per worker from sampled heartbeat values
+    (missing or unreadable heartbeats, and those at step 0, are left out)."""
+    return {hb.worker_id: StepSeen(hb.generation, hb.step) for hb in _heartbeats(values) if hb.step > 0}
+
+
+def _heartbeats(values: list | None) -> list[Heartbeat]:
+    out = []
     for raw in values or []:
         if raw is None:
             continue
         try:
-            hb = Heartbeat.model_validate_json(raw)
+            out.append(Heartbeat.model_validate_json(raw))
         except ValueError:
             continue
-        if hb.step_time:
-            out[hb.worker_id] = hb.step_time
     return out

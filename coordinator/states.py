@@ -195,6 +195,18 @@ class JobStatus:
     step_failed_ms: int = 0
     #: That report, for people: the reason of the generation it leads to.
     step_failure: str = ""
+    #: The highest committed step the coordinator has seen reported on the job's current line
+    #: of state (sampled heartbeats, a joiner's ``ready``, a checkpoint); 0: none yet. When a
+    #: generation resumes below it (every replica holding the newer state was lost), it drops
+    #: to the step resumed at: from there the steps are committed again.
+    high_step: int = 0
+    #: The generation that reported ``high_step`` (a member of the generation that reports a
+    #: step below it, in the same generation, is not resuming: it is only late).
+    high_step_generation: int = 0
+    #: Committed steps committed again because every replica that held them was lost and the
+    #: job resumed from a checkpoint or from scratch (a sum over every such resumption). A
+    #: lower bound: steps committed after the coordinator's last report of them are not seen.
+    steps_redone: int = 0
 
     def to_hash(self) -> dict[str, str]:
         return {
@@ -215,6 +227,9 @@ class JobStatus:
             "rendezvous_error": self.rendezvous_error,
             "step_failed_ms": str(self.step_failed_ms),
             "step_failure": self.step_failure,
+            "high_step": str(self.high_step),
+            "high_step_generation": str(self.high_step_generation),
+            "steps_redone": str(self.steps_redone),
         }
 
     @classmethod
@@ -240,6 +255,9 @@ class JobStatus:
             rendezvous_error=g.get("rendezvous_error", ""),
             step_failed_ms=int(g.get("step_failed_ms", 0)),
             step_failure=g.get("step_failure", ""),
+            high_step=int(g.get("high_step", 0)),
+            high_step_generation=int(g.get("high_step_generation", 0)),
+            steps_redone=int(g.get("steps_redone", 0)),
         )
 
 

@@ -59,6 +59,10 @@ class Ready(EventBase):
 
     kind: Literal["ready"] = "ready"
     generation: Annotated[int, Field(ge=0)]
+    #: The committed step this member starts ``generation`` from (after the catch-up: every
+    #: member of a generation reports the same one). None: not reported (a sender that
+    #: predates the field); the coordinator then infers nothing from it.
+    step: Annotated[int, Field(ge=0)] | None = None
 
 
 class LeaveRequest(EventBase):

@@ -79,8 +79,10 @@ class Progress:
 
 
 def job_summary(client: redis.Redis, job_id: str, *, steps: int = 0) -> dict:
-    """What a launch unit returns: state, reason, generation, steps and the summary the
-    job's rank 0 reported at completion (``summary`` in the state hash, JSON)."""
+    """What a launch unit returns: state, reason, generation, steps, committed steps redone
+    (lost with every replica that held them: the job resumed from a checkpoint or from
+    scratch) and the summary the job's rank 0 reported at completion (``summary`` in the
+    state hash, JSON)."""
     keys = job_keys(job_id)
     h = {k.decode(): v.decode() for k, v in client.hgetall(keys.state).items()}
     summary = None
@@ -97,6 +99,7 @@ def job_summary(client: redis.Redis, job_id: str, *, steps: int = 0) -> dict:
         "reason": h.get("reason", ""),
         "generation": int(h.get("generation", 0) or 0),
         "steps": steps,
+        "steps_redone": int(h.get("steps_redone", 0) or 0),
         "summary": summary,
     }
 

@@ -31,9 +31,10 @@ TRACEBACK_LINES = 12
 
 
 def job_status(client: redis.Redis, job_id: str) -> dict:
-    """A JSON-able dict: job state, generation, reason, first failure, the leading coordinator
-    replica (its name, never its lease token) and fencing epoch, and per worker id, state,
-    step, last heartbeat age (ms), straggler flag, digest, ranges."""
+    """A JSON-able dict: job state, generation, reason, first failure, committed steps redone
+    (lost with every replica that held them), the leading coordinator replica (its name,
+    never its lease token) and fencing epoch, and per worker id, state, step, last heartbeat
+    age (ms), straggler flag, digest, ranges."""
     keys = job_keys(job_id)
     pipe = client.pipeline(transaction=False)
     pipe.get(keys.spec)
@@ -84,6 +85,7 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
         "first_failure": status.first_failure,
         "first_failure_traceback": status.first_failure_traceback,
         "failures": int(failures),
+        "steps_redone": status.steps_redone,
         "dead_letters": int(dead),
         # the lease value is "<replica name>:<secret-ish token>": show only the name
         "leader": lease.decode(errors="replace").split(":")[0] if lease else None,
@@ -107,6 +109,9 @@ def format_status(s: dict) -> str:
             shown = tb[-TRACEBACK_LINES:]
             lines.append(f"  its output{' (last %d lines)' % len(shown) if len(tb) > len(shown) else ''}:")
             lines += [f"    {escape_controls(line)}" for line in shown]
+    if s.get("steps_redone"):
+        lines.append(f"steps redone: {s['steps_redone']} (committed, then lost with every replica that held them; "
+                     "the job resumed from a checkpoint or from scratch)")
     if s["dead_letters"]:
         lines.append(f"dead-lettered events: {s['dead_letters']}")
     lines.append(f"{'worker':<8} {'state':<9} {'rank':>4} {'step':>6} {'loss':>9} {'hb age':>8}  {'flags':<9} ranges")

@@ -122,8 +122,10 @@ class Membership:
         v = self.client.hget(self.keys.state, "state")
         return v.decode() if v else "pending"
 
-    def ready(self, generation: int) -> None:
-        self.send(Ready(job_id=self.job_id, worker_id=self.worker_id, generation=generation))
+    def ready(self, generation: int, step: int | None = None) -> None:
+        """This member switched to ``generation`` and starts it from committed ``step`` (None:
+        not known to the sender; the coordinator then infers nothing from the step)."""
+        self.send(Ready(job_id=self.job_id, worker_id=self.worker_id, generation=generation, step=step))
 
     def leave(self, reason: str = "SIGTERM") -> None:
         self.send(LeaveRequest(job_id=self.job_id, worker_id=self.worker_id, reason=reason))

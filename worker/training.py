@@ -127,9 +127,9 @@ class TrainingWorker(WorkerRunner):
         self.watcher: GenerationWatcher | None = None
         self.progress: ProgressRecorder | None = None
         # the switch digest's helper (one long-lived thread: no start-up per switch) and the
-        # (future, generation) it is working on
+        # (future, generation, step) it is working on
         self._digester = ThreadPoolExecutor(1, thread_name_prefix="switch-digest")
-        self._digesting: tuple[Future, int] | None = None
+        self._digesting: tuple[Future, int, int] | None = None
 
     # ---- setup -------------------------------------------------------------------------------
 
@@ -331,9 +331,9 @@ class TrainingWorker(WorkerRunner):
                          act.generation, act.rank, act.world, act.step, act.cursor, digest, act.took, moved)
             except Exception:  # noqa: BLE001 - a diagnostic: never stops training
                 log.warning("the digest of generation %d's starting state failed", act.generation, exc_info=True)
-            self.m.ready(act.generation)  # on failure, sent again by _digest_done
+            self.m.ready(act.generation, act.step)  # on failure, sent again by _digest_done
 
-        self._digesting = (self._digester.submit(run), act.generation)
+        self._digesting = (self._digester.submit(run), act.generation, act.step)
         self.engine.before_update(self._digest_done)
 
     def _digest_done(self) -> None:
@@ -342,14 +342,14 @@ class TrainingWorker(WorkerRunner):
         pending, self._digesting = self._digesting, None
         if pending is None:
             return
-        future, generation = pending
+        future, generation, step = pending
         try:
             future.result(DIGEST_JOIN_TIMEOUT)
         except FutureTimeout:
             log.warning("the switch digest took more than %.0f s; training on", DIGEST_JOIN_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - the helper's ready failed: once more, here
             log.warning("ready for generation %d failed on the helper thread (%s); sending it again", generation, exc)
-            self.m.ready(generation)
+            self.m.ready(generation, step)
 
     def _finish(self, act: Finish) -> None:
         summary = {"step": act.step, "cursor": act.cursor, "digest": state_digest(self.engine.model)}
