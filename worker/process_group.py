@@ -387,8 +387,21 @@ def _free_later(box: list) -> None:
     t.start()
 
 
+def _reset_group_names() -> None:
+    """Make the next group's name (and so its store keys, ``<name>//cpu//...``) the same on
+    every member. torch names an unnamed default group by a per-process counter that it
+    bumps before connecting and resets only in ``destroy_process_group`` of an initialised
+    group: a member whose rendezvous failed would otherwise count one ahead of members that
+    never tried that generation, and no later generation could form (they wait for each
+    other's keys under different names)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d._world.group_count = 0
+
+
 def _destroy_quietly(*, background: bool = False) -> None:
     if not dist.is_initialized():
+        _reset_group_names()
         return
     box = [dist.group.WORLD] if background else []
     try:
