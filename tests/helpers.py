@@ -48,6 +48,15 @@ def run_cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.
                           text=True, timeout=timeout)
 
 
+def dump_logs(procs, agent_dir: Path, lines: int = 40) -> None:
+    """Print the tail of every process's log and of every node-agent slot log under
+    ``agent_dir``: what a failing process test shows (pytest prints it with the failure)."""
+    for p in procs.procs:
+        print(f"===== {p.name}\n{p.log_tail(lines)}")
+    for f in sorted(agent_dir.glob("*.log")):
+        print(f"===== {f.name}\n" + "\n".join(f.read_text().splitlines()[-lines:]))
+
+
 class ControlWatcher:
     """Reads a job's control stream (the coordinator's decisions) from the beginning."""
 

@@ -15,7 +15,7 @@ from shoal.core.registry import create_job
 from shoal.ops.embedded import start_server
 from shoal.ops.localproc import LocalProcs
 from shoal.worker.agent import NodeAgent
-from tests.helpers import ControlWatcher, wait_until
+from tests.helpers import ControlWatcher, dump_logs, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -50,10 +50,7 @@ def test_an_agent_waits_out_a_redis_outage_and_its_worker_is_kept(tmp_path) -> N
                 ControlWatcher(client, job).wait_for(lambda d: d["job_state"] == "completed", 120)
                 runner.join(60)
             except BaseException:
-                for p in procs.procs:
-                    print(f"===== {p.name}\n{p.log_tail(40)}")
-                for f in sorted((tmp_path / "agent").glob("*.log")):
-                    print(f"===== {f.name}\n" + "\n".join(f.read_text().splitlines()[-40:]))
+                dump_logs(procs, tmp_path / "agent")
                 agent.stop.set()
                 raise
     finally:

@@ -20,7 +20,7 @@ from shoal.ops.localproc import LocalProcs
 from shoal.storage.checkpoint import load_latest
 from shoal.storage.latest import LatestPointer
 from shoal.storage.uri import open_store
-from tests.helpers import ControlWatcher
+from tests.helpers import ControlWatcher, dump_logs
 from shoal.worker import ledger
 
 STEPS = 40
@@ -37,10 +37,7 @@ def _spec(job: str, ckpt: str | None = None, **fields) -> JobSpec:
 
 
 def _dump(procs, tmp_path) -> None:
-    for p in procs.procs:
-        print(f"===== {p.name}\n{p.log_tail(30)}")
-    for f in sorted((tmp_path / "agent").glob("*.log")):
-        print(f"===== {f.name}\n" + "\n".join(f.read_text().splitlines()[-30:]))
+    dump_logs(procs, tmp_path / "agent", 30)
 
 
 def _check_end_state(r, job: str, ckpt: str, tmp_path) -> None:

@@ -21,7 +21,7 @@ from shoal.ops.localproc import LocalProcs
 from shoal.storage.checkpoint import load_latest
 from shoal.storage.latest import LatestPointer
 from shoal.storage.uri import open_store
-from tests.helpers import ControlWatcher
+from tests.helpers import ControlWatcher, dump_logs
 from shoal.worker import ledger
 
 pytestmark = pytest.mark.slow
@@ -64,10 +64,7 @@ def _run(tmp_path: Path, *, empty: bool) -> tuple[list[dict], dict, dict]:
                 watch.wait_for(lambda d: d["job_state"] == "completed", 180)
                 assert agent.wait(60) == 0
             except BaseException:
-                for p in procs.procs:
-                    print(f"===== {p.name}\n{p.log_tail(40)}")
-                for f in sorted((tmp_path / "agent").glob("*.log")):
-                    print(f"===== {f.name}\n" + "\n".join(f.read_text().splitlines()[-40:]))
+                dump_logs(procs, tmp_path / "agent")
                 raise
         after = {r["pid"] for r in watch.workers().values()}
         pointer = LatestPointer.from_json(client.get(f"shoal:{{{job}}}:latest"))

@@ -26,7 +26,7 @@ from shoal.events.keys import job_keys
 from shoal.ops.launch import job_summary
 from shoal.ops.localproc import LocalProcs
 from shoal.worker import ledger
-from tests.helpers import ControlWatcher, run_cli, wait_until
+from tests.helpers import ControlWatcher, dump_logs, run_cli, wait_until
 
 pytestmark = pytest.mark.slow
 STEPS = 60
@@ -59,10 +59,7 @@ def test_all_replicas_lost_without_a_checkpoint_the_steps_redone_are_reported(r,
             done = watch.wait_for(lambda d: d["job_state"] == "completed", 60)
             assert agent.wait(60) == 0
         except BaseException:
-            for p in procs.procs:
-                print(f"===== {p.name}\n{p.log_tail(40)}")
-            for f in sorted((tmp_path / "agent").glob("*.log")):
-                print(f"===== {f.name}\n" + "\n".join(f.read_text().splitlines()[-40:]))
+            dump_logs(procs, tmp_path / "agent")
             raise
     # the ledger: which steps were committed in more than one generation (each generation
     # commits a step once, on every rank: the ranks' entries of a step share it)

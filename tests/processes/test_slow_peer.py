@@ -19,7 +19,7 @@ from shoal.core.jobspec import JobSpec
 from shoal.core.registry import create_job
 from shoal.ops.localproc import LocalProcs
 from shoal.worker import ledger
-from tests.helpers import ControlWatcher
+from tests.helpers import ControlWatcher, dump_logs
 
 pytestmark = pytest.mark.slow
 STEPS = 60
@@ -45,10 +45,7 @@ def test_a_peer_slower_than_the_collective_timeout_is_waited_out_and_nobody_exit
             watch.wait_for(lambda d: d["job_state"] == "completed", 120)
             assert agent.wait(60) == 0
         except BaseException:
-            for p in procs.procs:
-                print(f"===== {p.name}\n{p.log_tail(40)}")
-            for f in sorted((tmp_path / "agent").glob("*.log")):
-                print(f"===== {f.name}\n" + "\n".join(f.read_text().splitlines()[-40:]))
+            dump_logs(procs, tmp_path / "agent")
             raise
     # nobody was declared failed, and no worker process exited before the end
     assert not [d["reason"] for d in watch.seen if " failed (rank" in d["reason"]]
