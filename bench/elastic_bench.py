@@ -10,6 +10,8 @@ number of CPU workers (OMP_NUM_THREADS=1 each). Prints a table of:
 - recovery after ``kill -9`` of one of 3 workers, to the survivors' first committed step of
   the new generation: under a node agent (it reports the death at once; target <= 0.5 s)
   and without one (only the heartbeat TTL tells; target <= TTL + 0.5 s); steps redone;
+- recovery after SIGSTOP of one of 3 workers (a hung peer: the survivors abort their
+  all-reduce with it once the coordinator evicts it; target <= 1.2 x TTL);
 - scale-up: the agent's replacement process launch -> its first committed step (<= 3 s);
 - the survivors' pause while a worker joins (longest gap between a survivor's committed
   steps from its last step before the joiner's generation to 1 s after the joiner's first
@@ -166,17 +168,63 @@ def run_recovery(url: str, tmp: Path, with_agent: bool) -> dict:
     return result
 
 
+def run_hung(url: str, tmp: Path, repeat: int = 3) -> dict:
+    """3 workers, no agent; SIGSTOP one after warm-up (a hung peer: its process lives, its
+    heartbeats stop). Recovery: the stop -> the survivors' first committed step of the
+    generation without it. Before issue 13 they sat in the all-reduce until the collective
+    timeout (max(3, TTL + 1) s); now the coordinator evicts the peer after the TTL and the
+    survivors abort their collective with it at once. Repeated ``repeat`` times (one job each)."""
+    client = redis.Redis.from_url(url)
+    times: list[float] = []
+    for i in range(repeat):
+        job = f"hung{i}"
+        create_job(client, _spec(job))
+        watch = ControlWatcher(client, job)
+        lg = tmp / f"ledger-{job}"
+        with LocalProcs(url, tmp / f"logs-{job}", extra_env={"SHOAL_LEDGER_DIR": str(lg)}) as procs:
+            procs.coordinator(f"coord-{job}")
+            for k in range(3):
+                procs.worker(job, f"p{k}")
+            watch.wait_for(lambda d: "world size 3" in d["reason"], 300)
+            time.sleep(3.0)  # steady state
+            records = watch.workers()
+            victim = sorted(w for w, r in records.items() if r["state"] == "Active")[1]
+            pid = records[victim]["pid"]
+            stopped = time.time()
+            os.kill(pid, signal.SIGSTOP)
+            failed = watch.wait_for(lambda d: f"{victim} failed" in d["reason"], 60)
+            gen = int(failed["reason"].rsplit("generation ", 1)[1].split(":", 1)[0])
+            deadline = time.time() + 30
+            first = None
+            while first is None and time.time() < deadline:
+                after = [e["t"] for e in ledger.read(lg) if e["generation"] >= gen]
+                first = min(after) if after else None
+                time.sleep(0.1)
+            os.kill(pid, signal.SIGKILL)
+            bus.publish(client, job_keys(job).events, StopJob(job_id=job, reason="bench done"))
+            watch.wait_for(lambda d: d["job_state"] == "stopped", 60)
+        if first is not None:
+            times.append(first - stopped)
+    return {"recovery_s": statistics.median(times) if times else float("nan"), "all": times}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description="shoal elastic training vs torchrun DDP")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--steady-only", action="store_true", help="skip the recovery scenarios")
+    ap.add_argument("--hung-only", action="store_true", help="only the SIGSTOP (hung peer) recovery")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="shoal-elastic-bench-") as t:
         tmp = Path(t)
         server = start_server(tmp / "redis", appendonly=False)
         try:
+            if args.hung_only:
+                hung = run_hung(server.url, tmp, repeat=5)
+                print(f"recovery after SIGSTOP (hung peer), TTL {TTL:g} s: median {hung['recovery_s']:.3f} s = "
+                      f"{hung['recovery_s'] / TTL:.2f} x TTL; each: {', '.join(f'{t:.3f}' for t in hung['all'])} s")
+                return 0
             ddp = run_ddp(args.steps, args.workers)
             sh = run_shoal_steady(server.url, tmp, args.steps, args.workers)
             if args.steady_only:
@@ -186,6 +234,7 @@ def main() -> int:
                 return 0
             agent = run_recovery(server.url, tmp, with_agent=True)
             ttl = run_recovery(server.url, tmp, with_agent=False)
+            hung = run_hung(server.url, tmp)
         finally:
             server.stop()
     ratio = sh["steps_per_s"] / ddp["steps_per_s"]
@@ -195,6 +244,9 @@ def main() -> int:
         ("launch -> first step, torchrun DDP", f"{ddp['launch_to_first_step']:.2f} s", "(35.7 s elastic)"),
         ("recovery, kill -9 seen by agent", f"{agent['recovery_s']:.3f} s", "<= 0.5 s"),
         (f"recovery, kill -9 seen by TTL ({TTL} s)", f"{ttl['recovery_s']:.3f} s", f"<= {TTL + 0.5} s"),
+        (f"recovery, SIGSTOP (hung peer), median of {len(hung['all'])}",
+         f"{hung['recovery_s']:.3f} s = {hung['recovery_s'] / TTL:.2f} x TTL",
+         f"<= 1.2 x TTL (was the {max(3.0, TTL + 1):g} s collective timeout)"),
         ("committed steps redone", f"{agent['steps_redone']} / {ttl['steps_redone']}", "0"),
         ("samples exactly once", f"{agent['exactly_once']} / {ttl['exactly_once']}", "True"),
         ("scale-up: launch -> participating", f"{agent.get('scale_up_s', float('nan')):.2f} s", "<= 3 s"),

@@ -96,6 +96,10 @@ class Tick:
     #: worker id -> the committed step its sampled heartbeat reports, with the generation it
     #: was committed in (sampled with ``step_times``; may be empty)
     steps: dict[str, StepSeen] = field(default_factory=dict)
+    #: worker id -> Redis server ms at which its current step began its own work (the
+    #: ``busy`` set), for workers busy longer than the step timeout (pre-filtered like
+    #: ``last_seen``)
+    busy_since: dict[str, int] = field(default_factory=dict)
 
 
 # ---- actions --------------------------------------------------------------------------------
@@ -209,6 +213,9 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
     if not paused:
         for rank, (wid, ranges) in enumerate(zip(ids, plan_ranges(spec.shard_strategy.value, spec.shard_space, ids))):
             members.append(Member(worker_id=wid, rank=rank, ranges=ranges))
+    # the members dropped by a failure decided now: peers still in a group with them abort
+    evicted = sorted((w for w, r in state.workers.items() if r.state == WorkerState.FAILED and r.changed_ms == now_ms),
+                     key=_id_order)
     if paused:
         reason = f"{why}; paused: {len(ids)} < min_workers={spec.min_workers}"
     else:
@@ -224,6 +231,7 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
         reason=reason,
         epoch=epoch,
         planned_at_ms=now_ms,
+        evicted=evicted,
     )
     # the formation clock runs from the first generation planned since one last formed
     unformed = 0 if paused else (status.unformed_since_ms or now_ms)
@@ -509,6 +517,18 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
         rank = ranks.get(wid, -1)
         why = f"{_failed(wid, rank)} no heartbeat for {now_ms - seen} ms (ttl {ttl_ms} ms)"
         state, more = _fail(state, wid, FailureCause.HEARTBEAT_TIMEOUT, rank, why, now_ms)
+        actions += more
+        reasons.append(why)
+        changed = removals = True
+    step_ms = int(spec.step_timeout * 1000)
+    for wid, since in sorted(tick.busy_since.items()):
+        rec = state.workers.get(wid)
+        if rec is None or rec.state not in LIVE or now_ms - since <= step_ms:
+            continue
+        rank = ranks.get(wid, -1)
+        why = (f"{_failed(wid, rank)} step timeout: its step has been busy for {(now_ms - since) / 1000:.1f} s "
+               f"(step_timeout {spec.step_timeout:g} s) while its heartbeat is alive")
+        state, more = _fail(state, wid, FailureCause.STEP_TIMEOUT, rank, why, now_ms)
         actions += more
         reasons.append(why)
         changed = removals = True

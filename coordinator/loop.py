@@ -386,7 +386,9 @@ class Coordinator:
         for lead in leads:
             ttl_ms = int(lead.spec.heartbeat_ttl * 1000)
             pipe.zrangebyscore(lead.keys.last_seen, "-inf", now - ttl_ms, withscores=True)
-        stale_lists = pipe.execute()
+            pipe.zrangebyscore(lead.keys.busy, "-inf", now - int(lead.spec.step_timeout * 1000), withscores=True)
+        scanned = pipe.execute()
+        stale_lists, busy_lists = scanned[0::2], scanned[1::2]
         pipe = self.client.pipeline(transaction=False)
         for lead in leads:
             if now - lead.last_progress_ms >= self.progress_ms:
@@ -396,20 +398,22 @@ class Coordinator:
                     sampled.append(lead)
                 lead.last_progress_ms = now
         progress = dict(zip((lead.keys.job_id for lead in sampled), pipe.execute() if sampled else []))
-        for lead, stale in zip(leads, stale_lists):
+        for lead, stale, busy in zip(leads, stale_lists, busy_lists):
             if lead.keys.job_id not in self.leads:
                 continue
             last_seen = {(w.decode() if isinstance(w, bytes) else w): max(int(score), lead.taken_ms) for w, score in stale}
+            # like heartbeats, a step counts as busy from our own taking of the job at the earliest
+            busy_since = {(w.decode() if isinstance(w, bytes) else w): max(int(score), lead.taken_ms) for w, score in busy}
             sample = progress.get(lead.keys.job_id)
             step_times, steps = _step_times(sample), _steps_seen(sample)
             status = lead.state.status
             # a tick decides on stale heartbeats, step times and committed steps, a settling
             # join, a failed step awaiting its new generation, or a job whose generations have
             # not formed yet (it fails at its formation deadline)
-            if (not last_seen and not step_times and not steps and not status.pending_join_ms
+            if (not last_seen and not busy_since and not step_times and not steps and not status.pending_join_ms
                     and not status.unformed_since_ms and not status.step_failed_ms):
                 continue
-            decision = decide(lead.state, Tick(last_seen=last_seen, step_times=step_times, steps=steps), now,
+            decision = decide(lead.state, Tick(last_seen=last_seen, step_times=step_times, steps=steps, busy_since=busy_since), now,
                               lead.spec, lead.epoch)
             # a higher committed step changes only the status: stored, with no control entry
             if not decision.changed and not decision.actions and decision.state.status == status:

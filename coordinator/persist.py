@@ -55,6 +55,7 @@ def decision_batch(
             batch.add("SETLATEST", keys.latest, action.step, action.pointer_json)
         elif isinstance(action, Forget):
             batch.add("ZREM", keys.last_seen, action.worker_id)
+            batch.add("ZREM", keys.busy, action.worker_id)
             batch.add("DEL", keys.heartbeat(action.worker_id))
         elif isinstance(action, RecordFailure):
             fields = {"ts_ms": str(now_ms), "worker": action.worker_id, "rank": str(action.rank),

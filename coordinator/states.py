@@ -48,7 +48,7 @@ WORKER_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
 class FailureCause(str, Enum):
     """Why a worker ended Failed: what decisions read (the record's ``reason`` is for people).
 
-    Moves: a worker is failed with HEARTBEAT_TIMEOUT or EXITED; a HEARTBEAT_TIMEOUT becomes
+    Moves: a worker is failed with HEARTBEAT_TIMEOUT, STEP_TIMEOUT or EXITED; a HEARTBEAT_TIMEOUT becomes
     EXITED when the node agent's report of the process's end arrives after it (the report
     names the root cause). Nothing else changes a cause."""
 
@@ -59,6 +59,9 @@ class FailureCause(str, Enum):
     HEARTBEAT_TIMEOUT = "heartbeat_timeout"
     #: A node agent reported that the process ended (exit code or signal, traceback).
     EXITED = "exited"
+    #: Its heartbeat was alive but its step stayed busy (not waiting on peers) longer than
+    #: the job's ``step_timeout``: a hung or far too slow step.
+    STEP_TIMEOUT = "step_timeout"
 
 
 def _cause(value: str) -> FailureCause:

@@ -63,6 +63,13 @@ class JobSpec(BaseModel):
     #: ready) for this long fails, with the last rendezvous error as its reason, instead of
     #: planning new generations forever (a wrong interface, a firewall between nodes).
     formation_timeout: Annotated[float, Field(gt=0, le=86400)] = 300.0
+    #: Progress: a member whose step has been busy (its own data, forward, backward - not
+    #: waiting on peers) this long while its heartbeat is alive is evicted with a reason
+    #: naming the step timeout, and its peers go on without it. Until then a slow peer is
+    #: waited for, like DDP does. Raise it for steps that can legitimately take longer. The
+    #: workers' collective timeout is derived from it (plus a margin over the heartbeat TTL):
+    #: a collective is never the failure detector.
+    step_timeout: Annotated[float, Field(gt=0, le=86400)] = 60.0
     #: Simulated step time for workers with ``entrypoint: simulate`` (control-plane tests).
     simulate_step_time: Annotated[float, Field(ge=0)] = 0.05
 

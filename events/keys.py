@@ -155,6 +155,14 @@ class JobKeys:
         return f"{self.base}:last_seen"
 
     @property
+    def busy(self) -> str:
+        """ZSET worker_id -> Redis server time (ms) at which the worker's current step began its
+        own work (data, forward, backward, update - not waiting on peers), as of its last
+        heartbeat; absent while it is not inside a step or waits on a collective. Writer: the
+        worker's heartbeat; the coordinator scans it for members past the step timeout."""
+        return f"{self.base}:busy"
+
+    @property
     def logs(self) -> str:
         """STREAM of worker log lines (``shoal logs``). Capped at ~:data:`LOGS_MAXLEN`."""
         return f"{self.base}:logs"

@@ -217,6 +217,11 @@ class ShardTable(_Wire):
     epoch: int = 0
     #: Redis server time (ms) when it was planned.
     planned_at_ms: int = 0
+    #: Workers this plan drops because they were declared failed (heartbeat timeout, step
+    #: timeout, process exited) - not those that left or drained. A member of an older
+    #: generation that still shares a group with one of them aborts that group's collectives
+    #: at once instead of waiting for a peer that will not come (a hung NCCL or gloo peer).
+    evicted: list[str] = Field(default_factory=list)
 
     def member(self, worker_id: str) -> Member | None:
         return next((m for m in self.members if m.worker_id == worker_id), None)

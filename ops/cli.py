@@ -466,10 +466,28 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_chaos(args: argparse.Namespace) -> int:
     from shoal.ops.chaos import ChaosConfig, run_chaos
+    from shoal.ops.chaos.netns import NetUnavailable
+    from shoal.ops.chaos.network import UNAVAILABLE
 
+    holds = {k: v for k, v in (("min_hold", args.min_hold), ("max_hold", args.max_hold)) if v is not None}
+    if holds and not args.network:
+        raise ConfigError("--min-hold/--max-hold apply to --network only (local faults are not held)")
     cfg = ChaosConfig(duration=args.duration, seed=args.seed, workers=args.workers, steps=args.steps,
-                      run_dir=Path(args.run_dir) if args.run_dir else None)
-    verdict = run_chaos(cfg)
+                      run_dir=Path(args.run_dir) if args.run_dir else None, network=args.network,
+                      min_gap=args.min_gap, max_gap=args.max_gap, **holds)
+    if cfg.gaps()[0] > cfg.gaps()[1] or cfg.min_hold > cfg.max_hold:
+        raise ConfigError(f"a minimum above its maximum: gaps {cfg.gaps()}, holds ({cfg.min_hold:g}, {cfg.max_hold:g})")
+    if args.network and args.workers < 3:
+        raise ConfigError(f"--network needs at least 3 worker nodes (--workers), got {args.workers}")
+    try:
+        verdict = run_chaos(cfg)
+    except NetUnavailable as exc:
+        print(escape_controls(UNAVAILABLE.format(reason=exc)), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # SIGINT or (with --network) SIGTERM: the soak cleaned up first
+        print("shoal chaos: interrupted" + ("; every network namespace it made is removed" if args.network else ""),
+              file=sys.stderr)
+        return 130
     print(f"\nchaos soak {'PASSED' if verdict.ok else 'FAILED'}")
     return 0 if verdict.ok else 1
 
@@ -596,9 +614,20 @@ def build_parser() -> argparse.ArgumentParser:
     ch = sub.add_parser("chaos", help="a job under random faults for a while, then a check of its end state")
     ch.add_argument("--duration", type=_positive_float, default=60.0, help="seconds of fault injection (default 60)")
     ch.add_argument("--seed", type=int, default=1, help="seeds the faults and the job (default 1)")
-    ch.add_argument("--workers", type=_positive_int, default=3, help="workers under the node agent (default 3)")
+    ch.add_argument("--workers", type=_positive_int, default=3,
+                    help="workers under the node agent (default 3); with --network: worker nodes, one worker each")
     ch.add_argument("--steps", type=_positive_int, default=None, help="job length (default: outlasts --duration)")
     ch.add_argument("--run-dir", help="keep logs, ledgers and checkpoints here (default: a temporary directory)")
+    ch.add_argument("--network", action="store_true",
+                    help="Redis, coordinators and worker nodes in network namespaces of their own, with network "
+                         "faults (partitions, blackholes, delay, loss, link down); needs root, ip and nft")
+    ch.add_argument("--min-gap", type=_positive_float, default=None,
+                    help="seconds between faults, at least (default 2; --network: 1)")
+    ch.add_argument("--max-gap", type=_positive_float, default=None,
+                    help="seconds between faults, at most (default 5; --network: 2)")
+    ch.add_argument("--min-hold", type=_positive_float, default=None,
+                    help="--network: seconds each fault is held before it is healed, at least (default 2)")
+    ch.add_argument("--max-hold", type=_positive_float, default=None, help="--network: ... at most (default 5)")
     ch.set_defaults(func=cmd_chaos)
 
     dm = sub.add_parser("demo", help="embedded Redis + coordinator + 3 workers, with a kill and a join")

@@ -240,8 +240,10 @@ Input = Tick | Rejoined | TableFetched | TableWaited | BarrierPolled | Formed | 
 
 @dataclass(frozen=True)
 class TryRejoin:
-    """Evicted: if the job lost its record of this process (Redis lost its data), wait for the
-    job to be registered again and join it anew. -> :class:`Rejoined`."""
+    """Evicted: join the job anew with this process's state - at once when the coordinator
+    declared this live process failed and the job still runs; after waiting for the job to be
+    registered again when it lost its record of this process (Redis lost its data).
+    -> :class:`Rejoined`."""
 
     last_generation: int
 
@@ -434,8 +436,8 @@ def _checkpoint(s: TrainerState, *, final: bool) -> SaveCheckpoint:
 
 def _tick(s: TrainerState, t: Tick, now: float) -> Decision:
     if t.evicted:
-        return Decision(s, (TryRejoin(s.seen),), "no longer counted by the coordinator: rejoin if the job lost its "
-                                                  "record of this worker, else exit")
+        return Decision(s, (TryRejoin(s.seen),), "no longer counted by the coordinator: rejoin with this state "
+                                                  "while the job runs, else exit")
     actions: list[Action] = []
     said: list[str] = []
     level = 0
@@ -469,7 +471,7 @@ def _rejoined(s: TrainerState, r: Rejoined, now: float) -> Decision:
         return Decision(_exit(s, 1), (), "evicted by the coordinator (declared failed); exiting", logging.ERROR)
     # the new incarnation of the job plans a new generation; no step was lost on our side
     return Decision(_idle(s, worker_id=r.worker_id, switch_to=0), (LeaveGroup(),),
-                    f"rejoined the job as {r.worker_id} (it had lost its record of this worker)", logging.INFO)
+                    f"rejoined the job as {r.worker_id}, state kept", logging.INFO)
 
 
 def _table_fetched(s: TrainerState, f: TableFetched, now: float) -> Decision:

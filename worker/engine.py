@@ -133,20 +133,30 @@ class StepEngine:
         wide = any(p.dtype == torch.float64 for p in self.params)
         self.bucket_dtype = torch.float64 if wide else torch.float32
         self._numel = sum(p.numel() for p in self.params)
-        # one persistent bucket; gradients of bucket-dtype parameters live in views of it,
-        # so backward accumulates straight into what is all-reduced (no flatten/unflatten copy)
-        self._bucket = torch.zeros(self._numel + 3, dtype=self.bucket_dtype, device=self.device)
-        self._views: list[torch.Tensor | None] = []
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            self._views.append(self._bucket[offset : offset + n].view_as(p) if p.dtype == self.bucket_dtype else None)
-            offset += n
+        self._bucket, self._views = self._new_bucket()
         self._before_update: list[Callable[[], None]] = []
         #: Called in every step once its collectives succeeded, right before anything is
         #: applied; raising StepAborted there rolls the step back like a failed collective
         #: (the training worker's fence: a member the coordinator evicted commits nothing).
         self.commit_guard: Callable[[], None] | None = None
+        #: Called when this step's own work (data, forward, backward) is done and it is about
+        #: to wait on its peers (the training worker's progress report: a slow peer is
+        #: waited for, a step stuck in its own work is the one to evict).
+        self.before_collectives: Callable[[], None] | None = None
+
+    def _new_bucket(self) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """One persistent bucket and each parameter's view of it: gradients of bucket-dtype
+        parameters live in the views, so backward accumulates straight into what is
+        all-reduced (no flatten/unflatten copy). Made anew after an aborted collective, which
+        may still write into the old one."""
+        bucket = torch.zeros(self._numel + 3, dtype=self.bucket_dtype, device=self.device)
+        views: list[torch.Tensor | None] = []
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            views.append(bucket[offset : offset + n].view_as(p) if p.dtype == self.bucket_dtype else None)
+            offset += n
+        return bucket, views
 
     def before_update(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` once in the next :meth:`step`, once its collectives are over and before
@@ -231,6 +241,8 @@ class StepEngine:
         one_collective = base_generation is not None
         if one_collective:
             bucket[-3] = float(max(0, generation - base_generation))
+        if self.before_collectives is not None:
+            self.before_collectives()
         if distributed:
             try:
                 if not one_collective:
@@ -239,6 +251,8 @@ class StepEngine:
             except CollectiveFailed as exc:
                 self._settle()
                 self._rollback(buffers)
+                if pg.aborted():  # the abandoned collective may still write into the bucket
+                    self._bucket, self._views = self._new_bucket()
                 raise StepAborted(f"step aborted, nothing applied: {exc}") from exc
         t2 = time.perf_counter()
         self._settle()

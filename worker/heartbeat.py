@@ -20,7 +20,8 @@ from shoal.core.connection import without_retries
 
 log = logging.getLogger("shoal.worker.heartbeat")
 
-# KEYS: heartbeat key, last_seen zset. ARGV: worker_id, value, ttl_ms. Returns 1 if watched.
+# KEYS: heartbeat key, last_seen zset, busy zset. ARGV: worker_id, value, ttl_ms, busy_ms (how
+# long the current step has been busy; -1: not busy). Returns 1 if watched.
 _BEAT = """
 local t = redis.call('TIME')
 local ms = t[1] * 1000 + math.floor(t[2] / 1000)
@@ -28,8 +29,19 @@ local watched = redis.call('ZSCORE', KEYS[2], ARGV[1])
 if not watched then return 0 end
 redis.call('ZADD', KEYS[2], 'XX', ms, ARGV[1])
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+local busy = tonumber(ARGV[4])
+if busy >= 0 then
+  redis.call('ZADD', KEYS[3], ms - busy, ARGV[1])
+else
+  redis.call('ZREM', KEYS[3], ARGV[1])
+end
 return 1
 """
+
+
+class CutOff(Exception):
+    """The commit fence could not reach Redis for longer than the heartbeat TTL: the
+    coordinator may have declared this worker failed meanwhile, so nothing may be committed."""
 
 
 class Heartbeater:
@@ -49,10 +61,14 @@ class Heartbeater:
     later than half the TTL after the previous one (the process was frozen or starved of CPU,
     or Redis was slow): the evidence when a live worker is declared failed.
     :meth:`beat` called directly uses ``client`` as given (riding out outages if it does).
+
+    Progress: the training thread marks when a step is busy with its own work
+    (:meth:`busy`); each beat publishes since when (Redis server time, in the job's ``busy``
+    set), so the coordinator can evict a member whose step is stuck while its heartbeat lives.
     """
 
     def __init__(self, client: redis.Redis, keys: JobKeys, worker_id: str, *, interval: float, ttl: float, pid: int = 0,
-                 fence_timeout: float | None = None):
+                 fence_timeout: float | None = None, fence_wait: float = 30.0):
         self._script = client.register_script(_BEAT)
         self._fast = without_retries(client)
         #: the training thread's own beat (:meth:`still_member`) waits at most this long on
@@ -60,6 +76,10 @@ class Heartbeater:
         #: the peers' collective timeout (default: a quarter of the TTL, at most 1 s)
         self.fence_timeout = fence_timeout if fence_timeout is not None else min(1.0, ttl / 4)
         self._fence = without_retries(client, timeout=self.fence_timeout)
+        #: the longest :meth:`still_member` waits for Redis once the TTL passed without a
+        #: confirmed beat, before it gives the step up (:class:`CutOff`)
+        self.fence_wait = fence_wait
+        self._busy_since: float | None = None
         self._keys = keys
         self._ttl_ms = int(ttl * 1000)
         self.interval = interval
@@ -80,13 +100,20 @@ class Heartbeater:
         with self._lock:
             self._value = self._value.model_copy(update=fields)
 
+    def busy(self, on: bool) -> None:
+        """The current step is (``on``) or is no longer busy with its own work - data, forward,
+        backward, user code; not waiting on peers. Published with the next beat."""
+        self._busy_since = time.monotonic() if on else None
+
     def beat(self, *, client: redis.Redis | None = None) -> bool:
         """One beat now; False once this worker is evicted. Raises redis.RedisError."""
         with self._lock:
             value = self._value.model_dump_json()
         sent = time.monotonic()
-        ok = bool(self._script(keys=[self._keys.heartbeat(self.worker_id), self._keys.last_seen],
-                               args=[self.worker_id, value, self._ttl_ms], client=client))
+        since = self._busy_since
+        busy_ms = int((sent - since) * 1000) if since is not None else -1
+        ok = bool(self._script(keys=[self._keys.heartbeat(self.worker_id), self._keys.last_seen, self._keys.busy],
+                               args=[self.worker_id, value, self._ttl_ms, busy_ms], client=client))
         if ok:
             self.confirmed_at = max(self.confirmed_at, sent)
         else:
@@ -94,26 +121,41 @@ class Heartbeater:
         return ok
 
     def still_member(self) -> bool:
-        """Whether the coordinator may still count this worker in: False once a beat found it
-        evicted. Free while beats are recent; when the last confirmed beat was sent more than
-        half the TTL ago (the process was frozen or starved: the coordinator may have declared
-        it failed since), beats once now to find out. If Redis cannot be reached, True: the
-        coordinator cannot declare anyone failed without Redis either, and it counts
-        heartbeats from its own return (training rides out the outage over the collectives);
-        while the thread's beats are failing, True without trying, unless the thread itself
-        has not tried for half the TTL (a hung server would otherwise hold every step for the
-        socket timeout; a frozen process must still ask). Its own beat waits at most
-        :attr:`fence_timeout` for Redis, so a blackholed server delays a step by that much at
-        most, well inside the peers' collective timeout."""
+        """Whether this worker may commit a step: the commit fence. False once a beat found it
+        evicted; raises :class:`CutOff` when Redis could not confirm it for longer than the
+        TTL (then the coordinator may have declared it failed).
+
+        Free while beats are recent; when the last confirmed beat was sent more than half the
+        TTL ago (the process was frozen or starved: the coordinator may have declared it failed
+        since), beats once now to find out, waiting at most :attr:`fence_timeout` for Redis
+        (a blackholed server must not hold a step for the socket timeout). If Redis cannot be
+        reached and the last confirmed beat is younger than the TTL, True: the coordinator
+        cannot have declared it failed yet (it counts the TTL from the last beat it got, which
+        is no older than the last one confirmed); while the thread's beats are failing, that
+        holds without trying, unless the thread itself has not tried for half the TTL (a
+        frozen process must still ask). Past the TTL, nothing is committed unconfirmed: it
+        tries again until Redis answers or :attr:`fence_wait` passed, then raises CutOff; the
+        caller keeps its state and rejoins once Redis is back."""
         if self.evicted:
             return False
-        now, half = time.monotonic(), self._ttl_ms / 2000
-        if now - self.confirmed_at <= half or (self._failing_since is not None and now - self._tried_at <= half):
+        now, half, ttl = time.monotonic(), self._ttl_ms / 2000, self._ttl_ms / 1000
+        if now - self.confirmed_at <= half:
             return True
-        try:
-            return self.beat(client=self._fence)
-        except redis.RedisError:
+        failing = self._failing_since is not None and now - self._tried_at <= half
+        if failing and now - self.confirmed_at < ttl:
             return True
+        deadline = now + self.fence_wait
+        while True:
+            try:
+                return self.beat(client=self._fence)
+            except redis.RedisError as exc:
+                now = time.monotonic()
+                if now - self.confirmed_at < ttl:
+                    return True
+                if now >= deadline:
+                    raise CutOff(f"cut off from Redis: no heartbeat confirmed for {now - self.confirmed_at:.1f} s "
+                                 f"(ttl {ttl:g} s; {exc}); nothing committed, state kept") from exc
+                time.sleep(min(self.interval, max(0.0, deadline - now)))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{self.worker_id}", daemon=True)

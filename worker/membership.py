@@ -92,11 +92,17 @@ class Membership:
         """True while the job's worker table holds this worker id as this process. False
         once Redis lost it: the job (or its state) vanished, or the id now names another
         process of a job registered again."""
+        return self.record() is not None
+
+    def record(self) -> WorkerDoc | None:
+        """The coordinator's record of this worker id as this process (None: Redis lost it,
+        or the id now names another process)."""
         raw = self.client.hget(self.keys.workers, self.worker_id or "")
         try:
-            return raw is not None and WorkerDoc.model_validate_json(raw).pid == os.getpid()
+            doc = WorkerDoc.model_validate_json(raw) if raw is not None else None
         except ValueError:  # not a worker record (pydantic's ValidationError is a ValueError)
-            return False
+            return None
+        return doc if doc is not None and doc.pid == os.getpid() else None
 
     def current_table(self) -> ShardTable | None:
         raw = self.client.get(self.keys.shard)

@@ -21,6 +21,20 @@ address (Redis on this host, a unix socket) leaves gloo's default. When the grou
 connect, the RendezvousFailed message is one line naming the peer address tried, the address
 advertised, where it came from, and the option that changes it.
 
+Aborting. A collective never decides that a peer failed (its timeout, derived from the job's
+``step_timeout``, is only a backstop): the coordinator does, from heartbeats and step
+progress, and publishes a table naming the members it ``evicted``. Any thread may then call
+:func:`request_abort` for the generation they shared: every wait of this module is on an
+event that the work's completion *or* an abort sets, so a collective in flight with a hung,
+partitioned or dead peer returns at once with CollectiveFailed, and every later one of that
+group fails before it starts. gloo cannot cancel a collective in flight (``abort()`` and
+``shutdown()`` leave it blocked), so the aborted group is *abandoned*: removed from torch at
+once (the next generation's group forms immediately, on its own store prefix) and freed by a
+thread once its stuck work ends (a peer closing, or the group's timeout). Tensors handed to
+an abandoned collective may still be written by it: callers must not reuse them
+(:func:`aborted` tells; the step engine allocates a new bucket). An NCCL group is aborted
+(``ncclCommAbort``) before it is dropped, so a dead NCCL peer never hangs the survivors.
+
 This module is the one place where torch.distributed and redis-py errors of the training side
 are translated (:func:`translate_error`); the collective wrappers :func:`all_reduce`,
 :func:`broadcast` and :func:`barrier`, and the point-to-point :func:`isend` (reaped by the next
@@ -71,10 +85,19 @@ class Group:
     backend: str
     device: torch.device
     store: RedisStore
+    #: the collective timeout the group was made with (s)
+    timeout: float = 0.0
 
 
 _current: Group | None = None
 _last_generation: dict[str, int] = {}
+
+# abort requests (any thread) for the current group; guarded by _abort_lock
+_abort_lock = threading.Lock()
+_abort_reason = ""  #: set once the current group is aborted: its collectives fail at once
+_waiting: threading.Event | None = None  #: the event the training thread waits on now
+_abandoned: list[object] = []  #: work objects of aborted collectives, still in flight
+_joining: int | None = None  #: the generation whose group join_group is forming now
 
 
 def default_backend() -> str:
@@ -269,7 +292,7 @@ def join_group(
     RendezvousFailed on Redis or backend errors. On failure the process is left with no
     group, ready to join a later generation.
     """
-    global _current
+    global _current, _joining, _abort_reason
     if _current is not None or dist.is_initialized():
         raise WorkerError(
             f"join_group(generation={generation}): still in generation "
@@ -289,7 +312,14 @@ def join_group(
     _last_generation[job_id] = generation
     what = f"rendezvous of generation {generation} (rank {rank}/{world_size})"
     advertised = _advertise(client, iface) if backend == "gloo" else None
-    store = RedisStore(client, job_keys(job_id).rendezvous(generation), timeout=timeout, max_wait=timeout)
+    with _abort_lock:
+        _joining, _abort_reason = generation, ""
+    store = RedisStore(client, job_keys(job_id).rendezvous(generation), timeout=timeout, max_wait=timeout,
+                       abort=lambda: _abort_reason)
+    if backend == "nccl":
+        # NCCL's watchdog would tear the process down on a timeout: shoal aborts the
+        # communicator itself (on an eviction, or past the collective timeout) and goes on
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     try:
         with _gloo_interface(advertised) if advertised else contextlib.nullcontext():
             dist.init_process_group(
@@ -301,11 +331,19 @@ def join_group(
             )
     except Exception as exc:  # noqa: BLE001 - translated
         _destroy_quietly()
+        with _abort_lock:
+            _joining, why = None, _abort_reason
+            _abort_reason = ""
         err = translate_error(exc, what, rendezvous=True)
+        if why:
+            err = RendezvousFailed(f"{what}: aborted ({why})")
         if advertised is not None and _connect_failure(exc):
             err = type(err)(connect_failure(str(exc), what, advertised))
         raise err from exc
-    _current = Group(job_id, generation, rank, world_size, backend, device_for(backend), store)
+    with _abort_lock:  # an abort requested while forming holds for the group formed
+        _joining = None
+        _current = Group(job_id, generation, rank, world_size, backend, device_for(backend), store,
+                         collective_timeout or timeout)
     log.info("joined generation %d as rank %d/%d (%s)", generation, rank, world_size, backend)
     return _current
 
@@ -346,13 +384,17 @@ def leave_group(*, background: bool = False) -> None:
     closing the sockets now is what makes peers still inside the collective fail at once.
     A synchronous call first waits (bounded) for pending background teardowns.
     """
-    global _current
-    if background:
+    global _current, _abort_reason
+    if _abort_reason:  # nothing to wait for: its stuck work is dropped with it, by a thread
+        _destroy_quietly(background=True)
+    elif background:
         _destroy_quietly(background=True)
     else:
         wait_teardown()
         _destroy_quietly()
-    _current = None
+    with _abort_lock:
+        _current = None
+        _abort_reason = ""
 
 
 _teardowns: list[threading.Thread] = []
@@ -372,8 +414,10 @@ def wait_teardown(timeout: float = TEARDOWN_TIMEOUT) -> bool:
     return True
 
 
-def _free_later(box: list) -> None:
-    """Drop the references in ``box`` (the caller keeps no other) from a thread."""
+def _free_later(box: list, *, wait: bool = True) -> None:
+    """Drop the references in ``box`` (the caller keeps no other) from a thread
+    (``wait=False``: one :func:`wait_teardown` does not wait for - an aborted group's, which
+    lasts until its stuck collective ends)."""
 
     def run() -> None:
         try:
@@ -383,7 +427,8 @@ def _free_later(box: list) -> None:
 
     t = threading.Thread(target=run, name="pg-teardown", daemon=True)
     _teardowns[:] = [x for x in _teardowns if x.is_alive()]
-    _teardowns.append(t)
+    if wait:
+        _teardowns.append(t)
     t.start()
 
 
@@ -404,31 +449,130 @@ def _destroy_quietly(*, background: bool = False) -> None:
         _reset_group_names()
         return
     box = [dist.group.WORLD] if background else []
+    if _abort_reason and _current is not None and _current.backend == "nccl":
+        _abort_nccl()
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - a broken group may complain while being torn down
         log.warning("destroy_process_group failed; continuing", exc_info=True)
     if box:
         box.extend(_pending_sends)  # dropped after the backend (gloo holds weak references)
+        box.extend(_abandoned)
         _pending_sends.clear()
-        _free_later(box)
+        _abandoned.clear()
+        _free_later(box, wait=not _abort_reason)
     else:
         _pending_sends.clear()
+        _abandoned.clear()
+
+
+def _abort_nccl() -> None:
+    """``ncclCommAbort`` of the current group: its kernels stop, its work fails."""
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        c10d._abort_process_group()
+    except Exception:  # noqa: BLE001 - best effort: the group is dropped next anyway
+        log.warning("aborting the NCCL group failed; continuing", exc_info=True)
+
+
+# --- aborting ------------------------------------------------------------------------------
+def request_abort(generation: int, reason: str) -> bool:
+    """Abort the group of ``generation`` if it is the current one, or the one being formed
+    (from any thread): the collective in flight, if any, and every later one fail at once
+    with CollectiveFailed naming ``reason``, until :func:`leave_group`; a rendezvous in
+    progress fails with RendezvousFailed. True when it was aborted by this call."""
+    global _abort_reason
+    with _abort_lock:
+        ours = (_current is not None and _current.generation == generation) or _joining == generation
+        if not ours or _abort_reason:
+            return False
+        _abort_reason = reason
+        waiting = _waiting
+    if waiting is not None:
+        waiting.set()
+    log.warning("aborting generation %d's collectives: %s", generation, reason)
+    return True
+
+
+def aborted() -> str:
+    """Why the current group was aborted ("" when it was not)."""
+    return _abort_reason
+
+
+def _wait(work: object, what: str, timeout: float | None = None) -> None:
+    """Wait for ``work`` (a torch Work) until it completes, the group is aborted, or
+    ``timeout`` s passed (then the group is aborted: its collectives are stuck). Raises
+    CollectiveFailed for all but success. A work that completed wins over a late abort."""
+    global _waiting
+    if timeout is None and _current is not None and _current.backend == "nccl":
+        timeout = _current.timeout  # NCCL's own timeout does not end the wait: this does
+    done = threading.Event()
+    completed: list[BaseException | None] = []  # filled when the work ended (the event alone may be an abort)
+    with _abort_lock:
+        if _abort_reason:
+            _abandoned.append(work)
+            raise CollectiveFailed(f"{what}: aborted ({_abort_reason})")
+        _waiting = done
+
+    def on_done(_f: object) -> None:
+        completed.append(None)
+        done.set()
+
+    try:
+        try:
+            future = work.get_future()
+        except RuntimeError:  # gloo's point-to-point work has no future: a thread waits for it
+            future = None
+        if future is not None:
+            future.add_done_callback(on_done)
+        else:
+            threading.Thread(target=_wait_in_thread, args=(work, completed, done), name="pg-wait", daemon=True).start()
+        finished = done.wait(timeout)
+    finally:
+        with _abort_lock:
+            _waiting = None
+    if not completed:
+        if not finished and _current is not None:
+            request_abort(_current.generation, f"{what} took longer than {timeout:.0f} s")
+        _abandoned.append(work)
+        raise CollectiveFailed(f"{what}: aborted ({_abort_reason or 'no reason'})")
+    try:
+        if completed[0] is not None:
+            raise completed[0]
+        if future is not None:
+            work.wait()
+    except Exception as exc:  # noqa: BLE001 - translated
+        raise translate_error(exc, what) from exc
+
+
+def _wait_in_thread(work: object, completed: list, done: threading.Event) -> None:
+    """``work.wait()`` (a point-to-point work may be waited for only once); what it raised
+    goes to ``completed``."""
+    try:
+        work.wait()
+        completed.append(None)
+    except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
+        completed.append(exc)
+    done.set()
 
 
 # --- collectives with translated errors ------------------------------------------------------
 def _require_group(what: str) -> None:
     if not dist.is_initialized():
         raise CollectiveFailed(f"{what}: not in a process group")
+    if _abort_reason:
+        raise CollectiveFailed(f"{what}: aborted ({_abort_reason})")
 
 
 def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
     """In-place all_reduce over the current group; CollectiveFailed on any failure."""
     _require_group("all_reduce")
     try:
-        dist.all_reduce(tensor, op=op)
+        work = dist.all_reduce(tensor, op=op, async_op=True)
     except Exception as exc:  # noqa: BLE001 - translated
         raise translate_error(exc, "all_reduce") from exc
+    _wait(work, "all_reduce")
     if _pending_sends:
         wait_sends()
 
@@ -437,9 +581,10 @@ def broadcast(tensor: torch.Tensor, src: int) -> None:
     """In-place broadcast from ``src``; CollectiveFailed on any failure."""
     _require_group("broadcast")
     try:
-        dist.broadcast(tensor, src=src)
+        work = dist.broadcast(tensor, src=src, async_op=True)
     except Exception as exc:  # noqa: BLE001 - translated
         raise translate_error(exc, f"broadcast from rank {src}") from exc
+    _wait(work, f"broadcast from rank {src}")
 
 
 def isend(tensor: torch.Tensor, dst: int) -> None:
@@ -462,42 +607,58 @@ _pending_sends: list[tuple[object, torch.Tensor, int]] = []
 def wait_sends() -> None:
     """Wait for every send posted with :func:`isend`; CollectiveFailed when one failed."""
     while _pending_sends:
-        work, _tensor, dst = _pending_sends.pop(0)
-        try:
-            work.wait()
-        except Exception as exc:  # noqa: BLE001 - translated
-            raise translate_error(exc, f"send to rank {dst}") from exc
+        work, _tensor, dst = _pending_sends[0]
+        _wait(work, f"send to rank {dst}")
+        _pending_sends.pop(0)
 
 
 def recv(tensor: torch.Tensor, src: int) -> None:
     """Point-to-point receive from rank ``src`` into ``tensor``; CollectiveFailed on failure."""
     _require_group("recv")
     try:
-        dist.recv(tensor, src)
+        work = dist.irecv(tensor, src)
     except Exception as exc:  # noqa: BLE001 - translated
         raise translate_error(exc, f"recv from rank {src}") from exc
+    _wait(work, f"recv from rank {src}")
 
 
-def recv_many(tensors: list[torch.Tensor], src: int) -> None:
+def recv_many(tensors: list[torch.Tensor], src: int, timeout: float | None = None) -> None:
     """Receive into each of ``tensors`` in order (the messages ``src`` sent, in order): all
     receives are posted first, so the data streams without a round trip per message.
-    CollectiveFailed on failure (each wait bounded by the collective timeout)."""
+    CollectiveFailed on failure, on an abort, or when all of it has not arrived within
+    ``timeout`` s (then the group is aborted; each wait is also bounded by the group's
+    timeout)."""
     _require_group("recv")
     try:
         works = [dist.irecv(t, src) for t in tensors]
-        for w in works:
-            w.wait()
     except Exception as exc:  # noqa: BLE001 - translated
         raise translate_error(exc, f"recv from rank {src}") from exc
+    what = f"recv from rank {src}" if timeout is None else f"recv from rank {src} (bulk, bounded by {timeout:.0f} s)"
+    _wait(_AllOf(works), what, timeout)
+
+
+class _AllOf:
+    """Several point-to-point works waited for as one, in order (by one thread)."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def get_future(self) -> None:
+        raise RuntimeError("point-to-point works have no future")
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
 
 
 def barrier() -> None:
     """Barrier over the current group; CollectiveFailed on any failure."""
     _require_group("barrier")
     try:
-        dist.barrier()
+        work = dist.barrier(async_op=True)
     except Exception as exc:  # noqa: BLE001 - translated
         raise translate_error(exc, "barrier") from exc
+    _wait(work, "barrier")
 
 
 def world() -> tuple[int, int]:

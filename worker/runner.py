@@ -12,14 +12,27 @@ import os
 import threading
 import time
 
+import redis
+
 from shoal.core.jobspec import JobSpec
 from shoal.worker.heartbeat import Heartbeater
 from shoal.worker.membership import Membership
 
 log = logging.getLogger("shoal.worker")
 
+#: The longest pause between a worker's attempts through a Redis outage.
+REDIS_BACKOFF_MAX_S = 5.0
+#: The errors of an unreachable (restarting, blackholed, loading) Redis.
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
 #: How long a worker whose job vanished from Redis waits for it to be registered again.
 LOST_JOB_WAIT_S = 60.0
+
+
+def collective_timeout(spec: JobSpec) -> float:
+    """The collective timeout of ``spec``'s groups: the step timeout plus a margin for the
+    coordinator to see it (a tick, a heartbeat interval) and for its table to arrive."""
+    return spec.step_timeout + max(5.0, 2 * spec.heartbeat_ttl)
 
 
 class WorkerRunner:
@@ -31,6 +44,13 @@ class WorkerRunner:
         self.join_timeout = join_timeout
         self.stop = threading.Event()
         self.hb: Heartbeater | None = None
+        #: bounds every collective of a group (a backstop: the coordinator evicts a hung peer
+        #: - heartbeat TTL - or a stuck step - ``step_timeout`` - first, and the survivors
+        #: abort their collectives with it at once; until then a slow peer is waited for)
+        self.collective_timeout = collective_timeout(spec)
+        #: the longest the commit fence waits for Redis before giving a step up (well below
+        #: the collective timeout the peers wait with)
+        self.fence_wait = self.collective_timeout / 2
 
     @property
     def evicted(self) -> bool:
@@ -53,21 +73,37 @@ class WorkerRunner:
     def _join(self, last_generation: int = 0) -> str:
         wid = self.m.join(self.join_timeout, last_generation=last_generation)
         self.hb = Heartbeater(self.m.client, self.m.keys, wid, interval=self.spec.heartbeat_interval,
-                              ttl=self.spec.heartbeat_ttl, pid=os.getpid())
+                              ttl=self.spec.heartbeat_ttl, pid=os.getpid(), fence_wait=self.fence_wait)
         self.hb.beat()
         self.hb.start()
         log.info("joined job %s as %s", self.m.job_id, wid)
         return wid
 
     def rejoin_lost_job(self, last_generation: int) -> bool:
-        """Call once :attr:`evicted`. When the job no longer has a record of this worker
-        process (the server lost its data; a declared failure keeps the record), wait up to ``LOST_JOB_WAIT_S`` for it to be registered again (the
-        node agent does that from the spec it holds) and join it anew: same process, same
-        state, a new worker id. True when rejoined. False when the job still exists (this
-        worker really was declared failed), did not come back in time, or we are draining;
-        the caller then exits. Raises what :meth:`Membership.join` raises."""
-        if self.stop.is_set() or self.m.on_record():
+        """Call once :attr:`evicted`: join the job anew - same process, same state, a new
+        worker id - when that is what it needs. True when rejoined.
+
+        * The coordinator declared this live process failed (it was frozen, cut off from
+          Redis or its peers, or its step passed the step timeout) and the job still runs:
+          rejoin at once; the next generation catches its state up like a joiner's.
+        * The job lost its record of this process (Redis lost its data): wait up to
+          ``LOST_JOB_WAIT_S`` for it to be registered again (the node agent does that from
+          the spec it holds), then rejoin.
+
+        False when draining, when the job ended, or when it did not come back in time; the
+        caller then exits. Raises what :meth:`Membership.join` raises."""
+        if self.stop.is_set():
             return False
+        doc = self.m.record()
+        if doc is not None:
+            if doc.state != "Failed" or self.m.job_state() in ("completed", "failed", "stopped"):
+                return False
+            log.warning("declared failed by the coordinator while alive (%s); rejoining job %s as a new member, "
+                        "state kept", doc.reason or doc.cause, self.m.job_id)
+            if self.hb is not None:
+                self.hb.stop()
+            self._join(last_generation)
+            return True
         log.warning("job %s lost its record of %s (Redis lost its data); waiting up to %.0f s for it to be registered again",
                     self.m.job_id, self.m.worker_id, LOST_JOB_WAIT_S)
         if self.hb is not None:
@@ -80,11 +116,27 @@ class WorkerRunner:
         return True
 
     def run(self) -> int:
-        """Join, then iterate until :meth:`run_once` returns an exit code."""
+        """Join, then iterate until :meth:`run_once` returns an exit code. A Redis outage
+        (connection refused, timed out) never ends the process: the iteration is tried again
+        with a backoff (0.5 s doubling to ``REDIS_BACKOFF_MAX_S``), logged once when it starts
+        and once when Redis answers again; the model and optimizer stay in memory."""
         self.start()
+        down_since: float | None = None
+        pause = 0.5
         try:
             while True:
-                code = self.run_once()
+                try:
+                    code = self.run_once()
+                except REDIS_DOWN as exc:
+                    if down_since is None:
+                        down_since = time.monotonic()
+                        log.warning("Redis unreachable (%s); keeping this worker's state and trying again", exc)
+                    time.sleep(pause)
+                    pause = min(2 * pause, REDIS_BACKOFF_MAX_S)
+                    continue
+                if down_since is not None:
+                    log.warning("Redis reachable again after %.1f s", time.monotonic() - down_since)
+                    down_since, pause = None, 0.5
                 if code is not None:
                     return code
         finally:

@@ -35,7 +35,7 @@ cannot be mistaken for a dead connection. Redis failures propagate as ``redis.Re
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 
 import redis
@@ -45,6 +45,8 @@ from shoal.events.keys import RENDEZVOUS_TTL_S
 
 DEFAULT_TTL = float(RENDEZVOUS_TTL_S)  #: the store serves one generation's rendezvous
 DEFAULT_TIMEOUT = timedelta(seconds=300)
+#: With an ``abort`` callback, the longest single blocking read (how soon an abort is seen).
+ABORT_POLL_S = 0.25
 
 _SET = """
 redis.call('DEL', KEYS[1])
@@ -127,7 +129,9 @@ class RedisStore(dist.Store):
     ``max_wait`` (seconds), when set, caps every blocking read even when the caller passes a
     longer timeout: gloo waits for its peers with the *collective* timeout, and
     :func:`shoal.worker.process_group.join_group` uses ``max_wait`` to bound the rendezvous by its
-    own, usually shorter, timeout.
+    own, usually shorter, timeout. ``abort``, when given, is asked before every blocking read
+    (each at most :data:`ABORT_POLL_S`): a non-empty answer ends the wait with DistStoreError
+    naming it (the rendezvous of a generation whose member the coordinator evicted).
 
     Implements everything gloo/nccl and ``init_process_group`` use: ``set``, ``get``,
     ``wait``, ``add``, ``compare_set``, ``check``, ``delete_key``, ``num_keys``,
@@ -143,6 +147,7 @@ class RedisStore(dist.Store):
         timeout: timedelta | float = DEFAULT_TIMEOUT,
         ttl: float = DEFAULT_TTL,
         max_wait: float | None = None,
+        abort: Callable[[], str] | None = None,
     ) -> None:
         super().__init__()
         if not prefix:
@@ -155,12 +160,16 @@ class RedisStore(dist.Store):
         if max_wait is not None and max_wait <= 0:
             raise ValueError(f"max_wait must be positive, got {max_wait}")
         self._max_wait = max_wait
+        #: asked while a read blocks: a non-empty answer ends it (DistStoreError naming it)
+        self._abort = abort
         self._client = client
         self._prefix = prefix
         self._ttl_ms = int(ttl * 1000)
         sock = conn_kwargs.get("socket_timeout")
         # Longest single blocking Redis call: well inside the socket timeout.
         self._max_block = max(0.05, float(sock) / 2) if sock else 30.0
+        if abort is not None:  # answer an abort within a quarter second
+            self._max_block = min(self._max_block, ABORT_POLL_S)
         self._set = client.register_script(_SET)
         self._add = client.register_script(_ADD)
         self._cas = client.register_script(_COMPARE_SET)
@@ -187,6 +196,9 @@ class RedisStore(dist.Store):
         """Return the value of ``key`` once it exists; DistStoreError after ``deadline``."""
         rk = self._k(key)
         while True:
+            why = self._abort() if self._abort is not None else ""
+            if why:
+                raise dist.DistStoreError(f"RedisStore: aborted while waiting for key {key!r} ({why})")
             remaining = deadline - time.monotonic()
             if remaining <= 0.001:
                 value = self._client.lindex(rk, 0)  # a last non-blocking look
@@ -287,7 +299,8 @@ class RedisStore(dist.Store):
     def clone(self) -> "RedisStore":
         """A store on the same client, prefix, timeout and TTL."""
         return RedisStore(
-            self._client, self._prefix, timeout=self.timeout, ttl=self._ttl_ms / 1000, max_wait=self._max_wait
+            self._client, self._prefix, timeout=self.timeout, ttl=self._ttl_ms / 1000, max_wait=self._max_wait,
+            abort=self._abort,
         )
 
     # --- housekeeping ---------------------------------------------------------------------

@@ -31,6 +31,7 @@ they produced back as the next input.
 from __future__ import annotations
 
 import gc
+from collections import deque
 import json
 import logging
 import os
@@ -85,12 +86,13 @@ from shoal.worker.decide import (
 )
 from shoal.worker.digest import digest_of, state_digest
 from shoal.worker.engine import StepEngine
+from shoal.worker.heartbeat import CutOff
 from shoal.worker.errors import CollectiveFailed, RendezvousFailed, StateMismatch, StepAborted
 from shoal.worker.ledger import Ledger
 from shoal.worker.membership import Membership
 from shoal.worker.progress import ProgressRecorder
 from shoal.worker.runner import WorkerRunner
-from shoal.worker.transfer import catch_up_state
+from shoal.worker.transfer import catch_up_state, state_bytes, transfer_timeout
 from shoal.worker.userapi import TrainingSetup, load_entrypoint
 from shoal.worker.watcher import GenerationWatcher
 
@@ -114,7 +116,6 @@ class TrainingWorker(WorkerRunner):
         self.ledger = Ledger.from_env()
         #: bounds the Redis barrier and each wait of the rendezvous
         self.rdzv_timeout = 30.0
-        self.collective_timeout = max(3.0, spec.heartbeat_ttl + 1.0)
         #: everything the decisions read; replaced by each decision
         self.state = TrainerState(Limits(max_steps=spec.max_steps, checkpoint_interval=spec.checkpoint_interval,
                                          wait_s=5 * spec.heartbeat_ttl + 5, barrier_s=self.rdzv_timeout))
@@ -130,6 +131,11 @@ class TrainingWorker(WorkerRunner):
         # (future, generation, step) it is working on
         self._digester = ThreadPoolExecutor(1, thread_name_prefix="switch-digest")
         self._digesting: tuple[Future, int, int] | None = None
+        #: actions decided and not yet performed (a Redis outage interrupted them)
+        self._todo: deque[Action] = deque()
+        #: the generation and member ids of the group being formed or joined (read by the
+        #: watcher's thread)
+        self._group: tuple[int, frozenset[str]] = (0, frozenset())
 
     # ---- setup -------------------------------------------------------------------------------
 
@@ -153,11 +159,27 @@ class TrainingWorker(WorkerRunner):
         wid = super().start()
         self.state = replace(self.state, worker_id=wid)
         # the client's pool gives the watcher's blocking XREAD a connection of its own
-        self.watcher = GenerationWatcher(self.m.client, self.m.keys, interval=min(1.0, self.spec.heartbeat_interval * 2))
+        self.watcher = GenerationWatcher(self.m.client, self.m.keys, interval=min(1.0, self.spec.heartbeat_interval * 2),
+                                         on_table=self._on_table)
         self.watcher.start()
         self.progress = ProgressRecorder(without_retries(self.m.client), self.m.keys)
         self.engine.commit_guard = self._fence
+        self.engine.before_collectives = self._not_busy
         return wid
+
+    def _on_table(self, table: ShardTable) -> None:
+        """(The watcher's thread.) A newer table that evicts a member of our group: abort the
+        group's collectives now - that peer is hung, cut off or dead, and will not come."""
+        generation, members = self._group
+        if table.generation <= generation or not table.evicted:
+            return
+        gone = [w for w in table.evicted if w in members]
+        if gone:  # the group formed, or being formed (its rendezvous waits for that peer)
+            pg.request_abort(generation, f"generation {table.generation} evicted {', '.join(gone)}")
+
+    def _not_busy(self) -> None:
+        if self.hb is not None:
+            self.hb.busy(False)
 
     def _fence(self) -> None:
         """The last check before a step is applied: a member the coordinator declared failed
@@ -165,7 +187,13 @@ class TrainingWorker(WorkerRunner):
         with peers frozen alike) must commit nothing more - its steps are being redone by
         the generation that replaced it. Free unless beats are late; see
         :meth:`Heartbeater.still_member`."""
-        if self.hb is not None and not self.hb.still_member():
+        if self.hb is None:
+            return
+        try:
+            member = self.hb.still_member()
+        except CutOff as exc:
+            raise StepAborted(str(exc)) from exc
+        if not member:
             raise StepAborted("evicted by the coordinator (declared failed): this step is not applied")
 
     def cleanup(self) -> None:
@@ -180,18 +208,31 @@ class TrainingWorker(WorkerRunner):
     def run_once(self) -> int | None:
         """One iteration: observe, then decide and perform until a decision asks for nothing
         more (one step, one switch, one bounded wait). Returns the exit code once the worker
-        should end. Raises what the user's code or an unexpected failure raises (a crash)."""
-        event: Input | None = Tick(evicted=self.evicted, stop=self.stop.is_set(), latest=self.watcher.latest,
-                                   job_state=self.watcher.job_state)
+        should end. Raises what the user's code or an unexpected failure raises (a crash).
+
+        A Redis error (the server is unreachable) propagates after the action that raised it
+        stays first in line: the next call performs it, and the rest of its decision, before
+        observing anything new - nothing a decision asked for is lost to an outage."""
+        event: Input | None = self._drain() if self._todo else None
+        if event is None and not self._todo:
+            event = Tick(evicted=self.evicted, stop=self.stop.is_set(), latest=self.watcher.latest,
+                         job_state=self.watcher.job_state)
         while event is not None:
             d = decide(self.state, event, time.monotonic())
             if d.level:
                 log.log(d.level, "%s", d.reason)
             self.state = d.state
-            event = None
-            for action in d.actions:  # only the last one may produce the next input
-                event = self._perform(action) or event
+            self._todo.extend(d.actions)
+            event = self._drain()
         return self.state.exit_code
+
+    def _drain(self) -> Input | None:
+        """Perform the queued actions in order; the input the last producing one produced."""
+        event = None
+        while self._todo:
+            event = self._perform(self._todo[0]) or event  # only the last one may produce the next input
+            self._todo.popleft()
+        return event
 
     def _perform(self, action: Action) -> Input | None:
         """Carry out one action; the input it produced, if it produces one."""
@@ -207,9 +248,12 @@ class TrainingWorker(WorkerRunner):
             case TryRejoin(last_generation=last):
                 return Rejoined(self.rejoin_lost_job(last), self.m.worker_id or "")
             case LeaveGroup(background=background):
+                aborted = bool(pg.aborted())
                 pg.leave_group(background=background)
-                if not background:
-                    gc.collect()  # a failed collective's leftovers may pin the broken group's sockets
+                if not background and not aborted:
+                    # a failed collective's leftovers may pin the broken group's sockets (an
+                    # aborted group is abandoned to a thread instead: nobody waits on it)
+                    gc.collect()
                 self._digest_done()  # a catch-up may overwrite what the digest still reads
             case SendLeave():
                 self.m.leave("SIGTERM")
@@ -243,6 +287,8 @@ class TrainingWorker(WorkerRunner):
     def _train_step(self, act: TrainStep) -> Input:
         """Train one step; the ledger records a committed one before anything else happens."""
         wid = self.m.worker_id
+        if self.hb is not None:
+            self.hb.busy(True)
         self.faults.at(wid, act.step, "before_step")
         batch = self.order.batch(act.cursor)
         local = batch.for_rank(act.ranges)
@@ -251,9 +297,11 @@ class TrainingWorker(WorkerRunner):
         try:
             result = self.engine.step(local, batch.count, act.generation, base_generation=act.base)
         except StepAborted as exc:
+            self._not_busy()
             # returned, not handled here: once this frame is gone nothing pins the broken
             # group, so leaving it closes its sockets and peers still inside the collective fail now
             return Aborted(str(exc))
+        self._not_busy()
         self.ledger.commit(wid, act.step + 1, batch, act.base, local, act.world)
         self.faults.at(wid, act.step + 1, "after_commit")
         return Committed(cursor=batch.next_cursor, max_generation=result.max_generation, loss=result.loss, started=started)
@@ -298,9 +346,13 @@ class TrainingWorker(WorkerRunner):
         the contested step) receive it, from one sender that does not wait for the transfer."""
         self.faults.at(self.m.worker_id, self.state.step, "rendezvous")
         t0 = time.monotonic()
+        self._group = (table.generation, frozenset(m.worker_id for m in table.members))
         try:
             pg.join_group(self.m.client, self.m.job_id, table.generation, rank, table.world_size,
-                          timeout=self.rdzv_timeout, collective_timeout=self.collective_timeout, iface=self.iface)
+                          timeout=self.rdzv_timeout, iface=self.iface,
+                          # a state transfer is bounded by its own, size-scaled timeout
+                          collective_timeout=max(self.collective_timeout,
+                                                 transfer_timeout(state_bytes(self.engine.model, self.engine.optimizer))))
             extra = {"step": self.state.step, "cursor": self.state.cursor}
             src, got, behind = catch_up_state(self.engine.model, self.engine.optimizer, extra, self.state.step,
                                               lr_scheduler=self.engine.lr_scheduler)

@@ -73,6 +73,26 @@ def _decode(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
+#: A joiner's state transfer is bounded by ``TRANSFER_BASE_S`` plus its size at
+#: ``TRANSFER_MIN_RATE`` bytes/s: a big model gets the time it needs, a stalled transfer
+#: fails (and the group is aborted) instead of hanging the generation.
+TRANSFER_BASE_S = 30.0
+TRANSFER_MIN_RATE = 20e6
+
+
+def transfer_timeout(nbytes: int) -> float:
+    """How long a state transfer of ``nbytes`` may take."""
+    return TRANSFER_BASE_S + nbytes / TRANSFER_MIN_RATE
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the model's and the optimizer's tensors (what a catch-up moves)."""
+    tensors = list(model.state_dict().values())
+    for st in optimizer.state.values():
+        tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
 def _dtype(name: str) -> torch.dtype:
     dt = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dt, torch.dtype):
@@ -359,7 +379,8 @@ def _recv_state(model, optimizer, lr_scheduler, src: int, mine: dict[str, Any], 
         raise StateMismatch(f"state from rank {src} refused: {_describe_mismatch(mine, header['structure'])}")
     specs = header["tensors"]
     wire = [torch.empty(shape, dtype=_wire(_dtype(dt)), device=comm) for dt, shape, _ in specs]
-    pg.recv_many([w for w in wire if w.numel()], src)
+    nbytes = sum(w.numel() * w.element_size() for w in wire)
+    pg.recv_many([w for w in wire if w.numel()], src, timeout=transfer_timeout(nbytes))
     placed = [
         w.to(_dtype(dt)).to(comm if devtype != "cpu" else torch.device("cpu"))
         for w, (dt, _, devtype) in zip(wire, specs)

@@ -4,13 +4,15 @@ The training loop reads :attr:`GenerationWatcher.latest` and :attr:`job_state` (
 attribute reads) instead of asking Redis on every step: a new shard table arrives through
 a blocking XREAD as soon as the coordinator publishes it, and the job state is refreshed
 at least every ``interval`` seconds. Redis errors are logged and retried; they never
-reach the training thread.
+reach the training thread. ``on_table`` is called (from the watcher's thread) with each new
+table as it arrives: the training worker aborts a group whose peer the table evicted.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import redis
 
@@ -21,8 +23,10 @@ log = logging.getLogger("shoal.worker.watcher")
 
 
 class GenerationWatcher:
-    def __init__(self, client: redis.Redis, keys: JobKeys, *, interval: float = 1.0):
+    def __init__(self, client: redis.Redis, keys: JobKeys, *, interval: float = 1.0,
+                 on_table: Callable[[ShardTable], None] | None = None):
         self._client = client
+        self._on_table = on_table
         self._keys = keys
         self._interval = interval
         self._stop = threading.Event()
@@ -62,11 +66,20 @@ class GenerationWatcher:
                 for _stream, entries in resp or []:
                     for sid, fields in entries:
                         cursor = sid.decode() if isinstance(sid, bytes) else sid
-                        gen = ShardTable.model_validate_json(fields[b"data"]).generation
-                        if gen > self.latest:
-                            self.latest = gen
+                        table = ShardTable.model_validate_json(fields[b"data"])
+                        if table.generation > self.latest:
+                            self.latest = table.generation
+                            self._notify(table)
                 state = self._client.hget(self._keys.state, "state")
                 self.job_state = state.decode() if state else "pending"
             except (redis.RedisError, ValueError) as exc:
                 log.warning("generation watcher: %s", exc)
                 self._stop.wait(self._interval)
+
+    def _notify(self, table: ShardTable) -> None:
+        if self._on_table is None:
+            return
+        try:
+            self._on_table(table)
+        except Exception:  # noqa: BLE001 - the watcher must go on
+            log.exception("generation watcher: handling generation %d failed", table.generation)

@@ -7,9 +7,10 @@ Every fault is injected from outside, with real signals, into real processes:
 - ``worker_stop``: SIGSTOP an Active worker for longer than the heartbeat TTL, then SIGCONT
   (it is declared failed while frozen, finds itself evicted when it wakes, and exits);
 - ``worker_slow``: SIGUSR1 to an Active worker, whose fault rule ``*@usr1:mid_step:sleep=S``
-  then stalls its next step past the collective timeout while its heartbeats go on (a slow
-  peer, not a dead one: its peers' step fails, the same members get a new generation, and
-  nobody is declared failed or exits);
+  then stalls its next step past the heartbeat TTL (and past the 3 s collective timeout
+  shoal had before its step timeout existed) while its heartbeats go on: a slow peer, not a
+  dead one, within the job's step timeout. Its peers wait for it in their all-reduce; nobody
+  is declared failed or exits, and the same generation goes on once the stall is over;
 - ``coordinator_kill``: SIGKILL the replica holding the job's lease (a new replica is
   started at once, so two always run; the standby takes over);
 - ``redis_restart``: SIGKILL Redis and start it again from its AOF on the same port;
@@ -36,14 +37,37 @@ from shoal.events.models import WorkerDoc
 KINDS = ("worker_kill", "worker_segv", "worker_stop", "worker_slow", "coordinator_kill", "redis_restart", "worker_join")
 WORKER_FAULTS = ("worker_kill", "worker_segv", "worker_stop", "worker_slow")
 #: the workers' fault rule behind ``worker_slow``: the soak sets it for every worker, with S
-#: past their collective timeout (see :func:`slow_step_rule`)
+#: past the heartbeat TTL (see :func:`slow_step_rule`)
 SLOW_STEP_RULE = "*@usr1:mid_step:sleep={seconds:g}"
 
 
+def next_kind(cycle: list[str], kinds: tuple[str, ...], allowed, rng) -> str | None:
+    """The next fault kind of a seeded, shuffled cycle over ``kinds``: the first of ``cycle``
+    that ``allowed(kind)`` permits now, removed from it (None: none can happen now). When the
+    cycle is used up, or only kinds that cannot happen now remain (a join while max_workers
+    are planned), the next shuffled cycle is appended and the leftovers stay queued: the faults
+    never stall, and each kind still comes about as often as the others."""
+    kind = next((k for k in cycle if allowed(k)), None)
+    if kind is None and len(cycle) < len(kinds):
+        fresh = list(kinds)
+        rng.shuffle(fresh)
+        cycle += fresh
+        kind = next((k for k in cycle if allowed(k)), None)
+    if kind is not None:
+        cycle.remove(kind)
+    return kind
+
+
+def slow_step_seconds(ttl: float) -> float:
+    """How long a ``worker_slow`` stall lasts in a job with heartbeat TTL ``ttl``: past the TTL
+    and past the 3 s collective timeout workers had before the step timeout (the stall that
+    used to end every worker), far within the default step timeout."""
+    return max(3.0, ttl + 1.0) + 1.0
+
+
 def slow_step_rule(ttl: float) -> str:
-    """The rule for a job with heartbeat TTL ``ttl``: a stall 1 s longer than the workers'
-    collective timeout (``TrainingWorker.collective_timeout``: max(3, TTL + 1) s)."""
-    return SLOW_STEP_RULE.format(seconds=max(3.0, ttl + 1.0) + 1.0)
+    """The workers' fault rule behind ``worker_slow`` for a job with heartbeat TTL ``ttl``."""
+    return SLOW_STEP_RULE.format(seconds=slow_step_seconds(ttl))
 
 
 @dataclass
@@ -53,6 +77,13 @@ class Injected:
     target: str
     generation: int  #: the job's generation when injected (-1 when unknown)
     worker: str | None = None  #: the worker id a worker fault hit
+    #: time.time() when a fault held for a while (a network fault) was healed; 0: none held
+    healed: float = 0.0
+    #: the hosts a network fault touched
+    nodes: tuple[str, ...] = ()
+    #: more worker ids the fault may have cost their membership (a network fault: the workers
+    #: on the hosts it cut off)
+    hits: tuple[str, ...] = ()
 
 
 @dataclass
@@ -85,6 +116,8 @@ class Injector:
         if len(active) < 2:
             return False
         last = next((f for f in reversed(self.done) if f.kind in WORKER_FAULTS), None)
+        if last is not None and last.kind == "worker_slow":  # waited for: over once its stall is
+            return time.time() > last.healed + 1.0
         # recovered: the generation moved past the one the last worker fault hit
         return last is None or self.generation() > last.generation
 
@@ -139,6 +172,8 @@ class Injector:
         else:
             target = self.new_worker().name
         fault = Injected(kind, time.time(), target, gen, wid)
+        if kind == "worker_slow":  # held: the stall starts at the worker's next step
+            fault.healed = fault.t + slow_step_seconds(self.ttl)
         self.done.append(fault)
         return fault
 

@@ -3,7 +3,7 @@
 The soak starts its own Redis (AOF, ``appendfsync always``) in a run directory, a local
 checkpoint store, two coordinator replicas, and a node agent with ``workers`` workers of the
 digits example in float64 (restarts unlimited). For ``duration`` seconds it injects a fault
-every ``min_gap``..``max_gap`` seconds (kinds in a seeded, shuffled cycle, so each kind comes
+every ``min_gap``..``max_gap`` seconds (default 2..5; kinds in a seeded, shuffled cycle, so each kind comes
 up about equally; see :mod:`shoal.ops.chaos.inject`). Then it lets the job finish, and judges the
 end state (:mod:`shoal.ops.chaos.verdict`) against a failure-free single-process run of the same
 number of steps, computed meanwhile in a background thread.
@@ -12,10 +12,14 @@ The job has a fixed length (``steps``); so that it neither ends before the windo
 on long after it, the soak steers the pause each step takes (``PaceSteer``, through the file
 the paced entrypoint re-reads every second): the job is paced to reach its last step as the
 window closes. If it still ends first, the window is cut short and the table says so.
+
+``shoal chaos --network`` (:mod:`shoal.ops.chaos.network`) runs the same job, steering and
+verdict across network namespaces, with network faults instead.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import tempfile
@@ -27,9 +31,9 @@ from pathlib import Path
 import torch
 
 from shoal.events.keys import job_keys
-from shoal.ops.chaos.inject import KINDS, Injector, slow_step_rule
-from shoal.ops.chaos.sampler import Sampler
-from shoal.ops.chaos.verdict import Verdict, judge, load_finals
+from shoal.ops.chaos.inject import KINDS, Injected, Injector, next_kind, slow_step_rule
+from shoal.ops.chaos.sampler import Sampler, Samples
+from shoal.ops.chaos.verdict import LOCAL, Profile, Verdict, judge, load_finals
 from shoal.core.connection import connect
 from shoal.ops.embedded import start_server
 from shoal.core.registry import create_job
@@ -54,13 +58,45 @@ class ChaosConfig:
     seed: int = 1
     workers: int = 3
     steps: int | None = None  #: job length; default: ``duration`` at TARGET_RATE steps/s
-    min_gap: float = 2.0
-    max_gap: float = 5.0
+    min_gap: float | None = None  #: seconds between faults, at least (None: the mode's default, GAPS) ...
+    max_gap: float | None = None  #: ... and at most
     ttl: float = 1.5
     run_dir: Path | None = None
     finish_timeout: float = 300.0  #: grace after the window, on top of the time the steps still to go need
     step_pace: float = 0.03  #: first seconds of sleep per step; then steered (PaceSteer)
     agent_backoff_max: float = 2.0  #: replacements come quickly: the soak tests faults, not crash loops
+    network: bool = False  #: ``shoal chaos --network``: across network namespaces, network faults
+    min_hold: float = 2.0  #: ``network``: each fault is held this long at least ...
+    max_hold: float = 5.0  #: ... and at most, then healed
+
+    def gaps(self) -> tuple[float, float]:
+        lo, hi = GAPS[self.network]
+        return (lo if self.min_gap is None else self.min_gap, hi if self.max_gap is None else self.max_gap)
+
+
+#: (min, max) seconds between faults by default: locally, and (shorter: each network fault is
+#: also held for a while, and all eight kinds come up in a 60 s window) with ``network``
+GAPS = {False: (2.0, 5.0), True: (1.0, 2.0)}
+
+
+def default_steps(cfg: ChaosConfig) -> int:
+    """The job's length: ``--steps``, or ``duration`` at TARGET_RATE steps/s and some to spare."""
+    return cfg.steps or int(cfg.duration * TARGET_RATE) + 200
+
+
+def job_spec(cfg: ChaosConfig, steps: int, ckpt: str, max_workers: int, job: str = "chaos") -> JobSpec:
+    """The soak's job: the paced float64 digits example, restarts unlimited, TTL ``cfg.ttl``,
+    a checkpoint every 25 steps in ``ckpt``."""
+    return JobSpec(name=job, entrypoint=ENTRYPOINT, global_batch_size=BATCH, seed=cfg.seed, max_steps=steps, epochs=10_000,
+                   min_workers=1, max_workers=max_workers, heartbeat_interval=0.2, heartbeat_ttl=cfg.ttl,
+                   max_restarts=1000, checkpoint_uri=ckpt, checkpoint_interval=25, checkpoint_keep=3)
+
+
+def worker_env(root: Path, cfg: ChaosConfig) -> dict[str, str]:
+    """What every process of the soak gets: where workers write their ledger and final
+    parameters, and the pause per step (first value; then the file PaceSteer writes)."""
+    return {"SHOAL_LEDGER_DIR": str(root / "ledger"), "SHOAL_EXPORT_DIR": str(root / "final"),
+            "SHOAL_STEP_PACE": str(cfg.step_pace), "SHOAL_STEP_PACE_FILE": str(root / "pace")}
 
 
 def reference_parameters(steps: int, seed: int) -> dict:
@@ -82,26 +118,26 @@ def reference_parameters(steps: int, seed: int) -> dict:
 
 
 def run_chaos(cfg: ChaosConfig, out=print) -> Verdict:
+    if cfg.network:
+        from shoal.ops.chaos.network import run_network
+
+        return run_network(cfg, out)
     with tempfile.TemporaryDirectory(prefix="shoal-chaos-") as tmp:
         return _run(cfg, Path(cfg.run_dir) if cfg.run_dir else Path(tmp), out)
 
 
 def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
     rng = random.Random(cfg.seed)
-    steps = cfg.steps or int(cfg.duration * TARGET_RATE) + 200
+    steps = default_steps(cfg)
     server = start_server(root / "redis", appendonly=True, fsync="always")
     port = server.port
     client = connect(server.url, ride_out=60)
     job = "chaos"
     keys = job_keys(job)
     ckpt = f"file://{root / 'ckpt'}"
-    spec = JobSpec(name=job, entrypoint=ENTRYPOINT, global_batch_size=BATCH, seed=cfg.seed, max_steps=steps, epochs=10_000,
-                   min_workers=1, max_workers=cfg.workers + 1, heartbeat_interval=0.2, heartbeat_ttl=cfg.ttl,
-                   max_restarts=1000, checkpoint_uri=ckpt, checkpoint_interval=25, checkpoint_keep=3)
+    spec = job_spec(cfg, steps, ckpt, cfg.workers + 1, job)
     create_job(client, spec)
-    env = {"SHOAL_LEDGER_DIR": str(root / "ledger"), "SHOAL_EXPORT_DIR": str(root / "final"),
-           "SHOAL_STEP_PACE": str(cfg.step_pace), "SHOAL_STEP_PACE_FILE": str(root / "pace"),
-           "SHOAL_FAULTS": slow_step_rule(cfg.ttl)}
+    env = {**worker_env(root, cfg), "SHOAL_FAULTS": slow_step_rule(cfg.ttl)}
     steer = PaceSteer(root / "pace", steps, cfg.step_pace)
     out(f"shoal chaos: {cfg.duration:.0f} s of faults, seed {cfg.seed}, {cfg.workers} workers under an agent, "
         f"2 coordinators, Redis with AOF; job of {steps} steps; run dir {root}")
@@ -134,51 +170,56 @@ def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
             new_coordinator()
             procs.start("agent", "agent", job, "--workers", str(cfg.workers), "--max-restarts", "100000",
                         "--backoff", "0.1", "--backoff-max", str(cfg.agent_backoff_max), "--run-dir", str(root / "agent"))
-            _wait_state(client, keys, ("running",), 120)
+            wait_state(client, keys, ("running",), 120)
             sampler.start()
             cycle: list[str] = []
             started = time.monotonic()  # the window starts once the job trains
             window_end = started + cfg.duration
-            next_at = time.monotonic() + rng.uniform(cfg.min_gap, cfg.max_gap)
-            while time.monotonic() < window_end and not _ended(client, keys):
+            next_at = time.monotonic() + rng.uniform(*cfg.gaps())
+            while time.monotonic() < window_end and not ended(client, keys):
                 if steer.due():
                     steer.update(int(client.hget(keys.state, "latest_step") or 0), window_end)
                 if time.monotonic() < next_at:
                     time.sleep(0.05)
                     continue
-                kind = next((k for k in cycle if injector.allowed(k)), None)
-                if kind is None and len(cycle) < len(KINDS):
-                    # the cycle is used up, or only kinds that cannot happen now remain (a join
-                    # while max_workers are planned): the next cycle starts and the leftovers
-                    # stay queued, so the faults never stall and each kind still comes as often
-                    fresh = list(KINDS)
-                    rng.shuffle(fresh)
-                    cycle += fresh
-                    kind = next((k for k in cycle if injector.allowed(k)), None)
+                kind = next_kind(cycle, KINDS, injector.allowed, rng)
                 if kind is None:
                     next_at = time.monotonic() + 0.5
                     continue
-                cycle.remove(kind)
                 f = injector.inject(kind, rng)
                 out(f"  {time.monotonic() - started:6.1f} s  {f.kind:<17} {f.target}")
-                next_at = time.monotonic() + rng.uniform(cfg.min_gap, cfg.max_gap)
+                next_at = time.monotonic() + rng.uniform(*cfg.gaps())
             window = time.monotonic() - started
             injector.let_stops_finish()
-            to_go = max(0, steps - int(client.hget(keys.state, "latest_step") or 0))
-            out(f"fault window over after {window:.1f} s (from the first committed steps); "
-                f"letting the job finish its last {to_go} steps")
-            # Faults slow a long soak down, so the steps left at the window's end are not known in
-            # advance; allow each of them twice the nominal pace on top of the fixed grace.
-            finish = cfg.finish_timeout + 2 * to_go * (steer.pace + 0.02)
-            completed = _wait_state(client, keys, ("completed",), finish)
+            completed = finish_job(client, keys, cfg, steps, steer.pace, window, out)
             elapsed = time.monotonic() - started
             samples = sampler.stop()
             final_step = int(client.hget(keys.state, "latest_step") or 0)
-            failed = [f[b"worker"].decode() for _id, f in client.xrange(keys.failures) if b"worker" in f]
+            failed = [wid for _ts, wid in failures(client, keys)]
     finally:
         sampler.stop()
         injector.thaw_all()
         state["server"].stop()
+    return conclude(cfg, root, out, steps=steps, reference=reference, completed=completed, final_step=final_step,
+                    elapsed=elapsed, samples=samples, faults=injector.done, window=window, failed=failed)
+
+
+def finish_job(client, keys, cfg: ChaosConfig, steps: int, pace: float, window: float, out) -> bool:
+    """After the window: wait for the job to complete (True) or end otherwise / time out."""
+    to_go = max(0, steps - int(client.hget(keys.state, "latest_step") or 0))
+    out(f"fault window over after {window:.1f} s (from the first committed steps); "
+        f"letting the job finish its last {to_go} steps")
+    # Faults slow a long soak down, so the steps left at the window's end are not known in
+    # advance; allow each of them twice the nominal pace on top of the fixed grace.
+    return wait_state(client, keys, ("completed",), cfg.finish_timeout + 2 * to_go * (pace + 0.02))
+
+
+def conclude(cfg: ChaosConfig, root: Path, out, *, steps: int, reference: "Background", completed: bool, final_step: int,
+             elapsed: float, samples: Samples, faults: list[Injected], window: float, failed: list[str],
+             profile: Profile = LOCAL, more: tuple[tuple[str, bool, str], ...] = ()) -> Verdict:
+    """Judge a soak's end state from what it left in ``root`` (ledger, final parameters),
+    print the table, write it as ``root/summary.json``. ``more``: checks of the soak's own
+    (name, ok, detail), added to the table."""
     entries = ledger.read(root / "ledger")
     last_step = max((e["step"] for e in entries), default=0)
     finals = load_finals(root / "final")
@@ -189,11 +230,19 @@ def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
         out("waiting for the failure-free reference run...")
         ref = reference.result()
     verdict = judge(completed=completed, final_step=max(last_step, final_step), elapsed=elapsed, entries=entries,
-                    num_samples=_num_samples(), finals=finals, reference=ref, samples=samples, faults=injector.done,
-                    window=window, duration=cfg.duration, failed=failed)
+                    num_samples=_num_samples(), finals=finals, reference=ref, samples=samples, faults=faults,
+                    window=window, duration=cfg.duration, failed=failed, profile=profile)
+    for name, ok, detail in more:
+        verdict.add(name, ok, detail)
     out("")
     out(verdict.table())
+    (root / "summary.json").write_text(json.dumps(verdict.summary(), indent=1) + "\n")
     return verdict
+
+
+def failures(client, keys) -> list[tuple[int, str]]:
+    """(Redis server time in ms, worker id) of every failure the coordinator declared."""
+    return [(int(sid.split(b"-")[0]), f[b"worker"].decode()) for sid, f in client.xrange(keys.failures) if b"worker" in f]
 
 
 class Background:
@@ -256,22 +305,55 @@ class PaceSteer:
         self.history.append(self.pace)
         self._write()
 
+    def release(self) -> None:
+        """No pause any more: the steps left after the window run at full speed."""
+        self.pace = 0.0
+        self.history.append(self.pace)
+        self._write()
+
     def _write(self) -> None:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(f"{self.pace:.5f}\n")
         os.replace(tmp, self.path)
 
 
+def committed_step(ledger_dir: Path, newest: int = 3) -> int:
+    """The last step the workers' ledgers record as committed (0 before any): the last whole
+    line of each of the ``newest`` most recently written ledger files. Exact and independent of
+    Redis (``latest_step`` in the job's state is the last checkpoint's step)."""
+    def mtime(f: Path) -> float:
+        try:
+            return f.stat().st_mtime
+        except FileNotFoundError:
+            return 0.0
+
+    best = 0
+    for f in sorted(ledger_dir.glob("ledger-*.jsonl"), key=mtime, reverse=True)[:newest]:
+        try:
+            with open(f, "rb") as fh:
+                fh.seek(max(0, fh.seek(0, os.SEEK_END) - 65536))
+                lines = fh.read().split(b"\n")
+        except FileNotFoundError:
+            continue
+        for line in reversed(lines):  # the last one may be half written
+            try:
+                best = max(best, int(json.loads(line)["step"]))
+                break
+            except (ValueError, KeyError, TypeError):
+                continue
+    return best
+
+
 def _num_samples() -> int:
     return len(load_entrypoint(REFERENCE, 0).dataset)
 
 
-def _ended(client, keys) -> bool:
+def ended(client, keys) -> bool:
     raw = client.hget(keys.state, "state")
     return raw is not None and raw.decode() in ("completed", "failed", "stopped")
 
 
-def _wait_state(client, keys, wanted: tuple[str, ...], timeout: float) -> bool:
+def wait_state(client, keys, wanted: tuple[str, ...], timeout: float) -> bool:
     """Follow the job's control stream until its state is one of ``wanted`` (True) or the
     job ended otherwise / ``timeout`` passed (False)."""
     deadline = time.monotonic() + timeout

@@ -4,7 +4,8 @@ cluster on it (``cluster``: Redis, a coordinator and two worker nodes, each its 
 Both skip, with the reason, where namespaces cannot be made (not root, no ``ip``). Clean-up
 runs in the fixture's teardown, also when the test failed; a SIGTERM to pytest is turned into
 an exception so the teardown still runs; a run killed outright is swept by the next one (see
-:mod:`tests.multihost.netns`).
+:mod:`shoal.ops.chaos.netns`, the harness, which ``shoal chaos --network`` uses too). Processes
+in the hosts run from the repository root, so that ``tests.entrypoints`` is importable.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import signal
 
 import pytest
 
-from tests.multihost.netns import Net, unavailable_reason
+from shoal.ops.chaos.netns import Net, unavailable_reason
+from tests.helpers import ROOT
 
 
 def _terminated(signum, _frame):
@@ -24,10 +26,10 @@ def _terminated(signum, _frame):
 def net(tmp_path):
     reason = unavailable_reason()
     if reason:
-        pytest.skip(reason)
+        pytest.skip(f"network namespaces cannot be made here: {reason}")
     before = signal.signal(signal.SIGTERM, _terminated)
     try:
-        with Net(tmp_path / "net") as n:
+        with Net(tmp_path / "net", cwd=ROOT) as n:
             yield n
     finally:
         signal.signal(signal.SIGTERM, before)

@@ -16,7 +16,7 @@ Each test prints its recovery time from the ledger timestamps: fault start -> fi
 committed after it, heal -> first step committed after the heal, and the longest gap between
 two commits from the fault on.
 
-Faults (see :mod:`tests.multihost.netns`): a two-way peer partition (n1 <-> n2, Redis still
+Faults (see :mod:`shoal.ops.chaos.netns`): a two-way peer partition (n1 <-> n2, Redis still
 reachable) of 5 s and (soak) 40 s; a Redis blackhole (every frame to and from Redis dropped,
 nothing refused) of 10 s and (soak) 90 s; a one-way partition (n1 -> n2) of 5 s; 20 ms delay
 and 5 % loss on n1's link for 5 s; and the leading coordinator cut off from Redis for 5 s (and
@@ -40,8 +40,8 @@ from shoal.events.keys import job_keys
 from shoal.ops.chaos.run import BATCH, reference_parameters
 from shoal.ops.chaos.verdict import compare_to_reference
 from shoal.worker import ledger
+from shoal.ops.chaos.netns import Net
 from tests.helpers import ControlWatcher, wait_until
-from tests.multihost.netns import Net
 
 pytestmark = pytest.mark.slow
 

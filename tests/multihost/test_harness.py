@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
+from shoal.ops.chaos.netns import ETC_NETNS, PREFIX, namespaces, sweep
 from tests.helpers import wait_until
-from tests.multihost.netns import ETC_NETNS, PREFIX, namespaces, sweep
 
 pytestmark = pytest.mark.slow
 

@@ -128,12 +128,13 @@ def test_rules_parse_fire_once_and_refuse_bad_input(monkeypatch) -> None:
 
 
 @pytest.mark.slow
-def test_a_member_too_slow_to_rendezvous_gets_a_fresh_generation_and_nobody_restarts(r, redis_url, tmp_path) -> None:
-    """The second hour-long soak's first bug, reproduced: w1 reaches generation 1's barrier,
-    then stalls (alive, heartbeating) for longer than the collective timeout before it
-    publishes its address, so w0's rendezvous times out. The generation's prefix is spent:
-    w0 reports it, the coordinator plans a new generation of the same members, and both
-    train on in it. Before, the members retried the spent generation and every one exited."""
+def test_a_member_slow_to_rendezvous_is_waited_for_and_nobody_restarts(r, redis_url, tmp_path) -> None:
+    """w1 reaches generation 1's barrier, then stalls (alive, heartbeating) for 5 s before it
+    publishes its address - longer than the 3 s collective timeout that used to bound the
+    rendezvous. The second hour-long soak's first bug came from that timeout: the others'
+    rendezvous timed out, the members retried the spent generation and every one exited. Now
+    the rendezvous waits for a slow member (up to the rendezvous timeout, or until the
+    coordinator evicts it): generation 1 forms, and both train on in it."""
     job = "ph-rdzv-" + tmp_path.name[-4:]
     create_job(r, _spec(job, min_workers=2))
     watch = ControlWatcher(r, job)
@@ -144,14 +145,14 @@ def test_a_member_too_slow_to_rendezvous_gets_a_fresh_generation_and_nobody_rest
         agent = procs.start("agent", "agent", job, "--workers", "2", "--max-restarts", "0",
                             "--run-dir", str(tmp_path / "agent"))
         try:
-            replanned = watch.wait_for(lambda d: "generation 1 could not form" in d["reason"], 90)
-            assert "generation 2: world size 2 (w0, w1)" in replanned["reason"]
+            watch.wait_for(lambda d: "w1 active in generation 1" in d["reason"], 90)
             watch.wait_for(lambda d: d["job_state"] == "completed", 120)
             assert agent.wait(60) == 0
         except BaseException:
             _dump(procs, tmp_path)
             raise
-    assert not [d["reason"] for d in watch.seen if " failed" in d["reason"] and "could not form" not in d["reason"]]
+    assert not [d["reason"] for d in watch.seen if "could not form" in d["reason"] or "generation 2" in d["reason"]]
+    assert not [d["reason"] for d in watch.seen if " failed" in d["reason"]]
     slots = "".join(f.read_text() for f in (tmp_path / "agent").glob("slot-*.log"))
     assert slots.count("fault injected: sleep=5 at w1@0:rendezvous") == 1
     verdict = ledger.verify(ledger.read(tmp_path / "ledger"), DIGITS)
@@ -166,7 +167,8 @@ def test_a_lone_worker_frozen_past_its_ttl_commits_nothing_once_declared_failed(
     """w0 trains alone (no collective can fence it) and freezes mid-step for twice its TTL.
     The coordinator declares it failed meanwhile. When it wakes it is past every check of
     its loop, one step from applying an update: the commit fence must refuse that step, so
-    no step is committed by a worker the coordinator no longer counts."""
+    no step is committed by a worker the coordinator no longer counts. Then it rejoins, with
+    its state, as a new member, and finishes the job."""
     job = "ph-fence-" + tmp_path.name[-4:]
     create_job(r, _spec(job, max_workers=1))
     watch = ControlWatcher(r, job)
@@ -177,7 +179,8 @@ def test_a_lone_worker_frozen_past_its_ttl_commits_nothing_once_declared_failed(
         worker = procs.worker(job, "w0")
         try:
             failed = watch.wait_for(lambda d: d["reason"].startswith("w0 failed (rank 0): no heartbeat"), 90)
-            assert worker.wait(60) == 1  # woke evicted, exited
+            watch.wait_for(lambda d: d["job_state"] == "completed", 90)
+            assert worker.wait(60) == 0  # woke evicted, rejoined, finished
         except BaseException:
             _dump(procs, tmp_path)
             raise
@@ -186,4 +189,11 @@ def test_a_lone_worker_frozen_past_its_ttl_commits_nothing_once_declared_failed(
     mine = [e for e in ledger.read(tmp_path / "ledger") if e["worker"] == "w0"]
     assert max(e["step"] for e in mine) == 20  # everything before the freeze, nothing after
     assert all(e["t"] * 1000 < int(failed["ts_ms"]) for e in mine)
-    assert "evicted by the coordinator (declared failed): this step is not applied" in log
+    # refused by the commit fence, or - when its watcher read the table first - by the abort
+    assert ("evicted by the coordinator (declared failed): this step is not applied" in log
+            or "all_reduce: aborted (generation 2 evicted w0)" in log), log
+    assert "declared failed by the coordinator while alive" in log and "joined job " + job + " as w1" in log
+    entries = ledger.read(tmp_path / "ledger")
+    assert {e["pid"] for e in entries} == {mine[0]["pid"]}  # one process throughout
+    verdict = ledger.verify(entries, 5000)
+    assert verdict.ok, verdict.problem

@@ -37,3 +37,16 @@ def test_a_worker_declared_failed_after_only_a_slow_step_fails_the_soak() -> Non
     assert _checks(faults, ["w3"])["no failure without a fault"][0]
     ok, detail = _checks(faults, ["w2", "w3"])["no failure without a fault"]
     assert not ok and "declared failed without a fault: w2" in detail
+
+
+def test_a_slow_step_is_survived_by_a_step_after_its_stall_in_the_same_generation() -> None:
+    from shoal.ops.chaos.verdict import recovery_times
+
+    slow = Injected("worker_slow", 1.0, "w2 (pid 10)", 2, "w2", healed=5.0)
+    during = [{"t": 3.0, "generation": 2}]  # committed while the stall lasted: not yet survived
+    assert recovery_times([slow], during)[1] == {"worker_slow": (1, 0)}
+    times, counts = recovery_times([slow], during + [{"t": 5.5, "generation": 2}])
+    assert counts == {"worker_slow": (1, 1)} and times == [0.5]
+    # a lost worker still needs a newer generation
+    kill = Injected("worker_kill", 1.0, "w3 (pid 11)", 2, "w3")
+    assert recovery_times([kill], [{"t": 5.5, "generation": 2}])[1] == {"worker_kill": (1, 0)}

@@ -320,3 +320,31 @@ def test_a_peer_that_died_is_left_out_of_the_generation_after_the_failed_step() 
     (t,) = tables(d)
     assert t.generation == gen + 1 and [m.worker_id for m in t.members] == ["w0", "w1"]
     assert not tables(decide(d.state, Tick(), T0 + SETTLE_MS + 20, SPEC))
+
+
+def test_a_step_busy_past_the_step_timeout_evicts_its_worker_naming_it_and_the_table_lists_it() -> None:
+    spec = SPEC.model_copy(update={"step_timeout": 3.0})
+    s = three_workers(spec)  # generation 1: w0, w1, w2
+    # busy 2.9 s: within the step timeout, nothing happens (a slow peer is waited for)
+    d = decide(s, Tick(busy_since={"w1": T0}), T0 + 2900, spec)
+    assert not d.actions and d.state.workers["w1"].state != WorkerState.FAILED
+    d = decide(s, Tick(busy_since={"w1": T0}), T0 + 3500, spec)
+    rec = d.state.workers["w1"]
+    assert (rec.state, rec.cause, rec.rank) == (WorkerState.FAILED, FailureCause.STEP_TIMEOUT, 1)
+    assert rec.reason == ("w1 failed (rank 1): step timeout: its step has been busy for 3.5 s "
+                          "(step_timeout 3 s) while its heartbeat is alive")
+    assert Forget("w1") in d.actions
+    [table] = tables(d)
+    assert [m.worker_id for m in table.members] == ["w0", "w2"]
+    assert table.evicted == ["w1"]  # the survivors abort their collectives with it
+
+
+def test_a_table_lists_as_evicted_only_the_workers_failed_by_that_decision() -> None:
+    s = three_workers()
+    d = decide(s, Tick(last_seen={"w2": T0}), T0 + 5000, SPEC)
+    [table] = tables(d)
+    assert table.evicted == ["w2"]
+    # a drain is not an eviction: the leaver keeps stepping until it sees the new generation
+    d2 = decide(d.state, _ev(LeaveRequest(job_id="j", worker_id="w1")), T0 + 6000, SPEC)
+    [table2] = tables(d2)
+    assert table2.evicted == []

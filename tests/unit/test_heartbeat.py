@@ -6,10 +6,11 @@ from __future__ import annotations
 import time
 
 import fakeredis
+import pytest
 import redis
 
 from shoal.events.keys import job_keys
-from shoal.worker.heartbeat import Heartbeater
+from shoal.worker.heartbeat import CutOff, Heartbeater
 
 
 def _watched(client: redis.Redis, keys, wid: str) -> Heartbeater:
@@ -38,20 +39,57 @@ def test_recent_beats_answer_without_redis_and_old_ones_ask_it() -> None:
     assert not hb.still_member()  # eviction is final for this incarnation
 
 
-def test_an_unreachable_redis_does_not_stop_training() -> None:
+def test_an_unreachable_redis_within_the_ttl_does_not_stop_training() -> None:
     keys = job_keys("hb")
     dead = redis.Redis(port=1, socket_connect_timeout=0.2)  # nothing listens on port 1
-    hb = Heartbeater(dead, keys, "w0", interval=0.2, ttl=1.5)
-    hb.confirmed_at = time.monotonic() - 5.0
+    hb = Heartbeater(dead, keys, "w0", interval=0.2, ttl=1.5, fence_wait=0.5)
+    hb.confirmed_at = time.monotonic() - 1.0  # past half the TTL: it asks, fails, and trusts the TTL
     assert hb.still_member() and not hb.evicted
+
+
+def test_past_the_ttl_without_a_confirmed_beat_nothing_is_committed() -> None:
+    """The coordinator may have declared a worker failed once its TTL passed without a beat:
+    the fence retries for ``fence_wait``, then gives the step up (CutOff), not evicted."""
+    keys = job_keys("hb")
+    dead = redis.Redis(port=1, socket_connect_timeout=0.2)
+    hb = Heartbeater(dead, keys, "w0", interval=0.1, ttl=1.5, fence_wait=0.5)
+    hb.confirmed_at = time.monotonic() - 5.0
+    started = time.monotonic()
+    with pytest.raises(CutOff, match="cut off from Redis: no heartbeat confirmed for 5"):
+        hb.still_member()
+    assert 0.5 <= time.monotonic() - started < 3.0
+    assert not hb.evicted  # it keeps its state and tries again once Redis is back
+
+
+def test_the_fence_waits_for_redis_to_come_back_past_the_ttl() -> None:
+    """Redis answers again while the fence waits: the step commits (the coordinator counts
+    heartbeats from its own return, so the worker is still a member)."""
+    client, keys = fakeredis.FakeRedis(), job_keys("hb")
+    client.zadd(keys.last_seen, {"w0": 0})
+    hb = Heartbeater(client, keys, "w0", interval=0.05, ttl=1.5, fence_wait=5.0)
+    hb.confirmed_at = time.monotonic() - 5.0
+    calls = []
+    real = hb.beat
+
+    def flaky(*, client=None):  # the first two beats find Redis down
+        calls.append(1)
+        if len(calls) <= 2:
+            raise redis.ConnectionError("down")
+        return real(client=client)
+
+    hb.beat = flaky
+    assert hb.still_member() and len(calls) == 3
 
 
 def test_during_an_outage_the_fence_trusts_the_thread_unless_the_thread_was_frozen_too() -> None:
     client, keys = fakeredis.FakeRedis(), job_keys("hb")
     hb = Heartbeater(client, keys, "w0", interval=0.2, ttl=1.5)  # not watched: a beat would say evicted
-    hb.confirmed_at = time.monotonic() - 5.0
+    hb.confirmed_at = time.monotonic() - 1.0  # past half the TTL, within the TTL
     hb._failing_since = hb._tried_at = time.monotonic()  # the thread's beats are failing right now
     assert hb.still_member() and not hb.evicted  # no beat sent: the server is down
+    hb.confirmed_at = time.monotonic() - 5.0  # past the TTL: nothing unconfirmed is committed - ask
+    assert not hb.still_member() and hb.evicted
+    hb.evicted, hb.confirmed_at = False, time.monotonic() - 1.0
     hb._tried_at = time.monotonic() - 5.0  # ... or the whole process was frozen: ask
     assert not hb.still_member() and hb.evicted
 
@@ -59,16 +97,17 @@ def test_during_an_outage_the_fence_trusts_the_thread_unless_the_thread_was_froz
 def test_a_blackholed_redis_holds_the_fence_for_its_own_short_timeout_not_the_socket_timeout() -> None:
     """A server that accepts connections and never answers (packets dropped past the
     handshake) must not hold a step for the client's 10 s socket timeout: the fence's own beat
-    gives up after ``fence_timeout``, inside the peers' 3 s minimum collective timeout."""
+    gives up after ``fence_timeout`` (within the TTL of the last confirmed beat, the step
+    commits)."""
     import socket
 
     with socket.socket() as hole:
         hole.bind(("127.0.0.1", 0))
         hole.listen(8)  # the kernel completes handshakes; nobody ever reads
         client = redis.Redis(port=hole.getsockname()[1], socket_timeout=10, socket_connect_timeout=10)
-        hb = Heartbeater(client, job_keys("hb"), "w0", interval=0.2, ttl=2.0)
+        hb = Heartbeater(client, job_keys("hb"), "w0", interval=0.2, ttl=2.0, fence_wait=1.0)
         assert hb.fence_timeout == 0.5
-        hb.confirmed_at = time.monotonic() - 5.0  # old: the fence asks Redis
+        hb.confirmed_at = time.monotonic() - 1.1  # past half the TTL: the fence asks Redis
         started = time.monotonic()
         assert hb.still_member() and not hb.evicted
         took = time.monotonic() - started

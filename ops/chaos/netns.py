@@ -10,13 +10,14 @@ in namespaces that share the machine's ``/etc/hosts`` - so the host name's addre
 one a peer can reach.
 
 Processes run in a host with ``ip netns exec``; :meth:`Host.shoal` starts ``python -m shoal``
-there, from the repository root, with a log file each.
+there, in the network's working directory (``cwd``: where a job's entrypoint module is found,
+as under ``python -m``), with a log file each.
 
 Faults are nftables rules on the switch's bridge (this kernel has no ``netem``):
 :meth:`Net.partition` (two-way or one-way, between two hosts: packets vanish, nothing is
 refused), :meth:`Net.loss` (random loss on a host's link), :meth:`Net.link_down` (the switch
 port goes down: the cable is pulled), and :meth:`Net.delay` (every frame to and from a host
-held in a user-space delay line, :mod:`tests.multihost.delayfwd`); :meth:`Net.heal` undoes
+held in a user-space delay line, :mod:`shoal.ops.chaos.delayfwd`); :meth:`Net.heal` undoes
 them all.
 
 Clean-up: :meth:`Net.close` kills every process left in the namespaces (``ip netns pids``)
@@ -24,6 +25,8 @@ and deletes them, which deletes their interfaces and the bridge with them. Names
 carry the creating process's pid (``shn<pid>-<host>``): :func:`sweep` deletes those whose
 creator is dead (run at every :class:`Net` start, so a test run killed with SIGKILL is cleaned
 by the next one) and, at interpreter exit, this process's own.
+
+Used by ``shoal chaos --network`` (:mod:`shoal.ops.chaos.network`) and the multi-host tests.
 """
 
 from __future__ import annotations
@@ -46,8 +49,7 @@ from pathlib import Path
 import redis
 
 from shoal.ops.embedded import server_binary
-from shoal.ops.localproc import Proc
-from tests.helpers import ROOT, wait_until
+from shoal.ops.localproc import LocalProcs, Proc
 
 PREFIX = "shn"
 _NAME = re.compile(rf"^{PREFIX}(\d+)-[a-z0-9]+$")
@@ -67,12 +69,18 @@ def _run(*argv: str, check: bool = True, timeout: float = CMD_TIMEOUT) -> subpro
     return done
 
 
-def unavailable_reason() -> str:
-    """Why namespaces cannot be made on this machine ("" when they can): tried for real."""
+def unavailable_reason(*, faults: bool = False) -> str:
+    """Why namespaces cannot be made on this machine ("" when they can): tried for real.
+    With ``faults``, also why faults cannot be injected (no ``nft``, no ``/dev/net/tun`` for
+    the delay line). The reason names the cause only, e.g. "running as uid 1000, not root"."""
     if os.geteuid() != 0:
-        return "multi-host tests need root (network namespaces)"
+        return f"running as uid {os.geteuid()}, not root"
     if shutil.which("ip") is None:
-        return "multi-host tests need iproute2's 'ip'"
+        return "no 'ip' on PATH (Debian package iproute2)"
+    if faults and shutil.which("nft") is None:
+        return "no 'nft' on PATH (Debian package nftables)"
+    if faults and not os.path.exists("/dev/net/tun"):
+        return "no /dev/net/tun (the delay line needs TAP devices)"
     probe = f"{PREFIX}{os.getpid()}-probe"
     try:
         done = _run("ip", "netns", "add", probe, check=False)
@@ -82,6 +90,16 @@ def unavailable_reason() -> str:
         return f"'ip netns add' failed: {done.stderr.strip()}"
     _run("ip", "netns", "del", probe, check=False)
     return ""
+
+
+def _wait_until(pred, timeout: float, what: str, interval: float = 0.05):
+    """``pred()`` until truthy (returned); RuntimeError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not (got := pred()):
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+    return got
 
 
 def namespaces() -> list[str]:
@@ -165,7 +183,7 @@ class Host:
         log_path = self.net.log_dir / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:
-            popen = subprocess.Popen(["ip", "netns", "exec", self.ns, *argv], env=env, cwd=ROOT, stdout=out,
+            popen = subprocess.Popen(["ip", "netns", "exec", self.ns, *argv], env=env, cwd=self.net.cwd, stdout=out,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         proc = Proc(name, popen, log_path, role=role)
         self.procs.append(proc)
@@ -191,7 +209,7 @@ class Net:
     """Hosts on one bridge. Use as a context manager (or call :meth:`close`): every process
     and namespace it made is gone afterwards, also when the body raised."""
 
-    def __init__(self, log_dir: Path, *, subnet: int | None = None):
+    def __init__(self, log_dir: Path, *, subnet: int | None = None, cwd: Path | None = None):
         reason = unavailable_reason()
         if reason:
             raise NetUnavailable(reason)
@@ -199,6 +217,8 @@ class Net:
         sweep()
         #: where every process's log goes (``<name>.log``)
         self.log_dir = log_dir
+        #: the working directory of every process started in a host (default: this one's)
+        self.cwd = Path(cwd) if cwd is not None else Path.cwd()
         self.subnet = subnet if subnet is not None else os.getpid() % 250
         self.tag = f"{PREFIX}{os.getpid()}"
         self._seq = next(_SEQ)
@@ -265,8 +285,8 @@ class Net:
                 "--unixsocket", str(self.redis_socket), "--unixsocketperm", "700",
                 "--appendonly", "no", "--save", "", "--protected-mode", "no", "--daemonize", "no"]
         self.redis = host.popen("redis", argv, dict(os.environ), role="redis")
-        wait_until(lambda: self.redis.popen.poll() is not None or host.can_connect(host.ip, REDIS_PORT), 15,
-                   "Redis to listen")
+        _wait_until(lambda: self.redis.popen.poll() is not None or host.can_connect(host.ip, REDIS_PORT), 15,
+                    "Redis to listen")
         if self.redis.popen.poll() is not None:
             raise RuntimeError(f"Redis exited: {self.redis.log_tail(5)}")
         url = f"redis://{host.ip}:{REDIS_PORT}/0"
@@ -309,14 +329,14 @@ class Net:
         """Hold every frame to and from ``host`` for ``ms`` milliseconds (so a round trip to it
         takes ``2 * ms`` more), established connections included: its switch port is moved
         onto a bridge of its own, joined to the main one through a user-space delay line
-        (:mod:`tests.multihost.delayfwd`). Frames then enter the main bridge on the delay
+        (:mod:`shoal.ops.chaos.delayfwd`). Frames then enter the main bridge on the delay
         line's port, not the host's: a :meth:`partition` of a delayed host does not match."""
         if host.name in self._delays:
             raise ValueError(f"{host.name} is already delayed")
         near, far, side = f"dn{host.name}", f"df{host.name}", f"bd{host.name}"
         line = Proc(f"delay-{host.name}", subprocess.Popen(
-            ["ip", "netns", "exec", self.switch, sys.executable, "-m", "tests.multihost.delayfwd", near, far, str(ms)],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL), Path(os.devnull),
+            ["ip", "netns", "exec", self.switch, sys.executable, "-m", "shoal.ops.chaos.delayfwd", near, far, str(ms)],
+            cwd=self.cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL), Path(os.devnull),
             role="delay")
         self._delays[host.name] = line
         readable, _, _ = select.select([line.popen.stdout], [], [], CMD_TIMEOUT)
@@ -362,30 +382,20 @@ class Net:
     def stop_procs(self, timeout: float = 10.0) -> None:
         """SIGTERM workers and agents (they drain), then coordinators, then Redis; SIGKILL
         whatever is still running after ``timeout``. Every child is reaped."""
-        roles = [lambda p: p.role not in ("coordinator", "redis"), lambda p: p.role == "coordinator",
-                 lambda p: p.role == "redis"]
-        for match in roles:
-            group = [p for p in self.procs() if match(p)]
-            for p in group:
-                p.signal(signal.SIGCONT)
-                p.signal(signal.SIGTERM)
-            for p in group:
-                try:
-                    p.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    p.signal(signal.SIGKILL)
-                    p.wait(timeout)
+        # LocalProcs.stop_all stops workers and agents, then coordinators; Redis goes last
+        for group in ([p for p in self.procs() if p.role != "redis"], [p for p in self.procs() if p.role == "redis"]):
+            LocalProcs(self.env.get("REDIS_URL", ""), self.log_dir, procs=group).stop_all(timeout)
 
-    def close(self) -> None:
-        """Stop every process, delete every namespace made here. Never raises for a
-        namespace already gone; safe to call twice."""
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop every process (SIGKILL after ``timeout`` s a group), delete every namespace
+        made here. Never raises for a namespace already gone; safe to call twice."""
         if self._made:
             try:
                 self.heal()  # so that draining processes can still talk
             except Exception:  # noqa: BLE001 - best effort: the namespaces go anyway
                 pass
         try:
-            self.stop_procs()
+            self.stop_procs(timeout)
         finally:
             for name in reversed(self._made):
                 delete_namespace(name)

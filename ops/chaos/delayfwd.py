@@ -1,10 +1,10 @@
-"""A user-space delay line for :meth:`tests.multihost.netns.Net.delay` (this kernel has no
+"""A user-space delay line for :meth:`shoal.ops.chaos.netns.Net.delay` (this kernel has no
 netem): two TAP devices, every Ethernet frame read from one is written to the other ``MS``
 milliseconds later, in order. TAP devices without a virtio header get frames already
 segmented to the MTU, so nothing is too big to pass. The devices live as long as this
 process; it runs in the switch namespace and is killed with it.
 
-    python -m tests.multihost.delayfwd TAP_A TAP_B MS
+    python -m shoal.ops.chaos.delayfwd TAP_A TAP_B MS
 """
 
 from __future__ import annotations

@@ -1,0 +1,351 @@
+"""``shoal chaos --network``: the chaos soak across network namespaces, with network faults.
+
+The same job, pace steering and verdict as the local soak (:mod:`shoal.ops.chaos.run`), on a
+network of hosts made with :mod:`shoal.ops.chaos.netns` (one Linux network namespace each, on
+a bridge, private addresses): Redis on a host of its own, two coordinator replicas on two
+more, and ``workers`` worker nodes, each a node agent (``--node nN``, restarts unlimited, no
+``--iface``: the default address choice) running one worker. The soak itself reaches Redis
+over its unix socket, which no network fault cuts.
+
+For ``duration`` seconds it injects the next kind of a seeded, shuffled cycle over
+:data:`NET_KINDS`, holds it ``min_hold``..``max_hold`` seconds, heals it, waits for a step to
+commit after the heal (at most :data:`RECOVER_WAIT` seconds), then ``min_gap``..``max_gap``
+seconds, and goes on:
+
+- ``peer_partition``: two worker nodes cannot reach each other (both ways), Redis still can;
+- ``oneway_partition``: one worker node's frames to another vanish, the other way works;
+- ``node_redis_cut``: one worker node and Redis cannot reach each other (a blackhole: frames
+  vanish, nothing is refused; the node's peers still reach it);
+- ``redis_blackhole``: every frame to and from Redis is dropped, for everyone;
+- ``node_delay_20ms``: every frame to and from one worker node is held 20 ms;
+- ``node_loss_5pct``: 5 % of the frames to and from one worker node are dropped at random;
+- ``node_link_down``: one worker node's switch port goes down (the cable is pulled);
+- ``leader_redis_cut``: the coordinator replica holding the job's lease and Redis cannot
+  reach each other (the standby must take over).
+
+The job is paced as in the local soak, steered every :data:`STEER_EVERY` seconds on the step
+the workers' ledgers last committed; once the window closes, the pause is released and the
+steps left run at full speed.
+
+A fault that touches worker nodes comes only while an Active worker runs on a node it does
+not touch: were every replica cut off at once, the job could only resume from a checkpoint
+and re-commit the steps after it (the local soak's rule too). Every worker the coordinator
+declares failed must have run on a host a fault touched (its failure declared after the fault
+began; its join before the heal): the verdict's "no failure without a fault".
+
+Every namespace, veth, bridge and nftables table the soak made is gone when it returns, also
+when it failed or was interrupted (SIGINT or SIGTERM: both become KeyboardInterrupt here, and
+are ignored while the namespaces are removed); a soak killed outright is swept by the next
+harness start (``netns.sweep``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from shoal.core.registry import create_job
+from shoal.events.keys import JobKeys, job_keys
+from shoal.events.models import WorkerDoc
+from shoal.ops.chaos.inject import Injected, next_kind
+from shoal.ops.chaos.netns import Host, Net, NetUnavailable, unavailable_reason
+from shoal.ops.chaos.run import (
+    Background,
+    ChaosConfig,
+    PaceSteer,
+    committed_step,
+    conclude,
+    default_steps,
+    ended,
+    failures,
+    finish_job,
+    job_spec,
+    reference_parameters,
+    wait_state,
+    worker_env,
+)
+from shoal.ops.chaos.sampler import Sampler
+from shoal.ops.chaos.verdict import Profile, Verdict
+from shoal.storage.uri import open_store
+
+NET_KINDS = ("peer_partition", "oneway_partition", "node_redis_cut", "redis_blackhole", "node_delay_20ms",
+             "node_loss_5pct", "node_link_down", "leader_redis_cut")
+PROFILE = Profile(NET_KINDS, NET_KINDS, "heal -> first committed step after it")
+DELAY_MS = 20.0
+LOSS_PERCENT = 5
+#: after a heal, the next fault waits for a step committed after it, this long at most (s)
+RECOVER_WAIT = 10.0
+#: seconds between two adjustments of the pause per step (PaceSteer)
+STEER_EVERY = 10.0
+#: the line printed where namespaces cannot be made
+UNAVAILABLE = "shoal chaos --network: needs root with ip and nft (network namespaces): {reason}"
+
+
+@dataclass
+class NetInjector:
+    """Performs network faults on the soak's hosts, one at a time (:meth:`inject`, then
+    :meth:`heal`), and keeps which node every worker it saw ran on."""
+
+    net: Net
+    client: redis.Redis
+    keys: JobKeys
+    nodes: list[Host]
+    redis_host: Host
+    coordinators: dict[str, Host]  #: replica id (= host name) -> host
+    done: list[Injected] = field(default_factory=list)
+    current: Injected | None = None
+    node_of: dict[str, str] = field(default_factory=dict)  #: worker id -> node name
+    joined_ms: dict[str, int] = field(default_factory=dict)  #: worker id -> when it joined (server ms)
+
+    def observe(self) -> dict[str, WorkerDoc]:
+        """The job's worker records (and which node each ran on, remembered)."""
+        docs = {k.decode(): WorkerDoc.model_validate_json(v) for k, v in self.client.hgetall(self.keys.workers).items()}
+        for wid, doc in docs.items():
+            if doc.node:
+                self.node_of[wid] = doc.node
+                self.joined_ms[wid] = doc.joined_ms
+        return docs
+
+    def holders(self) -> set[str]:
+        """Nodes running an Active worker."""
+        return {d.node for d in self.observe().values() if d.state == "Active"}
+
+    def leader(self) -> Host | None:
+        token = self.client.get(self.keys.lease)
+        return self.coordinators.get(token.decode().split(":", 1)[0]) if token else None
+
+    def targets(self, kind: str) -> list[tuple[Host, ...]]:
+        """The node (pairs) ``kind`` may hit now: some Active worker runs on a node it spares."""
+        held = self.holders()
+        if kind in ("peer_partition", "oneway_partition"):
+            return [(a, b) for a in self.nodes for b in self.nodes
+                    if a is not b and (kind == "oneway_partition" or a.name < b.name) and held - {a.name, b.name}]
+        return [(n,) for n in self.nodes if held - {n.name}]
+
+    def allowed(self, kind: str) -> bool:
+        if kind == "redis_blackhole":
+            return True
+        if kind == "leader_redis_cut":
+            return self.leader() is not None
+        return bool(self.targets(kind))
+
+    def inject(self, kind: str, rng: random.Random) -> Injected:
+        if self.current is not None:
+            raise RuntimeError(f"{self.current.kind} is still injected")
+        net, nodes = self.net, ()
+        if kind == "redis_blackhole":
+            net.loss(self.redis_host, 100)
+            target, nodes = "redis: every frame to and from it dropped", tuple(n.name for n in self.nodes)
+        elif kind == "leader_redis_cut":
+            leader = self.leader()
+            net.partition(leader, self.redis_host)
+            target = f"{leader.name} <-> redis cut (the leader)"
+        else:
+            pick = rng.choice(self.targets(kind))
+            nodes = tuple(h.name for h in pick)
+            if kind == "peer_partition":
+                net.partition(*pick)
+                target = f"{pick[0].name} <-> {pick[1].name} cut"
+            elif kind == "oneway_partition":
+                net.partition(*pick, oneway=True)
+                target = f"{pick[0].name} -> {pick[1].name} cut"
+            else:
+                (node,) = pick
+                if kind == "node_redis_cut":
+                    net.partition(node, self.redis_host)
+                    target = f"{node.name} <-> redis cut"
+                elif kind == "node_delay_20ms":
+                    net.delay(node, DELAY_MS)
+                    target = f"{node.name} +{DELAY_MS:g} ms each way"
+                elif kind == "node_loss_5pct":
+                    net.loss(node, LOSS_PERCENT)
+                    target = f"{node.name} {LOSS_PERCENT} % of frames dropped"
+                else:
+                    net.link_down(node)
+                    target = f"{node.name} link down"
+        fault = Injected(kind, time.time(), target, -1, nodes=nodes)
+        self.done.append(fault)
+        self.current = fault
+        return fault
+
+    def heal(self) -> None:
+        self.net.heal()
+        if self.current is not None:
+            self.current.healed = time.time()
+            self.current = None
+
+    def attribute(self, declared: list[tuple[int, str]]) -> None:
+        """Fill in each fault's ``hits``: the workers declared failed (``declared``: (server ms,
+        worker id)) that ran on a node it touched, joined before its heal and were declared
+        failed after it began."""
+        self.observe()
+        for f in self.done:
+            healed_ms = (f.healed or time.time()) * 1000
+            f.hits = tuple(sorted({wid for ts, wid in declared if self.node_of.get(wid) in f.nodes
+                                   and self.joined_ms.get(wid, 0) <= healed_ms and ts >= f.t * 1000 - 1}))
+
+
+@contextlib.contextmanager
+def _interrupts_raise():
+    """SIGINT and SIGTERM raise KeyboardInterrupt (so that clean-up runs), in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupted(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    before = {s: signal.signal(s, interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def _shielded():
+    """SIGINT and SIGTERM ignored (in the main thread): a second Ctrl-C cannot cut clean-up short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def run_network(cfg: ChaosConfig, out=print) -> Verdict:
+    """Run the soak; raises :class:`NetUnavailable` (before making anything) where namespaces
+    cannot be made, KeyboardInterrupt when interrupted (everything made is removed first)."""
+    reason = unavailable_reason(faults=True)
+    if reason:
+        raise NetUnavailable(reason)
+    if cfg.workers < 3:
+        raise ValueError("shoal chaos --network needs at least 3 worker nodes")
+    with tempfile.TemporaryDirectory(prefix="shoal-chaos-net-") as tmp, _interrupts_raise():
+        root = Path(cfg.run_dir) if cfg.run_dir else Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            net = Net(root / "net")
+        except RuntimeError as exc:  # a command of the harness failed: namespaces cannot be made
+            raise NetUnavailable(str(exc)) from exc
+        try:
+            run = _soak(cfg, net, root, out)
+        finally:
+            with _shielded():  # the job is over (or abandoned): its processes need not drain long
+                net.close(timeout=3.0)
+        return conclude(cfg, root, out, profile=PROFILE, **run)
+
+
+def _soak(cfg: ChaosConfig, net: Net, root: Path, out) -> dict:
+    """The hosts, the processes and the fault window; what :func:`conclude` needs."""
+    rng = random.Random(cfg.seed)
+    steps = default_steps(cfg)
+    redis_host = net.add_host("redis")
+    coordinators = {name: net.add_host(name) for name in ("coord1", "coord2")}
+    nodes = [net.add_host(f"n{i + 1}") for i in range(cfg.workers)]
+    net.start_redis(redis_host)
+    client = net.client()
+    job = "chaos"
+    keys = job_keys(job)
+    ckpt = f"file://{root / 'ckpt'}"
+    create_job(client, job_spec(cfg, steps, ckpt, len(nodes), job))
+    env = {**worker_env(root, cfg), "SHOAL_HOME": str(root / "home")}
+    # steered on a longer interval than the local soak's: each interval then spans several
+    # faults held for seconds (a stall at each); at the window's end the pause is released
+    steer = PaceSteer(root / "pace", steps, cfg.step_pace, every=STEER_EVERY)
+    ledger_dir = root / "ledger"
+    min_gap, max_gap = cfg.gaps()
+    out(f"shoal chaos --network: {cfg.duration:.0f} s of network faults, seed {cfg.seed}; Redis, 2 coordinators and "
+        f"{len(nodes)} worker nodes (an agent with one worker each), each its own network namespace ({net.tag}-*); "
+        f"faults held {cfg.min_hold:g}-{cfg.max_hold:g} s, {min_gap:g}-{max_gap:g} s apart; job of {steps} steps; "
+        f"run dir {root}")
+    reference = Background(lambda: reference_parameters(steps, cfg.seed))
+    coords = [host.shoal(name, "coordinator", "--id", name, "--no-launcher", "--lease-ttl", "1", env=env)
+              for name, host in coordinators.items()]
+    agents = [n.shoal(f"agent-{n.name}", "agent", job, "--workers", "1", "--node", n.name, "--max-restarts", "100000",
+                      "--backoff", "0.1", "--backoff-max", str(cfg.agent_backoff_max),
+                      "--run-dir", str(root / f"agent-{n.name}"), env=env) for n in nodes]
+    injector = NetInjector(net, client, keys, nodes, redis_host, coordinators)
+    sampler = Sampler(net.client(), keys, open_store(ckpt))
+    try:
+        if not wait_state(client, keys, ("running",), 120):
+            raise RuntimeError(f"the job did not start training; the logs are in {net.log_dir}\n{net.dump(10)}")
+        deadline = time.monotonic() + 60  # every node trains before the first fault (if it can)
+        while len(injector.holders()) < len(nodes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        sampler.start()
+        cycle: list[str] = []
+        started = time.monotonic()  # the window starts once the job trains
+        window_end = started + cfg.duration
+        next_at = started + rng.uniform(min_gap, max_gap)
+        heal_at = recover_by = 0.0
+        healed_step = -1  # >= 0: healed at this step, waiting for a commit after it
+        observed = 0.0
+        while (now := time.monotonic()) < window_end and not ended(client, keys):
+            if steer.due():
+                steer.update(committed_step(ledger_dir), window_end)
+            if now - observed >= 0.5:
+                injector.observe()
+                observed = now
+            if injector.current is not None:
+                if now >= heal_at:
+                    healed_step = committed_step(ledger_dir)
+                    injector.heal()
+                    recover_by = time.monotonic() + RECOVER_WAIT
+                time.sleep(0.05)
+                continue
+            if healed_step >= 0:
+                if now < recover_by and committed_step(ledger_dir) <= healed_step:
+                    time.sleep(0.2)
+                    continue
+                healed_step = -1
+                next_at = now + rng.uniform(min_gap, max_gap)
+            if now < next_at:
+                time.sleep(0.05)
+                continue
+            kind = next_kind(cycle, NET_KINDS, injector.allowed, rng)
+            if kind is None:
+                next_at = now + 0.5
+                continue
+            hold = rng.uniform(cfg.min_hold, cfg.max_hold)
+            f = injector.inject(kind, rng)
+            heal_at = time.monotonic() + hold
+            out(f"  {time.monotonic() - started:6.1f} s  {f.kind:<17} {f.target}, held {hold:.1f} s")
+        window = time.monotonic() - started
+        if injector.current is not None:
+            injector.heal()
+        steer.release()
+        completed = finish_job(client, keys, cfg, steps, steer.pace, window, out)
+        elapsed = time.monotonic() - started
+        samples = sampler.stop()
+        final_step = int(client.hget(keys.state, "latest_step") or 0)
+        running = [c.name for c in coords if c.popen.poll() is None]
+        agent_rcs = {}
+        for a in agents:  # after the job ends, each agent exits by itself
+            try:
+                agent_rcs[a.name] = a.wait(60)
+            except subprocess.TimeoutExpired:
+                agent_rcs[a.name] = None
+        declared = failures(client, keys)
+        injector.attribute(declared)
+    finally:
+        sampler.stop()  # Net.close heals whatever is still injected
+    more = (("coordinators ran throughout", len(running) == len(coords),
+             f"{len(running)} of {len(coords)} replicas still running at the end"),
+            ("agents exited cleanly", all(rc == 0 for rc in agent_rcs.values()),
+             ", ".join(f"{name} exit {rc}" for name, rc in agent_rcs.items())))
+    return dict(steps=steps, reference=reference, completed=completed, final_step=final_step, elapsed=elapsed,
+                samples=samples, faults=injector.done, window=window, failed=[wid for _ts, wid in declared], more=more)
