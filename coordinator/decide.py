@@ -62,10 +62,13 @@ from shoal.events.models import (
     StepFailed,
     StopJob,
     WorkerExited,
+    WorkerStartFailed,
 )
 from shoal.core.jobspec import JobSpec
 
 SETTLE_MS = 300
+#: A straggler's step is ``straggler_factor`` x the median AND this many seconds longer.
+STRAGGLER_FLOOR_S = 0.05
 
 
 # ---- inputs ---------------------------------------------------------------------------------
@@ -331,6 +334,8 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
         return Decision(replace(state, status=status), (), ev.reason)
     if isinstance(ev, JoinRequest):
         return _on_join(state, ev, now_ms, spec, epoch)
+    if isinstance(ev, WorkerStartFailed):
+        return _on_start_failed(state, ev, now_ms, spec)
     wid = ev.worker_id or ""
     rec = state.workers.get(wid)
     if isinstance(ev, JobCompleted):
@@ -426,7 +431,8 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
         if not ev.rendezvous:
             # The step is dropped everywhere; the members need a fresh generation to redo it.
             # Not at once: a peer that died is reported by its agent within moments, and the
-            # new generation should not include it. A slow peer is alive: it is kept.
+            # new generation should not include it. A member that is alive is kept (one whose
+            # step is stuck is evicted by the step timeout, not here).
             if state.status.step_failed_ms:
                 return _unchanged(state, f"{said}; a new generation is already due")
             failure = f"step {ev.step} of generation {ev.generation} failed on {wid} ({' '.join(ev.error.split())[:200]})"
@@ -465,7 +471,29 @@ def _formation_failed(state: CoordState, spec: JobSpec, now_ms: int) -> Decision
     return Decision(replace(state, status=status), (), reason)
 
 
-def _give_up(state: CoordState, wid: str, ev: WorkerExited, spec: JobSpec, now_ms: int, actions: list) -> Decision:
+def _on_start_failed(state: CoordState, ev: WorkerStartFailed, now_ms: int, spec: JobSpec) -> Decision:
+    """A worker process ended before it joined: a failure of the job like any other (kept as
+    the first failure, with its traceback, when it is the first), and the end of the job when
+    its agent gave up and too few workers remain - instead of a job ``pending`` forever."""
+    if state.status.state in TERMINAL_JOB_STATES:
+        return _unchanged(state, f"start failure of {ev.who()} ignored: job already {state.status.state.value}")
+    how = f"signal {ev.signal}" if ev.signal else f"exit code {ev.exit_code}"
+    tail = ev.traceback.strip().splitlines()[-1] if ev.traceback.strip() else ""
+    why = f"{ev.who()} failed before joining: process ended with {how}" + (f" ({tail})" if tail else "")
+    if ev.will_restart:
+        why += f"; restarting it (restart {ev.restarts + 1})"
+    status = state.status
+    if not status.first_failure:
+        status = replace(status, first_failure=why, first_failure_worker="", first_failure_traceback=ev.traceback)
+    state = replace(state, status=status)
+    actions = [RecordFailure(f"{ev.node or '?'}/slot{ev.slot}", -1, why, ev.exit_code, ev.signal, ev.traceback)]
+    if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:
+        return _give_up(state, f"{ev.node or '?'}/slot{ev.slot}", ev, spec, now_ms, actions)
+    return Decision(state, tuple(actions), why)
+
+
+def _give_up(state: CoordState, wid: str, ev: WorkerExited | WorkerStartFailed, spec: JobSpec, now_ms: int,
+             actions: list) -> Decision:
     if state.status.state in TERMINAL_JOB_STATES:
         return Decision(state, tuple(actions), f"{wid}'s slot gave up; job already {state.status.state.value}")
     reason = (f"job failed: {wid}'s slot gave up after {ev.restarts} restarts and fewer than "
@@ -566,7 +594,8 @@ def _flag_stragglers(state: CoordState, step_times: dict[str, float], factor: fl
     for wid, rec in state.workers.items():
         if rec.state != WorkerState.ACTIVE or wid not in active:
             continue
-        slow = active[wid] > factor * median
+        # relative and absolute: 8 ms against a 4 ms median is noise, not a straggler
+        slow = active[wid] > factor * median and active[wid] - median > STRAGGLER_FLOOR_S
         if slow != rec.straggler:
             workers[wid] = replace(rec, straggler=slow, changed_ms=now_ms)
             verb = "straggler" if slow else "no longer a straggler"

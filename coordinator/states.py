@@ -193,7 +193,8 @@ class JobStatus:
     #: that fails because no generation forms; cleared when one forms.
     rendezvous_error: str = ""
     #: Redis ms at which a live member reported that a step of the current generation failed
-    #: (a peer too slow for the collective timeout, or one that died); the same members get a
+    #: (a peer that died, a partition that outlasted the collective timeout, a member cut off
+    #: from Redis that gave its step up); the same members get a
     #: new generation ``SETTLE_MS`` later unless a membership change re-plans first. 0: none.
     step_failed_ms: int = 0
     #: That report, for people: the reason of the generation it leads to.

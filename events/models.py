@@ -46,8 +46,8 @@ class JoinRequest(EventBase):
     host: Annotated[str, Field(max_length=255)] = ""
     pid: int = 0
     node: Annotated[str, Field(max_length=255)] = ""
-    #: A worker restarted by its agent asks for its old id back (restart budget is per id).
-    previous_worker_id: Annotated[str | None, Field(max_length=64)] = None
+    # (``previous_worker_id``, sent by earlier versions, was never used and is ignored: a
+    # restarted process joins under a new id; the restart budget is kept by its node agent)
     #: The newest generation this process has been a member of (0: none). A process that
     #: rejoins after Redis lost the job asks the coordinator to number on above it, so a
     #: generation (and its rendezvous prefix) never repeats for a live process.
@@ -78,20 +78,44 @@ class Left(EventBase):
     kind: Literal["left"] = "left"
 
 
-class WorkerExited(EventBase):
-    """A node agent saw the worker process die (faster than the heartbeat TTL)."""
+class _ProcessEnded(EventBase):
+    """What a node agent reports about a worker process that ended."""
 
-    kind: Literal["exited"] = "exited"
     exit_code: int | None = None
     signal: int | None = None
+    #: The last lines of the process's output (its traceback, when it printed one).
     traceback: Annotated[str, Field(max_length=8000)] = ""
     will_restart: bool = False
     #: The agent spent the restart budget on this worker's slot and will not restart it.
     gave_up: bool = False
     restarts: int = 0
-    #: The dead process's pid (0: unknown). A report about a pid other than the one the
-    #: worker id joined with (ids restart after Redis lost a job) is ignored.
+    #: The dead process's pid (0: unknown).
     pid: int = 0
+
+
+class WorkerExited(_ProcessEnded):
+    """A node agent saw the worker process die (faster than the heartbeat TTL). A report
+    about a pid other than the one the worker id joined with (ids restart after Redis lost a
+    job) is ignored."""
+
+    kind: Literal["exited"] = "exited"
+
+
+class WorkerStartFailed(_ProcessEnded):
+    """A worker process a node agent started ended before it joined the job, so it has no
+    worker id (the entrypoint could not be imported, the checkpoint store's settings are
+    missing, the job spec could not be read...). ``worker_id`` is None; the process is named
+    by ``node``, the agent's ``slot`` and ``pid``. The coordinator records it as a failure
+    (the job's first failure when it is the first) and fails the job when the agent gave up
+    and too few workers remain."""
+
+    kind: Literal["start_failed"] = "start_failed"
+    node: Annotated[str, Field(max_length=255)] = ""
+    slot: Annotated[int, Field(ge=0)] = 0
+
+    def who(self) -> str:
+        """``the worker process on node n1 (slot 0, pid 4242)``."""
+        return f"the worker process on node {self.node or '?'} (slot {self.slot}, pid {self.pid})"
 
 
 class StepFailed(EventBase):
@@ -133,7 +157,8 @@ class StopJob(EventBase):
 
 
 WorkerEvent = Annotated[
-    Union[JoinRequest, Ready, LeaveRequest, Left, WorkerExited, StepFailed, JobCompleted, StopJob, Checkpointed],
+    Union[JoinRequest, Ready, LeaveRequest, Left, WorkerExited, WorkerStartFailed, StepFailed, JobCompleted, StopJob,
+          Checkpointed],
     Field(discriminator="kind"),
 ]
 _EVENT_ADAPTER: TypeAdapter = TypeAdapter(WorkerEvent)
@@ -244,6 +269,11 @@ class Heartbeat(_Wire):
     loss: float | None = None
     digest: str | None = None
     pid: int = 0
+    #: The job's length in steps (``max_steps``, else epochs x steps per epoch), as the
+    #: worker computed it from its dataset (None: not reported).
+    total_steps: int | None = None
+    #: The epoch (0-based) the worker's cursor is in (None: not reported).
+    epoch: int | None = None
 
 
 class WorkerDoc(_Wire):

@@ -28,6 +28,22 @@ log = logging.getLogger("shoal.cli")
 RIDE_OUT_S = 60.0
 
 
+#: How long a command that may not start the embedded server waits for one being started (a
+#: `shoal coordinator &` launched a moment before, as in the README).
+EMBEDDED_WAIT_S = 10.0
+
+
+def _embedded_up(run_dir) -> bool:
+    """Whether the embedded server of ``run_dir`` runs, waiting up to EMBEDDED_WAIT_S for one
+    when a server has run there before (a new run dir: no wait)."""
+    deadline = time.monotonic() + (EMBEDDED_WAIT_S if run_dir.exists() else 0.0)
+    while not (run_dir / "port").exists():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 @contextlib.contextmanager
 def redis_client(*, start_embedded: bool, ride_out: float = 0.0) -> Iterator[redis.Redis]:
     """A client for ``REDIS_URL``, or for the embedded server (started if allowed).
@@ -36,8 +52,9 @@ def redis_client(*, start_embedded: bool, ride_out: float = 0.0) -> Iterator[red
     server = None
     if url is None:
         run_dir = default_run_dir()
-        if not start_embedded and not (run_dir / "port").exists():
-            raise ConnectionFailed(f"REDIS_URL is not set and no embedded server runs in {run_dir}")
+        if not start_embedded and not _embedded_up(run_dir):
+            raise ConnectionFailed(f"REDIS_URL is not set and no embedded server runs in {run_dir}"
+                                   + (f" (waited {EMBEDDED_WAIT_S:g} s for one)" if run_dir.exists() else ""))
         server = ensure_server(run_dir)
         url = server.url
         if server.owned:
@@ -236,10 +253,11 @@ def _positive_float(text: str) -> float:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from shoal.events.keys import LAUNCH_QUEUE
-    from shoal.core.jobspec import load_spec
-    from shoal.ops.submit import submit
+    from shoal.ops.submit import check_runnable, submit
 
-    spec = load_spec(args.spec)  # refused here, before anything is written or queued
+    spec = _spec_from_args(args)  # refused here, before anything is written or queued
+    if not args.no_validate:
+        check_runnable(spec)
     with redis_client(start_embedded=True) as client:
         done = submit(client, spec, workers_per_unit=args.workers)
     print(done.job_id)
@@ -361,26 +379,39 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 def cmd_create(args: argparse.Namespace) -> int:
     from shoal.core.registry import create_job
-    from shoal.core.jobspec import load_spec, parse_spec
+    from shoal.ops.submit import check_runnable
 
-    if args.spec:
-        spec = load_spec(args.spec)
-        if args.name:
-            spec = parse_spec({**spec.model_dump(mode="json"), "name": args.name}, args.spec)
-    else:
-        if not args.name:
-            raise ConfigError("give a job spec file or --name")
-        fields = {"name": args.name}
-        for item in args.set or []:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise ConfigError(f"--set expects key=value, got {item!r}")
-            fields[key] = _yaml_scalar(value)
-        spec = parse_spec(fields, "--set options")
+    spec = _spec_from_args(args)
+    if not args.no_validate:
+        check_runnable(spec)  # refused here, before anything is written
     with redis_client(start_embedded=True) as client:
         create_job(client, spec)
     print(spec.name)
     return 0
+
+
+def _spec_from_args(args: argparse.Namespace):
+    """The job spec of ``create``/``submit``: the file (if given), then ``--name`` and every
+    ``--set key=value`` over it, validated like the file (one line naming a bad field)."""
+    from shoal.core.jobspec import load_spec, parse_spec
+    from shoal.core.yamlfile import read_yaml
+
+    name, sets = getattr(args, "name", None), args.set or []
+    if args.spec and not name and not sets:
+        return load_spec(args.spec)
+    if not args.spec and not name:
+        raise ConfigError("give a job spec file or --name")
+    fields = read_yaml(args.spec, "job spec") if args.spec else {}
+    if not isinstance(fields, dict):
+        return load_spec(args.spec)  # says what is wrong with the file
+    if name:
+        fields["name"] = name
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        fields[key] = _yaml_scalar(value)
+    return parse_spec(fields, f"{args.spec} with --set/--name" if args.spec else "--set options")
 
 
 def _yaml_scalar(text: str):
@@ -426,19 +457,23 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 def cmd_delete(args: argparse.Namespace) -> int:
     from shoal.core.registry import delete_job
 
+    keys = _job_keys(args.job)
     with redis_client(start_embedded=False) as client:
+        if client.get(keys.spec) is None and not client.exists(keys.state, keys.control):
+            raise ConfigError(f"no job {args.job!r} in this Redis")
         n = delete_job(client, args.job)
     print(f"deleted job {args.job} ({n} keys)")
     return 0
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    from shoal.events.keys import job_keys
-
-    keys = job_keys(args.job)
+    keys = _job_keys(args.job)
     with redis_client(start_embedded=False) as client:
+        if client.get(keys.spec) is None and not client.exists(keys.control):
+            raise ConfigError(f"no job {args.job!r} in this Redis")
         last = "0-0"
         while True:
+            ended = args.follow and (client.hget(keys.state, "state") or b"").decode() in ("completed", "failed", "stopped")
             resp = client.xread({keys.control: last}, count=500, block=1000 if args.follow else None)
             for _s, entries in resp or []:
                 for sid, f in entries:
@@ -446,7 +481,7 @@ def cmd_events(args: argparse.Namespace) -> int:
                     d = {k.decode(): v.decode() for k, v in f.items()}
                     ts = time.strftime("%H:%M:%S", time.localtime(int(d.get("ts_ms", 0)) / 1000))
                     print(f"{ts} gen {d.get('generation', '?'):>3} {d.get('job_state', ''):<9} [{d.get('kind', '')}] {d.get('reason', '')}")
-            if not args.follow and not resp:
+            if not resp and (not args.follow or ended):  # --follow ends once the job ended and all is shown
                 return 0
 
 
@@ -516,9 +551,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"shoal: {message} (see '{self.prog} --help')\n")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shoal")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="shoal", description="Elastic, fault-tolerant data-parallel training over Redis.")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    p.add_argument("--version", action="version", version=f"shoal {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("coordinator", help="run a coordinator replica (any number may run)")
@@ -535,9 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_coordinator)
 
     w = sub.add_parser("worker", help="run one worker process of a job")
-    w.add_argument("job")
+    w.add_argument("job", help="the job id (its name)")
     w.add_argument("--node", help="node name reported to the coordinator")
-    w.add_argument("--join-timeout", type=float, default=30.0)
+    w.add_argument("--join-timeout", type=float, default=30.0, help="seconds to wait for the join reply (default 30)")
     w.add_argument("--iface", default=None,
                    help="network interface whose address gloo advertises to the peers (default: env SHOAL_IFACE, "
                         "else the interface this host reaches Redis through)")
@@ -566,11 +611,15 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("spec", help="job spec YAML")
     sb.add_argument("--workers", "-n", type=_positive_int, default=1,
                     help="worker processes per launch unit, i.e. per node agent (default 1)")
+    sb.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="override a spec field of the file (repeatable; validated like the file)")
+    sb.add_argument("--no-validate", action="store_true",
+                    help="do not import the entrypoint or check S3 settings here (they exist only on the workers)")
     sb.set_defaults(func=cmd_submit)
 
     st = sub.add_parser("stop", help="stop a job gracefully (workers see 'stopped' and exit)")
-    st.add_argument("job")
-    st.add_argument("--reason", default="stopped by operator")
+    st.add_argument("job", help="the job id (its name)")
+    st.add_argument("--reason", default="stopped by operator", help="recorded as the job's reason")
     st.add_argument("--wait", type=float, metavar="SECONDS", help="wait up to this long for the job to be stopped")
     st.set_defaults(func=cmd_stop)
 
@@ -580,7 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     pg.set_defaults(func=cmd_purge)
 
     lg = sub.add_parser("logs", help="workers' log lines of a job")
-    lg.add_argument("job")
+    lg.add_argument("job", help="the job id (its name)")
     lg.add_argument("--worker", "-w", help="only this worker id (e.g. w3)")
     lg.add_argument("--follow", "-f", action="store_true", help="wait for new lines (ends once the job ended)")
     lg.add_argument("--tail", type=int, help="start with the last N lines")
@@ -588,27 +637,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     cr = sub.add_parser("create", help="register a job from a spec file or options (no queue)")
     cr.add_argument("spec", nargs="?", help="job spec YAML")
-    cr.add_argument("--name")
-    cr.add_argument("--set", action="append", metavar="KEY=VALUE", help="spec field (repeatable)")
+    cr.add_argument("--name", help="the job's name (overrides the file's)")
+    cr.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="spec field, over the file's if one is given (repeatable; validated like the file)")
+    cr.add_argument("--no-validate", action="store_true",
+                    help="do not import the entrypoint or check S3 settings here (they exist only on the workers)")
     cr.set_defaults(func=cmd_create)
 
     s = sub.add_parser("status", help="show a job's state, generation and workers")
-    s.add_argument("job")
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--watch", action="store_true")
-    s.add_argument("--interval", type=float, default=1.0)
+    s.add_argument("job", help="the job id (its name)")
+    s.add_argument("--json", action="store_true", help="one JSON object (for scripts)")
+    s.add_argument("--watch", action="store_true", help="redraw until interrupted")
+    s.add_argument("--interval", type=float, default=1.0, help="seconds between redraws with --watch (default 1)")
     s.set_defaults(func=cmd_status)
 
     j = sub.add_parser("jobs", help="list jobs")
     j.set_defaults(func=cmd_jobs)
 
     d = sub.add_parser("delete", help="remove every key of a job")
-    d.add_argument("job")
+    d.add_argument("job", help="the job id (its name)")
     d.set_defaults(func=cmd_delete)
 
     e = sub.add_parser("events", help="the coordinator's decisions with their reasons")
-    e.add_argument("job")
-    e.add_argument("--follow", "-f", action="store_true")
+    e.add_argument("job", help="the job id (its name)")
+    e.add_argument("--follow", "-f", action="store_true", help="wait for new decisions (ends once the job ended)")
     e.set_defaults(func=cmd_events)
 
     ch = sub.add_parser("chaos", help="a job under random faults for a while, then a check of its end state")
@@ -632,19 +684,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     dm = sub.add_parser("demo", help="embedded Redis + coordinator + 3 workers, with a kill and a join")
     dm.add_argument("--duration", type=float, default=None, help="give up after this many seconds (default 600)")
-    dm.add_argument("--epochs", type=int, default=40)
+    dm.add_argument("--epochs", type=int, default=40, help="epochs of the demo job (default 40)")
     dm.add_argument("--report", metavar="PATH", default="report.png",
                     help="write the run's report (shoal report) here at the end ('' : none)")
     dm.set_defaults(func=cmd_demo)
 
     rp = sub.add_parser("report", help="a PNG of a job's loss and throughput with its membership changes")
-    rp.add_argument("job")
+    rp.add_argument("job", help="the job id (its name)")
     rp.add_argument("-o", "--output", default="report.png", help="PNG file to write (default report.png)")
     rp.set_defaults(func=cmd_report)
 
     cl = sub.add_parser("cluster", help="validate or show a cluster.yaml")
-    cl.add_argument("action", choices=["validate", "show"])
-    cl.add_argument("file")
+    cl.add_argument("action", choices=["validate", "show"], help="validate: check the file; show: print what it describes")
+    cl.add_argument("file", help="cluster file (YAML), e.g. examples/cluster.yaml")
     cl.set_defaults(func=cmd_cluster)
     return p
 

@@ -63,10 +63,17 @@ class Progress:
             inst = (step - self._last[1]) / (now - self._last[0])
             self.rate = inst if self.rate is None else 0.5 * self.rate + 0.5 * inst
         self._last = (now, step)
+        # the job's length: max_steps, else what the workers computed from their dataset
+        totals = [int(b["total_steps"]) for b in beats if b.get("total_steps")]
+        total = self.spec.max_steps or (max(totals) if totals else None)
+        epochs = [int(b["epoch"]) for b in beats if b.get("epoch") is not None]
         eta = None
-        if self.spec.max_steps and self.rate:
-            eta = round(max(0, self.spec.max_steps - self.max_step) / self.rate, 1)
+        if total and self.rate:
+            eta = round(max(0, total - self.max_step) / self.rate, 1)
         return {
+            "total_steps": total,
+            "epoch": max(epochs) + 1 if epochs else None,
+            "percent": round(100.0 * min(self.max_step, total) / total, 1) if total else None,
             "state": state.decode() if state else "pending",
             "generation": int(gen or 0),
             "world_size": table.world_size if table else 0,
@@ -180,6 +187,10 @@ def run_launch(job_id: str, workers: int, *, meta_interval: float | None = None)
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
         rc = 1 if any(s.gave_up for s in agent.slots) else 0
+        if rc:  # the coordinator may fail the job on the agent's last report: give it a moment
+            deadline = time.monotonic() + GIVE_UP_WAIT_S
+            while time.monotonic() < deadline and (client.hget(keys.state, "state") or b"").decode() not in TERMINAL:
+                time.sleep(0.1)
         try:
             final = progress.sample()
         except (redis.RedisError, ValueError):
@@ -188,9 +199,26 @@ def run_launch(job_id: str, workers: int, *, meta_interval: float | None = None)
                   "workers": workers, "agent_exit_code": rc}
         _save_meta(rq_job, {**base, **final, "state": result["state"], "step": result["steps"], "done": True})
         log.info("launch unit %s done: job %s is %s (%s)", unit, job_id, result["state"], result["reason"])
+        if result["state"] == "failed" or rc:
+            # RQ sees a failed unit (its failed registry, `rq info`, retries), with the cause as
+            # its exception; the summary stays in the unit's meta
+            gave_up = sum(1 for s in agent.slots if s.gave_up)
+            why = (f"job {job_id} failed: {result['reason']}" if result["state"] == "failed"
+                   else f"job {job_id} is {result['state']}, but this unit gave up on {gave_up} of {workers} worker slot(s)")
+            raise LaunchFailed(why)
         return result
     finally:
         client.close()
+
+
+#: After a unit gave up on a worker slot, how long it waits for the coordinator to decide
+#: (fail the job with the first cause) before it reports its own result.
+GIVE_UP_WAIT_S = 5.0
+
+
+class LaunchFailed(ShoalError):
+    """The job of a launch unit failed (or the unit gave up on its workers): RQ records the
+    unit as failed, with this one line as its cause."""
 
 
 class LaunchRefused(ConfigError):

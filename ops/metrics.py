@@ -17,7 +17,7 @@ import redis
 
 from shoal.coordinator.states import JobState, WorkerState
 from shoal.events.keys import JOBS, job_keys
-from shoal.events.models import WorkerDoc
+from shoal.events.models import Heartbeat, ShardTable, WorkerDoc
 
 log = logging.getLogger("shoal.metrics")
 
@@ -65,7 +65,9 @@ class _Latency:
 
 
 def redis_lines(client: redis.Redis) -> list[str]:
-    """Series read from Redis: jobs by state, workers by state, each job's generation."""
+    """Series read from Redis: jobs by state, workers by state, each job's generation, and
+    each job's training series (step, loss, steps/s from the Active members' heartbeats; world
+    size, restarts, failures)."""
     job_ids = sorted(j.decode() for j in client.smembers(JOBS))
     keys = []
     for jid in job_ids:
@@ -77,20 +79,37 @@ def redis_lines(client: redis.Redis) -> list[str]:
     for k in keys:
         pipe.hmget(k.state, ["state", "generation"])
         pipe.hvals(k.workers)
+        pipe.get(k.shard)
+        pipe.xlen(k.failures)
     replies = pipe.execute() if keys else []
     jobs = {s.value: 0 for s in JobState}
     workers = {s.value: 0 for s in WorkerState}
     gens = []
-    for k, (state, gen), records in zip(keys, replies[0::2], replies[1::2]):
+    per_job: list[tuple[str, int, int, int, list[str]]] = []  # job, world size, restarts, failures, active ids
+    for i, k in enumerate(keys):
+        (state, gen), records, shard, failures = replies[4 * i: 4 * i + 4]
         st = state.decode() if state else JobState.PENDING.value
         jobs[st] = jobs.get(st, 0) + 1
         gens.append((k.job_id, int(gen or 0)))
+        restarts, active = 0, []
         for raw in records:
             try:
-                ws = WorkerDoc.model_validate_json(raw).state
+                doc = WorkerDoc.model_validate_json(raw)
             except ValueError:  # pydantic's ValidationError is one: a malformed record is skipped
                 continue
-            workers[ws] = workers.get(ws, 0) + 1
+            workers[doc.state] = workers.get(doc.state, 0) + 1
+            restarts += doc.restarts
+            if doc.state == WorkerState.ACTIVE.value:
+                active.append(doc.worker_id)
+        try:
+            world = ShardTable.model_validate_json(shard).world_size if shard else 0
+        except ValueError:
+            world = 0
+        per_job.append((k.job_id, world, restarts, int(failures), active))
+    pipe = client.pipeline(transaction=False)
+    for (jid, *_rest, active), k in zip(per_job, keys):
+        pipe.mget([k.heartbeat(w) for w in active] or [k.heartbeat("-")])
+    beats = pipe.execute() if keys else []
     out = ["# HELP shoal_jobs Registered jobs by state.", "# TYPE shoal_jobs gauge"]
     out += [f'shoal_jobs{{state="{_label(s)}"}} {n}' for s, n in jobs.items()]
     out += ["# HELP shoal_workers Worker records of all jobs by state.", "# TYPE shoal_workers gauge"]
@@ -98,7 +117,45 @@ def redis_lines(client: redis.Redis) -> list[str]:
     out += ["# HELP shoal_job_generation Current generation (shard table number) of each job.",
             "# TYPE shoal_job_generation gauge"]
     out += [f'shoal_job_generation{{job="{_label(j)}"}} {g}' for j, g in gens]
+    series: dict[str, list[str]] = {name: [] for name in _TRAINING}
+    for (jid, world, restarts, failures, _active), raws in zip(per_job, beats):
+        label = f'job="{_label(jid)}"'
+        series["shoal_job_world_size"].append(f"shoal_job_world_size{{{label}}} {world}")
+        series["shoal_job_worker_restarts_total"].append(f"shoal_job_worker_restarts_total{{{label}}} {restarts}")
+        series["shoal_job_failures_total"].append(f"shoal_job_failures_total{{{label}}} {failures}")
+        hbs = [hb for hb in (_beat(raw) for raw in raws) if hb is not None]
+        if hbs:
+            series["shoal_job_step"].append(f"shoal_job_step{{{label}}} {max(hb.step for hb in hbs)}")
+            loss = next((hb.loss for hb in hbs if hb.loss is not None), None)
+            if loss is not None:
+                series["shoal_job_loss"].append(f"shoal_job_loss{{{label}}} {loss}")
+            times = sorted(hb.step_time for hb in hbs if hb.step_time)
+            if times:
+                series["shoal_job_steps_per_second"].append(
+                    f"shoal_job_steps_per_second{{{label}}} {1.0 / times[len(times) // 2]:.6g}")
+    for name, (kind, text) in _TRAINING.items():
+        out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", *series[name]]
     return out
+
+
+#: Per-job training series: name -> (Prometheus type, help).
+_TRAINING = {
+    "shoal_job_step": ("gauge", "Newest committed step of each running job (its Active members' heartbeats)."),
+    "shoal_job_loss": ("gauge", "Global mean loss of the newest committed step of each running job."),
+    "shoal_job_steps_per_second": ("gauge", "Committed steps per second of each running job (median member)."),
+    "shoal_job_world_size": ("gauge", "Members of each job's current generation."),
+    "shoal_job_worker_restarts_total": ("counter", "Worker restarts by node agents, per job."),
+    "shoal_job_failures_total": ("counter", "Worker failures recorded per job (the failures stream; capped)."),
+}
+
+
+def _beat(raw: bytes | None) -> Heartbeat | None:
+    if raw is None:
+        return None
+    try:
+        return Heartbeat.model_validate_json(raw)
+    except ValueError:
+        return None
 
 
 class MetricsServer:

@@ -17,6 +17,7 @@ Rendering uses matplotlib's Agg canvas directly (no pyplot, no display needed).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -79,6 +80,9 @@ class History:
     points: list[Point] = field(default_factory=list)
     control: list[dict] = field(default_factory=list)
     state: str = ""
+    #: committed steps, from the job's record (the completion summary's step, else the highest
+    #: step the coordinator saw), not from the sampled progress points
+    committed: int = 0
 
 
 # ---- reading -----------------------------------------------------------------------------------
@@ -120,8 +124,8 @@ def load_history(client: redis.Redis, job_id: str) -> History:
     pipe.exists(keys.spec)
     pipe.exists(keys.control)
     pipe.exists(keys.progress)
-    pipe.hget(keys.state, "state")
-    has_spec, has_control, has_progress, state = pipe.execute()
+    pipe.hmget(keys.state, ["state", "summary", "high_step"])
+    has_spec, has_control, has_progress, (state, summary, high_step) = pipe.execute()
     if not (has_spec or has_control or has_progress):
         raise ConfigError(f"no job {job_id!r} in this Redis")
     if not has_progress:
@@ -135,6 +139,16 @@ def load_history(client: redis.Redis, job_id: str) -> History:
         h.control.append(f)
     if not h.state and h.control:
         h.state = h.control[-1].get("job_state", "")
+    end = next((int(f.get("ts_ms") or 0) for f in h.control if f.get("job_state") in TERMINAL), 0)
+    if end:  # a point recorded after the job ended (a late sample) is not part of its history
+        h.points = [p for p in h.points if p.t_ms <= end] or h.points[:1]
+    done = None
+    try:
+        done = json.loads(summary).get("step") if summary else None
+    except (ValueError, AttributeError):
+        done = None
+    h.committed = done if isinstance(done, int) else max([_int(high_step.decode() if high_step else None)]
+                                                         + [p.step for p in h.points])
     return h
 
 
@@ -310,7 +324,8 @@ def render(history: History, marks: list[Marked], path: str | Path) -> Path:
     failures = [m for m in marks if m.kind == "failure"]
     rec = [m.recovery_s for m in failures if m.recovery_s is not None]
     gens = max([p.generation for p in pts] + [m.generation for m in marks])
-    title = (f"shoal job {history.job_id}: {history.state or 'unknown state'}, {steps[-1]} steps committed, "
+    title = (f"shoal job {history.job_id}: {history.state or 'unknown state'}, "
+             f"{history.committed or steps[-1]} steps committed, "
              f"{gens} generation(s), {len(failures)} failure(s)")
     if rec:
         title += f", recovery {rec[0]:.2f} s" if len(rec) == 1 else f", recovery {min(rec):.2f}–{max(rec):.2f} s"

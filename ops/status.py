@@ -5,6 +5,8 @@ Ages are computed against Redis server time, like failure detection. Nothing her
 
 from __future__ import annotations
 
+import json
+
 import redis
 from pydantic import ValidationError
 
@@ -58,18 +60,24 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
     hb_keys = [keys.heartbeat(w) for w in records]
     hbs = client.mget(hb_keys) if hb_keys else []
     workers = []
+    ended = status.state.value in ("completed", "failed", "stopped")
+    beats = []
     for (wid, rec), hb_raw in sorted(zip(records.items(), hbs), key=lambda x: (len(x[0][0]), x[0][0])):
         hb = _heartbeat(hb_raw)
+        if hb is not None and rec.state == "Active":
+            beats.append(hb)
         member = table.member(wid) if table else None
+        live = rec.state in ("Syncing", "Active", "Draining")
         workers.append({
             "worker_id": wid,
-            "state": rec.state,
+            # a member when the job ended is not still Active: its process is gone or going
+            "state": "Ended" if ended and live else rec.state,
             "rank": member.rank if member else None,
             "step": hb.step if hb else None,
             "loss": hb.loss if hb else None,
             "step_time": hb.step_time if hb else None,
             "digest": hb.digest if hb else None,
-            "heartbeat_age_ms": (now_ms - last_seen[wid]) if wid in last_seen else None,
+            "heartbeat_age_ms": (now_ms - last_seen[wid]) if wid in last_seen and not ended else None,
             "straggler": rec.straggler,
             "host": rec.host,
             "pid": rec.pid,
@@ -79,6 +87,8 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
     return {
         "job_id": job_id,
         "state": status.state.value,
+        "progress": _progress(beats, max(status.high_step, _summary_step(status.summary)), ended,
+                              completed=status.state.value == "completed"),
         "generation": status.generation,
         "world_size": table.world_size if table else 0,
         "reason": status.reason,
@@ -94,9 +104,50 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
     }
 
 
+def _summary_step(summary: str) -> int:
+    """The step of a completion summary (JSON with ``step``; 0 when there is none)."""
+    try:
+        step = json.loads(summary).get("step") if summary else 0
+    except (ValueError, AttributeError):
+        return 0
+    return step if isinstance(step, int) else 0
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def _progress(beats: list, high_step: int, ended: bool, *, completed: bool = False) -> dict:
+    """Step, total, epoch, percentage, steps/s and ETA from the Active members' heartbeats
+    (the most advanced one's step; steps/s from the median recent step time). A completed
+    job's total is the step it completed at."""
+    step = max([hb.step for hb in beats] + [high_step])
+    totals = [hb.total_steps for hb in beats if hb.total_steps]
+    total = max(totals) if totals else (step if completed and step else None)
+    epochs = [hb.epoch for hb in beats if hb.epoch is not None]
+    times = sorted(hb.step_time for hb in beats if hb.step_time)
+    rate = 1.0 / times[len(times) // 2] if times and not ended else None
+    left = max(0, total - step) if total else None
+    return {
+        "step": step,
+        "total_steps": total,
+        "epoch": (max(epochs) + 1) if epochs else None,  # 1-based, as people count
+        "percent": round(100.0 * min(step, total) / total, 1) if total else None,
+        "steps_per_s": round(rate, 2) if rate else None,
+        "eta_s": round(left / rate, 1) if rate and left is not None else None,
+    }
+
+
 def format_status(s: dict) -> str:
+    p = s["progress"]
+    where = f"step {p['step']}" + (f"/{p['total_steps']} ({p['percent']:g} %)" if p["total_steps"] else "")
+    where += f"  epoch {p['epoch']}" if p["epoch"] else ""
+    where += f"  {p['steps_per_s']:g} steps/s" if p["steps_per_s"] else ""
+    where += f"  ETA {_duration(p['eta_s'])}" if p["eta_s"] is not None else ""
     lines = [
         f"job {s['job_id']}: {s['state']}  generation {s['generation']}  world size {s['world_size']}",
+        where,
         f"reason: {s['reason']}",
         f"coordinator: {s['leader'] or 'none (the lease is free)'}  epoch {s['epoch']}",
     ]

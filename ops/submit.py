@@ -44,3 +44,31 @@ def submit(client: redis.Redis, spec: JobSpec, *, workers_per_unit: int = 1) -> 
 
     create_job(client, spec, also=also)
     return Submitted(spec.name, ids, sizes)
+
+
+def check_runnable(spec: JobSpec) -> None:
+    """What can be checked on the submitting machine before a job is accepted, calling no
+    user code: the entrypoint imports and names a function callable without arguments, and
+    an ``s3://`` checkpoint or data URI has its S3 settings (``S3_ENDPOINT``,
+    ``S3_ACCESS_KEY``, ``S3_SECRET_KEY`` or ``S3_CREDENTIALS_FILE``). ConfigError, one line
+    naming the problem and ``--no-validate`` (for a job whose code or settings exist only on
+    the worker nodes)."""
+    from shoal.core.errors import ConfigError
+    from shoal.storage.errors import StorageConfigError
+    from shoal.storage.s3_config import S3Config
+    from shoal.worker.errors import EntrypointError
+    from shoal.worker.userapi import resolve_entrypoint
+
+    skip = "; pass --no-validate if only the worker nodes have it"
+    if spec.entrypoint != "simulate":
+        try:
+            resolve_entrypoint(spec.entrypoint)
+        except EntrypointError as exc:
+            raise ConfigError(f"{exc}{skip}") from None
+    for field in ("checkpoint_uri", "data_uri"):
+        uri = getattr(spec, field)
+        if uri and uri.startswith("s3://"):
+            try:
+                S3Config.from_env()
+            except StorageConfigError as exc:
+                raise ConfigError(f"{field} {uri}: {exc}{skip}") from None

@@ -31,8 +31,8 @@ from pathlib import Path
 import redis
 
 from shoal.events import bus
-from shoal.events.keys import job_keys
-from shoal.events.models import WorkerExited
+from shoal.events.keys import LOGS_MAXLEN, job_keys
+from shoal.events.models import WorkerExited, WorkerStartFailed
 from shoal.core.connection import server_run_id
 from shoal.core.errors import ConfigError
 from shoal.core.registry import create_job
@@ -194,10 +194,17 @@ class NodeAgent:
     def _job_over(self) -> bool:
         return self.client.hget(self.keys.state, "state") in TERMINAL
 
-    def _send(self, ev: WorkerExited) -> None:
+    def _send(self, ev: WorkerExited | WorkerStartFailed) -> None:
         """Publish ``ev`` after any undelivered ones; kept for later when Redis is down."""
         self._outbox.append(ev)
         self._flush()
+
+    def _log_crash(self, who: str, pid: int, how: str, tail: str) -> None:
+        """Put a crashed worker's last output into the job's log stream (``shoal logs``): a
+        traceback printed by a dying process never went through its Redis log handler."""
+        msg = f"worker process {pid} on node {self.node} died with {how}" + (f":\n{tail.rstrip()}" if tail.strip() else "")
+        self.client.xadd(self.keys.logs, {"worker": who, "level": "ERROR", "msg": msg, "ts": f"{time.time():.3f}"},
+                         maxlen=LOGS_MAXLEN, approximate=True)
 
     def _flush(self) -> None:
         """Deliver queued events in order. Raises the Redis error when Redis is still down
@@ -231,13 +238,19 @@ class NodeAgent:
         log.warning("slot %d: worker %s (pid %d) died with %s%s", slot.index, wid, proc.pid, how,
                     "; restarting" if will_restart else ("; giving up" if slot.gave_up else ""))
         if wid:
-            ev = WorkerExited(job_id=self.job_id, worker_id=wid, exit_code=None if sig else rc, signal=sig,
-                              traceback=tail, will_restart=will_restart, gave_up=slot.gave_up,
-                              restarts=slot.restarts, pid=proc.pid)
-            try:
-                self._send(ev)
-            except _REDIS_DOWN:
-                log.warning("slot %d: Redis is unreachable; the exit of %s is reported when it is back", slot.index, wid)
+            ev: WorkerExited | WorkerStartFailed = WorkerExited(
+                job_id=self.job_id, worker_id=wid, exit_code=None if sig else rc, signal=sig, traceback=tail,
+                will_restart=will_restart, gave_up=slot.gave_up, restarts=slot.restarts, pid=proc.pid)
+        else:  # it ended before it joined: no worker id, but the crash must still be seen
+            ev = WorkerStartFailed(job_id=self.job_id, node=self.node, slot=slot.index, pid=proc.pid,
+                                   exit_code=None if sig else rc, signal=sig, traceback=tail,
+                                   will_restart=will_restart, gave_up=slot.gave_up, restarts=slot.restarts)
+        try:
+            self._send(ev)  # queued first: it is delivered later if Redis is down
+            self._log_crash(wid or f"{self.node}/slot{slot.index}", proc.pid, how, tail)
+        except _REDIS_DOWN:
+            log.warning("slot %d: Redis is unreachable; the exit of %s is reported when it is back", slot.index,
+                        wid or f"pid {proc.pid}")
         if will_restart:
             if slot.spawns and slot.exits[-1] - slot.spawns[-1] >= self.backoff_reset:
                 slot.streak = 0  # it ran healthy for a while: this crash is not part of a loop

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from shoal.worker import process_group as pg
-from shoal.worker.errors import CollectiveFailed, InconsistentStep, StepAborted, UserCodeError
+from shoal.worker.errors import CollectiveFailed, InconsistentStep, StepAborted, UserCodeError, raised_at
 from shoal.worker.userapi import TrainingSetup
 
 
@@ -233,7 +233,7 @@ class StepEngine:
         except Exception as exc:  # noqa: BLE001 - user code; translated
             self._settle()
             self._rollback(buffers)
-            raise UserCodeError(f"training step raised {type(exc).__name__}: {exc}") from exc
+            raise UserCodeError(f"training step raised {type(exc).__name__}: {exc} (at {raised_at(exc)})") from exc
         t1 = time.perf_counter()
 
         bucket = self._flatten_grads(local_sum, len(local))
@@ -280,7 +280,7 @@ class StepEngine:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         except Exception as exc:  # noqa: BLE001 - user optimizer/scheduler
-            raise UserCodeError(f"optimizer step raised {type(exc).__name__}: {exc}") from exc
+            raise UserCodeError(f"optimizer step raised {type(exc).__name__}: {exc} (at {raised_at(exc)})") from exc
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         return StepResult(
@@ -361,7 +361,7 @@ class StepEngine:
             with torch.no_grad():
                 metrics = eval_fn(self.model)
         except Exception as exc:  # noqa: BLE001 - user code
-            raise UserCodeError(f"eval_fn raised {type(exc).__name__}: {exc}") from exc
+            raise UserCodeError(f"eval_fn raised {type(exc).__name__}: {exc} (at {raised_at(exc)})") from exc
         finally:
             self.model.train()
         return {str(k): float(v) for k, v in dict(metrics).items()}

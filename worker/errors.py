@@ -57,8 +57,25 @@ class UserCodeError(WorkerError):
     """The user's code (dataset, model forward/backward, loss or step function) raised.
 
     Not retried by the runtime: it is expected to fail again. ``__cause__`` keeps the
-    original traceback.
+    original traceback; :func:`raised_at` names where, for the one-line message.
     """
+
+
+def raised_at(exc: BaseException) -> str:
+    """``file.py:42 in fn``: the innermost frame of ``exc``'s traceback outside torch and
+    shoal's own code (the user's line that raised), else the innermost frame ("" without a
+    traceback)."""
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame.f_code, tb.tb_lineno))
+        tb = tb.tb_next
+    if not frames:
+        return ""
+    mine = ("/torch/", "/shoal/worker/", "/worker/engine.py")
+    user = [f for f in frames if not any(m in f[0].co_filename for m in mine)]
+    code, line = (user or frames)[-1]
+    return f"{code.co_filename}:{line} in {code.co_name}"
 
 
 class EntrypointError(WorkerError):

@@ -309,10 +309,17 @@ class TrainingWorker(WorkerRunner):
     def _beat(self, act: Beat) -> None:
         if self.hb is None:
             return
-        fields = dict(step=act.step, generation=act.generation, step_time=time.monotonic() - act.started, loss=act.loss)
+        fields = dict(step=act.step, generation=act.generation, step_time=time.monotonic() - act.started, loss=act.loss,
+                      epoch=self.state.cursor // self.order.num_samples, total_steps=self._total_steps())
         if act.digest:
             fields["digest"] = state_digest(self.engine.model)
         self.hb.update(**fields)
+
+    def _total_steps(self) -> int:
+        """The job's length in steps: ``max_steps``, else every epoch's steps (the last batch
+        of an epoch may be short), whichever is fewer."""
+        by_epochs = self.order.steps_per_epoch() * self.spec.epochs
+        return min(by_epochs, self.spec.max_steps) if self.spec.max_steps else by_epochs
 
     def _save(self, act: SaveCheckpoint) -> None:
         """Rank 0's checkpoint (the decision chose when); async unless ``final``."""

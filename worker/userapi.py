@@ -97,13 +97,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-def load_entrypoint(entrypoint: str, seed: int) -> TrainingSetup:
-    """Import ``module:function``, seed every RNG with ``seed``, call the function, validate.
-
-    Raises EntrypointError (one line naming the entrypoint and the problem) when the string is
-    malformed, the module cannot be imported (the import error is chained), the attribute is
-    missing or not callable, the call raises, or the result is not a valid TrainingSetup.
-    """
+def resolve_entrypoint(entrypoint: str) -> Callable[[], Any]:
+    """Import ``module:function`` and return the function, calling nothing: what ``submit``
+    and ``create`` check before they accept a job. EntrypointError (one line naming the
+    entrypoint and the problem) when the string is malformed, the module cannot be imported
+    (the import error is chained), the attribute is missing, not callable, or needs
+    arguments."""
     module_name, sep, fn_name = entrypoint.partition(":")
     if not sep or not module_name or not fn_name or ":" in fn_name:
         raise EntrypointError(f"entrypoint {entrypoint!r}: expected 'module:function'")
@@ -128,6 +127,18 @@ def load_entrypoint(entrypoint: str, seed: int) -> TrainingSetup:
         raise EntrypointError(f"entrypoint {entrypoint!r}: must be callable without arguments ({exc})") from exc
     except ValueError:
         pass  # builtins without a signature: just try the call
+    return obj
+
+
+def load_entrypoint(entrypoint: str, seed: int) -> TrainingSetup:
+    """Import ``module:function`` (:func:`resolve_entrypoint`), seed every RNG with ``seed``,
+    call the function, validate.
+
+    Raises EntrypointError (one line naming the entrypoint and the problem) as
+    :func:`resolve_entrypoint` does, and when the call raises or the result is not a valid
+    TrainingSetup.
+    """
+    obj = resolve_entrypoint(entrypoint)
     seed_everything(seed)
     try:
         setup = obj()
@@ -135,7 +146,7 @@ def load_entrypoint(entrypoint: str, seed: int) -> TrainingSetup:
         raise EntrypointError(f"entrypoint {entrypoint!r} raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(setup, TrainingSetup):
         raise EntrypointError(
-            f"entrypoint {entrypoint!r} returned {type(setup).__name__}, expected worker.userapi.TrainingSetup"
+            f"entrypoint {entrypoint!r} returned {type(setup).__name__}, expected shoal.TrainingSetup"
         )
     setup.validate(f"entrypoint {entrypoint!r}")
     return setup

@@ -85,3 +85,57 @@ def test_unreachable_s3_stops_the_worker_with_one_line(r, env, job_id) -> None:
     assert errors[0].startswith("shoal: create bucket bucket: S3 endpoint unreachable"), errors
     assert "s3-very-secret" not in res.stderr + res.stdout
     assert r.hlen(job_keys(job_id).workers) == 0  # it never joined
+
+
+@pytest.mark.parametrize("command", ["submit", "create"])
+@pytest.mark.parametrize("body, needles", [
+    ("entrypoint: shoal.examples.digits:buidl\n", ["module 'shoal.examples.digits' has no attribute 'buidl'"]),
+    ("entrypoint: no_such_module_here:build\n", ["cannot import 'no_such_module_here'"]),
+    ("entrypoint: tests.entrypoints_broken:build\n", ["importing 'tests.entrypoints_broken' raised RuntimeError"]),
+    ("entrypoint: shoal.examples.digits:build\ncheckpoint_uri: s3://bucket/x\n",
+     ["checkpoint_uri s3://bucket/x: S3 settings missing: S3_ENDPOINT"]),
+])
+def test_a_job_that_cannot_run_is_refused_before_anything_is_written(r, env, tmp_path, job_id, command, body,
+                                                                     needles) -> None:
+    """The entrypoint is imported (nothing is called) and an s3:// store's settings are looked
+    for where the job is submitted: a job that could only crash every worker is refused with
+    one line, instead of a job ``pending`` forever. ``--no-validate`` skips that check (code
+    or settings that exist only on the worker nodes)."""
+    clean = {k: v for k, v in env.items() if not k.startswith("S3_")}
+    spec = write(tmp_path / "job.yaml", f"name: {job_id}\n{body}")
+    one_line_error(shoal(clean, command, spec), 2, *needles, "--no-validate")
+    assert not r.exists(job_keys(job_id).spec)
+    if command == "create":
+        res = shoal(clean, command, spec, "--no-validate")
+        assert res.returncode == 0, res.stderr
+        assert r.exists(job_keys(job_id).spec)
+
+
+def test_set_overrides_a_spec_file_field_and_is_validated_like_it(r, env, tmp_path, job_id) -> None:
+    from shoal.core.jobspec import JobSpec as _Spec
+
+    spec = write(tmp_path / "job.yaml", f"name: {job_id}\nentrypoint: simulate\nepochs: 2\n")
+    one_line_error(shoal(env, "create", spec, "--set", "epochs=zero"), 2, "epochs: Input should be a valid integer")
+    one_line_error(shoal(env, "create", spec, "--set", "colour=red"), 2, "colour: Extra inputs are not permitted")
+    res = shoal(env, "create", spec, "--set", "epochs=9", "--set", "max_workers=5")
+    assert res.returncode == 0, res.stderr
+    stored = _Spec.from_stored(r.get(job_keys(job_id).spec))
+    assert (stored.epochs, stored.max_workers) == (9, 5)
+
+
+def test_unknown_job_is_the_same_one_line_everywhere_and_version_answers(env, job_id) -> None:
+    for command in ("status", "logs", "events", "report", "stop", "delete"):
+        one_line_error(shoal(env, command, job_id), 2, f"no job {job_id!r}")
+    res = shoal(env, "--version")
+    assert res.returncode == 0 and res.stdout.startswith("shoal "), (res.stdout, res.stderr)
+
+
+def test_events_follow_ends_once_the_job_ended(r, env, job_id) -> None:
+    keys = job_keys(job_id)
+    create_job(r, JobSpec(name=job_id, entrypoint="simulate"))
+    r.xadd(keys.control, {"ts_ms": "0", "generation": "1", "job_state": "completed", "kind": "completed",
+                          "reason": "completed at step 5"})
+    r.hset(keys.state, "state", "completed")
+    res = shoal(env, "events", job_id, "-f", timeout=30)
+    assert res.returncode == 0, res.stderr
+    assert "completed at step 5" in res.stdout

@@ -88,7 +88,7 @@ def check_invariants(services: dict) -> None:
     assert command_list(services["coordinator-b"]) == ["shoal", "coordinator"]
     assert command_list(services["agent"]) == ["shoal", "agent"]
     assert services["agent"]["deploy"]["replicas"] >= 1
-    assert command_list(services["submit"]) == ["shoal", "submit", "examples/job.yaml"]
+    assert command_list(services["submit"]) == ["shoal", "submit", "examples/job-s3.yaml"]
     assert services["submit"].get("restart") == "no"
     assert services["minio-init"]["image"].startswith("minio/mc")
     for name in ("coordinator-a", "coordinator-b", "agent", "submit"):
@@ -168,8 +168,11 @@ def test_dockerfile() -> None:
     assert users and users[-1] not in ("USER root", "USER 0")
 
 
-def test_example_job_validates() -> None:
-    spec = load_spec(ROOT / "examples" / "job.yaml")
+def test_example_jobs_validate() -> None:
+    local = load_spec(ROOT / "examples" / "job.yaml")  # as shipped: trains with local checkpoints
+    assert local.checkpoint_uri == "file:///tmp/shoal-checkpoints/digits"
+    spec = load_spec(ROOT / "examples" / "job-s3.yaml")  # what the compose stack submits
+    assert spec.model_dump() == local.model_copy(update={"checkpoint_uri": spec.checkpoint_uri}).model_dump()
     assert spec.name == "digits"
     assert spec.entrypoint == "shoal.examples.digits:build"
     assert spec.checkpoint_uri == "s3://shoal-checkpoints/digits"

@@ -124,3 +124,18 @@ def test_report_cli_errors_are_one_line(r, redis_url, job_id, tmp_path, monkeypa
     out = capsys.readouterr().out
     assert out.startswith(f"wrote {tmp_path / 'x.png'}: 4 generation change(s), 1 failure(s)")
     assert "g2 w1 failed →2 (recovered in 0.80 s)" in out
+
+
+def test_report_counts_committed_steps_from_the_job_record_and_drops_points_after_the_end(r, job_id) -> None:
+    """The title's step count is the job's (its completion summary), not the last sampled
+    progress point's; a point recorded after the job ended is not drawn (issue 14)."""
+    import json as _json
+
+    from shoal.ops.report import load_history
+
+    simulate_run(r, job_id)  # progress sampled up to step 122, completed at T0 + 15100
+    progress(r, job_id, 15500, 130, 4, 2)  # a late sample after the end line
+    r.hset(job_keys(job_id).state, mapping={"state": "completed", "summary": _json.dumps({"step": 131})})
+    h = load_history(r, job_id)
+    assert h.committed == 131
+    assert max(p.t_ms for p in h.points) <= T0 + 15100 and h.points[-1].step == 122

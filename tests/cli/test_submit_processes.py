@@ -53,6 +53,31 @@ def test_invalid_spec_is_refused_before_anything_is_queued(r, env, tmp_path, job
         assert res.returncode != 0 and res.stderr.count("\n") == 1 and res.stderr.startswith("shoal: "), (args, res.stderr)
 
 
+def test_a_unit_whose_job_failed_is_a_failed_rq_job_with_the_cause(r, env, tmp_path, job_id, procs, queue) -> None:
+    """Every worker dies before joining (a misspelt entrypoint, submitted with --no-validate):
+    the job fails with that cause, and its launch unit ends in RQ's failed registry with the
+    cause as its exception, not as a ``finished`` job (so ``rq info``, the failed registry and
+    RQ's retries see it)."""
+    from rq.registry import FailedJobRegistry
+
+    procs.coordinator("coord")
+    spec = write_spec(tmp_path / "job.yaml", name=job_id, entrypoint="shoal.examples.digits:buidl", max_steps=5,
+                      min_workers=1, max_workers=1, max_restarts=0)
+    assert shoal(env, "submit", spec).returncode == 2  # refused: the entrypoint does not exist here either
+    res = shoal(env, "submit", spec, "--no-validate")
+    assert res.returncode == 0, res.stderr
+    [unit] = units_of(queue, job_id)
+    agent = procs.start("agent", "agent", "--queue", "--burst", "--name", f"agent-{job_id}")
+    agent.wait(90)
+    job = Job.fetch(unit, connection=r, serializer=JSONSerializer)
+    assert job.get_status() == "failed", agent.log_tail()
+    assert unit in FailedJobRegistry(queue=queue).get_job_ids()
+    info = job.latest_result().exc_string
+    assert f"job {job_id} failed:" in info and "failed before joining" in info, info
+    assert "buidl" in info
+    assert job.get_meta(refresh=True)["state"] == "failed"
+
+
 def test_submitted_digits_job_trains_to_completion_through_a_queue_agent(r, env, tmp_path, job_id, procs, queue) -> None:
     port = free_port()
     coord = procs.coordinator("coord", "--metrics-port", str(port))

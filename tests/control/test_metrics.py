@@ -71,6 +71,23 @@ def test_scrape_reports_jobs_workers_generations_and_replica_counters(r, job_id)
             coord.stats.detection_latency_ms.append(20_000)
             _ctype, text = scrape(server)
             assert value(text, f"{h}_count") == 4 and value(text, f'{h}_bucket{{le="10.0"}}') == 3
+            # training series of the job, from its Active members' heartbeats and records
+            from shoal.events.models import Heartbeat, Member, ShardTable
+
+            r.hset(keys.workers, "w0", json.dumps({"worker_id": "w0", "state": "Active", "restarts": 2}))
+            r.set(keys.heartbeat("w0"), Heartbeat(worker_id="w0", step=41, loss=0.5, step_time=0.25).model_dump_json())
+            r.set(keys.shard, ShardTable(job_id=job_id, generation=3, world_size=1, strategy="contiguous",
+                                         num_samples=64, members=[Member(worker_id="w0", rank=0, ranges=[(0, 64, 1)])]
+                                         ).model_dump_json())
+            r.xadd(keys.failures, {"worker": "w1", "reason": "x"})
+            _ctype, text = scrape(server)
+            assert value(text, f'shoal_job_step{{job="{job_id}"}}') == 41
+            assert value(text, f'shoal_job_loss{{job="{job_id}"}}') == 0.5
+            assert value(text, f'shoal_job_steps_per_second{{job="{job_id}"}}') == 4
+            assert value(text, f'shoal_job_world_size{{job="{job_id}"}}') == 1
+            assert value(text, f'shoal_job_worker_restarts_total{{job="{job_id}"}}') == 2
+            assert value(text, f'shoal_job_failures_total{{job="{job_id}"}}') == 1
+            assert "# TYPE shoal_job_worker_restarts_total counter" in text
             with pytest.raises(urllib.error.HTTPError) as err:
                 scrape(server, "/other")
             assert err.value.code == 404

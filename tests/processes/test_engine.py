@@ -210,7 +210,7 @@ def _needs_args(x):
         ("tests.processes.test_engine:GLOBAL_BATCH", "not callable"),
         ("tests.processes.test_engine:_needs_args", "without arguments"),
         ("tests.processes.test_engine:_raises", "cannot build"),
-        ("tests.processes.test_engine:_not_a_setup", "expected worker.userapi.TrainingSetup"),
+        ("tests.processes.test_engine:_not_a_setup", "expected shoal.TrainingSetup"),
         ("tests.processes.test_engine:_bad_setup", "not parameters of the model"),
     ],
 )

@@ -185,7 +185,9 @@ def test_the_loop_samples_committed_steps_from_heartbeats_through_their_model() 
 def test_status_shows_steps_redone_only_when_there_are_some() -> None:
     base = {"job_id": "j", "state": "completed", "generation": 4, "world_size": 2, "reason": "done",
             "first_failure": "", "first_failure_traceback": "", "failures": 0, "dead_letters": 0,
-            "leader": "c", "epoch": 1, "workers": [], "steps_redone": 0}
+            "leader": "c", "epoch": 1, "workers": [], "steps_redone": 0,
+            "progress": {"step": 5, "total_steps": None, "epoch": None, "percent": None, "steps_per_s": None,
+                         "eta_s": None}}
     assert "steps redone" not in format_status(base)
     assert "steps redone: 20 (committed, then lost with every replica" in format_status({**base, "steps_redone": 20})
 

@@ -140,6 +140,9 @@ def test_stragglers_are_flagged_against_the_median() -> None:
     assert "w2 straggler" in d.reason
     d2 = decide(d.state, Tick(step_times={"w0": 0.1, "w1": 0.11, "w2": 0.5}), T0 + 20, SPEC)
     assert not d2.changed  # logged only when it changes
+    # twice the median but only 4 ms slower: noise, not a straggler
+    d3 = decide(s, Tick(step_times={"w0": 0.004, "w1": 0.004, "w2": 0.008}), T0 + 10, SPEC)
+    assert not d3.state.workers["w2"].straggler
 
 
 def test_agent_report_after_a_heartbeat_timeout_becomes_the_root_cause() -> None:
@@ -348,3 +351,25 @@ def test_a_table_lists_as_evicted_only_the_workers_failed_by_that_decision() -> 
     d2 = decide(d.state, _ev(LeaveRequest(job_id="j", worker_id="w1")), T0 + 6000, SPEC)
     [table2] = tables(d2)
     assert table2.evicted == []
+
+
+def test_a_worker_that_dies_before_joining_is_a_failure_and_its_agent_giving_up_fails_the_job() -> None:
+    from shoal.coordinator.states import CoordState as _S
+    from shoal.events.models import WorkerStartFailed
+
+    tb = "Traceback (most recent call last):\n  File \"x.py\", line 3\nshoal.core.errors.ConfigError: S3 settings missing: S3_ENDPOINT"
+    s = _S()
+    first = WorkerStartFailed(job_id="j", node="n1", slot=0, pid=42, exit_code=2, traceback=tb, will_restart=True)
+    d = decide(s, _ev(first), T0, SPEC)
+    why = ("the worker process on node n1 (slot 0, pid 42) failed before joining: process ended with exit code 2 "
+           "(shoal.core.errors.ConfigError: S3 settings missing: S3_ENDPOINT); restarting it (restart 1)")
+    assert d.reason == why
+    assert d.state.status.first_failure == why and d.state.status.first_failure_traceback == tb
+    [rec] = [a for a in d.actions if isinstance(a, RecordFailure)]
+    assert (rec.worker_id, rec.rank, rec.exit_code, rec.traceback) == ("n1/slot0", -1, 2, tb)
+    assert d.state.status.state == JobState.PENDING
+    last = WorkerStartFailed(job_id="j", node="n1", slot=0, pid=43, exit_code=2, traceback=tb, gave_up=True, restarts=3)
+    d2 = decide(d.state, _ev(last, "2-0"), T0 + 1000, SPEC)
+    assert d2.state.status.state == JobState.FAILED
+    assert d2.state.status.reason.startswith("job failed: n1/slot0's slot gave up after 3 restarts")
+    assert d2.state.status.reason.endswith("first failure: " + why)  # the root cause, not the last attempt

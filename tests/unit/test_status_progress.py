@@ -1,0 +1,60 @@
+"""``shoal status``: progress people expect (step of total, epoch, percentage, steps/s, ETA),
+from the Active members' heartbeats; and members of an ended job are not shown Active."""
+
+from __future__ import annotations
+
+import fakeredis
+
+from shoal.core.jobspec import JobSpec
+from shoal.core.registry import create_job
+from shoal.events.keys import job_keys
+from shoal.events.models import Heartbeat, WorkerDoc
+from shoal.ops.status import _progress, format_status, job_status
+
+
+def test_progress_of_an_epoch_based_job_has_total_epoch_percentage_rate_and_eta() -> None:
+    beats = [Heartbeat(worker_id="w0", step=150, step_time=0.5, total_steps=400, epoch=1),
+             Heartbeat(worker_id="w1", step=149, step_time=0.25, total_steps=400, epoch=1)]
+    p = _progress(beats, high_step=100, ended=False)
+    assert p == {"step": 150, "total_steps": 400, "epoch": 2, "percent": 37.5, "steps_per_s": 2.0, "eta_s": 125.0}
+    ended = _progress(beats, high_step=400, ended=True)
+    assert ended["percent"] == 100.0 and ended["steps_per_s"] is None and ended["eta_s"] is None
+    assert _progress([], high_step=7, ended=False) == {"step": 7, "total_steps": None, "epoch": None,
+                                                       "percent": None, "steps_per_s": None, "eta_s": None}
+
+
+def test_status_shows_progress_and_an_ended_jobs_members_as_ended() -> None:
+    r = fakeredis.FakeRedis()
+    keys = job_keys("p")
+    create_job(r, JobSpec(name="p", entrypoint="simulate"))
+    r.hset(keys.workers, "w0", WorkerDoc(worker_id="w0", state="Active", pid=5).model_dump_json())
+    r.zadd(keys.last_seen, {"w0": 1})
+    r.set(keys.heartbeat("w0"), Heartbeat(worker_id="w0", step=30, step_time=0.1, total_steps=120,
+                                          epoch=0).model_dump_json())
+    r.hset(keys.state, mapping={"state": "running", "generation": "1"})
+    s = job_status(r, "p")
+    assert s["workers"][0]["state"] == "Active"
+    assert s["progress"]["percent"] == 25.0 and s["progress"]["eta_s"] == 9.0
+    assert "step 30/120 (25 %)  epoch 1  10 steps/s  ETA 9s" in format_status(s)
+    r.hset(keys.state, "state", "completed")
+    s = job_status(r, "p")
+    assert s["workers"][0]["state"] == "Ended" and s["workers"][0]["heartbeat_age_ms"] is None
+
+
+def test_every_cli_option_and_argument_has_help_text() -> None:
+    import argparse
+
+    from shoal.ops.cli import build_parser
+
+    missing = []
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        for a in parser._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    walk(sub, f"{path} {name}")
+            elif not isinstance(a, (argparse._HelpAction, argparse._VersionAction)) and not a.help:
+                missing.append(f"{path} {'/'.join(a.option_strings) or a.dest}")
+
+    walk(build_parser(), "shoal")
+    assert not missing, missing
