@@ -191,6 +191,8 @@ class BarrierPolled:
     arrived: int
     newest: int = 0
     evicted: bool = False
+    #: the job reached a final state (nobody else will come)
+    job_ended: bool = False
 
 
 @dataclass(frozen=True)
@@ -523,6 +525,8 @@ def _barrier_polled(s: TrainerState, b: BarrierPolled, now: float) -> Decision:
                         f"generation {b.newest} published while meeting generation {g}'s members: switching to it")
     if b.evicted:
         return Decision(_idle(s), (), f"evicted at the barrier of generation {g}")
+    if b.job_ended:
+        return Decision(_idle(s), (), f"the job ended while meeting generation {g}'s members")
     if now >= s.deadline:
         return Decision(_idle(s), (), f"only {b.arrived} of {world} members of generation {g} arrived within "
                                       f"{s.limits.barrier_s:.0f} s: looking again", logging.INFO)

@@ -266,6 +266,19 @@ def translate_error(exc: BaseException, what: str, *, rendezvous: bool = False) 
     return CollectiveFailed(f"{what}: {first}")
 
 
+#: How long a generation's group may take to connect once its members met at the barrier:
+#: each store wait for a peer's address, and each of gloo's connect attempts (it makes up to
+#: four, so a peer that cannot be reached - a wrong interface - ends the rendezvous in ~20 s).
+#: A member slower than that to publish its address gets a new generation of the same members.
+CONNECT_TIMEOUT_S = 5.0
+
+
+def _set_collective_timeout(backend: str, seconds: float) -> None:
+    """Give the default group's backend ``seconds`` as the timeout of its collectives."""
+    device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
+    dist.group.WORLD._get_backend(device)._set_default_timeout(timedelta(seconds=seconds))
+
+
 def join_group(
     client: redis.Redis,
     job_id: str,
@@ -281,7 +294,8 @@ def join_group(
     """Join generation ``generation`` of ``job_id`` as ``rank`` of ``world_size``.
 
     Blocks until every rank of the generation has connected, at most about ``timeout`` seconds
-    (each wait on the store is capped at ``timeout``; RendezvousTimeout otherwise; the caller then reports it and waits for a newer
+    (each wait on the store and each connect is capped at :data:`CONNECT_TIMEOUT_S` or
+    ``timeout``, whichever is shorter; RendezvousTimeout otherwise; the caller then reports it and waits for a newer
     generation - it must not retry the same generation). ``collective_timeout`` (default
     ``timeout``) bounds every later collective of the group: a peer that hangs rather than
     dies is detected after it. ``iface`` (default ``SHOAL_IFACE``) names the interface a gloo
@@ -322,13 +336,17 @@ def join_group(
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     try:
         with _gloo_interface(advertised) if advertised else contextlib.nullcontext():
+            # connecting is bounded by the connect timeout (peers that reached the barrier
+            # are alive: a connect that takes longer goes nowhere, e.g. a wrong interface);
+            # the group's collectives then get the collective timeout
             dist.init_process_group(
                 backend,
                 store=store,
                 rank=rank,
                 world_size=world_size,
-                timeout=timedelta(seconds=collective_timeout or timeout),
+                timeout=timedelta(seconds=min(CONNECT_TIMEOUT_S, timeout)),
             )
+            _set_collective_timeout(backend, collective_timeout or timeout)
     except Exception as exc:  # noqa: BLE001 - translated
         _destroy_quietly()
         with _abort_lock:

@@ -160,7 +160,7 @@ class TrainingWorker(WorkerRunner):
         self.state = replace(self.state, worker_id=wid)
         # the client's pool gives the watcher's blocking XREAD a connection of its own
         self.watcher = GenerationWatcher(self.m.client, self.m.keys, interval=min(1.0, self.spec.heartbeat_interval * 2),
-                                         on_table=self._on_table)
+                                         on_table=self._on_table, on_ended=self._on_ended)
         self.watcher.start()
         self.progress = ProgressRecorder(without_retries(self.m.client), self.m.keys)
         self.engine.commit_guard = self._fence
@@ -176,6 +176,15 @@ class TrainingWorker(WorkerRunner):
         gone = [w for w in table.evicted if w in members]
         if gone:  # the group formed, or being formed (its rendezvous waits for that peer)
             pg.request_abort(generation, f"generation {table.generation} evicted {', '.join(gone)}")
+
+    def _on_ended(self, state: str) -> None:
+        """(The watcher's thread.) The job failed: a group still being formed (its rendezvous
+        waits for peers that will not come) or stuck in a collective is aborted, so the loop
+        sees the end at once. Not on a completed or stopped job: there every member finishes
+        its step (a stop saves a checkpoint of it)."""
+        generation, _members = self._group
+        if generation and state == "failed":
+            pg.request_abort(generation, "the job failed")
 
     def _not_busy(self) -> None:
         if self.hb is not None:
@@ -343,9 +352,10 @@ class TrainingWorker(WorkerRunner):
         pipe = self.m.client.pipeline(transaction=False)
         pipe.scard(self.m.keys.barrier(generation))
         pipe.get(self.m.keys.shard)
-        arrived, raw = pipe.execute()
+        pipe.hget(self.m.keys.state, "state")
+        arrived, raw, state = pipe.execute()
         newest = ShardTable.model_validate_json(raw).generation if raw else 0
-        return BarrierPolled(arrived, newest, self.evicted)
+        return BarrierPolled(arrived, newest, self.evicted, job_ended=(state or b"").decode() in TERMINAL)
 
     def _form(self, table: ShardTable, rank: int) -> Formed | FormFailed:
         """Join ``table``'s group and make every member's state equal to the most advanced

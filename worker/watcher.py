@@ -5,7 +5,8 @@ attribute reads) instead of asking Redis on every step: a new shard table arrive
 a blocking XREAD as soon as the coordinator publishes it, and the job state is refreshed
 at least every ``interval`` seconds. Redis errors are logged and retried; they never
 reach the training thread. ``on_table`` is called (from the watcher's thread) with each new
-table as it arrives: the training worker aborts a group whose peer the table evicted.
+table as it arrives: the training worker aborts a group whose peer the table evicted;
+``on_ended`` once the job reached a final state: it aborts a group still forming or stuck.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ log = logging.getLogger("shoal.worker.watcher")
 
 class GenerationWatcher:
     def __init__(self, client: redis.Redis, keys: JobKeys, *, interval: float = 1.0,
-                 on_table: Callable[[ShardTable], None] | None = None):
+                 on_table: Callable[[ShardTable], None] | None = None,
+                 on_ended: Callable[[str], None] | None = None):
         self._client = client
         self._on_table = on_table
+        #: called once (from the watcher's thread) when the job reaches a final state
+        self._on_ended = on_ended
         self._keys = keys
         self._interval = interval
         self._stop = threading.Event()
@@ -72,6 +76,9 @@ class GenerationWatcher:
                             self._notify(table)
                 state = self._client.hget(self._keys.state, "state")
                 self.job_state = state.decode() if state else "pending"
+                if self.job_state in ("completed", "failed", "stopped") and self._on_ended is not None:
+                    ended, self._on_ended = self._on_ended, None
+                    ended(self.job_state)
             except (redis.RedisError, ValueError) as exc:
                 log.warning("generation watcher: %s", exc)
                 self._stop.wait(self._interval)

@@ -70,6 +70,7 @@ def test_sixty_seconds_of_network_chaos_pass_with_every_fault_kind(tmp_path) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # ~25 s; the default suite keeps under 15 min (the fixtures' clean-up is covered there)
 def test_sigterm_in_the_middle_of_the_soak_removes_every_namespace(tmp_path) -> None:
     _needs_namespaces()
     proc = subprocess.Popen([sys.executable, "-m", "shoal", "chaos", "--network", "--duration", "60", "--run-dir",
