@@ -486,9 +486,10 @@ def _on_start_failed(state: CoordState, ev: WorkerStartFailed, now_ms: int, spec
     if not status.first_failure:
         status = replace(status, first_failure=why, first_failure_worker="", first_failure_traceback=ev.traceback)
     state = replace(state, status=status)
-    actions = [RecordFailure(f"{ev.node or '?'}/slot{ev.slot}", -1, why, ev.exit_code, ev.signal, ev.traceback)]
+    slot = f"{ev.node or '?'}/slot{ev.slot}"
+    actions = [RecordFailure(slot, -1, why, ev.exit_code, ev.signal, ev.traceback)]
     if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:
-        return _give_up(state, f"{ev.node or '?'}/slot{ev.slot}", ev, spec, now_ms, actions)
+        return _give_up(state, slot, ev, spec, now_ms, actions)
     return Decision(state, tuple(actions), why)
 
 

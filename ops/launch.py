@@ -24,6 +24,7 @@ from shoal.events.keys import job_keys
 from shoal.events.models import ShardTable
 from shoal.core.connection import connect, redact_url, url_from_env
 from shoal.ops.embedded import default_run_dir
+from shoal.ops.status import parse_heartbeat, progress
 from shoal.core.errors import ConfigError, ShoalError
 from shoal.core.jobspec import JobSpec
 
@@ -54,33 +55,22 @@ class Progress:
         table = ShardTable.model_validate_json(raw) if raw else None
         members = sorted(table.members, key=lambda m: m.rank) if table else []
         hbs = self.client.mget([self.keys.heartbeat(m.worker_id) for m in members]) if members else []
-        beats = [json.loads(h) for h in hbs if h]
-        step = max((int(b.get("step") or 0) for b in beats), default=self.max_step)
+        beats = [hb for hb in map(parse_heartbeat, hbs) if hb is not None]
+        step = max((hb.step for hb in beats), default=self.max_step)
         self.max_step = max(self.max_step, step)
-        loss = next((b.get("loss") for b in beats if b.get("loss") is not None), None)
+        loss = next((hb.loss for hb in beats if hb.loss is not None), None)
         now = time.monotonic()
         if self._last is not None and now > self._last[0] and step >= self._last[1]:
             inst = (step - self._last[1]) / (now - self._last[0])
             self.rate = inst if self.rate is None else 0.5 * self.rate + 0.5 * inst
         self._last = (now, step)
-        # the job's length: max_steps, else what the workers computed from their dataset
-        totals = [int(b["total_steps"]) for b in beats if b.get("total_steps")]
-        total = self.spec.max_steps or (max(totals) if totals else None)
-        epochs = [int(b["epoch"]) for b in beats if b.get("epoch") is not None]
-        eta = None
-        if total and self.rate:
-            eta = round(max(0, total - self.max_step) / self.rate, 1)
         return {
-            "total_steps": total,
-            "epoch": max(epochs) + 1 if epochs else None,
-            "percent": round(100.0 * min(self.max_step, total) / total, 1) if total else None,
+            # the job's length: max_steps, else what the workers computed from their dataset
+            **progress(beats, self.max_step, self.rate, total=self.spec.max_steps),
             "state": state.decode() if state else "pending",
             "generation": int(gen or 0),
             "world_size": table.world_size if table else 0,
-            "step": self.max_step,
             "loss": loss,
-            "steps_per_s": round(self.rate, 3) if self.rate is not None else None,
-            "eta_s": eta,
             "updated_at": time.time(),
         }
 

@@ -17,7 +17,8 @@ import redis
 
 from shoal.coordinator.states import JobState, WorkerState
 from shoal.events.keys import JOBS, job_keys
-from shoal.events.models import Heartbeat, ShardTable, WorkerDoc
+from shoal.events.models import ShardTable, WorkerDoc
+from shoal.ops.status import median_rate, parse_heartbeat
 
 log = logging.getLogger("shoal.metrics")
 
@@ -123,16 +124,15 @@ def redis_lines(client: redis.Redis) -> list[str]:
         series["shoal_job_world_size"].append(f"shoal_job_world_size{{{label}}} {world}")
         series["shoal_job_worker_restarts_total"].append(f"shoal_job_worker_restarts_total{{{label}}} {restarts}")
         series["shoal_job_failures_total"].append(f"shoal_job_failures_total{{{label}}} {failures}")
-        hbs = [hb for hb in (_beat(raw) for raw in raws) if hb is not None]
+        hbs = [hb for hb in (parse_heartbeat(raw) for raw in raws) if hb is not None]
         if hbs:
             series["shoal_job_step"].append(f"shoal_job_step{{{label}}} {max(hb.step for hb in hbs)}")
             loss = next((hb.loss for hb in hbs if hb.loss is not None), None)
             if loss is not None:
                 series["shoal_job_loss"].append(f"shoal_job_loss{{{label}}} {loss}")
-            times = sorted(hb.step_time for hb in hbs if hb.step_time)
-            if times:
-                series["shoal_job_steps_per_second"].append(
-                    f"shoal_job_steps_per_second{{{label}}} {1.0 / times[len(times) // 2]:.6g}")
+            rate = median_rate(hbs)
+            if rate:
+                series["shoal_job_steps_per_second"].append(f"shoal_job_steps_per_second{{{label}}} {rate:.6g}")
     for name, (kind, text) in _TRAINING.items():
         out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", *series[name]]
     return out
@@ -147,15 +147,6 @@ _TRAINING = {
     "shoal_job_worker_restarts_total": ("counter", "Worker restarts by node agents, per job."),
     "shoal_job_failures_total": ("counter", "Worker failures recorded per job (the failures stream; capped)."),
 }
-
-
-def _beat(raw: bytes | None) -> Heartbeat | None:
-    if raw is None:
-        return None
-    try:
-        return Heartbeat.model_validate_json(raw)
-    except ValueError:
-        return None
 
 
 class MetricsServer:

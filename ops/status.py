@@ -17,7 +17,7 @@ from shoal.core.errors import ConfigError
 from shoal.core.yamlfile import escape_controls
 
 
-def _heartbeat(raw: bytes | None) -> Heartbeat | None:
+def parse_heartbeat(raw: bytes | None) -> Heartbeat | None:
     """A heartbeat value through its model; None when absent or not a heartbeat (a
     malformed value shows as no heartbeat rather than breaking ``status``)."""
     if not raw:
@@ -63,7 +63,7 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
     ended = status.state.value in ("completed", "failed", "stopped")
     beats = []
     for (wid, rec), hb_raw in sorted(zip(records.items(), hbs), key=lambda x: (len(x[0][0]), x[0][0])):
-        hb = _heartbeat(hb_raw)
+        hb = parse_heartbeat(hb_raw)
         if hb is not None and rec.state == "Active":
             beats.append(hb)
         member = table.member(wid) if table else None
@@ -118,25 +118,36 @@ def _duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
-def _progress(beats: list, high_step: int, ended: bool, *, completed: bool = False) -> dict:
-    """Step, total, epoch, percentage, steps/s and ETA from the Active members' heartbeats
-    (the most advanced one's step; steps/s from the median recent step time). A completed
-    job's total is the step it completed at."""
-    step = max([hb.step for hb in beats] + [high_step])
-    totals = [hb.total_steps for hb in beats if hb.total_steps]
-    total = max(totals) if totals else (step if completed and step else None)
-    epochs = [hb.epoch for hb in beats if hb.epoch is not None]
+def median_rate(beats: list[Heartbeat]) -> float | None:
+    """Steps per second of the median member, from each heartbeat's recent step time."""
     times = sorted(hb.step_time for hb in beats if hb.step_time)
-    rate = 1.0 / times[len(times) // 2] if times and not ended else None
+    return 1.0 / times[len(times) // 2] if times else None
+
+
+def progress(beats: list[Heartbeat], step: int, rate: float | None, *, total: int | None = None) -> dict:
+    """Step, total, epoch, percentage, steps/s and ETA of a job at ``step``, going ``rate``
+    steps/s: ``total`` when the caller knows it, else what the members' heartbeats say (the
+    workers compute it from their dataset); the epoch from the heartbeats too."""
+    totals = [hb.total_steps for hb in beats if hb.total_steps]
+    total = total or (max(totals) if totals else None)
+    epochs = [hb.epoch for hb in beats if hb.epoch is not None]
     left = max(0, total - step) if total else None
     return {
         "step": step,
         "total_steps": total,
         "epoch": (max(epochs) + 1) if epochs else None,  # 1-based, as people count
         "percent": round(100.0 * min(step, total) / total, 1) if total else None,
-        "steps_per_s": round(rate, 2) if rate else None,
+        "steps_per_s": round(rate, 3) if rate else None,
         "eta_s": round(left / rate, 1) if rate and left is not None else None,
     }
+
+
+def _progress(beats: list[Heartbeat], high_step: int, ended: bool, *, completed: bool = False) -> dict:
+    """:func:`progress` from the Active members' heartbeats (the most advanced one's step);
+    no rate once the job ended; a completed job's total is the step it completed at."""
+    step = max([hb.step for hb in beats] + [high_step])
+    return progress(beats, step, None if ended else median_rate(beats),
+                    total=step if completed and step else None)
 
 
 def format_status(s: dict) -> str:

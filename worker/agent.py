@@ -154,7 +154,7 @@ class NodeAgent:
         """Every JOB_CHECK_S: if the job's spec vanished, tell a Redis that lost its data (a
         new server ``run_id``) from a deliberate ``shoal delete`` (same server). A lost job is
         registered again from the spec this agent holds, so its running workers rejoin with
-        their state (see ``WorkerRunner.rejoin_lost_job``); a deleted one is drained."""
+        their state (see ``WorkerRunner.rejoin_evicted``); a deleted one is drained."""
         if self.spec is None or now < self._next_job_check or self._draining:
             return
         self._next_job_check = now + JOB_CHECK_S

@@ -403,9 +403,7 @@ def leave_group(*, background: bool = False) -> None:
     A synchronous call first waits (bounded) for pending background teardowns.
     """
     global _current, _abort_reason
-    if _abort_reason:  # nothing to wait for: its stuck work is dropped with it, by a thread
-        _destroy_quietly(background=True)
-    elif background:
+    if background or _abort_reason:  # an aborted group's stuck work is dropped with it, by a thread
         _destroy_quietly(background=True)
     else:
         wait_teardown()

@@ -79,7 +79,7 @@ class WorkerRunner:
         log.info("joined job %s as %s", self.m.job_id, wid)
         return wid
 
-    def rejoin_lost_job(self, last_generation: int) -> bool:
+    def rejoin_evicted(self, last_generation: int) -> bool:
         """Call once :attr:`evicted`: join the job anew - same process, same state, a new
         worker id - when that is what it needs. True when rejoined.
 

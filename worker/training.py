@@ -255,7 +255,7 @@ class TrainingWorker(WorkerRunner):
             case SaveCheckpoint():
                 self._save(action)
             case TryRejoin(last_generation=last):
-                return Rejoined(self.rejoin_lost_job(last), self.m.worker_id or "")
+                return Rejoined(self.rejoin_evicted(last), self.m.worker_id or "")
             case LeaveGroup(background=background):
                 aborted = bool(pg.aborted())
                 pg.leave_group(background=background)

@@ -21,53 +21,17 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 
-from shoal.core.jobspec import JobSpec
-from shoal.core.registry import create_job
-from shoal.ops.localproc import LocalProcs
-from shoal.worker import ledger
-from tests.helpers import ControlWatcher, dump_logs
+from tests.helpers import ControlWatcher
+from tests.processes.three_workers import pids_by_worker, run_three_workers
 
 pytestmark = pytest.mark.slow
-STEPS = 60
-DIGITS = 5000
-
-
-def _run(r, redis_url, tmp_path, job: str, faults: str, check, steps: int = STEPS, **spec) -> list[dict]:
-    create_job(r, JobSpec(name=job, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64,
-                          max_steps=steps, min_workers=2, max_workers=3, heartbeat_interval=0.2, heartbeat_ttl=2.0,
-                          **spec))
-    watch = ControlWatcher(r, job)
-    env = {"SHOAL_TEST_STEP_DELAY": "0.02", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger"),
-           "SHOAL_EXPORT_DIR": str(tmp_path / "final"), "SHOAL_FAULTS": faults}
-    with LocalProcs(redis_url, tmp_path / "logs", extra_env=env) as procs:
-        procs.coordinator("coord")
-        agent = procs.start("agent", "agent", job, "--workers", "3", "--max-restarts", "0",
-                            "--run-dir", str(tmp_path / "agent"))
-        try:
-            # min_workers 2: a generation of two may come first
-            watch.wait_for(lambda d: "world size 3 (w0, w1, w2)" in d["reason"], 60)
-            check(watch)
-            watch.wait_for(lambda d: d["job_state"] == "completed", 120)
-            assert agent.wait(60) == 0
-        except BaseException:
-            dump_logs(procs, tmp_path / "agent")
-            raise
-    assert "died with" not in (tmp_path / "logs" / "agent.log").read_text()  # no process exited early
-    entries = ledger.read(tmp_path / "ledger")
-    verdict = ledger.verify(entries, DIGITS)
-    assert verdict.ok, verdict.problem
-    assert verdict.steps == steps
-    finals = [torch.load(p, weights_only=True) for p in sorted((tmp_path / "final").glob("final-*.pt"))]
-    assert len(finals) == 3 and all(torch.equal(finals[0][k], f[k]) for f in finals[1:] for k in finals[0])
-    return entries
 
 
 def test_a_peer_slower_than_the_heartbeat_ttl_is_waited_for_without_any_failure(r, redis_url, tmp_path) -> None:
     job = "slow-" + tmp_path.name[-6:]
     seen: list[ControlWatcher] = []
-    entries = _run(r, redis_url, tmp_path, job, "w1@20:mid_step:sleep=4", seen.append)
+    entries = run_three_workers(r, redis_url, tmp_path, job, seen.append, faults="w1@20:mid_step:sleep=4")
     reasons = [d["reason"] for d in seen[0].seen]
     three = next(i for i, x in enumerate(reasons) if "world size 3 (w0, w1, w2)" in x)
     # nobody failed, and the generation of three went on through the stall: no later plan
@@ -82,19 +46,20 @@ def test_a_peer_slower_than_the_heartbeat_ttl_is_waited_for_without_any_failure(
 def test_a_step_stuck_past_the_step_timeout_evicts_that_worker_and_the_others_go_on(r, redis_url, tmp_path) -> None:
     job = "stuck-" + tmp_path.name[-6:]
 
+    tables = []
+
     def evicted(watch: ControlWatcher) -> None:
         d = watch.wait_for(lambda d: "w1 failed" in d["reason"], 60)
         assert "w1 failed (rank 1): step timeout: its step has been busy for" in d["reason"], d["reason"]
         assert "(step_timeout 3 s) while its heartbeat is alive" in d["reason"]
         assert "world size 2 (w0, w2)" in d["reason"]
-        evicted.table = watch.table()
+        tables.append(watch.table())
 
     # the sleeper wakes 2 s after its eviction, while the others still have ~130 steps to go
-    entries = _run(r, redis_url, tmp_path, job, "w1@20:mid_step:sleep=5", evicted, steps=150, epochs=2, step_timeout=3.0)
-    assert evicted.table.evicted == ["w1"]
-    pids = {}
-    for e in entries:
-        pids.setdefault(e["worker"], set()).add(e["pid"])
+    entries = run_three_workers(r, redis_url, tmp_path, job, evicted, faults="w1@20:mid_step:sleep=5", steps=150,
+                                epochs=2, step_timeout=3.0)
+    assert tables[0].evicted == ["w1"]
+    pids = pids_by_worker(entries)
     # the survivors kept their processes; the sleeper committed nothing after its stuck step
     # and rejoined with the same process under a new id
     assert len(pids["w0"]) == len(pids["w2"]) == 1

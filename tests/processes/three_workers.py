@@ -1,0 +1,60 @@
+"""A job of three digits workers under one node agent that may restart nobody, with a fault
+check in the middle and the end state every peer-fault test asserts (``test_slow_peer``,
+``test_hung_peer``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from shoal.core.jobspec import JobSpec
+from shoal.core.registry import create_job
+from shoal.ops.localproc import LocalProcs
+from shoal.worker import ledger
+from tests.helpers import ControlWatcher, dump_logs
+
+DIGITS = 5000
+
+
+def run_three_workers(r, redis_url, tmp_path, job: str, check: Callable[[ControlWatcher], None], *,
+                      faults: str = "", steps: int = 60, step_delay: float = 0.02, **spec) -> list[dict]:
+    """Run the job (``spec`` overrides the defaults below) until it completes; ``check(watch)``
+    runs once the generation of three formed. Asserts: the agent exits 0, no worker process
+    exited early, every step and sample exactly once, the three finishing replicas
+    bit-identical. Returns the ledger's entries."""
+    fields = dict(name=job, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, max_steps=steps,
+                  min_workers=2, max_workers=3, heartbeat_interval=0.2, heartbeat_ttl=2.0) | spec
+    create_job(r, JobSpec(**fields))
+    watch = ControlWatcher(r, job)
+    env = {"SHOAL_TEST_STEP_DELAY": str(step_delay), "SHOAL_LEDGER_DIR": str(tmp_path / "ledger"),
+           "SHOAL_EXPORT_DIR": str(tmp_path / "final"), "SHOAL_FAULTS": faults}
+    with LocalProcs(redis_url, tmp_path / "logs", extra_env=env) as procs:
+        procs.coordinator("coord")
+        agent = procs.start("agent", "agent", job, "--workers", "3", "--max-restarts", "0",
+                            "--run-dir", str(tmp_path / "agent"))
+        try:
+            # min_workers 2: a generation of two may come first
+            watch.wait_for(lambda d: "world size 3 (w0, w1, w2)" in d["reason"], 60)
+            check(watch)
+            watch.wait_for(lambda d: d["job_state"] == "completed", 180)
+            assert agent.wait(60) == 0
+        except BaseException:
+            dump_logs(procs, tmp_path / "agent")
+            raise
+    assert "died with" not in (tmp_path / "logs" / "agent.log").read_text()  # no process exited early
+    entries = ledger.read(tmp_path / "ledger")
+    verdict = ledger.verify(entries, DIGITS)
+    assert verdict.ok, verdict.problem
+    assert verdict.steps == steps
+    finals = [torch.load(p, weights_only=True) for p in sorted((tmp_path / "final").glob("final-*.pt"))]
+    assert len(finals) == 3 and all(torch.equal(finals[0][k], f[k]) for f in finals[1:] for k in finals[0])
+    return entries
+
+
+def pids_by_worker(entries: list[dict]) -> dict[str, set[int]]:
+    """Worker id -> the process ids that committed under it."""
+    out: dict[str, set[int]] = {}
+    for e in entries:
+        out.setdefault(e["worker"], set()).add(e["pid"])
+    return out
