@@ -49,6 +49,7 @@ from shoal.coordinator.states import (
 )
 from shoal.events.models import (
     Checkpointed,
+    EvalReported,
     EventBase,
     JobCompleted,
     JoinReply,
@@ -361,6 +362,8 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
         return Decision(state, (SetLatest(pointer, ev.step),), reason)
     if rec is None:
         return _unchanged(state, f"{ev.kind} from unknown worker {wid!r} ignored")
+    if isinstance(ev, EvalReported):
+        return _on_eval(state, ev, rec)
     if isinstance(ev, Ready):
         if rec.state != WorkerState.SYNCING:
             return _unchanged(state, f"ready from {wid} ignored: it is {rec.state.value}")
@@ -451,6 +454,49 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
     return _unchanged(state, f"event kind {ev.kind!r} has no handler")  # pragma: no cover
 
 
+def last_eval(status: JobStatus) -> dict | None:
+    """The job's newest evaluation (``JobStatus.eval`` parsed): ``step``, ``epoch``,
+    ``generation``, ``metrics``, ``worker_id``; None when there is none or it does not parse."""
+    try:
+        doc = json.loads(status.eval) if status.eval else None
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("metrics"), dict) else None
+
+
+#: Longest list of metrics an evaluation's reason (the decision log, ``shoal events``) shows.
+EVAL_REASON_CHARS = 300
+
+
+def format_metrics(metrics: dict[str, float], limit: int = EVAL_REASON_CHARS) -> str:
+    """``accuracy=0.8531 loss=0.4127`` (4 significant digits), cut at ``limit`` characters."""
+    text = " ".join(f"{k}={v:.4g}" if isinstance(v, (int, float)) else f"{k}={v!r}"
+                    for k, v in metrics.items()) or "no metrics"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _on_eval(state: CoordState, ev: EvalReported, rec: WorkerRecord) -> Decision:
+    """Keep the newest evaluation in the job's record. One from a worker no longer live, after
+    the job ended, or from a generation older than the recorded one's (a late report) changes
+    nothing. A lower step from a newer generation is kept: the job resumed below it (from a
+    checkpoint), so that step is the newest evaluation of the model training goes on from."""
+    said = f"{rec.worker_id} evaluated step {ev.step}"
+    if state.status.state in TERMINAL_JOB_STATES:
+        return _unchanged(state, f"{said}: ignored, job already {state.status.state.value}")
+    if rec.state not in LIVE:
+        return _unchanged(state, f"{said}: ignored, it is {rec.state.value}")
+    last = last_eval(state.status)
+    recorded = last.get("generation") if last is not None else None
+    if isinstance(recorded, int) and ev.generation < recorded:
+        return _unchanged(state, f"{said} in generation {ev.generation}: ignored, the job's evaluation of step "
+                                 f"{last.get('step')} is from generation {recorded}")
+    doc = {"step": ev.step, "epoch": ev.epoch, "generation": ev.generation, "metrics": dict(ev.metrics),
+           "worker_id": rec.worker_id}
+    done = f"{ev.epoch} epoch{'' if ev.epoch == 1 else 's'} done"
+    reason = f"{said} ({done}, generation {ev.generation}{', final' if ev.final else ''}): {format_metrics(ev.metrics)}"
+    return Decision(replace(state, status=replace(state.status, eval=json.dumps(doc))), (), reason)
+
+
 #: How much of a rendezvous error the job status keeps (the formation failure's reason).
 RENDEZVOUS_ERROR_CHARS = 400
 
@@ -479,7 +525,10 @@ def _on_start_failed(state: CoordState, ev: WorkerStartFailed, now_ms: int, spec
         return _unchanged(state, f"start failure of {ev.who()} ignored: job already {state.status.state.value}")
     how = f"signal {ev.signal}" if ev.signal else f"exit code {ev.exit_code}"
     tail = ev.traceback.strip().splitlines()[-1] if ev.traceback.strip() else ""
-    why = f"{ev.who()} failed before joining: process ended with {how}" + (f" ({tail})" if tail else "")
+    if ev.exit_code is None and ev.signal is None:  # the agent could not start it at all
+        why = f"{ev.who()} could not be started" + (f": {tail}" if tail else "")
+    else:
+        why = f"{ev.who()} failed before joining: process ended with {how}" + (f" ({tail})" if tail else "")
     if ev.will_restart:
         why += f"; restarting it (restart {ev.restarts + 1})"
     status = state.status
@@ -505,13 +554,18 @@ def _give_up(state: CoordState, wid: str, ev: WorkerExited | WorkerStartFailed, 
 
 def _on_join(state: CoordState, ev: JoinRequest, now_ms: int, spec: JobSpec, epoch: int) -> Decision:
     status = state.status
-    if status.state in TERMINAL_JOB_STATES:
-        reason = f"join rejected: job is {status.state.value}"
-        return Decision(state, (ReplyJoin(ev.event_id, JoinReply(accepted=False, reason=reason)),), reason)
     planned = state.in_state(PLANNED)
-    if len(planned) >= spec.max_workers:
-        reason = f"join rejected: job already has {len(planned)} workers (max_workers={spec.max_workers})"
-        return Decision(state, (ReplyJoin(ev.event_id, JoinReply(accepted=False, reason=reason)),), reason)
+    refusal = ""
+    if status.state in TERMINAL_JOB_STATES:
+        refusal = f"job is {status.state.value}"
+    elif len(planned) >= spec.max_workers:
+        refusal = f"job already has {len(planned)} workers (max_workers={spec.max_workers})"
+    if refusal:  # counted in the job's record: a late or surplus worker is visible in status
+        reason = f"join rejected: {refusal}"
+        who = f"{ev.host or '?'} pid {ev.pid}" + (f" on node {ev.node}" if ev.node else "")
+        status = replace(status, rejected_joins=status.rejected_joins + 1, last_rejection=f"{who}: {refusal}")
+        return Decision(replace(state, status=status),
+                        (ReplyJoin(ev.event_id, JoinReply(accepted=False, reason=reason)),), reason)
     if ev.last_generation > status.generation:
         # Redis lost the job and a surviving process rejoins: number on above what it saw
         status = replace(status, generation=ev.last_generation)

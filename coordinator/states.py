@@ -211,6 +211,14 @@ class JobStatus:
     #: job resumed from a checkpoint or from scratch (a sum over every such resumption). A
     #: lower bound: steps committed after the coordinator's last report of them are not seen.
     steps_redone: int = 0
+    #: The newest evaluation rank 0 reported (periodic or final), JSON
+    #: ``{"step", "epoch", "generation", "metrics": {name: float}, "worker_id"}``; "" : none yet.
+    #: See :func:`shoal.coordinator.decide.last_eval`.
+    eval: str = ""
+    #: Joins the coordinator refused (the job was at ``max_workers``, or already ended: a
+    #: worker that came late), and the newest refusal's reason, for ``shoal status``.
+    rejected_joins: int = 0
+    last_rejection: str = ""
 
     def to_hash(self) -> dict[str, str]:
         return {
@@ -234,6 +242,9 @@ class JobStatus:
             "high_step": str(self.high_step),
             "high_step_generation": str(self.high_step_generation),
             "steps_redone": str(self.steps_redone),
+            "eval": self.eval,
+            "rejected_joins": str(self.rejected_joins),
+            "last_rejection": self.last_rejection,
         }
 
     @classmethod
@@ -262,6 +273,9 @@ class JobStatus:
             high_step=int(g.get("high_step", 0)),
             high_step_generation=int(g.get("high_step_generation", 0)),
             steps_redone=int(g.get("steps_redone", 0)),
+            eval=g.get("eval", ""),
+            rejected_joins=int(g.get("rejected_joins", 0)),
+            last_rejection=g.get("last_rejection", ""),
         )
 
 

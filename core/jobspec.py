@@ -70,6 +70,23 @@ class JobSpec(BaseModel):
     #: workers' collective timeout is derived from it (plus a margin over the heartbeat TTL):
     #: a collective is never the failure detector.
     step_timeout: Annotated[float, Field(gt=0, le=86400)] = 60.0
+    #: Evaluation during training: ``eval_fn`` runs every this many committed steps, or at the
+    #: end of every this many epochs (at most one of the two); it always runs at the end.
+    #: Every member evaluates the same committed step (identical replicas: nobody waits for
+    #: rank 0), rank 0 reports the metrics (``shoal status``, ``shoal events``, the report).
+    #: The evaluation counts toward ``step_timeout`` together with the next step's own work:
+    #: raise it when an evaluation plus a step can take longer. Ignored without an ``eval_fn``.
+    eval_every_steps: Annotated[int | None, Field(gt=0)] = None
+    eval_every_epochs: Annotated[int | None, Field(gt=0)] = None
+    #: A local directory shipped with the job (like Ray's ``runtime_env.working_dir``): packed
+    #: at submit (bounded, checksummed), unpacked by each node agent into a per-job directory
+    #: that is its workers' working directory and first on their ``sys.path``. Relative to the
+    #: spec file's directory (to the current directory for ``--set``). The stored spec holds
+    #: the absolute path, for display; agents never read it.
+    working_dir: str | None = None
+    #: Glob patterns (matched against each path relative to ``working_dir`` and against each
+    #: name) left out of the package, besides the defaults (``.git``, ``__pycache__``, ...).
+    working_dir_excludes: tuple[str, ...] = ()
     #: Simulated step time for workers with ``entrypoint: simulate`` (control-plane tests).
     simulate_step_time: Annotated[float, Field(ge=0)] = 0.05
 
@@ -102,6 +119,8 @@ class JobSpec(BaseModel):
             raise ValueError(
                 f"heartbeat_ttl ({self.heartbeat_ttl}) must exceed heartbeat_interval ({self.heartbeat_interval})"
             )
+        if self.eval_every_steps is not None and self.eval_every_epochs is not None:
+            raise ValueError("set eval_every_steps or eval_every_epochs, not both")
         if self.entrypoint != "simulate" and self.num_samples not in (None, self.global_batch_size):
             raise ValueError("num_samples applies to simulated jobs only: training shards each global batch")
         return self

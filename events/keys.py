@@ -80,6 +80,13 @@ class JobKeys:
 
     # --- coordinator-owned (every write fenced by the lease epoch) -------------------------
     @property
+    def code(self) -> str:
+        """HASH ``sha256``, ``size``, ``files``, ``tar`` (gzip'd tar of the spec's
+        ``working_dir``). Writer: submit/create (same MULTI/EXEC as the spec); an agent that
+        registers a lost job again. Reader: node agents, which verify the checksum and unpack it."""
+        return f"{self.base}:code"
+
+    @property
     def lease(self) -> str:
         """STRING ``token``, PX = lease TTL. The coordinator replica holding it leads this job."""
         return f"{self.base}:lease"
@@ -172,7 +179,9 @@ class JobKeys:
         """STREAM of committed progress: ``step``, ``loss``, ``generation``, ``world_size``, ``t``
         (the worker's unix time); the entry id is Redis server time, the clock of ``control``.
         Writer: rank 0 of the training worker (``worker/progress.py``: at most one entry per
-        0.5 s, plus the first step of each generation; dropped when Redis is down). Reader:
+        0.5 s, plus the first step of each generation; dropped when Redis is down). Rank 0 also
+        appends every evaluation: ``kind`` = ``eval``, ``step``, ``epoch``, ``generation``,
+        ``metrics`` (JSON), ``t``; entries without ``kind`` are committed steps. Reader:
         ``shoal report``. Capped at ~:data:`PROGRESS_MAXLEN` entries. The coordinator never reads it."""
         return f"{self.base}:progress"
 

@@ -11,6 +11,7 @@ Wire rules (evolve only by adding optional fields):
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -104,7 +105,9 @@ class WorkerExited(_ProcessEnded):
 class WorkerStartFailed(_ProcessEnded):
     """A worker process a node agent started ended before it joined the job, so it has no
     worker id (the entrypoint could not be imported, the checkpoint store's settings are
-    missing, the job spec could not be read...). ``worker_id`` is None; the process is named
+    missing, the job spec could not be read...), or that the agent could not start at all
+    (``exit_code`` and ``signal`` None, ``pid`` 0: the job's code package is missing or
+    corrupt). ``worker_id`` is None; the process is named
     by ``node``, the agent's ``slot`` and ``pid``. The coordinator records it as a failure
     (the job's first failure when it is the first) and fails the job when the agent gave up
     and too few workers remain."""
@@ -115,7 +118,8 @@ class WorkerStartFailed(_ProcessEnded):
 
     def who(self) -> str:
         """``the worker process on node n1 (slot 0, pid 4242)``."""
-        return f"the worker process on node {self.node or '?'} (slot {self.slot}, pid {self.pid})"
+        pid = f", pid {self.pid}" if self.pid else ""
+        return f"the worker process on node {self.node or '?'} (slot {self.slot}{pid})"
 
 
 class StepFailed(EventBase):
@@ -149,6 +153,62 @@ class Checkpointed(EventBase):
     generation: int = 0
 
 
+#: At most this many metrics per evaluation (the first ones ``eval_fn`` returned are kept).
+MAX_EVAL_METRICS = 64
+#: Longest metric name kept.
+MAX_METRIC_NAME = 100
+
+MetricName = Annotated[str, Field(min_length=1, max_length=MAX_METRIC_NAME)]
+#: A metric value: a finite float (JSON holds no NaN or infinity; a reader rejects them).
+MetricValue = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def finite_metrics(raw: object) -> tuple[dict[str, float], list[str]]:
+    """What of ``eval_fn``'s result an :class:`EvalReported` (and a completion summary) can
+    carry: name -> finite float, at most :data:`MAX_EVAL_METRICS` names of at most
+    :data:`MAX_METRIC_NAME` characters. Returns the kept metrics and, for people, one line
+    per value left out (not a number, not finite, a bad name, one too many). Never raises;
+    ``raw`` that is not a mapping keeps nothing."""
+    if not hasattr(raw, "items"):
+        return {}, [f"eval_fn returned {type(raw).__name__}, not a dict of name -> number"]
+    kept: dict[str, float] = {}
+    dropped: list[str] = []
+    for name, value in raw.items():
+        key = str(name)
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            dropped.append(f"{key[:MAX_METRIC_NAME]!r}: {type(value).__name__} is not a number")
+            continue
+        if not math.isfinite(v):
+            dropped.append(f"{key[:MAX_METRIC_NAME]!r}: {v} is not finite")
+        elif not 0 < len(key) <= MAX_METRIC_NAME:
+            dropped.append(f"{key[:MAX_METRIC_NAME]!r}...: the name must have 1 to {MAX_METRIC_NAME} characters")
+        elif len(kept) >= MAX_EVAL_METRICS:
+            dropped.append(f"{key!r}: more than {MAX_EVAL_METRICS} metrics")
+        else:
+            kept[key] = v
+    return kept, dropped
+
+
+class EvalReported(EventBase):
+    """Rank 0 ran the job's ``eval_fn`` on the model as of committed ``step`` (periodically,
+    per ``eval_every_steps``/``eval_every_epochs``, and once at the end, ``final``, before
+    :class:`JobCompleted`). Every member evaluates the same step (the replicas are identical);
+    only rank 0 reports. The coordinator keeps the newest in the job's ``eval`` field."""
+
+    kind: Literal["eval"] = "eval"
+    step: Annotated[int, Field(ge=0)]
+    #: The epoch (0-based) the cursor is in after ``step``, as in the heartbeat: an
+    #: evaluation at the end of the first epoch says 1 (one epoch complete).
+    epoch: Annotated[int, Field(ge=0)] = 0
+    #: The generation ``step`` was committed in (0: not known).
+    generation: Annotated[int, Field(ge=0)] = 0
+    metrics: Annotated[dict[MetricName, MetricValue], Field(max_length=MAX_EVAL_METRICS)] = Field(default_factory=dict)
+    #: The evaluation at the end of training (the one the completion summary holds).
+    final: bool = False
+
+
 class StopJob(EventBase):
     """An operator asked the job to stop (``shoal stop``); ``worker_id`` is None."""
 
@@ -158,7 +218,7 @@ class StopJob(EventBase):
 
 WorkerEvent = Annotated[
     Union[JoinRequest, Ready, LeaveRequest, Left, WorkerExited, WorkerStartFailed, StepFailed, JobCompleted, StopJob,
-          Checkpointed],
+          Checkpointed, EvalReported],
     Field(discriminator="kind"),
 ]
 _EVENT_ADAPTER: TypeAdapter = TypeAdapter(WorkerEvent)

@@ -6,6 +6,9 @@ and spurious pixels and Gaussian noise - a small but real classification task (a
 model gets about two thirds of the held-out glyphs right; the MLP close to 90 % after 3
 epochs).
 
+:func:`evaluate` is the job's ``eval_fn``: ``examples/job.yaml`` runs it after every epoch
+(``eval_every_epochs: 1``; ``shoal status`` shows the last one) and at the end.
+
 Run it on shoal with ``shoal submit examples/job.yaml`` (entrypoint ``shoal.examples.digits:build``),
 or locally, single process, with ``python -m shoal.examples.digits``. ``examples/torchrun_ddp.py``
 is the same training as a plain torchrun DDP script; ``examples/README.md`` compares them.

@@ -253,11 +253,9 @@ def _positive_float(text: str) -> float:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from shoal.events.keys import LAUNCH_QUEUE
-    from shoal.ops.submit import check_runnable, submit
+    from shoal.ops.submit import submit
 
-    spec = _spec_from_args(args)  # refused here, before anything is written or queued
-    if not args.no_validate:
-        check_runnable(spec)
+    spec = _checked_spec(args)  # refused here, before anything is written or queued
     with redis_client(start_embedded=True) as client:
         done = submit(client, spec, workers_per_unit=args.workers)
     print(done.job_id)
@@ -378,21 +376,44 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_create(args: argparse.Namespace) -> int:
-    from shoal.core.registry import create_job
-    from shoal.ops.submit import check_runnable
+    from shoal.ops.submit import register
 
-    spec = _spec_from_args(args)
-    if not args.no_validate:
-        check_runnable(spec)  # refused here, before anything is written
+    spec = _checked_spec(args)  # refused here, before anything is written
     with redis_client(start_embedded=True) as client:
-        create_job(client, spec)
+        register(client, spec)
     print(spec.name)
     return 0
+
+
+def _checked_spec(args: argparse.Namespace):
+    """The spec of ``create``/``submit`` (:func:`_spec_from_args`), checked as runnable
+    unless ``--no-validate`` (and built when ``--dry-build``)."""
+    from shoal.ops.submit import check_runnable
+
+    if args.no_validate and args.dry_build:
+        raise ConfigError("--dry-build and --no-validate contradict each other")
+    spec = _spec_from_args(args)
+    if not args.no_validate:
+        check_runnable(spec, build=args.dry_build)
+    return spec
 
 
 def _spec_from_args(args: argparse.Namespace):
     """The job spec of ``create``/``submit``: the file (if given), then ``--name`` and every
     ``--set key=value`` over it, validated like the file (one line naming a bad field)."""
+    spec = _spec_fields(args)
+    if spec.working_dir and not Path(spec.working_dir).is_absolute():
+        # relative to the spec file's directory, like a compose file's build context; a
+        # --set working_dir=... is relative to the current directory
+        from_file = args.spec and not any(item.startswith("working_dir=") for item in args.set or [])
+        base = Path(args.spec).resolve().parent if from_file else Path.cwd()
+        spec = spec.model_copy(update={"working_dir": str((base / spec.working_dir).resolve())})
+    if spec.working_dir and not Path(spec.working_dir).is_dir():
+        raise ConfigError(f"working_dir {spec.working_dir}: no such directory")
+    return spec
+
+
+def _spec_fields(args: argparse.Namespace):
     from shoal.core.jobspec import load_spec, parse_spec
     from shoal.core.yamlfile import read_yaml
 
@@ -551,6 +572,35 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"shoal: {message} (see '{self.prog} --help')\n")
 
 
+def _complete_jobs(prefix: str = "", **_kw) -> list[str]:
+    """Shell completion of a JOB argument: the registered job ids, from ``REDIS_URL`` or a
+    running embedded server (never one started for this), within a second; none when no
+    server answers (completion must not hang a shell or print errors)."""
+    from shoal.core.registry import list_jobs
+
+    url = url_from_env()
+    if url is None:
+        port = default_run_dir() / "port"
+        if not port.exists():
+            return []
+        url = f"redis://127.0.0.1:{port.read_text().strip()}/0"
+    try:
+        client = connect(url, timeout=1.0)
+        try:
+            return [j for j in list_jobs(client) if j.startswith(prefix)]
+        finally:
+            client.close()
+    except (ShoalError, redis.RedisError, OSError, ValueError):
+        return []
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    import argcomplete
+
+    print(argcomplete.shellcode(["shoal"], shell=args.shell))
+    return 0
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -615,6 +665,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="override a spec field of the file (repeatable; validated like the file)")
     sb.add_argument("--no-validate", action="store_true",
                     help="do not import the entrypoint or check S3 settings here (they exist only on the workers)")
+    sb.add_argument("--dry-build", action="store_true",
+                    help="also call the entrypoint here and check the model, optimizer and dataset it returns")
     sb.set_defaults(func=cmd_submit)
 
     st = sub.add_parser("stop", help="stop a job gracefully (workers see 'stopped' and exit)")
@@ -642,6 +694,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="spec field, over the file's if one is given (repeatable; validated like the file)")
     cr.add_argument("--no-validate", action="store_true",
                     help="do not import the entrypoint or check S3 settings here (they exist only on the workers)")
+    cr.add_argument("--dry-build", action="store_true",
+                    help="also call the entrypoint here and check the model, optimizer and dataset it returns")
     cr.set_defaults(func=cmd_create)
 
     s = sub.add_parser("status", help="show a job's state, generation and workers")
@@ -698,11 +752,25 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("action", choices=["validate", "show"], help="validate: check the file; show: print what it describes")
     cl.add_argument("file", help="cluster file (YAML), e.g. examples/cluster.yaml")
     cl.set_defaults(func=cmd_cluster)
+
+    co = sub.add_parser("completion", help="print the shell completion script (bash, zsh or fish)",
+                        description="Enable with: eval \"$(shoal completion bash)\" (in ~/.bashrc), "
+                                    "shoal completion zsh, or shoal completion fish | source. "
+                                    "Completes commands, options and job ids.")
+    co.add_argument("shell", choices=["bash", "zsh", "fish"], help="the shell to print the script for")
+    co.set_defaults(func=cmd_completion)
+    for action in (a for sp in sub.choices.values() for a in sp._actions if a.dest == "job"):
+        action.completer = _complete_jobs  # argcomplete: JOB completes to the registered job ids
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if "_ARGCOMPLETE" in os.environ:  # the shell asks for completions (``shoal completion``)
+        import argcomplete
+
+        argcomplete.autocomplete(parser)
+    args = parser.parse_args(argv)
     _setup_logging(args.verbose)
     try:
         return int(args.func(args) or 0)

@@ -5,9 +5,10 @@ agent running three workers that train the digits example. Every coordinator dec
 printed with its reason as it happens, with a live progress line. Part way through, one
 worker is ``kill -9``'d: the agent reports the death at once, the survivors drop the
 interrupted step and carry on in a new generation without restarting, and the agent
-starts a replacement that joins mid-epoch and receives the weights by broadcast. The demo
-ends with a summary: final loss and accuracy, generations, recovery time, and whether
-every sample was used exactly once (checked from the workers' ledgers).
+starts a replacement that joins mid-epoch and receives the weights by broadcast. Every epoch
+ends with an evaluation on held-out glyphs (``eval_every_epochs: 1``). The demo ends with a
+summary: final loss and accuracy, the last evaluation, generations, recovery time, and
+whether every sample was used exactly once (checked from the workers' ledgers).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Callable, TextIO
 
 import redis
 
+from shoal.coordinator.decide import format_metrics
 from shoal.events.keys import job_keys
 from shoal.events.models import ShardTable
 from shoal.ops.embedded import start_server
@@ -130,7 +132,8 @@ def run_demo(duration: float | None = None, epochs: int = 8, report: str | None 
         print(f"embedded Redis at {server.url} (AOF on, in {tmpdir / 'redis'})")
         client = redis.Redis.from_url(server.url, socket_timeout=10)
         spec = JobSpec(name=job, entrypoint="shoal.examples.digits:build", global_batch_size=64, epochs=epochs,
-                       min_workers=2, max_workers=3, heartbeat_interval=0.3, heartbeat_ttl=1.5, max_restarts=3, seed=1)
+                       min_workers=2, max_workers=3, heartbeat_interval=0.3, heartbeat_ttl=1.5, max_restarts=3, seed=1,
+                       eval_every_epochs=1)
         create_job(client, spec)
         total_steps = -(-5000 // spec.global_batch_size) * epochs
         console = Console()
@@ -166,6 +169,9 @@ def run_demo(duration: float | None = None, epochs: int = 8, report: str | None 
             print(f"job state           {final['state']} ({final['reason']})")
             print(f"final loss          {summary.get('loss', float('nan')):.4f}")
             print(f"test accuracy       {summary.get('accuracy', float('nan')):.1%}")
+            if final.get("eval"):
+                ev = final["eval"]
+                print(f"last evaluation     step {ev['step']} ({ev['epoch']} epochs done): {format_metrics(ev['metrics'])}")
             print(f"steps committed     {verdict.steps} ({verdict.epochs_complete} epochs)")
             print(f"generations         {final['generation']}")
             if recovery is not None:

@@ -78,8 +78,12 @@ class Progress:
 def job_summary(client: redis.Redis, job_id: str, *, steps: int = 0) -> dict:
     """What a launch unit returns: state, reason, generation, steps, committed steps redone
     (lost with every replica that held them: the job resumed from a checkpoint or from
-    scratch) and the summary the job's rank 0 reported at completion (``summary`` in the
-    state hash, JSON)."""
+    scratch), the summary the job's rank 0 reported at completion (``summary`` in the
+    state hash, JSON) and its newest evaluation (``eval``: step, epoch, generation, metrics;
+    None when it has none)."""
+    from shoal.coordinator.decide import last_eval
+    from shoal.coordinator.states import JobStatus
+
     keys = job_keys(job_id)
     h = {k.decode(): v.decode() for k, v in client.hgetall(keys.state).items()}
     summary = None
@@ -98,6 +102,7 @@ def job_summary(client: redis.Redis, job_id: str, *, steps: int = 0) -> dict:
         "steps": steps,
         "steps_redone": int(h.get("steps_redone", 0) or 0),
         "summary": summary,
+        "eval": last_eval(JobStatus(eval=h.get("eval", ""))),
     }
 
 

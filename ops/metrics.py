@@ -15,7 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import redis
 
-from shoal.coordinator.states import JobState, WorkerState
+from shoal.coordinator.decide import last_eval
+from shoal.coordinator.states import JobState, JobStatus, WorkerState
 from shoal.events.keys import JOBS, job_keys
 from shoal.events.models import ShardTable, WorkerDoc
 from shoal.ops.status import median_rate, parse_heartbeat
@@ -68,7 +69,8 @@ class _Latency:
 def redis_lines(client: redis.Redis) -> list[str]:
     """Series read from Redis: jobs by state, workers by state, each job's generation, and
     each job's training series (step, loss, steps/s from the Active members' heartbeats; world
-    size, restarts, failures)."""
+    size, restarts, failures) and its newest evaluation (one ``shoal_job_eval`` series per
+    metric, labelled ``metric``, and the step it evaluated)."""
     job_ids = sorted(j.decode() for j in client.smembers(JOBS))
     keys = []
     for jid in job_ids:
@@ -78,7 +80,7 @@ def redis_lines(client: redis.Redis) -> list[str]:
             continue
     pipe = client.pipeline(transaction=False)
     for k in keys:
-        pipe.hmget(k.state, ["state", "generation"])
+        pipe.hmget(k.state, ["state", "generation", "eval"])
         pipe.hvals(k.workers)
         pipe.get(k.shard)
         pipe.xlen(k.failures)
@@ -86,10 +88,14 @@ def redis_lines(client: redis.Redis) -> list[str]:
     jobs = {s.value: 0 for s in JobState}
     workers = {s.value: 0 for s in WorkerState}
     gens = []
+    evals: list[tuple[str, dict]] = []  # job, its newest evaluation
     per_job: list[tuple[str, int, int, int, list[str]]] = []  # job, world size, restarts, failures, active ids
     for i, k in enumerate(keys):
-        (state, gen), records, shard, failures = replies[4 * i: 4 * i + 4]
+        (state, gen, ev), records, shard, failures = replies[4 * i: 4 * i + 4]
         st = state.decode() if state else JobState.PENDING.value
+        last = last_eval(JobStatus(eval=ev.decode(errors="replace"))) if ev else None
+        if last is not None:
+            evals.append((k.job_id, last))
         jobs[st] = jobs.get(st, 0) + 1
         gens.append((k.job_id, int(gen or 0)))
         restarts, active = 0, []
@@ -135,6 +141,14 @@ def redis_lines(client: redis.Redis) -> list[str]:
                 series["shoal_job_steps_per_second"].append(f"shoal_job_steps_per_second{{{label}}} {rate:.6g}")
     for name, (kind, text) in _TRAINING.items():
         out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", *series[name]]
+    out += ["# HELP shoal_job_eval Newest evaluation of each job (its eval_fn's metrics), one series per metric.",
+            "# TYPE shoal_job_eval gauge"]
+    out += [f'shoal_job_eval{{job="{_label(j)}",metric="{_label(str(m))}"}} {float(v):.10g}'
+            for j, ev in evals for m, v in ev["metrics"].items() if isinstance(v, (int, float))]
+    out += ["# HELP shoal_job_eval_step Committed step of each job's newest evaluation.",
+            "# TYPE shoal_job_eval_step gauge"]
+    out += [f'shoal_job_eval_step{{job="{_label(j)}"}} {int(ev["step"])}' for j, ev in evals
+            if isinstance(ev.get("step"), int)]
     return out
 
 

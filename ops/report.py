@@ -1,6 +1,8 @@
 """``shoal report JOB -o report.png``: a job's training history as one PNG.
 
-Four panels: loss and throughput (committed steps/s) against step and against time.
+Four panels: loss and throughput (committed steps/s) against step and against time; two more
+below them, the evaluation metrics against step and time, when the job evaluated
+(``eval_every_steps``/``eval_every_epochs``, and the final evaluation).
 Every new generation is a vertical line with a short label saying why (``w1 failed``,
 ``w3 joined``, ``w2 left``, ``paused``); the end of the job (completed/stopped/failed) too.
 The time from a failure decision to the next committed step of a generation at least as new
@@ -8,9 +10,11 @@ is a shaded recovery gap.
 
 Sources, both read-only: the coordinator's ``control`` stream (``ts_ms``, ``generation``,
 ``kind``, ``reason``, ``job_state`` of every decision) and the ``progress`` stream rank 0
-writes (:mod:`shoal.worker.progress`). Times are Redis server time on both (``ts_ms``; a progress
-entry's id), so workers' clocks do not matter. Both streams are capped (~10000 decisions,
-~100000 progress entries): a very long job shows its most recent history only.
+writes (:mod:`shoal.worker.progress`), which also holds each evaluation (``kind`` = ``eval``;
+the events stream the coordinator consumes is trimmed once read, so it keeps no history).
+Times are Redis server time on both (``ts_ms``; a progress entry's id), so workers' clocks do
+not matter. Both streams are capped (~10000 decisions, ~100000 progress entries): a very long
+job shows its most recent history only, and its oldest evaluations may be trimmed too.
 
 Rendering uses matplotlib's Agg canvas directly (no pyplot, no display needed).
 """
@@ -53,6 +57,18 @@ class Point:
 
 
 @dataclass(frozen=True)
+class EvalPoint:
+    """One evaluation rank 0 recorded: Redis server time (ms), the committed step evaluated,
+    the epoch the cursor was in after it, and ``eval_fn``'s metrics."""
+
+    t_ms: int
+    step: int
+    epoch: int
+    generation: int
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
 class Marked:
     """A vertical line of the report: a new generation, or the end of the job."""
 
@@ -83,6 +99,8 @@ class History:
     #: committed steps, from the job's record (the completion summary's step, else the highest
     #: step the coordinator saw), not from the sampled progress points
     committed: int = 0
+    #: the evaluations, in the order recorded
+    evals: list[EvalPoint] = field(default_factory=list)
 
 
 # ---- reading -----------------------------------------------------------------------------------
@@ -133,8 +151,13 @@ def load_history(client: redis.Redis, job_id: str) -> History:
                          f"rank 0 records committed steps once training runs)")
     h = History(job_id=job_id, state=state.decode() if state else "")
     for sid, f in _xrange_all(client, keys.progress):
-        h.points.append(Point(t_ms=int(sid.split("-")[0]), step=_int(f.get("step")), loss=_float(f.get("loss")),
-                              generation=_int(f.get("generation")), world_size=_int(f.get("world_size"))))
+        if f.get("kind") == "eval":
+            ev = _eval_point(sid, f)
+            if ev is not None:
+                h.evals.append(ev)
+        elif "kind" not in f:  # a committed step (entries of kinds this reader does not know are skipped)
+            h.points.append(Point(t_ms=int(sid.split("-")[0]), step=_int(f.get("step")), loss=_float(f.get("loss")),
+                                  generation=_int(f.get("generation")), world_size=_int(f.get("world_size"))))
     for _sid, f in _xrange_all(client, keys.control):
         h.control.append(f)
     if not h.state and h.control:
@@ -142,6 +165,9 @@ def load_history(client: redis.Redis, job_id: str) -> History:
     end = next((int(f.get("ts_ms") or 0) for f in h.control if f.get("job_state") in TERMINAL), 0)
     if end:  # a point recorded after the job ended (a late sample) is not part of its history
         h.points = [p for p in h.points if p.t_ms <= end] or h.points[:1]
+        h.evals = [e for e in h.evals if e.t_ms <= end]
+    if not h.points:
+        raise NoProgress(f"job {job_id!r} has no committed step in its progress history yet ({keys.progress})")
     done = None
     try:
         done = json.loads(summary).get("step") if summary else None
@@ -150,6 +176,20 @@ def load_history(client: redis.Redis, job_id: str) -> History:
     h.committed = done if isinstance(done, int) else max([_int(high_step.decode() if high_step else None)]
                                                          + [p.step for p in h.points])
     return h
+
+
+def _eval_point(sid: str, f: dict[str, str]) -> EvalPoint | None:
+    """An evaluation entry of the progress stream; None when it does not parse (skipped)."""
+    try:
+        raw = json.loads(f.get("metrics") or "{}")
+    except ValueError:
+        return None
+    if not isinstance(raw, dict):
+        return None
+    metrics = {str(k): float(v) for k, v in raw.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    return EvalPoint(t_ms=int(sid.split("-")[0]), step=_int(f.get("step")), epoch=_int(f.get("epoch")),
+                     generation=_int(f.get("generation")), metrics=metrics)
 
 
 # ---- what to mark ------------------------------------------------------------------------------
@@ -245,8 +285,19 @@ def _with_steps_and_gaps(marks: list[Marked], points: list[Point]) -> list[Marke
 
 
 def analyse(history: History) -> list[Marked]:
-    """The marked events of a history, with steps and recovery gaps filled in."""
-    return _with_steps_and_gaps(membership_events(history.control), history.points)
+    """The marked events of a history, with steps and recovery gaps filled in. The end of the
+    job stands at the last committed step seen by then: the newest sampled progress point's,
+    or an evaluation's after it (the final one is of the last step), so no point drawn lies
+    past that line."""
+    marks = _with_steps_and_gaps(membership_events(history.control), history.points)
+    out = []
+    for m in marks:
+        if m.kind == "end":
+            evaluated = [e.step for e in history.evals if e.t_ms <= m.ts_ms]
+            if evaluated and max(evaluated) > (m.step or 0):
+                m = replace(m, step=max(evaluated))
+        out.append(m)
+    return out
 
 
 # ---- drawing -----------------------------------------------------------------------------------
@@ -267,8 +318,13 @@ def _rates(points: list[Point]) -> list[float]:
     return out
 
 
+#: Metrics drawn per evaluation panel (the first ones the job reported): more is unreadable.
+MAX_EVAL_LINES = 8
+
+
 def render(history: History, marks: list[Marked], path: str | Path) -> Path:
-    """Draw the four panels into ``path`` (PNG, 1400x900 px)."""
+    """Draw the four panels into ``path`` (PNG, 1400x900 px); with evaluations, two more
+    below them (1400x1250 px)."""
     # matplotlib's first import builds a font cache and says so at INFO: not news for the user
     logging.getLogger("matplotlib").setLevel(max(logging.WARNING, logging.getLogger("matplotlib").level))
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -283,10 +339,12 @@ def render(history: History, marks: list[Marked], path: str | Path) -> Path:
     losses = [p.loss for p in pts]
     rates = _rates(pts)
 
-    fig = Figure(figsize=(14, 9), dpi=100, layout="constrained")
+    evals = history.evals
+    fig = Figure(figsize=(14, 12.5 if evals else 9), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 2, sharex="col")
-    (loss_step, loss_time), (rate_step, rate_time) = axes
+    axes = fig.subplots(3 if evals else 2, 2, sharex="col")
+    (loss_step, loss_time), (rate_step, rate_time) = axes[0], axes[1]
+    bottom = axes[-1]
     for ax, x, y in ((loss_step, steps, losses), (loss_time, secs, losses),
                      (rate_step, steps, rates), (rate_time, secs, rates)):
         ax.plot(x, y, color="#1864ab", linewidth=1.2, marker="." if len(pts) < 200 else None, markersize=3)
@@ -295,8 +353,11 @@ def render(history: History, marks: list[Marked], path: str | Path) -> Path:
         ax.set_ylim(bottom=0)
     loss_step.set_ylabel("loss (global batch mean)")
     rate_step.set_ylabel("throughput (committed steps/s)")
-    rate_step.set_xlabel("step")
-    rate_time.set_xlabel("time since start (s)")
+    bottom[0].set_xlabel("step")
+    bottom[1].set_xlabel("time since start (s)")
+    panels = [(loss_step, loss_time), (rate_step, rate_time)]
+    if evals:
+        panels.append(_draw_evals(evals, t0, bottom))
     loss_step.set_title("against step")
     loss_time.set_title("against time")
     if any(v > 0 for v in losses if not math.isnan(v)) and _spread(losses) > 20:
@@ -307,8 +368,9 @@ def render(history: History, marks: list[Marked], path: str | Path) -> Path:
         colour, style = _COLOURS[m.kind], _STYLES[m.kind]
         x_time = (m.ts_ms - t0) / 1000.0
         x_step = m.step if m.step is not None else (steps[0] if steps else 0)
-        for ax, x in ((loss_step, x_step), (rate_step, x_step), (loss_time, x_time), (rate_time, x_time)):
-            ax.axvline(x, color=colour, linestyle=style, linewidth=1.1, alpha=0.85)
+        for by_step, by_time in panels:
+            for ax, x in ((by_step, x_step), (by_time, x_time)):
+                ax.axvline(x, color=colour, linestyle=style, linewidth=1.1, alpha=0.85)
         for ax, x in ((loss_step, x_step), (loss_time, x_time)):
             ax.annotate(m.label, xy=(x, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -4),
                         textcoords="offset points", rotation=90, va="top", ha="left", fontsize=8, color=colour)
@@ -344,6 +406,24 @@ def render(history: History, marks: list[Marked], path: str | Path) -> Path:
     except OSError as exc:
         raise ConfigError(f"cannot write {out}: {exc.strerror or exc}") from None
     return out
+
+
+def _draw_evals(evals: list[EvalPoint], t0: int, axes) -> tuple:
+    """The evaluation panels: each metric (the first :data:`MAX_EVAL_LINES` names) against
+    step and against time, one marker per evaluation."""
+    names = list(dict.fromkeys(name for e in evals for name in e.metrics))[:MAX_EVAL_LINES]
+    by_step, by_time = axes
+    for name in names:
+        pts = [e for e in evals if name in e.metrics]
+        values = [e.metrics[name] for e in pts]
+        by_step.plot([e.step for e in pts], values, marker="o", markersize=3, linewidth=1.2, label=name)
+        by_time.plot([(e.t_ms - t0) / 1000.0 for e in pts], values, marker="o", markersize=3, linewidth=1.2, label=name)
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    by_step.set_ylabel("evaluation (eval_fn)")
+    if names:
+        by_step.legend(fontsize=8, loc="best")
+    return by_step, by_time
 
 
 def _spread(values: list[float]) -> float:

@@ -10,6 +10,7 @@ import json
 import redis
 from pydantic import ValidationError
 
+from shoal.coordinator.decide import format_metrics, last_eval
 from shoal.coordinator.states import JobStatus
 from shoal.events.keys import job_keys
 from shoal.events.models import Heartbeat, ShardTable, WorkerDoc
@@ -96,6 +97,10 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
         "first_failure_traceback": status.first_failure_traceback,
         "failures": int(failures),
         "steps_redone": status.steps_redone,
+        # the newest evaluation: step, epoch (complete), generation, metrics, worker_id (None: none)
+        "eval": last_eval(status),
+        "rejected_joins": status.rejected_joins,
+        "last_rejection": status.last_rejection,
         "dead_letters": int(dead),
         # the lease value is "<replica name>:<secret-ish token>": show only the name
         "leader": lease.decode(errors="replace").split(":")[0] if lease else None,
@@ -171,9 +176,17 @@ def format_status(s: dict) -> str:
             shown = tb[-TRACEBACK_LINES:]
             lines.append(f"  its output{' (last %d lines)' % len(shown) if len(tb) > len(shown) else ''}:")
             lines += [f"    {escape_controls(line)}" for line in shown]
+    if s.get("eval"):
+        ev = s["eval"]
+        epochs = ev.get("epoch") or 0
+        lines.append(f"last evaluation: step {ev.get('step')} ({epochs} epoch{'' if epochs == 1 else 's'} done): "
+                     f"{escape_controls(format_metrics(ev['metrics'], limit=2000))}")
     if s.get("steps_redone"):
         lines.append(f"steps redone: {s['steps_redone']} (committed, then lost with every replica that held them; "
                      "the job resumed from a checkpoint or from scratch)")
+    if s.get("rejected_joins"):
+        lines.append(f"rejected joins: {s['rejected_joins']} (the newest: {s['last_rejection']}); "
+                     "those workers did not train")
     if s["dead_letters"]:
         lines.append(f"dead-lettered events: {s['dead_letters']}")
     lines.append(f"{'worker':<8} {'state':<9} {'rank':>4} {'step':>6} {'loss':>9} {'hb age':>8}  {'flags':<9} ranges")

@@ -8,6 +8,9 @@ only: connection settings and credentials come from each node's environment.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import redis
@@ -15,7 +18,9 @@ import redis
 from shoal.coordinator.launcher import enqueue_units, launch_queue, unit_sizes
 from shoal.events.keys import job_keys
 from shoal.core.registry import create_job
+from shoal.core.errors import ConfigError
 from shoal.core.jobspec import JobSpec
+from shoal.storage.code_package import CodePackage, pack_dir
 
 
 @dataclass(frozen=True)
@@ -25,10 +30,31 @@ class Submitted:
     sizes: list[int]
 
 
+def package_code(spec: JobSpec) -> CodePackage | None:
+    """The spec's ``working_dir`` packed (ConfigError, one line, when it cannot be), or None."""
+    return pack_dir(spec.working_dir, spec.working_dir_excludes) if spec.working_dir else None
+
+
+def register(client: redis.Redis, spec: JobSpec, *, also=None) -> str:
+    """``create_job`` with the spec's ``working_dir`` packed and stored in the same
+    transaction (``shoal create``; :func:`submit` adds its launch units)."""
+    package = package_code(spec)
+    if package is None:
+        return create_job(client, spec, also=also)
+    key = job_keys(spec.name).code
+
+    def write(pipe) -> None:
+        package.write(pipe, key)
+        if also is not None:
+            also(pipe)
+
+    return create_job(client, spec, also=write)
+
+
 def submit(client: redis.Redis, spec: JobSpec, *, workers_per_unit: int = 1) -> Submitted:
-    """Register ``spec`` and enqueue launch units covering ``max_workers`` workers,
-    ``workers_per_unit`` each (one node agent per unit). Raises ConfigError when the job
-    exists; nothing is written then."""
+    """Register ``spec`` (with its ``working_dir`` packed, :func:`register`) and enqueue
+    launch units covering ``max_workers`` workers, ``workers_per_unit`` each (one node agent
+    per unit). Raises ConfigError when the job exists; nothing is written then."""
     if workers_per_unit < 1:
         raise ValueError("workers_per_unit must be >= 1")
     per_unit = min(workers_per_unit, spec.max_workers)
@@ -42,29 +68,29 @@ def submit(client: redis.Redis, spec: JobSpec, *, workers_per_unit: int = 1) -> 
         pipe.hset(keys.launch, mapping={"workers": per_unit, "units": len(sizes)})
         ids.extend(enqueue_units(queue, spec.name, sizes, pipeline=pipe))
 
-    create_job(client, spec, also=also)
+    register(client, spec, also=also)
     return Submitted(spec.name, ids, sizes)
 
 
-def check_runnable(spec: JobSpec) -> None:
+def check_runnable(spec: JobSpec, *, build: bool = False) -> None:
     """What can be checked on the submitting machine before a job is accepted, calling no
     user code: the entrypoint imports and names a function callable without arguments, and
     an ``s3://`` checkpoint or data URI has its S3 settings (``S3_ENDPOINT``,
-    ``S3_ACCESS_KEY``, ``S3_SECRET_KEY`` or ``S3_CREDENTIALS_FILE``). ConfigError, one line
-    naming the problem and ``--no-validate`` (for a job whose code or settings exist only on
-    the worker nodes)."""
-    from shoal.core.errors import ConfigError
+    ``S3_ACCESS_KEY``, ``S3_SECRET_KEY`` or ``S3_CREDENTIALS_FILE``). With ``build``
+    (``--dry-build``) the entrypoint is also called, seeded as on a worker, and what it
+    returns is checked like a worker checks it (model, optimizer, dataset...). A job with a
+    ``working_dir`` is checked in a child process started there with it first on
+    ``PYTHONPATH``, as its workers will be. ConfigError, one line naming the problem and
+    ``--no-validate`` (for a job whose code or settings exist only on the worker nodes)."""
     from shoal.storage.errors import StorageConfigError
     from shoal.storage.s3_config import S3Config
-    from shoal.worker.errors import EntrypointError
-    from shoal.worker.userapi import resolve_entrypoint
 
     skip = "; pass --no-validate if only the worker nodes have it"
     if spec.entrypoint != "simulate":
-        try:
-            resolve_entrypoint(spec.entrypoint)
-        except EntrypointError as exc:
-            raise ConfigError(f"{exc}{skip}") from None
+        problem = _entrypoint_problem(spec.entrypoint, spec.seed, build, spec.working_dir)
+        if problem:
+            where = f" (imported from working_dir {spec.working_dir})" if spec.working_dir else ""
+            raise ConfigError(f"{problem}{where}{skip}")
     for field in ("checkpoint_uri", "data_uri"):
         uri = getattr(spec, field)
         if uri and uri.startswith("s3://"):
@@ -72,3 +98,31 @@ def check_runnable(spec: JobSpec) -> None:
                 S3Config.from_env()
             except StorageConfigError as exc:
                 raise ConfigError(f"{field} {uri}: {exc}{skip}") from None
+
+
+def _entrypoint_problem(entrypoint: str, seed: int, build: bool, working_dir: str | None) -> str:
+    """What is wrong with ``entrypoint`` ("" : nothing): imported (and called when ``build``)
+    here, or, with a ``working_dir``, in a child process run like a worker there."""
+    from shoal.worker.errors import EntrypointError
+    from shoal.worker.userapi import load_entrypoint, resolve_entrypoint
+
+    if working_dir is None:
+        try:
+            load_entrypoint(entrypoint, seed) if build else resolve_entrypoint(entrypoint)
+        except EntrypointError as exc:
+            return str(exc)
+        return ""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([working_dir, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    argv = [sys.executable, "-m", "shoal.ops.submit", entrypoint, str(seed), *(["--build"] if build else [])]
+    res = subprocess.run(argv, cwd=working_dir, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if res.returncode == 0:
+        return ""
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    return lines[-1] if lines else f"checking it exited with code {res.returncode}"
+
+
+if __name__ == "__main__":  # the entrypoint check of a job with a working_dir, run there
+    _problem = _entrypoint_problem(sys.argv[1], int(sys.argv[2]), "--build" in sys.argv[3:], None)
+    if _problem:
+        print(_problem.replace("\n", " "), file=sys.stderr)
+        sys.exit(2)

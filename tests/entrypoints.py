@@ -23,3 +23,33 @@ def slow_digits() -> TrainingSetup:
 
     setup.step_fn, setup.loss_fn = step_fn, None
     return setup
+
+
+class _CorruptAt:
+    """A map-style dataset that raises at one index, like a corrupt record in a data file."""
+
+    def __init__(self, inner, bad: int):
+        self.inner, self.bad = inner, bad
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        if i == self.bad:
+            raise ValueError(f"corrupt sample {i}")
+        return self.inner[i]
+
+
+def corrupt_digits() -> TrainingSetup:
+    """The digits example whose dataset raises at index ``SHOAL_TEST_CORRUPT_AT`` (default
+    100, in the second global batch of 64)."""
+    setup = build_digits()
+    setup.dataset = _CorruptAt(setup.dataset, int(os.environ.get("SHOAL_TEST_CORRUPT_AT", "100")))
+    return setup
+
+
+def empty_dataset() -> TrainingSetup:
+    """Imports fine; only calling it shows the problem (``submit --dry-build``)."""
+    setup = build_digits()
+    setup.dataset = []
+    return setup

@@ -37,6 +37,8 @@ from shoal.core.connection import server_run_id
 from shoal.core.errors import ConfigError
 from shoal.core.registry import create_job
 from shoal.core.jobspec import JobSpec
+from shoal.storage.code_package import CodePackage, CodePackageError, unpack
+from shoal.worker.membership import JoinRejected
 
 log = logging.getLogger("shoal.agent")
 
@@ -134,11 +136,17 @@ class NodeAgent:
         self.node = node or socket.gethostname()
         self.extra_env = extra_env or {}
         self.slots = [Slot(i) for i in range(workers)]
+        #: the unpacked ``working_dir`` of the job: its workers' cwd and first sys.path entry
+        #: (None: the job ships no code; the workers run in the agent's directory)
+        self.code_dir: Path | None = None
+        self._code: CodePackage | None = None
+        self._code_ready = False
         #: the command each slot runs (tests substitute a cheap one)
         self.worker_argv = [sys.executable, "-m", "shoal", "worker", job_id, "--node", self.node]
         self.stop = threading.Event()
         self._draining = False
         run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = run_dir.resolve()  # the workers may run in another directory
         self.spec = spec
         self._server_id = server_run_id(client) if spec is not None else ""
         self._next_job_check = 0.0
@@ -166,13 +174,45 @@ class NodeAgent:
             self.stop.set()
             return
         try:
-            create_job(self.client, self.spec)
+            code = self._code
+            create_job(self.client, self.spec, also=(lambda pipe: code.write(pipe, self.keys.code)) if code else None)
             self.reregistered += 1
             log.warning("job %s vanished with Redis's data (server %s -> %s); registered it again from its spec",
                         self.job_id, self._server_id[:8], server[:8])
         except ConfigError:
             pass  # another agent of the job was first
         self._server_id = server
+
+    # ---- the job's code ----------------------------------------------------------------------
+
+    def _prepare_code(self) -> None:
+        """Once, before the first worker starts: unpack the job's code package (its
+        ``working_dir``) into this agent's run directory. When it is missing or corrupt, no
+        worker can run: every slot is reported as not started (WorkerStartFailed, given up,
+        with the cause) and the agent gives up, so the job fails visibly."""
+        if self._code_ready:
+            return
+        try:
+            package = CodePackage.read(self.client, self.keys.code)
+            if package is None and self.spec is not None and self.spec.working_dir:
+                raise CodePackageError(f"the job has working_dir {self.spec.working_dir} but no code package in "
+                                       f"Redis ({self.keys.code})")
+            if package is not None:
+                self.code_dir = unpack(package, self.run_dir)
+                log.info("job code (working_dir, %d files, sha256 %s...) unpacked in %s", package.files,
+                         package.sha256[:12], self.code_dir)
+            self._code, self._code_ready = package, True
+        except CodePackageError as exc:
+            log.error("%s; no worker can start", exc)
+            self._code_ready = True
+            for slot in self.slots:  # queued first: delivered later if Redis is down now
+                slot.done = slot.gave_up = True
+                self._outbox.append(WorkerStartFailed(job_id=self.job_id, node=self.node, slot=slot.index,
+                                                      traceback=str(exc), will_restart=False, gave_up=True))
+            self._flush()
+            self.client.xadd(self.keys.logs, {"worker": f"{self.node}/agent", "level": "ERROR",
+                                              "msg": f"no worker can start on node {self.node}: {exc}",
+                                              "ts": f"{time.time():.3f}"}, maxlen=LOGS_MAXLEN, approximate=True)
 
     # ---- processes ---------------------------------------------------------------------------
 
@@ -183,10 +223,13 @@ class NodeAgent:
         env.update(self.extra_env)
         env.update({"REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1",
                     "SHOAL_WORKER_ID_FILE": str(slot.id_file(self.run_dir))})
+        if self.code_dir is not None:  # like Ray's working_dir: the cwd, and first on sys.path
+            env["PYTHONPATH"] = os.pathsep.join([str(self.code_dir), *filter(None, [env.get("PYTHONPATH")])])
         slot.id_file(self.run_dir).unlink(missing_ok=True)
         with open(slot.log_file(self.run_dir), "ab") as out:
             slot.log_start = out.tell()
-            slot.proc = subprocess.Popen(self.worker_argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            slot.proc = subprocess.Popen(self.worker_argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, cwd=self.code_dir)
         slot.pidfd = os.pidfd_open(slot.proc.pid)
         slot.spawns.append(time.monotonic())
         log.info("slot %d: started worker pid %d (restart %d/%d)", slot.index, slot.proc.pid, slot.restarts, self.max_restarts)
@@ -224,6 +267,13 @@ class NodeAgent:
         if rc == 0:
             slot.done = True
             log.info("slot %d: worker %s exited cleanly", slot.index, wid)
+            return
+        if rc == JoinRejected.exit_code and not wid:
+            # the job refused it (at max_workers, or already ended): not a crash, and starting
+            # it again would only be refused again; the coordinator counts it in the job's record
+            slot.done = True
+            log.warning("slot %d: the job refused the worker (pid %d): %s; not restarting it", slot.index, proc.pid,
+                        failure_report(slot.log_file(self.run_dir), slot.log_start, lines=1))
             return
         sig = -rc if rc < 0 else None
         try:
@@ -282,6 +332,7 @@ class NodeAgent:
         now = time.monotonic()
         self._flush()
         self._check_job(now)
+        self._prepare_code()
         if self.stop.is_set() and not self._draining:
             self._draining = True
             for s in self.slots:

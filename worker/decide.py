@@ -100,6 +100,12 @@ class Limits:
     wait_s: float = 10.0
     #: how long the members of a table are awaited at the barrier, seconds
     barrier_s: float = 30.0
+    #: the dataset's length: the cursor advances by it per epoch (None: not known yet)
+    num_samples: int | None = None
+    #: every member evaluates after every this many committed steps, or after the last step
+    #: of every this many epochs (None: not periodically; both None when there is no eval_fn)
+    eval_every_steps: int | None = None
+    eval_every_epochs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,8 @@ class TrainerState:
     first_ranges: Ranges | None = None
     #: EXITED: the process's exit code
     exit_code: int | None = None
+    #: the last committed step this worker evaluated (0: none): never twice in a row
+    evaluated: int = 0
 
     @property
     def group(self) -> int:
@@ -143,6 +151,24 @@ class TrainerState:
     def done(self) -> bool:
         total, max_steps = self.limits.total_samples, self.limits.max_steps
         return (total is not None and self.cursor >= total) or (max_steps is not None and self.step >= max_steps)
+
+
+def eval_due(limits: Limits, step: int, cursor: int) -> bool:
+    """Whether the job's periodic evaluation is due after committed ``step`` (the cursor after
+    it): ``step`` is a multiple of ``eval_every_steps``, or it is the last step of an epoch
+    (the cursor is on an epoch boundary: an epoch's last batch may be short, so its steps
+    need not be multiples of anything) and the epochs complete are a multiple of
+    ``eval_every_epochs``. Every member decides it from the same committed step and cursor,
+    so all evaluate the same step; a step missed (it was never committed here, e.g. a joiner
+    catching up past it) is not made up: the next due one is evaluated."""
+    if step <= 0:
+        return False
+    if limits.eval_every_steps:
+        return step % limits.eval_every_steps == 0
+    n = limits.num_samples
+    if limits.eval_every_epochs and n and cursor > 0 and cursor % n == 0:
+        return (cursor // n) % limits.eval_every_epochs == 0
+    return False
 
 
 # ---- inputs ---------------------------------------------------------------------------------
@@ -378,6 +404,20 @@ class Beat:
 
 
 @dataclass(frozen=True)
+class Evaluate:
+    """Run ``eval_fn`` on the model as of committed ``step`` (every member: their cost is the
+    same, so nobody waits for rank 0 in the next step); rank 0 (``report``) publishes the
+    metrics. ``cursor``/``epoch``: the cursor after the step and its epoch; ``generation``:
+    the one it was committed in. Counts as the next step's own work for the step timeout."""
+
+    step: int
+    cursor: int
+    epoch: int
+    generation: int
+    report: bool
+
+
+@dataclass(frozen=True)
 class Finish:
     """Training is complete: evaluate, save ``checkpoint`` if any, report the job completed if
     ``report`` (rank 0), publish the final digest."""
@@ -389,7 +429,7 @@ class Finish:
 
 
 Action = (TryRejoin | LeaveGroup | SendLeave | SendLeft | ReportFailure | FetchTable | WaitTable | Arrive
-          | PollBarrier | Form | Announce | TrainStep | RecordProgress | SaveCheckpoint | Beat | Finish)
+          | PollBarrier | Form | Announce | TrainStep | RecordProgress | SaveCheckpoint | Beat | Evaluate | Finish)
 
 
 @dataclass(frozen=True)
@@ -569,10 +609,16 @@ def _committed(s: TrainerState, c: Committed, now: float) -> Decision:
     if rank0 and interval and s.step % interval == 0:
         actions.append(_checkpoint(s, final=False))
     actions.append(Beat(s.step, g, c.loss, c.started, digest=s.step % DIGEST_EVERY == 0))
-    if s.done:
+    if s.done:  # Finish evaluates (and rank 0 reports it) whether or not one was due
         actions.append(Finish(s.step, s.cursor, report=rank0, checkpoint=_checkpoint(s, final=True) if rank0 else None))
-        return Decision(_exit(s, 0), tuple(actions), f"training complete at step {s.step}, cursor {s.cursor}")
+        return Decision(_exit(replace(s, evaluated=s.step), 0), tuple(actions),
+                        f"training complete at step {s.step}, cursor {s.cursor}")
     then = f"; generation {c.max_generation} agreed: switching" if c.max_generation > g else ""
+    if s.step != s.evaluated and eval_due(s.limits, s.step, s.cursor):
+        epoch = s.cursor // s.limits.num_samples if s.limits.num_samples else 0
+        actions.append(Evaluate(s.step, s.cursor, epoch, g, report=rank0))
+        s = replace(s, evaluated=s.step)
+        then += "; evaluating"
     return Decision(s, tuple(actions), f"step {s.step} committed in generation {g}{then}")
 
 

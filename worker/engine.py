@@ -41,6 +41,7 @@ State transfer between members (broadcast, catch-up and their encoding) lives in
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,9 +52,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
+from shoal.events.models import finite_metrics
 from shoal.worker import process_group as pg
 from shoal.worker.errors import CollectiveFailed, InconsistentStep, StepAborted, UserCodeError, raised_at
 from shoal.worker.userapi import TrainingSetup
+
+log = logging.getLogger("shoal.worker")
 
 
 @dataclass(frozen=True)
@@ -298,10 +302,7 @@ class StepEngine:
         total = 0.0
         mb = self.micro_batch or max(1, len(local))
         for start in range(0, len(local), mb):
-            chunk = local[start : start + mb]
-            batch = self.collate_fn([self.dataset[i] for i in chunk])
-            if self.device.type != "cpu":
-                batch = _to_device(batch, self.device)
+            batch = self.fetch_batch(local[start : start + mb])
             if self.step_fn is not None:
                 loss = self.step_fn(self.model, batch)
             else:
@@ -314,6 +315,14 @@ class StepEngine:
             loss.backward()
             total += float(loss.detach())
         return total
+
+    def fetch_batch(self, indices: list[int]) -> Any:
+        """The collated batch of dataset ``indices`` (one micro-batch of this rank's slice),
+        on the engine's device: the one place the engine reads the dataset."""
+        batch = self.collate_fn([self.dataset[i] for i in indices])
+        if self.device.type != "cpu":
+            batch = _to_device(batch, self.device)
+        return batch
 
     def _attach_grads(self) -> None:
         """Zero the bucket and make each bucket-dtype parameter's ``.grad`` a view of it."""
@@ -355,13 +364,20 @@ class StepEngine:
 
     # --- eval -----------------------------------------------------------------------------
     def evaluate(self, eval_fn: Callable[[torch.nn.Module], dict[str, float]]) -> dict[str, float]:
-        """Run ``eval_fn(model)`` in eval mode without gradients; UserCodeError if it raises."""
+        """Run ``eval_fn(model)`` in eval mode without gradients, then back in train mode;
+        UserCodeError (naming the file and line) if it raises. Returns the metrics a report
+        can carry (:func:`~shoal.events.models.finite_metrics`): a value that is not a finite
+        number (NaN, a string), a bad name or one metric too many is left out with a warning,
+        never failing the job. Nothing here changes the parameters or any RNG."""
         self.model.eval()
         try:
             with torch.no_grad():
-                metrics = eval_fn(self.model)
+                raw = eval_fn(self.model)
         except Exception as exc:  # noqa: BLE001 - user code
             raise UserCodeError(f"eval_fn raised {type(exc).__name__}: {exc} (at {raised_at(exc)})") from exc
         finally:
             self.model.train()
-        return {str(k): float(v) for k, v in dict(metrics).items()}
+        metrics, dropped = finite_metrics(raw)
+        for why in dropped:
+            log.warning("eval_fn's result: %s: left out", why)
+        return metrics

@@ -100,10 +100,12 @@ class Heartbeater:
         with self._lock:
             self._value = self._value.model_copy(update=fields)
 
-    def busy(self, on: bool) -> None:
+    def busy(self, on: bool, *, since: float | None = None) -> None:
         """The current step is (``on``) or is no longer busy with its own work - data, forward,
-        backward, user code; not waiting on peers. Published with the next beat."""
-        self._busy_since = time.monotonic() if on else None
+        backward, user code; not waiting on peers. Published with the next beat. ``since``
+        (monotonic; default now) backdates the start: own work that ran since then without
+        waiting on peers (an evaluation before the step) counts toward the step timeout."""
+        self._busy_since = (time.monotonic() if since is None else since) if on else None
 
     def beat(self, *, client: redis.Redis | None = None) -> bool:
         """One beat now; False once this worker is evicted. Raises redis.RedisError."""

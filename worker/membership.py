@@ -15,6 +15,7 @@ from shoal.events import bus
 from shoal.events.keys import JobKeys, job_keys
 from shoal.events.models import (
     Checkpointed,
+    EvalReported,
     EventBase,
     JobCompleted,
     JoinReply,
@@ -145,6 +146,12 @@ class Membership:
 
     def checkpointed(self, step: int, store: str, generation: int) -> None:
         self.send(Checkpointed(job_id=self.job_id, worker_id=self.worker_id, step=step, store=store, generation=generation))
+
+    def evaluated(self, step: int, epoch: int, generation: int, metrics: dict[str, float], *, final: bool = False) -> None:
+        """Report an evaluation (rank 0). ``metrics`` must already be what an
+        :class:`EvalReported` carries (:func:`~shoal.events.models.finite_metrics`)."""
+        self.send(EvalReported(job_id=self.job_id, worker_id=self.worker_id, step=step, epoch=epoch,
+                               generation=generation, metrics=metrics, final=final))
 
     def completed(self, step: int, summary: dict) -> None:
         self.send(JobCompleted(job_id=self.job_id, worker_id=self.worker_id, step=step, summary=summary))

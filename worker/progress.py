@@ -7,10 +7,15 @@ after a membership change). The entry id is Redis server time, the clock the coo
 ``control`` stream uses. Recording never raises into the training loop: on a Redis error the
 entry is dropped and recording pauses for ``error_backoff`` seconds. Nothing in the
 coordinator reads this stream.
+
+Rank 0 also appends each evaluation (:meth:`ProgressRecorder.record_eval`, never skipped by
+the interval): ``kind`` = ``eval``, ``step``, ``epoch``, ``generation``, ``metrics`` (JSON of
+name -> finite float), ``t``. Entries without ``kind`` are committed steps.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -58,5 +63,23 @@ class ProgressRecorder:
             return False
         self._last_t = now
         self._last_generation = generation
+        self.recorded += 1
+        return True
+
+    def record_eval(self, step: int, epoch: int, generation: int, metrics: dict[str, float],
+                    t: float | None = None) -> bool:
+        """Append an evaluation (``shoal report`` draws its metrics against step and time);
+        True when written. Never raises: on a Redis error it is dropped, like a step entry
+        (but not held back by the pause after one: evaluations are rare)."""
+        try:
+            now = time.time() if t is None else float(t)
+            fields = {"kind": "eval", "step": str(int(step)), "epoch": str(int(epoch)),
+                      "generation": str(int(generation)), "metrics": json.dumps(metrics, allow_nan=False),
+                      "t": f"{now:.3f}"}
+            self.client.xadd(self.keys.progress, fields, maxlen=PROGRESS_MAXLEN, approximate=True)
+        except (redis.RedisError, TypeError, ValueError) as exc:
+            self.dropped += 1
+            log.debug("evaluation of step %s not recorded: %s", step, exc)
+            return False
         self.recorded += 1
         return True

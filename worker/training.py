@@ -19,7 +19,11 @@ Protocol (every member of a generation runs the same loop):
    (StepAborted), the worker leaves the group and waits for the coordinator's next
    generation, then redoes the same step. No sample is skipped or counted twice: the cursor
    only moves on a committed step, and the catch-up copies the most advanced member's cursor.
-4. **Drain** (SIGTERM): finish the step, send ``leave``, keep stepping until the generation
+4. **Evaluate** (``eval_every_steps``/``eval_every_epochs``): after a due committed step every
+   member runs ``eval_fn`` on the same, identical model (nobody then waits for rank 0 in the
+   next step's all-reduce); rank 0 reports the metrics. The evaluation and the next step's own
+   work are one busy span for the step timeout. ``eval_fn`` also runs once at the end.
+5. **Drain** (SIGTERM): finish the step, send ``leave``, keep stepping until the generation
    without this worker is agreed, then send ``left`` and exit 0.
 
 Every choice above is made by :func:`shoal.worker.decide.decide`, a pure function whose phases
@@ -59,6 +63,7 @@ from shoal.worker.decide import (
     BarrierPolled,
     Beat,
     Committed,
+    Evaluate,
     FetchTable,
     Finish,
     Form,
@@ -136,6 +141,12 @@ class TrainingWorker(WorkerRunner):
         #: the generation and member ids of the group being formed or joined (read by the
         #: watcher's thread)
         self._group: tuple[int, frozenset[str]] = (0, frozenset())
+        #: the last evaluation: ((step, cursor), metrics), so an action performed again after
+        #: a Redis error only sends again, and never evaluates a step twice
+        self._evaluation: tuple[tuple[int, int], dict[str, float]] | None = None
+        #: (generation, step, seconds it took) of the last periodic evaluation: the next step
+        #: of that generation counts as busy that much longer
+        self._eval_took: tuple[int, int, float] | None = None
 
     # ---- setup -------------------------------------------------------------------------------
 
@@ -152,7 +163,13 @@ class TrainingWorker(WorkerRunner):
             resumed = self.ckpt.resume(self.engine)
             if resumed is not None:
                 step, cursor = resumed
-        limits = replace(self.state.limits, total_samples=n * self.spec.epochs)
+        every_steps, every_epochs = self.spec.eval_every_steps, self.spec.eval_every_epochs
+        if setup.eval_fn is None and (every_steps or every_epochs):
+            log.warning("the job sets eval_every_%s but %s returns no eval_fn: no periodic evaluation",
+                        "steps" if every_steps else "epochs", self.spec.entrypoint)
+            every_steps = every_epochs = None
+        limits = replace(self.state.limits, total_samples=n * self.spec.epochs, num_samples=n,
+                         eval_every_steps=every_steps, eval_every_epochs=every_epochs)
         self.state = replace(self.state, limits=limits, step=step, cursor=cursor)
 
     def start(self) -> str:
@@ -254,6 +271,8 @@ class TrainingWorker(WorkerRunner):
                 self.progress.record(step, loss, generation, world)
             case SaveCheckpoint():
                 self._save(action)
+            case Evaluate():
+                self._evaluate(action)
             case TryRejoin(last_generation=last):
                 return Rejoined(self.rejoin_evicted(last), self.m.worker_id or "")
             case LeaveGroup(background=background):
@@ -296,8 +315,13 @@ class TrainingWorker(WorkerRunner):
     def _train_step(self, act: TrainStep) -> Input:
         """Train one step; the ledger records a committed one before anything else happens."""
         wid = self.m.worker_id
+        evaluated, self._eval_took = self._eval_took, None
         if self.hb is not None:
-            self.hb.busy(True)
+            # an evaluation right before this step, in this group, is part of its own work:
+            # the peers wait for both in this step's all-reduce (not for what came between,
+            # e.g. a Redis outage that held the evaluation's report)
+            follows = evaluated is not None and evaluated[:2] == (act.base, act.step)
+            self.hb.busy(True, since=time.monotonic() - evaluated[2] if follows else None)
         self.faults.at(wid, act.step, "before_step")
         batch = self.order.batch(act.cursor)
         local = batch.for_rank(act.ranges)
@@ -420,10 +444,43 @@ class TrainingWorker(WorkerRunner):
             log.warning("ready for generation %d failed on the helper thread (%s); sending it again", generation, exc)
             self.m.ready(generation, step)
 
+    def _evaluated(self, step: int, cursor: int) -> dict[str, float]:
+        """``eval_fn``'s metrics of the model as of committed ``step`` at ``cursor``: computed
+        once, then remembered (an action redone after a Redis error does not evaluate again)."""
+        if self._evaluation is None or self._evaluation[0] != (step, cursor):
+            self._evaluation = ((step, cursor), self.engine.evaluate(self.setup.eval_fn))
+        return self._evaluation[1]
+
+    def _evaluate(self, act: Evaluate) -> None:
+        """A periodic evaluation (every member); rank 0 reports it to the coordinator and the
+        progress history. Busy (the step timeout) from its start to the next step's
+        all-reduce. Raises UserCodeError when ``eval_fn`` raises (a crash, as in a step)."""
+        started = time.monotonic()
+        fresh = self._evaluation is None or self._evaluation[0] != (act.step, act.cursor)
+        if self.hb is not None and fresh:
+            self.hb.busy(True)
+        try:
+            metrics = self._evaluated(act.step, act.cursor)
+        finally:
+            self._not_busy()
+        if fresh:
+            self._eval_took = (act.generation, act.step, time.monotonic() - started)
+        if act.report:
+            self.m.evaluated(act.step, act.epoch, act.generation, metrics)
+            self.progress.record_eval(act.step, act.epoch, act.generation, metrics)
+        log.info("evaluated step %d (epoch %d) in %.3f s%s: %s", act.step, act.epoch, time.monotonic() - started,
+                 ", reported" if act.report else "", json.dumps(metrics))
+
     def _finish(self, act: Finish) -> None:
         summary = {"step": act.step, "cursor": act.cursor, "digest": state_digest(self.engine.model)}
         if self.setup.eval_fn is not None:
-            summary.update({k: float(v) for k, v in self.engine.evaluate(self.setup.eval_fn).items()})
+            metrics = self._evaluated(act.step, act.cursor)
+            # a metric named like a summary field (step, cursor, digest) does not replace it
+            summary.update({k: v for k, v in metrics.items() if k not in summary})
+            if act.report:  # before the completion: the job's last evaluation is this one
+                epoch = act.cursor // self.order.num_samples
+                self.m.evaluated(act.step, epoch, self._group[0], metrics, final=True)
+                self.progress.record_eval(act.step, epoch, self._group[0], metrics)
         if act.checkpoint is not None:
             self._save(act.checkpoint)
         export = os.environ.get("SHOAL_EXPORT_DIR")

@@ -111,6 +111,18 @@ def test_a_job_that_cannot_run_is_refused_before_anything_is_written(r, env, tmp
         assert r.exists(job_keys(job_id).spec)
 
 
+def test_dry_build_calls_the_entrypoint_and_checks_what_it_returns(r, env, tmp_path, job_id) -> None:
+    spec = write(tmp_path / "job.yaml", f"name: {job_id}\nentrypoint: tests.entrypoints:empty_dataset\n")
+    one_line_error(shoal(env, "submit", spec, "--dry-build"), 2, "entrypoint 'tests.entrypoints:empty_dataset'",
+                   "dataset is empty")
+    one_line_error(shoal(env, "create", spec, "--dry-build", "--no-validate"), 2, "contradict")
+    one_line_error(shoal(env, "create", spec, "--set", f"working_dir={tmp_path / 'nope'}"), 2,
+                   f"working_dir {tmp_path / 'nope'}: no such directory")
+    assert not r.exists(job_keys(job_id).spec)
+    res = shoal(env, "create", spec)  # importing it is fine: only the build shows the problem
+    assert res.returncode == 0, res.stderr
+
+
 def test_set_overrides_a_spec_file_field_and_is_validated_like_it(r, env, tmp_path, job_id) -> None:
     from shoal.core.jobspec import JobSpec as _Spec
 

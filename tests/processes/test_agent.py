@@ -94,3 +94,17 @@ def test_the_report_reads_only_the_latest_process_output(tmp_path) -> None:
         f.write("Traceback (most recent call last):\n" + "  frame\n" * 5000 + "KeyError: 'x'\n")
     report = failure_report(log, start)
     assert len(report) == REPORT_CHARS and report.endswith("KeyError: 'x'")
+
+
+def test_a_worker_the_job_refused_is_not_restarted_nor_reported_as_a_failure(tmp_path) -> None:
+    """Exit code 4 before joining is the job refusing the worker (at ``max_workers``, or a
+    worker that came after the job ended): starting it again would only be refused again,
+    and it is no crash (the coordinator counts the refusal in the job's record)."""
+    agent = NodeAgent(fakeredis.FakeRedis(), "redis://unused", "bk", 2, run_dir=tmp_path, max_restarts=3,
+                      backoff=0.01)
+    agent.worker_argv = [sys.executable, "-c",
+                         "import sys; print('shoal: join rejected: job is completed', file=sys.stderr); sys.exit(4)"]
+    _run(agent)
+    assert [len(s.spawns) for s in agent.slots] == [1, 1]
+    assert not any(s.gave_up for s in agent.slots)
+    assert agent.client.xlen(job_keys("bk").events) == 0

@@ -13,6 +13,7 @@ from shoal.coordinator.shards import expand
 from shoal.events.keys import job_keys
 from shoal.core.registry import create_job
 from shoal.core.jobspec import JobSpec
+from shoal.ops.status import format_status, job_status
 from tests.helpers import ControlWatcher, run_cli, server_ms
 
 pytestmark = pytest.mark.slow
@@ -43,6 +44,9 @@ def test_three_join_one_generation_then_a_fourth_is_rejected(r, job_id, procs) -
     assert fourth.wait(30) == 4
     assert "rejected" in fourth.log_tail() and "max_workers=3" in fourth.log_tail()
     assert "Traceback" not in fourth.log_tail()
+    s = job_status(r, job_id)  # the refusal is in the job's record, not only in the worker's output
+    assert s["rejected_joins"] == 1 and "max_workers=3" in s["last_rejection"], s
+    assert "rejected joins: 1" in format_status(s)
 
 
 def test_kill_9_is_failed_and_replanned_within_ttl_plus_1s(r, job_id, procs) -> None:

@@ -25,15 +25,14 @@ from tests.helpers import ControlWatcher, dump_logs, run_cli
 pytestmark = pytest.mark.slow
 
 
-def test_workers_dying_before_they_join_fail_the_job_with_the_cause_in_status_and_logs(
-        r, redis_url, tmp_path, subprocess_env) -> None:
-    job = "nostart-" + tmp_path.name[-6:]
-    create_job(r, JobSpec(name=job, entrypoint="shoal.examples.digits:buidl", max_steps=10, min_workers=1,
-                          max_workers=2))
-    watch = ControlWatcher(r, job)
+def run_until_failed(r, redis_url: str, tmp_path, spec: JobSpec) -> dict:
+    """Run ``spec`` under a coordinator and a node agent (node n7, two workers, one restart
+    each) until the job fails and the agent gives up; the coordinator's failing decision."""
+    create_job(r, spec)
+    watch = ControlWatcher(r, spec.name)
     with LocalProcs(redis_url, tmp_path / "logs") as procs:
         procs.coordinator("coord")
-        agent = procs.start("agent", "agent", job, "--workers", "2", "--max-restarts", "1", "--backoff", "0.1",
+        agent = procs.start("agent", "agent", spec.name, "--workers", "2", "--max-restarts", "1", "--backoff", "0.1",
                             "--node", "n7", "--run-dir", str(tmp_path / "agent"))
         try:
             failed = watch.wait_for(lambda d: d["job_state"] == "failed", 120)
@@ -41,6 +40,14 @@ def test_workers_dying_before_they_join_fail_the_job_with_the_cause_in_status_an
         except BaseException:
             dump_logs(procs, tmp_path / "agent")
             raise
+    return failed
+
+
+def test_workers_dying_before_they_join_fail_the_job_with_the_cause_in_status_and_logs(
+        r, redis_url, tmp_path, subprocess_env) -> None:
+    job = "nostart-" + tmp_path.name[-6:]
+    failed = run_until_failed(r, redis_url, tmp_path, JobSpec(name=job, entrypoint="shoal.examples.digits:buidl",
+                                                              max_steps=10, min_workers=1, max_workers=2))
     assert failed["reason"].startswith("job failed: n7/slot"), failed["reason"]
     assert "gave up after 1 restarts" in failed["reason"]
     assert "first failure: the worker process on node n7 (slot " in failed["reason"]
@@ -56,3 +63,21 @@ def test_workers_dying_before_they_join_fail_the_job_with_the_cause_in_status_an
     logs = run_cli(env, "logs", job)
     assert logs.returncode == 0, logs.stderr
     assert "n7/slot0" in logs.stdout and "died with exit code" in logs.stdout and "buidl" in logs.stdout
+
+
+def test_a_dataset_that_raises_mid_training_fails_the_job_with_its_file_and_line(
+        r, redis_url, tmp_path, subprocess_env) -> None:
+    """A worker-side failure after joining (issue 14, acceptance 2): the dataset raises in
+    ``__getitem__`` at a fixed index, so every start of every worker fails the same way; the
+    agent spends its restart budget, and the job fails with the user's exception, its file
+    and line, in ``status`` and ``shoal logs``."""
+    job = "corrupt-" + tmp_path.name[-6:]
+    failed = run_until_failed(r, redis_url, tmp_path, JobSpec(name=job, entrypoint="tests.entrypoints:corrupt_digits",
+                                                              epochs=1, min_workers=1, max_workers=2))
+    assert "corrupt sample 100" in failed["reason"], failed["reason"]
+    env = dict(subprocess_env, REDIS_URL=redis_url)
+    s = json.loads(run_cli(env, "status", job, "--json").stdout)
+    assert s["state"] == "failed" and "corrupt sample 100" in s["first_failure"], s["first_failure"]
+    assert "tests/entrypoints.py" in s["first_failure"] + s["first_failure_traceback"]
+    logs = run_cli(env, "logs", job).stdout
+    assert "ValueError: corrupt sample 100" in logs or "raised ValueError: corrupt sample 100" in logs, logs[-3000:]

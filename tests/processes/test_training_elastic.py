@@ -6,6 +6,7 @@ The model is the digits example; faults are injected by (worker, step, phase) th
 
 from __future__ import annotations
 
+import json
 import signal
 from collections import defaultdict
 from pathlib import Path
@@ -17,6 +18,7 @@ from shoal.core.registry import create_job
 from shoal.events.keys import job_keys
 from shoal.core.jobspec import JobSpec
 from shoal.ops.localproc import LocalProcs
+from shoal.ops.status import format_status, job_status
 from tests.helpers import ControlWatcher, wait_until
 from shoal.worker import ledger
 
@@ -54,10 +56,14 @@ def _run(r, redis_url, tmp: Path, job_id: str, spec: JobSpec, workers: int, faul
 
 
 def test_kill_mid_step_survivors_continue_and_match_a_failure_free_run(r, redis_url, tmp_path) -> None:
+    """Also periodic evaluation across the kill: every member evaluates every 5th step (which
+    leaves the weights alone: they still match the run without a failure), rank 0 reports
+    each once, and the job's record and status show the final one."""
     steps = 24
     # reference: one worker, no failure, same global batch and seed
     ref_dir = tmp_path / "ref"
-    _run(r, redis_url, ref_dir, "ref-" + tmp_path.name[-8:], _spec("ref-" + tmp_path.name[-8:], max_steps=steps, min_workers=1, max_workers=1), 1)
+    _run(r, redis_url, ref_dir, "ref-" + tmp_path.name[-8:], _spec("ref-" + tmp_path.name[-8:], max_steps=steps, min_workers=1, max_workers=1,
+                                                                   eval_every_steps=5), 1)
     (ref,) = _final(ref_dir / "final").values()
 
     job = "kill-" + tmp_path.name[-8:]
@@ -67,7 +73,7 @@ def test_kill_mid_step_survivors_continue_and_match_a_failure_free_run(r, redis_
         watch.wait_for(lambda d: "world size 3" in d["reason"], 120)
         watch.wait_for(lambda d: "world size 2" in d["reason"], 60)
 
-    watch, procs, codes = _run(r, redis_url, run_dir, job, _spec(job, max_steps=steps, min_workers=2), 3,
+    watch, procs, codes = _run(r, redis_url, run_dir, job, _spec(job, max_steps=steps, min_workers=2, eval_every_steps=5), 3,
                                faults="w1@10:mid_step:kill", script=script)
     records = watch.workers()
     assert records["w1"]["state"] == "Failed"
@@ -88,6 +94,21 @@ def test_kill_mid_step_survivors_continue_and_match_a_failure_free_run(r, redis_
     for name in ref:
         assert torch.equal(a[name], b[name])  # replicas bit-identical
         assert torch.allclose(a[name], ref[name], rtol=1e-4, atol=1e-6), name
+    # evaluations: each due step reported once by rank 0 (w0 throughout), then the final one
+    evals = [d for d in watch.seen if d["kind"] == "eval"]
+    assert [d["reason"].split(" (")[0] for d in evals] == [f"w0 evaluated step {k}" for k in (5, 10, 15, 20, 24)], evals
+    assert "final" in evals[-1]["reason"] and all(d["job_state"] == "running" for d in evals)
+    history = [f for _id, f in r.xrange(job_keys(job).progress) if f.get(b"kind") == b"eval"]
+    assert [int(f[b"step"]) for f in history] == [5, 10, 15, 20, 24]
+    s = job_status(r, job)
+    summary = json.loads(r.hget(job_keys(job).state, "summary"))
+    assert s["eval"]["step"] == 24 and s["eval"]["worker_id"] == "w0"
+    assert s["eval"]["metrics"] == {"accuracy": summary["accuracy"], "loss": summary["loss"]}
+    assert "last evaluation: step 24 (0 epochs done): accuracy=" in format_status(s)
+    # both survivors evaluated the steps after the kill, the one that does not report too
+    for wid, pid in survivors.items():
+        log_text = next(p for p in procs.procs if p.popen.pid == pid).log_tail(2000)
+        assert "evaluated step 15 " in log_text and "evaluated step 20 " in log_text, (wid, log_text[-2000:])
 
 
 def test_join_kill_and_leave_mid_epoch_use_every_sample_exactly_once(r, redis_url, tmp_path) -> None:

@@ -48,6 +48,21 @@ def test_three_joins_make_exactly_one_generation_and_a_fourth_is_rejected() -> N
     reply = [a for a in d.actions if isinstance(a, ReplyJoin)][0].reply
     assert not reply.accepted and "max_workers=3" in reply.reason
     assert len(d.state.workers) == 3
+    # counted in the job's record, with who came and why it was refused (shoal status)
+    assert d.state.status.rejected_joins == 1 and d.state.status.last_rejection == (
+        "h pid 1: job already has 3 workers (max_workers=3)")
+
+
+def test_a_worker_that_comes_after_the_job_ended_is_refused_and_counted() -> None:
+    s = decide(three_workers(), _ev(StopJob(job_id="j")), T0 + 100, SPEC).state
+    assert s.status.state == JobState.STOPPED
+    for n in (1, 2):
+        d = decide(s, _ev(JoinRequest(job_id="j", host="late", pid=9, node="n2"), f"{n + 1}-0"), T0 + 200, SPEC)
+        [reply] = [a.reply for a in d.actions if isinstance(a, ReplyJoin)]
+        assert not reply.accepted and reply.reason == "join rejected: job is stopped"
+        s = d.state
+        assert s.status.rejected_joins == n and s.status.last_rejection == "late pid 9 on node n2: job is stopped"
+    assert s.status.state == JobState.STOPPED and len(s.workers) == 3
 
 
 def test_joins_below_max_settle_on_a_tick() -> None:

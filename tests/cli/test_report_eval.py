@@ -1,0 +1,47 @@
+"""``shoal report`` with evaluations: rank 0's evaluation entries in the progress stream are
+drawn against step and time, never past the job's end, and never taken for committed steps."""
+
+from __future__ import annotations
+
+from matplotlib.image import imread
+
+from shoal.events.keys import job_keys
+from shoal.ops.report import analyse, load_history, write_report
+from shoal.worker.progress import ProgressRecorder
+from tests.cli.test_report import T0, simulate_run
+
+
+def test_report_draws_evaluations_and_never_past_the_end_line(r, job_id, tmp_path) -> None:
+    # what rank 0's recorder writes (its entry ids are Redis server time: now)
+    other = job_keys(job_id + "-rec").progress
+    rec = ProgressRecorder(r, job_keys(job_id + "-rec"))
+    assert rec.record_eval(20, 0, 2, {"accuracy": 0.5, "loss": 0.5}, t=1.0)
+    assert not rec.record_eval(1, 0, 2, {"x": float("nan")})  # refused (JSON holds no NaN), never raises
+    ((_id, fields),) = r.xrange(other)
+    r.delete(other)
+    written = {k.decode(): v.decode() for k, v in fields.items()}
+    assert written == {"kind": "eval", "step": "20", "epoch": "0", "generation": "2",
+                       "metrics": '{"accuracy": 0.5, "loss": 0.5}', "t": "1.000"}
+
+    simulate_run(r, job_id)  # progress sampled up to step 122, completed at T0 + 15100
+    progress = job_keys(job_id).progress
+    entries = [(sid.decode(), fields) for sid, fields in r.xrange(progress)]
+    for t, step, epoch, acc in [(2000, 20, 0, 0.5), (9000, 80, 1, 0.7), (9100, 81, 1, None), (15050, 125, 2, 0.9),
+                                (15500, 130, 2, 0.95)]:
+        metrics = "{oops" if acc is None else f'{{"accuracy": {acc}, "loss": {1 - acc}}}'  # step 81: does not parse
+        entries.append((f"{T0 + t}-1", {**written, "step": str(step), "epoch": str(epoch), "metrics": metrics}))
+    r.delete(progress)  # the run's history with the evaluations in it, in time order
+    for sid, fields in sorted(entries, key=lambda e: tuple(map(int, e[0].split("-")))):
+        r.xadd(progress, fields, id=sid)
+
+    h = load_history(r, job_id)
+    # step 81 does not parse, step 130 came after the end: neither is drawn
+    assert [(e.step, e.epoch, e.metrics["accuracy"]) for e in h.evals] == [(20, 0, 0.5), (80, 1, 0.7), (125, 2, 0.9)]
+    assert h.points[-1].step == 122 and all(p.loss == p.loss for p in h.points)  # no evaluation taken for a step
+    end = analyse(h)[-1]
+    assert end.kind == "end" and end.step == 125  # the final evaluation's step: nothing drawn past the line
+
+    out = tmp_path / "report.png"
+    write_report(r, job_id, out)
+    h_px, w_px, _ = imread(out).shape
+    assert (w_px, h_px) == (1400, 1250)
