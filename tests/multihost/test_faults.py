@@ -27,6 +27,7 @@ most of their hold: evidence that the fault bit.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +44,9 @@ from shoal.worker import ledger
 from shoal.ops.chaos.netns import Net
 from tests.helpers import ControlWatcher, wait_until
 
-pytestmark = pytest.mark.slow
+# the faults are nftables rules (.ci/run installs nftables; without it they cannot be made)
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("nft") is None, reason="fault injection needs nftables ('nft')")]
 
 DIGITS = 5000
 SEED = 7

@@ -54,7 +54,10 @@ def _check_end_state(r, job: str, ckpt: str, tmp_path) -> None:
 def test_rank0_dies_at_a_checkpoint_phase_and_the_job_still_ends_exactly_once(r, redis_url, tmp_path, phase, action) -> None:
     job = f"ph-{phase[5:12]}-{tmp_path.name[-4:]}"
     ckpt = f"file://{tmp_path / 'ckpt'}"
-    create_job(r, _spec(job, ckpt))
+    # min_workers 2: training starts with both workers in, so a survivor holds step 20 when
+    # rank 0 dies (on a loaded machine the second process may otherwise come after step 20,
+    # resume from the checkpoint, and hit the same fault as rank 0 of its own)
+    create_job(r, _spec(job, ckpt, min_workers=2))
     watch = ControlWatcher(r, job)
     env = {"SHOAL_TEST_STEP_DELAY": "0.05", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger"),
            "SHOAL_FAULTS": f"*@20:{phase}:{action}"}
