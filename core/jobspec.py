@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -70,6 +70,21 @@ class JobSpec(BaseModel):
     #: workers' collective timeout is derived from it (plus a margin over the heartbeat TTL):
     #: a collective is never the failure detector.
     step_timeout: Annotated[float, Field(gt=0, le=86400)] = 60.0
+    #: Numeric precision of forward and backward: fp32, or autocast to bf16 / fp16 (fp16 with
+    #: a gradient scaler whose state is checkpointed and sent to joiners).
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    #: Clip the reduced global gradient to this L2 norm (world-size invariant); None: no clipping.
+    max_grad_norm: Annotated[float | None, Field(gt=0)] = None
+    #: Gradients are all-reduced in buckets of about this many MiB while backward still runs.
+    bucket_cap_mb: Annotated[float, Field(gt=0, le=4096)] = 25.0
+    #: The input pipeline (shoal.worker.prefetch): ``loader_workers`` background loaders
+    #: fetch and collate the batches of the next ``prefetch_steps`` steps of each worker.
+    #: Loaders are processes (forked on Linux, like DataLoader's workers; they die with their
+    #: worker); ``loader_workers: 0`` is one loader thread in the worker (a dataset that cannot
+    #: be forked); ``prefetch_steps: 0`` fetches every batch inline in the training thread.
+    #: A ``TrainingSetup`` may override both for its dataset.
+    loader_workers: Annotated[int, Field(ge=0, le=64)] = 1
+    prefetch_steps: Annotated[int, Field(ge=0, le=64)] = 2
     #: Evaluation during training: ``eval_fn`` runs every this many committed steps, or at the
     #: end of every this many epochs (at most one of the two); it always runs at the end.
     #: Every member evaluates the same committed step (identical replicas: nobody waits for

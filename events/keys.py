@@ -217,6 +217,16 @@ class JobKeys:
         forming its group (under the generation's rendezvous prefix, same TTL)."""
         return self.rendezvous(generation) + "arrived"
 
+    def barrier_done(self, generation: int) -> str:
+        """LIST of tokens, one per member, pushed by the member whose arrival completed
+        :meth:`barrier`; each member blocks on it (BLPOP) and takes one. Same prefix and TTL."""
+        return self.rendezvous(generation) + "done"
+
+    def barrier_wake(self, generation: int, worker_id: str) -> str:
+        """LIST a worker's own thread pushes to, to end that worker's wait at generation
+        ``generation``'s barrier early (a newer table, the job's end). Same prefix and TTL."""
+        return self.rendezvous(generation) + f"wake:{worker_id}"
+
     def all_patterns(self) -> list[str]:
         """SCAN patterns that together match every key of this job (used by delete/purge)."""
         return [f"{self.base}:*"]

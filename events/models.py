@@ -334,6 +334,14 @@ class Heartbeat(_Wire):
     total_steps: int | None = None
     #: The epoch (0-based) the worker's cursor is in (None: not reported).
     epoch: int | None = None
+    #: Seconds of its last committed step's own work: data, forward, backward (None: not reported).
+    compute_time: float | None = None
+    #: Seconds its last committed step waited on the gradient all-reduces after backward had
+    #: returned: the communication NOT hidden by backward (None: not reported).
+    exposed_comm_time: float | None = None
+    #: Seconds its last committed step waited for its batches (the input pipeline did not
+    #: keep ahead; part of ``compute_time``) (None: not reported).
+    input_wait_time: float | None = None
 
 
 class WorkerDoc(_Wire):

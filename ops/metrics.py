@@ -139,6 +139,11 @@ def redis_lines(client: redis.Redis) -> list[str]:
             rate = median_rate(hbs)
             if rate:
                 series["shoal_job_steps_per_second"].append(f"shoal_job_steps_per_second{{{label}}} {rate:.6g}")
+            for part, field in _STEP_PARTS.items():  # where the median member's last step went
+                times = sorted(t for t in (getattr(hb, field) for hb in hbs) if t is not None)
+                if times:
+                    series["shoal_job_step_part_seconds"].append(
+                        f'shoal_job_step_part_seconds{{{label},part="{part}"}} {times[len(times) // 2]:.6g}')
     for name, (kind, text) in _TRAINING.items():
         out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", *series[name]]
     out += ["# HELP shoal_job_eval Newest evaluation of each job (its eval_fn's metrics), one series per metric.",
@@ -160,7 +165,12 @@ _TRAINING = {
     "shoal_job_world_size": ("gauge", "Members of each job's current generation."),
     "shoal_job_worker_restarts_total": ("counter", "Worker restarts by node agents, per job."),
     "shoal_job_failures_total": ("counter", "Worker failures recorded per job (the failures stream; capped)."),
+    "shoal_job_step_part_seconds": ("gauge", "Seconds of the last committed step of each job's median member, by "
+                                             "part: compute (data, forward, backward), input_wait (waiting for its "
+                                             "batches, within compute), exposed_comm (all-reduce not hidden by backward)."),
 }
+#: ``part`` label -> the heartbeat field it is read from
+_STEP_PARTS = {"compute": "compute_time", "input_wait": "input_wait_time", "exposed_comm": "exposed_comm_time"}
 
 
 class MetricsServer:

@@ -77,6 +77,11 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
             "step": hb.step if hb else None,
             "loss": hb.loss if hb else None,
             "step_time": hb.step_time if hb else None,
+            # seconds its last committed step waited for its batches (the input pipeline's lag)
+            "input_wait_time": hb.input_wait_time if hb else None,
+            # its last committed step's own work, and the all-reduce time backward did not hide
+            "compute_time": hb.compute_time if hb else None,
+            "exposed_comm_time": hb.exposed_comm_time if hb else None,
             "digest": hb.digest if hb else None,
             "heartbeat_age_ms": (now_ms - last_seen[wid]) if wid in last_seen and not ended else None,
             "straggler": rec.straggler,
@@ -189,6 +194,12 @@ def format_status(s: dict) -> str:
                      "those workers did not train")
     if s["dead_letters"]:
         lines.append(f"dead-lettered events: {s['dead_letters']}")
+    parts = [w for w in s["workers"] if w.get("compute_time") is not None or w.get("input_wait_time") is not None]
+    if parts:  # input wait 0: the pipeline kept ahead; exposed comm 0: backward hid the all-reduce
+        ms = lambda t: "-" if t is None else f"{t * 1000:.1f}"  # noqa: E731
+        lines.append("last step, ms (compute incl. input wait / input wait / all-reduce not hidden): " + "  ".join(
+            f"{w['worker_id']} {ms(w.get('compute_time'))} / {ms(w.get('input_wait_time'))} / "
+            f"{ms(w.get('exposed_comm_time'))}" for w in parts))
     lines.append(f"{'worker':<8} {'state':<9} {'rank':>4} {'step':>6} {'loss':>9} {'hb age':>8}  {'flags':<9} ranges")
     for w in s["workers"]:
         age = f"{w['heartbeat_age_ms'] / 1000:.1f}s" if w["heartbeat_age_ms"] is not None else "-"

@@ -185,6 +185,7 @@ def load_checkpoint(
         optimizer=parts.get(FILES["optimizer"]),
         scheduler=parts.get(FILES["scheduler"]),
         rng=parts.get(FILES["rng"]),
+        scaler=parts.get(FILES["scaler"]),
         epoch=manifest.epoch,
         data_cursor=manifest.data_cursor,
         generation=manifest.generation,

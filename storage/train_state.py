@@ -1,7 +1,7 @@
 """What a checkpoint restores: :class:`TrainState`.
 
 A TrainState holds the model ``state_dict``, optimizer and (optional) LR-scheduler state,
-the global RNG states, and the counters that place training in time: ``step``, ``epoch``,
+the (optional) fp16 loss-scale state, the global RNG states, and the counters that place training in time: ``step``, ``epoch``,
 ``data_cursor`` (any JSON value the data loader understands), ``generation`` and
 ``world_size``. The tensors go into torch files (one per component, see :data:`FILES`), the
 counters into the manifest.
@@ -26,6 +26,7 @@ FILES: dict[str, str] = {
     "optimizer": "optimizer.pt",
     "scheduler": "scheduler.pt",
     "rng": "rng.pt",
+    "scaler": "scaler.pt",
 }
 
 
@@ -34,7 +35,8 @@ class TrainState:
     """Everything needed to resume training at a step boundary.
 
     ``model``/``optimizer``/``scheduler`` are state dicts; ``rng`` is :func:`capture_rng`
-    output. Built by :meth:`capture` they reference live tensors: save them synchronously
+    output; ``scaler`` is the fp16 loss scale's state (``scale``, ``growth_tracker``: see
+    ``shoal.worker.precision.LossScale``), None when the job does not use one. Built by :meth:`capture` they reference live tensors: save them synchronously
     or take a :meth:`snapshot` first (the async saver does).
     """
 
@@ -47,6 +49,7 @@ class TrainState:
     data_cursor: Any = 0
     generation: int = 0
     world_size: int = 1
+    scaler: dict[str, Any] | None = None
 
     @classmethod
     def capture(
@@ -61,8 +64,10 @@ class TrainState:
         generation: int = 0,
         world_size: int = 1,
         with_rng: bool = True,
+        scaler: Any | None = None,
     ) -> TrainState:
-        """State of live training objects (no copy) plus the global RNGs."""
+        """State of live training objects (no copy) plus the global RNGs; ``scaler`` is an
+        object with ``state_dict()`` (the fp16 loss scale) or None."""
         return cls(
             step=step,
             model=model.state_dict(),
@@ -73,6 +78,7 @@ class TrainState:
             data_cursor=data_cursor,
             generation=generation,
             world_size=world_size,
+            scaler=scaler.state_dict() if scaler is not None else None,
         )
 
     def restore(
@@ -82,9 +88,13 @@ class TrainState:
         scheduler: Any | None = None,
         *,
         rng: bool = True,
+        scaler: Any | None = None,
     ) -> None:
         """Load the state into live objects. A component requested but absent from the
-        checkpoint raises ``ValueError``; mismatched shapes/keys raise what torch raises."""
+        checkpoint raises ``ValueError``; mismatched shapes/keys raise what torch raises. The
+        loss scale is the exception: a ``scaler`` (object with ``load_state_dict``) takes the
+        checkpoint's state when it has one, and is left as it is otherwise (a checkpoint of
+        an fp32 run resumed in fp16 starts from the initial scale)."""
         if optimizer is not None and self.optimizer is None:
             raise ValueError(f"checkpoint of step {self.step} has no optimizer state")
         if scheduler is not None and self.scheduler is None:
@@ -96,6 +106,8 @@ class TrainState:
             optimizer.load_state_dict(self.optimizer)
         if scheduler is not None:
             scheduler.load_state_dict(self.scheduler)
+        if scaler is not None and self.scaler is not None:
+            scaler.load_state_dict(self.scaler)
         if rng:
             restore_rng(self.rng)  # type: ignore[arg-type]
 
@@ -112,12 +124,14 @@ class TrainState:
             optimizer=cpu_copy(self.optimizer, r.optimizer if r else None),
             scheduler=cpu_copy(self.scheduler, r.scheduler if r else None),
             rng=cpu_copy(self.rng, r.rng if r else None),
+            scaler=copy.deepcopy(self.scaler),
             data_cursor=copy.deepcopy(self.data_cursor),
         )
 
     def components(self) -> dict[str, Any]:
         """File name -> object for every component present (model always)."""
-        parts = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "rng": self.rng}
+        parts = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "rng": self.rng,
+                 "scaler": self.scaler}
         return {FILES[k]: v for k, v in parts.items() if v is not None}
 
     def manifest_fields(self) -> dict[str, Any]:

@@ -222,7 +222,9 @@ class NodeAgent:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(self.slots))))
         env.update(self.extra_env)
         env.update({"REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1",
-                    "SHOAL_WORKER_ID_FILE": str(slot.id_file(self.run_dir))})
+                    "SHOAL_WORKER_ID_FILE": str(slot.id_file(self.run_dir)),
+                    # the slot picks the GPU when the node has several (process_group.device_for)
+                    "LOCAL_RANK": str(slot.index)})
         if self.code_dir is not None:  # like Ray's working_dir: the cwd, and first on sys.path
             env["PYTHONPATH"] = os.pathsep.join([str(self.code_dir), *filter(None, [env.get("PYTHONPATH")])])
         slot.id_file(self.run_dir).unlink(missing_ok=True)

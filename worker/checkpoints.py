@@ -57,13 +57,15 @@ class Checkpoints:
             state, manifest = resume(self.store, self.m.client, self.m.job_id, on_warning=log.warning)
         except NoCheckpoint:
             return None
-        state.restore(engine.model, engine.optimizer, engine.lr_scheduler, rng=state.rng is not None)
+        state.restore(engine.model, engine.optimizer, engine.lr_scheduler, rng=state.rng is not None,
+                      scaler=engine.scaler)
         log.info("resumed from %s step %d (cursor %s)", self.store.uri, state.step, state.data_cursor)
         return state.step, int(state.data_cursor)
 
     def save(self, engine: StepEngine, *, step: int, cursor: int, epoch: int, generation: int, world_size: int, wait: bool) -> None:
         state = TrainState.capture(engine.model, engine.optimizer, engine.lr_scheduler, step=step, epoch=epoch,
-                                   data_cursor=cursor, generation=generation, world_size=world_size)
+                                   data_cursor=cursor, generation=generation, world_size=world_size,
+                                   scaler=engine.scaler)
         self._pending_generation = generation
         started = self.saver.save_async(state, wait_s=CLOSE_TIMEOUT_S if wait else 0.0)
         if not started:

@@ -165,6 +165,16 @@ class StepBatch:
         return rank_slice(self.indices, ranges)
 
 
+def micro_batches(local: np.ndarray | Sequence[int], micro_batch: int | None) -> list[np.ndarray]:
+    """How the engine splits a rank's slice into forward/backward passes: consecutive chunks
+    of ``micro_batch`` samples (the last one shorter), the whole slice when ``micro_batch`` is
+    None, nothing for an empty slice. The prefetcher plans its items with this split, so it
+    must stay the engine's (``StepEngine._forward_backward``; a test checks they agree)."""
+    arr = np.asarray(local, dtype=np.int64)
+    mb = micro_batch or max(1, len(arr))
+    return [arr[start : start + mb] for start in range(0, len(arr), mb)]
+
+
 class DataOrder:
     """Caches the permutation of the current epoch; :meth:`batch` gives a step's global batch.
 

@@ -30,8 +30,10 @@ TERMINAL = frozenset({"completed", "failed", "stopped"})
 #: A heartbeat carries the parameter digest every this many steps (sha256 of every parameter:
 #: cheap for small models, not free for large ones).
 DIGEST_EVERY = 50
-#: Pause between two polls of the Redis barrier, seconds.
-BARRIER_POLL_S = 0.002
+#: The longest single blocking wait at the Redis barrier, seconds: the last member to arrive
+#: ends every wait at once, and so do a newer table and the job's end; this bounds how late
+#: an eviction (seen by the heartbeat thread) is noticed there.
+BARRIER_WAIT_S = 1.0
 
 Ranges = tuple[tuple[int, int, int], ...]
 
@@ -326,11 +328,12 @@ class Arrive:
 
 @dataclass(frozen=True)
 class PollBarrier:
-    """After ``pause`` s, count the arrivals at ``generation``'s barrier and read the newest
-    table. -> :class:`BarrierPolled`."""
+    """Wait at most ``wait`` s for every member to arrive at ``generation``'s barrier (blocking:
+    the last arrival, a newer table or the job's end ends it early), then report the arrivals
+    and the newest table. -> :class:`BarrierPolled`."""
 
     generation: int
-    pause: float = 0.0
+    wait: float = BARRIER_WAIT_S
 
 
 @dataclass(frozen=True)
@@ -537,8 +540,8 @@ def _table_fetched(s: TrainerState, f: TableFetched, now: float) -> Decision:
         return Decision(s, actions, f"generation {g} {'is paused' if table.paused else 'does not include this worker'}: "
                                     "waiting for a newer one")
     s = replace(s, phase=Phase.FORMING, table=table, member=member, deadline=now + s.limits.barrier_s)
-    return Decision(s, (Arrive(g), PollBarrier(g)), f"generation {g} includes this worker as rank {member.rank}: "
-                                                     "meeting its members")
+    return Decision(s, (Arrive(g), PollBarrier(g, min(BARRIER_WAIT_S, s.limits.barrier_s))),
+                    f"generation {g} includes this worker as rank {member.rank}: meeting its members")
 
 
 def _table_waited(s: TrainerState, w: TableWaited, now: float) -> Decision:
@@ -570,7 +573,8 @@ def _barrier_polled(s: TrainerState, b: BarrierPolled, now: float) -> Decision:
     if now >= s.deadline:
         return Decision(_idle(s), (), f"only {b.arrived} of {world} members of generation {g} arrived within "
                                       f"{s.limits.barrier_s:.0f} s: looking again", logging.INFO)
-    return Decision(s, (PollBarrier(g, BARRIER_POLL_S),), f"{b.arrived} of {world} members of generation {g} arrived")
+    return Decision(s, (PollBarrier(g, min(BARRIER_WAIT_S, s.deadline - now)),),
+                    f"{b.arrived} of {world} members of generation {g} arrived")
 
 
 def _formed(s: TrainerState, f: Formed, now: float) -> Decision:

@@ -5,22 +5,48 @@ World-size invariance
     ``(1/n) * sum_{i in G} grad l_i``. Each rank computes the **sum** of the per-sample losses of
     its slice (``loss_fn`` with ``reduction="sum"``) and backpropagates it, accumulating over
     micro-batches when the slice is larger than ``micro_batch``. The per-rank gradient sums are
-    added by one all-reduce (SUM) and divided by ``n``, the actual size of the global batch.
+    added by all-reduces (SUM) and divided by ``n``, the actual size of the global batch.
     So the update is the same for 1 or 16 workers, up to the order of float additions; a rank
     with an empty slice contributes zeros. (Dropout and BatchNorm statistics break this.)
+    Gradient clipping (``max_grad_norm``) and the fp16 overflow check work on that reduced,
+    divided gradient, identical on every rank: they are world-size invariant too.
+
+Overlap
+    As DDP's reducer does, the gradient is reduced in buckets while backward still runs. The
+    trainable parameters are split, in reverse registration order (the order backward
+    produces their gradients), into buckets of about ``bucket_cap_mb`` MiB (the first one
+    1 MiB at most, so communication starts early). Each parameter's ``.grad`` is a view of its
+    bucket, so backward accumulates straight into what is reduced. A post-accumulate-grad hook
+    marks a parameter ready during the backward of the **last** micro-batch only (earlier ones
+    just accumulate); a bucket whose parameters are all ready is all-reduced asynchronously,
+    and buckets are launched strictly in index order (bucket ``i`` only after ``0..i-1``), so
+    every rank starts the same collectives in the same order whatever order its hooks fired
+    in. With gloo a bucket also waits until the previous collective completed (at most one in
+    flight, :func:`~shoal.worker.process_group.serial_collectives`): a rank whose collective
+    failed then has nothing else in flight, so leaving the group closes its connections and
+    the peers blocked on it fail at once instead of waiting for each other. When backward returns, the parameters that got no gradient (unused, or used only by
+    earlier micro-batches) are marked ready as they are - zeros, or what earlier micro-batches
+    accumulated - and the remaining buckets are launched, in order: no deadlock, no flag to
+    set. Once a step found such parameters, later steps find them before backward by walking
+    the loss's autograd graph, so a bucket holding an unused parameter does not hold back the
+    ones after it. In a group, a parameter whose gradient arrives a second time in one backward
+    after its bucket was launched (reentrant checkpointing of shared weights) fails the step as
+    a UserCodeError; before the launch, or without a group, the bucket simply takes the sum.
 
 Atomicity
     A step either commits on every rank or on none that the next generation keeps:
 
     * nothing is applied before every collective of the step has succeeded;
-    * if a collective raises (a peer died or hung past the collective timeout), the gradients
-      are dropped, module buffers (e.g. BatchNorm running stats) are restored to their values
-      before the step, the optimizer and LR scheduler are not stepped, and
-      :class:`~worker.errors.StepAborted` is raised - the caller redoes the step, same cursor,
-      in the next generation;
+    * if a collective raises (a peer died or hung past the collective timeout, or the group was
+      aborted - also while backward is still running), the gradients are dropped, module
+      buffers (e.g. BatchNorm running stats) are restored to their values before the step, the
+      optimizer, LR scheduler and loss scale are not stepped, the collectives still in flight
+      are abandoned with freshly allocated buckets in their place (they may still write into
+      the old ones), and :class:`~worker.errors.StepAborted` is raised - the caller redoes the
+      step, same cursor, in the next generation;
     * every rank sees the same all-reduced values, so decisions taken on them (the sample
-      count check -> :class:`~worker.errors.InconsistentStep`, the newest generation) are the
-      same everywhere.
+      count check -> :class:`~worker.errors.InconsistentStep`, the newest generation, the fp16
+      overflow skip, the clipping factor) are the same everywhere.
 
     A collective can still complete on some ranks and fail on others (a peer dying during the
     last exchange of a ring all-reduce). A rank that completed holds the *full* reduced
@@ -29,11 +55,29 @@ Atomicity
     generation, copies the state of the member with the most committed steps to the others,
     which closes that gap.
 
-Wire format of the all-reduce
-    One flat bucket (float32, or float64 when a parameter is float64) holding every trainable
-    parameter's gradient in ``model.parameters()`` order, then the local loss sum and the local
-    sample count; plus one int64 tensor with this rank's newest seen generation, reduced with
-    MAX (a second, 8-byte all-reduce: SUM and MAX cannot share one collective).
+Mixed precision (:mod:`shoal.worker.precision`)
+    ``bf16``/``fp16`` run forward and loss under autocast; parameters, gradients and buckets
+    stay float32. ``fp16`` backpropagates the local loss sum times ``scale / n`` - the scaled
+    *mean* loss of the global batch, what ``torch.amp.GradScaler`` scales in DDP - and divides
+    the reduced gradient by the scale. A reduced gradient that is not finite is an **overflow step**,
+    the same on every rank: the optimizer does not step, the scale halves, and the step still
+    *commits* - its samples are consumed, the cursor advances and the LR scheduler steps - as
+    with DDP and ``torch.amp.GradScaler``. ``StepResult.skipped`` tells. The loss scale is
+    replicated state: :meth:`StepEngine.state_extras` travels with the model in state
+    transfers and checkpoints.
+
+No host sync per micro-batch
+    The loss sum is accumulated on the device; the only host reads of a step come after its
+    collectives (one read of the trailing values, plus the generation in the two-collective
+    form). Batches move to the device with non-blocking copies.
+
+Wire format of the all-reduces
+    The buckets (float32, or float64 when a parameter is float64), each one collective (SUM),
+    launched in index order. The last bucket - the first-registered parameters, whose
+    gradients come last - carries three trailing values: how far this rank's newest seen
+    generation is ahead of the group's (``base_generation``), the local loss sum, the local
+    sample count. Without ``base_generation``, one int64 tensor with this rank's newest seen
+    generation is reduced with MAX first (SUM and MAX cannot share one collective).
 
 State transfer between members (broadcast, catch-up and their encoding) lives in
 :mod:`shoal.worker.transfer`; this module is the step only.
@@ -42,7 +86,10 @@ State transfer between members (broadcast, catch-up and their encoding) lives in
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,22 +102,43 @@ from torch.utils.data import default_collate
 from shoal.events.models import finite_metrics
 from shoal.worker import process_group as pg
 from shoal.worker.errors import CollectiveFailed, InconsistentStep, StepAborted, UserCodeError, raised_at
+from shoal.worker.precision import LossScale, autocast, check_precision
 from shoal.worker.userapi import TrainingSetup
 
 log = logging.getLogger("shoal.worker")
 
+#: The first bucket is at most this big (DDP's choice): its all-reduce starts early in backward.
+FIRST_BUCKET_BYTES = 2**20
+#: The gradient buckets' default size in MiB (the job spec's ``bucket_cap_mb``; DDP's default).
+DEFAULT_BUCKET_CAP_MB = 25.0
+_TAIL = 3  # ahead, loss sum, count: the trailing values of the last bucket
+
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one committed step produced (identical on every rank except the local fields)."""
+    """What one committed step produced (identical on every rank except the local fields:
+    ``local_count`` and the timings, which are this rank's host time)."""
 
     loss: float  #: global mean loss: sum of per-sample losses / count
     loss_sum: float
     count: int  #: samples in the global batch
     local_count: int  #: samples this rank processed
     max_generation: int  #: newest generation any rank had seen when the step committed
-    compute_seconds: float  #: forward + backward of the local slice
-    comm_seconds: float  #: the collectives
+    compute_seconds: float  #: data, forward and backward of the local slice
+    #: from the first collective's launch until the last one completed (communication time,
+    #: hidden by backward or not)
+    comm_seconds: float
+    #: the part of the communication NOT hidden by backward: waiting on the collectives after
+    #: this rank's backward returned (a slow peer's lag counts here too)
+    comm_exposed_seconds: float = 0.0
+    #: an fp16 overflow step: the reduced gradient was not finite, the optimizer did not step
+    #: (on every rank alike); the step still committed: advance the cursor
+    skipped: bool = False
+    #: L2 norm of the reduced mean gradient before clipping (computed with ``max_grad_norm``
+    #: or fp16; None otherwise)
+    grad_norm: float | None = None
+    #: the fp16 loss scale this step used (None unless fp16)
+    loss_scale: float | None = None
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
@@ -85,19 +153,90 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
+def plan_buckets(sizes_bytes: Sequence[int], cap_bytes: float, first_bytes: float = FIRST_BUCKET_BYTES) -> list[list[int]]:
+    """Split parameters (their byte sizes, in registration order) into buckets: in reverse
+    order, consecutive parameters until a bucket would exceed its cap (``first_bytes`` for
+    bucket 0 - at most ``cap_bytes`` - then ``cap_bytes``); a parameter larger than the cap
+    gets a bucket of its own. Returns each bucket's parameter indices (reverse order)."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    used = 0.0
+    for i in reversed(range(len(sizes_bytes))):
+        cap = min(first_bytes, cap_bytes) if not buckets else cap_bytes
+        if current and used + sizes_bytes[i] > cap:
+            buckets.append(current)
+            current, used = [], 0.0
+        current.append(i)
+        used += sizes_bytes[i]
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _params_in_graph(loss: torch.Tensor) -> set[int]:
+    """``id`` of every leaf tensor whose gradient backward from ``loss`` accumulates."""
+    found: set[int] = set()
+    seen: set[int] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        var = getattr(fn, "variable", None)  # AccumulateGrad
+        if var is not None:
+            found.add(id(var))
+        stack.extend(f for f, _ in fn.next_functions)
+    return found
+
+
+class _TwiceReady(Exception):
+    """A parameter's gradient arrived again after its bucket's all-reduce was launched."""
+
+
+class _Bucket:
+    """One all-reduced flat tensor: the gradients of some parameters (plus, for the last
+    bucket, the trailing values) and each parameter's view of it."""
+
+    __slots__ = ("index", "members", "flat", "grads", "views", "offsets")
+
+    def __init__(self, index: int, members: list[int], params: list[torch.Tensor], dtype: torch.dtype,
+                 device: torch.device, tail: int) -> None:
+        self.index = index
+        self.members = members  # parameter indices
+        numel = sum(params[i].numel() for i in members)
+        self.flat = torch.zeros(numel + tail, dtype=dtype, device=device)
+        self.grads = self.flat[:numel]  # the gradient part (no trailing values)
+        self.views: dict[int, torch.Tensor | None] = {}
+        self.offsets: dict[int, tuple[int, int]] = {}
+        offset = 0
+        for i in members:
+            p, n = params[i], params[i].numel()
+            self.offsets[i] = (offset, n)
+            self.views[i] = self.flat[offset : offset + n].view_as(p) if p.dtype == dtype else None
+            offset += n
+
+
 class StepEngine:
     """Runs world-size-invariant, atomic training steps for one model/optimizer.
 
     Build it once per worker process (it survives generation changes: it always uses the
     current process group of :mod:`shoal.worker.process_group`). ``device`` defaults to the current
-    group's device, or CPU. The model is moved to ``device`` here, before any optimizer state
-    exists. ``require_group=False`` allows a purely local run (no collectives) when no
-    process group is joined - for tests and single-process use; with the default ``True``,
-    stepping outside a group raises StepAborted.
+    group's device, or :func:`~shoal.worker.process_group.device_for` the default backend. The
+    model is moved to ``device`` here, before any optimizer state exists. ``require_group=False``
+    allows a purely local run (no collectives) when no process group is joined - for tests and
+    single-process use; with the default ``True``, stepping outside a group raises StepAborted.
 
     Exactly one of ``loss_fn`` (``loss_fn(outputs, targets)`` = SUM of per-sample losses, the
     batch being ``(inputs, targets)``) and ``step_fn`` (``step_fn(model, batch)`` = that sum)
-    must be given.
+    must be given. ``precision`` (fp32, bf16, fp16), ``max_grad_norm`` (None: no clipping) and
+    ``bucket_cap_mb`` are the job spec's fields; ``overlap=False`` launches every bucket after
+    backward (the same values, for comparison and benchmarks).
+
+    The engine registers a post-accumulate-grad hook on every trainable parameter; they act
+    only inside its own steps (:meth:`close` removes them). A UserCodeError raised after some
+    buckets were launched leaves the group's collective sequence broken: the worker must leave
+    the group (a user error is fatal to it anyway).
     """
 
     def __init__(
@@ -113,11 +252,20 @@ class StepEngine:
         micro_batch: int | None = None,
         device: torch.device | str | None = None,
         require_group: bool = True,
+        precision: str = "fp32",
+        max_grad_norm: float | None = None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        overlap: bool = True,
     ) -> None:
         if (loss_fn is None) == (step_fn is None):
             raise ValueError("give exactly one of loss_fn and step_fn")
         if micro_batch is not None and micro_batch <= 0:
             raise ValueError(f"micro_batch must be positive, got {micro_batch}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        self.precision = check_precision(precision)
         if device is None:
             group = pg.current_group()
             device = group.device if group else pg.device_for(pg.default_backend())
@@ -129,15 +277,47 @@ class StepEngine:
         self.step_fn = step_fn
         self.lr_scheduler = lr_scheduler
         self.collate_fn = collate_fn or default_collate
+        #: Where :meth:`fetch_batch` takes collated batches from instead of reading the dataset
+        #: (the training worker installs its :class:`~shoal.worker.prefetch.Prefetcher`'s
+        #: ``fetch``): called with a micro-batch's dataset indices, returns their collated batch
+        #: on the CPU (pinned for a CUDA device); None: read and collate inline.
+        self.fetcher: Callable[[list[int]], Any] | None = None
         self.micro_batch = micro_batch
         self.require_group = require_group
+        self.max_grad_norm = max_grad_norm
+        self.overlap = overlap
+        #: the fp16 loss scale (None unless fp16): replicated state, see :meth:`state_extras`
+        self.scaler: LossScale | None = LossScale() if precision == "fp16" else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
         wide = any(p.dtype == torch.float64 for p in self.params)
         self.bucket_dtype = torch.float64 if wide else torch.float32
-        self._numel = sum(p.numel() for p in self.params)
-        self._bucket, self._views = self._new_bucket()
+        item = torch.empty((), dtype=self.bucket_dtype).element_size()
+        self._plan = plan_buckets([p.numel() * item for p in self.params], bucket_cap_mb * 2**20)
+        self._bucket_of = [0] * len(self.params)
+        for b, members in enumerate(self._plan):
+            for i in members:
+                self._bucket_of[i] = b
+        self._buckets = self._new_buckets()
+        # per-step launch state (guarded by _lock: hooks may run on autograd's device threads)
+        self._lock = threading.Lock()
+        self._armed = False
+        self._ready = [False] * len(self.params)
+        self._left = [len(m) for m in self._plan]
+        self._launched = 0  # buckets 0.._launched-1 are launched
+        self._pending: list[pg.PendingReduce] = []  # launched collectives, in order
+        self._waited = 0  # _pending[:_waited] completed successfully
+        self._serial = True  # at most one collective in flight (pg.serial_collectives)
+        self._launch_error: BaseException | None = None
+        self._first_launch: float | None = None
+        self._distributed = False
+        self._fired = 0  # parameters marked ready by their hook in the last backward
+        #: walk the loss's graph for unused parameters before the last backward (set once a
+        #: step found parameters without a gradient)
+        self.find_unused = False
+        ref = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(ref, i)) for i, p in enumerate(self.params)]
         self._before_update: list[Callable[[], None]] = []
         #: Called in every step once its collectives succeeded, right before anything is
         #: applied; raising StepAborted there rolls the step back like a failed collective
@@ -148,19 +328,23 @@ class StepEngine:
         #: waited for, a step stuck in its own work is the one to evict).
         self.before_collectives: Callable[[], None] | None = None
 
-    def _new_bucket(self) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """One persistent bucket and each parameter's view of it: gradients of bucket-dtype
-        parameters live in the views, so backward accumulates straight into what is
-        all-reduced (no flatten/unflatten copy). Made anew after an aborted collective, which
-        may still write into the old one."""
-        bucket = torch.zeros(self._numel + 3, dtype=self.bucket_dtype, device=self.device)
-        views: list[torch.Tensor | None] = []
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            views.append(bucket[offset : offset + n].view_as(p) if p.dtype == self.bucket_dtype else None)
-            offset += n
-        return bucket, views
+    @property
+    def bucket_count(self) -> int:
+        """How many all-reduces carry the gradient of one step."""
+        return len(self._plan)
+
+    def _new_buckets(self) -> list[_Bucket]:
+        """Persistent buckets (views of them are the parameters' ``.grad``). Made anew after a
+        failed step whose collectives may still write into the old ones."""
+        last = len(self._plan) - 1
+        return [_Bucket(b, members, self.params, self.bucket_dtype, self.device, _TAIL if b == last else 0)
+                for b, members in enumerate(self._plan)]
+
+    def close(self) -> None:
+        """Remove the engine's gradient hooks from the model's parameters."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def before_update(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` once in the next :meth:`step`, once its collectives are over and before
@@ -172,6 +356,18 @@ class StepEngine:
         while self._before_update:
             self._before_update.pop(0)()
 
+    def state_extras(self) -> dict[str, Any]:
+        """The engine's own replicated state, beyond model, optimizer and scheduler: JSON
+        values to send along with them (a state transfer's ``extra``): ``{"loss_scale":
+        {...}}`` in fp16, else nothing."""
+        return {"loss_scale": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    def load_state_extras(self, extra: dict[str, Any]) -> None:
+        """Take :meth:`state_extras` of another replica (other keys are ignored; a missing
+        loss scale - a source without one - leaves this engine's as it is)."""
+        if self.scaler is not None and isinstance(extra.get("loss_scale"), dict):
+            self.scaler.load_state_dict(extra["loss_scale"])
+
     @classmethod
     def from_setup(
         cls,
@@ -179,8 +375,13 @@ class StepEngine:
         *,
         device: torch.device | str | None = None,
         require_group: bool = True,
+        precision: str = "fp32",
+        max_grad_norm: float | None = None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        overlap: bool = True,
     ) -> "StepEngine":
-        """An engine for a validated :class:`~worker.userapi.TrainingSetup`."""
+        """An engine for a validated :class:`~worker.userapi.TrainingSetup` (the keyword
+        options as in the constructor; the training worker passes the job spec's)."""
         return cls(
             setup.model,
             setup.optimizer,
@@ -192,6 +393,10 @@ class StepEngine:
             micro_batch=setup.micro_batch,
             device=device,
             require_group=require_group,
+            precision=precision,
+            max_grad_norm=max_grad_norm,
+            bucket_cap_mb=bucket_cap_mb,
+            overlap=overlap,
         )
 
     # --- the step -------------------------------------------------------------------------
@@ -208,10 +413,12 @@ class StepEngine:
         Every rank of the current group must call it for the same step (same cursor) with its
         own slice; ``generation`` is the newest generation this rank has seen (the returned
         ``max_generation`` is the maximum over ranks). With ``base_generation`` (the group's
-        own generation) the step uses ONE collective: the bucket carries how far each rank's
-        seen generation is ahead of the base, and ``max_generation`` is then only known to be
-        ``base + 1`` when any rank saw a newer one (the caller reads the newest table itself). Returns after the optimizer stepped on
-        this rank (the step is committed: advance the cursor by ``global_count``).
+        own generation) the step needs no collective besides the gradient buckets: the last
+        bucket carries how far each rank's seen generation is ahead of the base, and
+        ``max_generation`` is then only known to be ``base + 1`` when any rank saw a newer one
+        (the caller reads the newest table itself). Returns after the optimizer stepped on
+        this rank - or, for an fp16 overflow step (``skipped``), did not, on every rank alike:
+        either way the step is committed (advance the cursor by ``global_count``).
 
         Raises StepAborted (nothing applied; redo in the next generation) when a collective
         fails, no group is joined (with ``require_group``) or :attr:`commit_guard` refuses;
@@ -230,46 +437,258 @@ class StepEngine:
             raise StepAborted("step: not in a process group (join_group first)")
 
         buffers = [b.detach().clone() for b in self.model.buffers()]
-        self._attach_grads()
+        self._begin(distributed)
+        one_collective = base_generation is not None
+        ahead = float(max(0, generation - base_generation)) if one_collective else 0.0
+        gen = torch.tensor([generation], dtype=torch.int64, device=self.device)
         t0 = time.perf_counter()
         try:
-            local_sum = self._forward_backward(local)
+            if distributed and not one_collective:  # first: the same order on every rank
+                self._pending.append(pg.all_reduce_async(gen, dist.ReduceOp.MAX, "all_reduce of the generation"))
+            self._forward_backward(local, ahead, global_count)
+        except CollectiveFailed as exc:  # the generation's launch (an aborted group)
+            self._abandon(buffers)
+            raise StepAborted(f"step aborted, nothing applied: {exc}") from exc
         except Exception as exc:  # noqa: BLE001 - user code; translated
-            self._settle()
-            self._rollback(buffers)
+            self._abandon(buffers)
             raise UserCodeError(f"training step raised {type(exc).__name__}: {exc} (at {raised_at(exc)})") from exc
         t1 = time.perf_counter()
 
-        bucket = self._flatten_grads(local_sum, len(local))
-        gen = torch.tensor([generation], dtype=torch.int64, device=self.device)
-        one_collective = base_generation is not None
-        if one_collective:
-            bucket[-3] = float(max(0, generation - base_generation))
         if self.before_collectives is not None:
             self.before_collectives()
-        if distributed:
-            try:
-                if not one_collective:
-                    pg.all_reduce(gen, dist.ReduceOp.MAX)
-                pg.all_reduce(bucket, dist.ReduceOp.SUM)
-            except CollectiveFailed as exc:
-                self._settle()
-                self._rollback(buffers)
-                if pg.aborted():  # the abandoned collective may still write into the bucket
-                    self._bucket, self._views = self._new_bucket()
-                raise StepAborted(f"step aborted, nothing applied: {exc}") from exc
+        try:
+            self._finish_launches()
+            self._complete()
+        except CollectiveFailed as exc:
+            self._abandon(buffers)
+            raise StepAborted(f"step aborted, nothing applied: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - a gradient after its bucket went, a bad .grad
+            self._abandon(buffers)
+            raise UserCodeError(f"gradient reduction failed: {exc} (at {raised_at(exc)})") from exc
         t2 = time.perf_counter()
         self._settle()
+        return self._apply(buffers, local, global_count, gen, base_generation, t0, t1, t2)
 
-        if one_collective:
-            ahead = float(bucket[-3]) > 0 if distributed else generation > base_generation
-            gen.fill_(base_generation + 1 if ahead else base_generation)
-        loss_sum = float(bucket[-2])
-        reduced_count = int(round(float(bucket[-1])))
-        if reduced_count != global_count:
+    def _begin(self, distributed: bool) -> None:
+        """Zero the buckets, make each bucket-dtype parameter's ``.grad`` a view of its bucket
+        and reset the launch state (nothing is in flight between steps)."""
+        for bucket in self._buckets:
+            bucket.flat.zero_()
+            for i in bucket.members:
+                self.params[i].grad = bucket.views[i]  # None for parameters of another dtype
+        self._ready = [False] * len(self.params)
+        self._left = [len(m) for m in self._plan]
+        self._launched = 0
+        self._pending = []
+        self._waited = 0
+        self._serial = pg.serial_collectives()
+        self._launch_error = None
+        self._first_launch = None
+        self._distributed = distributed
+        self._fired = 0
+
+    def _forward_backward(self, local: list[int], ahead: float, global_count: int) -> None:
+        self.model.train()
+        # fp16: backward of the loss sum x scale / global count = the scaled *mean* loss of the
+        # global batch, as with torch.amp.GradScaler and a mean loss (the sum alone would be
+        # count times larger and overflow at once); the reduced gradient is divided by the scale
+        factor = self.scaler.scale / global_count if self.scaler is not None else None
+        mb = self.micro_batch or max(1, len(local))
+        starts = list(range(0, len(local), mb))
+        total = torch.zeros((), dtype=self.bucket_dtype, device=self.device)
+        for k, start in enumerate(starts):
+            batch = self.fetch_batch(local[start : start + mb])
+            with autocast(self.precision, self.device):
+                if self.step_fn is not None:
+                    loss = self.step_fn(self.model, batch)
+                else:
+                    inputs, targets = batch
+                    loss = self.loss_fn(self.model(inputs), targets)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise TypeError(
+                    "the loss must be a scalar tensor: the SUM of per-sample losses (reduction='sum')"
+                )
+            total += loss.detach()  # on the device: no host sync per micro-batch
+            if k == len(starts) - 1:  # the last micro-batch: its backward launches the buckets
+                self._write_tail(ahead, total, len(local))
+                self._arm(loss)
+            (loss.float() * factor if factor is not None else loss).backward()
+        if not starts:  # an empty slice: zeros, and the trailing values
+            self._write_tail(ahead, total, 0)
+
+    def _write_tail(self, ahead: float, total: torch.Tensor, count: int) -> None:
+        tail = self._buckets[-1].flat
+        tail[-3] = ahead
+        tail[-2].copy_(total)
+        tail[-1] = count
+
+    # --- launching the buckets -------------------------------------------------------------
+    @staticmethod
+    def _hook(ref: "weakref.ref[StepEngine]", i: int) -> Callable[[torch.Tensor], None]:
+        def hook(_param: torch.Tensor) -> None:
+            engine = ref()
+            if engine is not None and engine._armed:
+                engine._on_ready(i, fired=True)
+
+        return hook
+
+    def _arm(self, loss: torch.Tensor) -> None:
+        """Before the last micro-batch's backward: hooks mark parameters ready from now on;
+        with :attr:`find_unused`, the parameters outside the loss's graph are ready now."""
+        if not self.overlap:
+            return
+        if self.find_unused:
+            used = _params_in_graph(loss)
+            for i, p in enumerate(self.params):
+                if id(p) not in used:
+                    self._on_ready(i, fired=False)
+        self._armed = True
+
+    def _on_ready(self, i: int, *, fired: bool) -> None:
+        """Parameter ``i``'s gradient is final for this step: copy it into its bucket if it does
+        not live there, and launch every bucket that is complete and next in order. Never
+        raises (it runs inside autograd): a failure is kept for :meth:`step`."""
+        with self._lock:
+            try:
+                b = self._bucket_of[i]
+                if self._ready[i]:  # a second gradient in one backward
+                    if b >= self._launched or not self._distributed:
+                        self._copy_in(i)  # nothing read the bucket yet: it takes the sum
+                    elif fired and self._launch_error is None:
+                        self._launch_error = _TwiceReady(
+                            f"parameter {i} received a gradient again after its bucket's all-reduce started "
+                            "(reentrant activation checkpointing?): use torch.utils.checkpoint with "
+                            "use_reentrant=False")
+                    return
+                self._ready[i] = True
+                self._fired += fired
+                self._copy_in(i)
+                self._left[b] -= 1
+                self._launch_ready()
+            except Exception as exc:  # noqa: BLE001 - reported by step()
+                if self._launch_error is None:
+                    self._launch_error = exc
+
+    def _copy_in(self, i: int) -> None:
+        """Put parameter ``i``'s gradient into its bucket when it is not already there (a
+        parameter of another dtype, or user code that replaced ``.grad``); no gradient at all
+        leaves the zeros."""
+        bucket = self._buckets[self._bucket_of[i]]
+        grad, view = self.params[i].grad, bucket.views[i]
+        if grad is None or (view is not None and grad.data_ptr() == view.data_ptr()):
+            return
+        offset, n = bucket.offsets[i]
+        bucket.flat[offset : offset + n].copy_(grad.reshape(-1))
+
+    def _launch_ready(self) -> None:
+        """(Under the lock; never blocks.) Launch buckets ``_launched, _launched + 1, ...``
+        while they are complete - and, with serial collectives, while nothing is in flight."""
+        while self._launched < len(self._buckets) and self._left[self._launched] == 0:
+            if self._launch_error is not None:
+                return
+            bucket = self._buckets[self._launched]
+            if self._distributed:
+                if self._serial and not self._idle():
+                    return  # launched by a later hook, or after backward
+                if self._first_launch is None:
+                    self._first_launch = time.perf_counter()
+                self._pending.append(pg.all_reduce_async(bucket.flat, dist.ReduceOp.SUM,
+                                                         f"all_reduce of gradient bucket {bucket.index}"))
+            self._launched += 1
+
+    def _idle(self) -> bool:
+        """(Under the lock; never blocks.) Whether every launched collective has completed;
+        raises CollectiveFailed when one failed."""
+        while self._waited < len(self._pending):
+            pending = self._pending[self._waited]
+            if not pending.completed():
+                return False
+            pending.wait()  # ended: returns at once, or raises what it failed with
+            self._waited += 1
+        return True
+
+    def _finish_launches(self) -> None:
+        """After backward: every parameter not yet ready is (no gradient in the last
+        micro-batch: unused, or used by earlier ones only), and the buckets that can go, go.
+        A step with samples that found such parameters turns :attr:`find_unused` on. Raises
+        what a hook kept (a failed launch, a gradient after its bucket's launch)."""
+        with self._lock:
+            armed, self._armed = self._armed, False
+            if self._launch_error is not None:
+                raise self._launch_error
+            unused = 0
+            for i in range(len(self.params)):
+                if not self._ready[i]:
+                    unused += 1
+                    self._ready[i] = True
+                    self._copy_in(i)
+                    self._left[self._bucket_of[i]] -= 1
+            self._launch_ready()
+        if armed and self._fired and unused and not self.find_unused:
+            self.find_unused = True
+            log.info("%d of %d parameters got no gradient in a step: looking for unused parameters in the "
+                     "autograd graph before each backward from now on", unused, len(self.params))
+
+    def _complete(self) -> None:
+        """After backward: wait for the launched collectives in order, launching the remaining
+        buckets as they may go, until every bucket's all-reduce has succeeded; then reap the
+        sends posted before them (as ``process_group.all_reduce`` does). Raises
+        CollectiveFailed at the first failure (or abort)."""
+        if not self._distributed:
+            return
+        while True:
+            with self._lock:
+                if self._launch_error is not None:
+                    raise self._launch_error
+                if self._waited == len(self._pending):
+                    if self._launched == len(self._buckets):
+                        break
+                    self._launch_ready()  # nothing in flight: the next bucket goes now
+                    continue
+                pending = self._pending[self._waited]
+            pending.wait()  # blocks; abortable
+            with self._lock:
+                self._waited += 1
+                self._launch_ready()
+        pg.wait_sends()
+
+    def _abandon(self, buffers: list[torch.Tensor]) -> None:
+        """Roll back a step that fails before it applied anything. Collectives launched and
+        not waited for are abandoned (kept until the group is freed); after any launched
+        collective, or an abort, the buckets are replaced: a collective still in flight may
+        write into the old ones."""
+        with self._lock:
+            self._armed = False
+            launched, self._pending = self._pending, []
+            in_flight = launched[self._waited:]
+        self._settle()
+        self._rollback(buffers)
+        if in_flight:
+            pg.abandon(in_flight)
+        if launched or pg.aborted():
+            self._buckets = self._new_buckets()
+
+    # --- after the collectives -------------------------------------------------------------
+    def _apply(self, buffers: list[torch.Tensor], local: list[int], global_count: int, gen: torch.Tensor,
+               base_generation: int | None, t0: float, t1: float, t2: float) -> StepResult:
+        """Check the reduced values, unscale, clip, and step the optimizer (or skip, fp16)."""
+        scale = self.scaler.scale if self.scaler is not None else None
+        grads = [b.grads for b in self._buckets]
+        for g in grads:  # the mean gradient: fp16's backward divided by the count already
+            g.div_(scale if scale is not None else global_count)
+        tail = self._buckets[-1].flat[-_TAIL:]
+        want_norm = scale is not None or self.max_grad_norm is not None
+        if want_norm:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            values = torch.cat([tail, norm.reshape(1).to(tail.dtype)]).tolist()  # the one host read
+        else:
+            values = tail.tolist()
+        ahead, loss_sum, reduced = values[0], values[1], int(round(values[2]))
+        grad_norm = values[3] if want_norm else None
+        if reduced != global_count:
             self._rollback(buffers)
             raise InconsistentStep(
-                f"ranks processed {reduced_count} samples, expected a global batch of {global_count}: "
+                f"ranks processed {reduced} samples, expected a global batch of {global_count}: "
                 "shard tables or cursors differ between ranks"
             )
         if self.commit_guard is not None:
@@ -278,9 +697,24 @@ class StepEngine:
             except StepAborted:
                 self._rollback(buffers)
                 raise
-        self._unflatten_grads(bucket, global_count)
+        if base_generation is not None:  # locally, the tail holds this rank's own distance
+            max_generation = base_generation + 1 if ahead > 0 else base_generation
+        else:
+            max_generation = int(gen.item())
+        skipped = scale is not None and not math.isfinite(grad_norm)
+        if self.max_grad_norm is not None and not skipped and math.isfinite(grad_norm) \
+                and grad_norm > self.max_grad_norm:
+            coef = self.max_grad_norm / (grad_norm + 1e-6)
+            for g in grads:
+                g.mul_(coef)
+        if self.scaler is not None:
+            self.scaler.update(found_inf=skipped)
+        if skipped:
+            log.info("fp16 overflow: step skipped on every rank, loss scale %g -> %g", scale, self.scaler.scale)
+        self._unflatten_grads()
         try:
-            self.optimizer.step()
+            if not skipped:
+                self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         except Exception as exc:  # noqa: BLE001 - user optimizer/scheduler
@@ -292,69 +726,36 @@ class StepEngine:
             loss_sum=loss_sum,
             count=global_count,
             local_count=len(local),
-            max_generation=int(gen.item()),
+            max_generation=max_generation,
             compute_seconds=t1 - t0,
-            comm_seconds=t2 - t1,
+            comm_seconds=t2 - (self._first_launch if self._first_launch is not None else t2),
+            comm_exposed_seconds=t2 - t1 if self._distributed else 0.0,
+            skipped=skipped,
+            grad_norm=grad_norm,
+            loss_scale=scale,
         )
 
-    def _forward_backward(self, local: list[int]) -> float:
-        self.model.train()
-        total = 0.0
-        mb = self.micro_batch or max(1, len(local))
-        for start in range(0, len(local), mb):
-            batch = self.fetch_batch(local[start : start + mb])
-            if self.step_fn is not None:
-                loss = self.step_fn(self.model, batch)
-            else:
-                inputs, targets = batch
-                loss = self.loss_fn(self.model(inputs), targets)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise TypeError(
-                    "the loss must be a scalar tensor: the SUM of per-sample losses (reduction='sum')"
-                )
-            loss.backward()
-            total += float(loss.detach())
-        return total
+    def _unflatten_grads(self) -> None:
+        for bucket in self._buckets:
+            for i in bucket.members:
+                p, view = self.params[i], bucket.views[i]
+                if view is not None:
+                    p.grad = view
+                else:
+                    offset, n = bucket.offsets[i]
+                    p.grad = bucket.flat[offset : offset + n].view_as(p).to(p.dtype).clone()
 
     def fetch_batch(self, indices: list[int]) -> Any:
         """The collated batch of dataset ``indices`` (one micro-batch of this rank's slice),
-        on the engine's device: the one place the engine reads the dataset."""
-        batch = self.collate_fn([self.dataset[i] for i in indices])
+        on the engine's device: the one place the engine reads the dataset (through
+        :attr:`fetcher` when one is installed)."""
+        if self.fetcher is not None:
+            batch = self.fetcher(indices)
+        else:
+            batch = self.collate_fn([self.dataset[i] for i in indices])
         if self.device.type != "cpu":
             batch = _to_device(batch, self.device)
         return batch
-
-    def _attach_grads(self) -> None:
-        """Zero the bucket and make each bucket-dtype parameter's ``.grad`` a view of it."""
-        self._bucket.zero_()
-        for p, view in zip(self.params, self._views):
-            p.grad = view  # None for parameters of another dtype: they accumulate on their own
-
-    def _flatten_grads(self, local_sum: float, local_count: int) -> torch.Tensor:
-        bucket = self._bucket
-        offset = 0
-        for p, view in zip(self.params, self._views):
-            n = p.numel()
-            if p.grad is None:
-                bucket[offset : offset + n].zero_()
-            elif view is None or p.grad.data_ptr() != view.data_ptr():
-                bucket[offset : offset + n].copy_(p.grad.reshape(-1))  # user code replaced .grad
-            offset += n
-        bucket[-3] = 0.0
-        bucket[-2] = local_sum
-        bucket[-1] = local_count
-        return bucket
-
-    def _unflatten_grads(self, bucket: torch.Tensor, count: int) -> None:
-        bucket[: self._numel].div_(count)
-        offset = 0
-        for p, view in zip(self.params, self._views):
-            n = p.numel()
-            if view is not None:
-                p.grad = view
-            else:
-                p.grad = bucket[offset : offset + n].view_as(p).to(p.dtype).clone()
-            offset += n
 
     def _rollback(self, buffers: list[torch.Tensor]) -> None:
         self.optimizer.zero_grad(set_to_none=True)

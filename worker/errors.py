@@ -64,7 +64,11 @@ class UserCodeError(WorkerError):
 def raised_at(exc: BaseException) -> str:
     """``file.py:42 in fn``: the innermost frame of ``exc``'s traceback outside torch and
     shoal's own code (the user's line that raised), else the innermost frame ("" without a
-    traceback)."""
+    traceback). An exception raised in a loader process carries that place with it
+    (``shoal_raised_at``, set by :mod:`shoal.worker.prefetch`)."""
+    remote = getattr(exc, "shoal_raised_at", None)
+    if isinstance(remote, str) and remote:  # raised by a loader (worker/prefetch.py): where it was raised there
+        return remote
     frames = []
     tb = exc.__traceback__
     while tb is not None:
@@ -72,7 +76,7 @@ def raised_at(exc: BaseException) -> str:
         tb = tb.tb_next
     if not frames:
         return ""
-    mine = ("/torch/", "/shoal/worker/", "/worker/engine.py")
+    mine = ("/torch/", "/shoal/worker/", "/worker/engine.py", "/worker/prefetch.py")
     user = [f for f in frames if not any(m in f[0].co_filename for m in mine)]
     code, line = (user or frames)[-1]
     return f"{code.co_filename}:{line} in {code.co_name}"

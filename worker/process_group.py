@@ -9,8 +9,8 @@ the coordinator publishes a new table - every member calls :func:`leave_group` a
 joins the next generation. Generations must strictly increase within a process: a prefix is
 never reused (re-using one after ``destroy_process_group`` can hang).
 
-Backend: nccl when CUDA is available (the worker is expected to see exactly one GPU, e.g.
-through ``CUDA_VISIBLE_DEVICES``), gloo otherwise.
+Backend: nccl when CUDA is available (the worker uses the one GPU it sees, e.g. through
+``CUDA_VISIBLE_DEVICES``, or GPU ``LOCAL_RANK`` of several: :func:`device_for`), gloo otherwise.
 
 The address gloo advertises to the peers (:func:`choose_address`): the interface named by the
 ``iface`` option (``--iface`` / ``SHOAL_IFACE``); else an interface the user named in
@@ -36,8 +36,9 @@ an abandoned collective may still be written by it: callers must not reuse them
 (``ncclCommAbort``) before it is dropped, so a dead NCCL peer never hangs the survivors.
 
 This module is the one place where torch.distributed and redis-py errors of the training side
-are translated (:func:`translate_error`); the collective wrappers :func:`all_reduce`,
-:func:`broadcast` and :func:`barrier`, and the point-to-point :func:`isend` (reaped by the next
+are translated (:func:`translate_error`); the collective wrappers :func:`all_reduce` (and
+:func:`all_reduce_async`, whose :class:`PendingReduce` waits the same way), :func:`broadcast`
+and :func:`barrier`, and the point-to-point :func:`isend` (reaped by the next
 :func:`all_reduce`), :func:`recv` and :func:`recv_many`, raise only
 :class:`~worker.errors.CollectiveFailed`.
 """
@@ -55,7 +56,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import redis
@@ -69,7 +70,7 @@ from shoal.worker.errors import (
     RendezvousTimeout,
     WorkerError,
 )
-from shoal.worker.store import RedisStore
+from shoal.worker.store import RedisStore, legacy_rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +106,21 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+#: The environment variable that numbers a worker among those of its host (torchrun's
+#: convention): with nccl on a host with several visible GPUs it picks the worker's GPU.
+LOCAL_RANK_ENV = "LOCAL_RANK"
+
+
 def device_for(backend: str) -> torch.device:
-    """The device tensors must live on for ``backend`` (current CUDA device for nccl)."""
+    """The device tensors must live on for ``backend``: CPU for gloo; for nccl the GPU of this
+    worker - ``LOCAL_RANK`` modulo the visible GPUs when that is set and several are visible
+    (made the current device: NCCL and every CUDA call without a device use it), else the
+    current CUDA device (one visible GPU, e.g. through ``CUDA_VISIBLE_DEVICES``)."""
     if backend == "nccl":
+        local = os.environ.get(LOCAL_RANK_ENV, "")
+        count = torch.cuda.device_count()
+        if local.isdigit() and count > 1:
+            torch.cuda.set_device(int(local) % count)
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -279,6 +292,20 @@ def _set_collective_timeout(backend: str, seconds: float) -> None:
     dist.group.WORLD._get_backend(device)._set_default_timeout(timedelta(seconds=seconds))
 
 
+def extend_timeout(seconds: float) -> None:
+    """Make the current group's collective timeout at least ``seconds`` (for the operations
+    started from now on): a member receiving a state larger than its own - a joiner whose
+    optimizer holds no state yet - learns the size only from the header. Never shortens it."""
+    global _current
+    group = _current
+    if group is None or not dist.is_initialized() or seconds <= group.timeout:
+        return
+    _set_collective_timeout(group.backend, seconds)
+    with _abort_lock:
+        if _current is group:
+            _current = replace(group, timeout=seconds)
+
+
 def join_group(
     client: redis.Redis,
     job_id: str,
@@ -328,8 +355,12 @@ def join_group(
     advertised = _advertise(client, iface) if backend == "gloo" else None
     with _abort_lock:
         _joining, _abort_reason = generation, ""
+    # rank + world size: every rank reads gloo's full mesh of addresses in one table (O(1)
+    # Redis commands per rank). NCCL reads one key (rank 0's unique id): O(W) already, and
+    # key by key. The legacy switch (benches only) reads gloo's addresses key by key too.
+    table = {} if legacy_rendezvous() or backend != "gloo" else {"rank": rank, "world_size": world_size}
     store = RedisStore(client, job_keys(job_id).rendezvous(generation), timeout=timeout, max_wait=timeout,
-                       abort=lambda: _abort_reason)
+                       abort=lambda: _abort_reason, **table)
     if backend == "nccl":
         # NCCL's watchdog would tear the process down on a timeout: shoal aborts the
         # communicator itself (on an eviction, or past the collective timeout) and goes on
@@ -535,16 +566,22 @@ def _wait(work: object, what: str, timeout: float | None = None) -> None:
         completed.append(None)
         done.set()
 
+    threaded = False  # a thread waited for the work already (it may be waited for only once)
     try:
-        try:
-            future = work.get_future()
-        except RuntimeError:  # gloo's point-to-point work has no future: a thread waits for it
-            future = None
-        if future is not None:
-            future.add_done_callback(on_done)
+        if _polled(work):
+            finished = _poll(work, completed, done, timeout)
         else:
-            threading.Thread(target=_wait_in_thread, args=(work, completed, done), name="pg-wait", daemon=True).start()
-        finished = done.wait(timeout)
+            try:
+                future = work.get_future()
+            except RuntimeError:  # gloo's point-to-point work has no future: a thread waits for it
+                future = None
+            if future is not None:
+                future.add_done_callback(on_done)
+            else:
+                threaded = True
+                threading.Thread(target=_wait_in_thread, args=(work, completed, done), name="pg-wait",
+                                 daemon=True).start()
+            finished = done.wait(timeout)
     finally:
         with _abort_lock:
             _waiting = None
@@ -556,10 +593,36 @@ def _wait(work: object, what: str, timeout: float | None = None) -> None:
     try:
         if completed[0] is not None:
             raise completed[0]
-        if future is not None:
-            work.wait()
+        if not threaded:
+            work.wait()  # raises what the work failed with; NCCL: orders the current stream after it
     except Exception as exc:  # noqa: BLE001 - translated
         raise translate_error(exc, what) from exc
+
+
+#: How often a wait on NCCL work looks whether the GPU finished it (an abort ends it at once).
+NCCL_POLL_S = 0.0005
+
+
+def _polled(work: object) -> bool:
+    """Whether ``work`` must be polled: NCCL marks its future complete when the collective
+    is *enqueued* (CUDA-event semantics; ``wait()`` only orders the current stream after it),
+    so waiting on the future would return at once and the host would then block, unabortably,
+    in the next read of the result. Its ``is_completed()`` asks the GPU without blocking."""
+    return _current is not None and _current.backend == "nccl" and hasattr(work, "is_completed")
+
+
+def _poll(work: object, completed: list, done: threading.Event, timeout: float | None) -> bool:
+    """Poll ``work.is_completed()`` until it is, ``done`` is set (an abort) or ``timeout`` s
+    passed; True unless the timeout passed. Marks ``completed`` when the work ended."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        if work.is_completed():  # also True when it failed: work.wait() then raises
+            completed.append(None)
+            return True
+        if done.wait(NCCL_POLL_S):
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
 
 
 def _wait_in_thread(work: object, completed: list, done: threading.Event) -> None:
@@ -583,14 +646,78 @@ def _require_group(what: str) -> None:
 
 def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
     """In-place all_reduce over the current group; CollectiveFailed on any failure."""
-    _require_group("all_reduce")
+    wait_all([all_reduce_async(tensor, op)])
+
+
+class PendingReduce:
+    """An all-reduce in flight, started by :func:`all_reduce_async`.
+
+    :meth:`wait` waits like every wait of this module: it returns once the collective
+    completed and raises CollectiveFailed when it failed, when the group is (or gets) aborted -
+    at once, whatever the peers do - or past the collective timeout. A pending reduce that is
+    given up without a successful wait must be handed to :func:`abandon`: its tensor may still
+    be written by it, so the caller must not reuse that tensor."""
+
+    __slots__ = ("work", "what")
+
+    def __init__(self, work: object, what: str) -> None:
+        self.work = work
+        self.what = what
+
+    def wait(self) -> None:
+        _wait(self.work, self.what)
+
+    def completed(self) -> bool:
+        """Whether the collective has ended (successfully or not: :meth:`wait` then returns
+        at once, or raises). Never blocks."""
+        return bool(self.work.is_completed())
+
+
+def serial_collectives() -> bool:
+    """Whether a rank should keep at most one collective in flight (gloo: True). A gloo
+    collective in flight holds the group's connections open; a rank whose collective failed
+    (a peer died) while another one was in flight would keep its sockets open after leaving the
+    group, so a live peer blocked on it - in a collective that needs this rank's data - would
+    wait for the collective timeout instead of failing at once, and two such ranks can wait for
+    each other. NCCL runs collectives in stream order anyway, and a dead NCCL peer is handled
+    by aborting the communicator: launching them all at once costs nothing."""
+    return _current is None or _current.backend != "nccl"
+
+
+def all_reduce_async(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                     what: str = "all_reduce") -> PendingReduce:
+    """Start an in-place all_reduce of ``tensor`` over the current group and return at once
+    (any thread may call it, e.g. an autograd hook). Every rank must start the same
+    collectives in the same order: the backends match them by that order. ``tensor`` must not
+    be touched until the returned reduce was waited for. CollectiveFailed when it cannot be
+    started (no group, the group is aborted, the backend refuses)."""
+    _require_group(what)
     try:
         work = dist.all_reduce(tensor, op=op, async_op=True)
     except Exception as exc:  # noqa: BLE001 - translated
-        raise translate_error(exc, "all_reduce") from exc
-    _wait(work, "all_reduce")
+        raise translate_error(exc, what) from exc
+    return PendingReduce(work, what)
+
+
+def wait_all(pending: list[PendingReduce]) -> None:
+    """Wait for each of ``pending`` in order; once all completed, reap the sends posted before
+    them (:func:`wait_sends`), as :func:`all_reduce` does. On the first failure the ones not
+    yet waited for are abandoned (:func:`abandon`) and CollectiveFailed is raised."""
+    for i, p in enumerate(pending):
+        try:
+            p.wait()
+        except CollectiveFailed:
+            abandon(pending[i + 1:])
+            raise
     if _pending_sends:
         wait_sends()
+
+
+def abandon(pending: list[PendingReduce]) -> None:
+    """Give up ``pending`` reduces without waiting: their work is kept, like an aborted
+    collective's, until the group is freed (their tensors must not be reused)."""
+    with _abort_lock:
+        _abandoned.extend(p.work for p in pending)
 
 
 def broadcast(tensor: torch.Tensor, src: int) -> None:

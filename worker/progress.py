@@ -1,9 +1,10 @@
 """The progress history ``shoal report`` draws: rank 0 appends committed steps to a stream.
 
 :class:`ProgressRecorder` writes one entry (``step``, ``loss``, ``generation``,
-``world_size``, ``t``) to ``job_keys(J).progress`` at most every ``interval`` seconds, plus
-the first committed step of every generation (so a report sees exactly when training went on
-after a membership change). The entry id is Redis server time, the clock the coordinator's
+``world_size``, ``t``; optional ``input_wait``: seconds the step waited for its batches) to
+``job_keys(J).progress`` at most every ``interval`` seconds, plus the first committed step
+of every generation (so a report sees exactly when training went on after a membership
+change). The entry id is Redis server time, the clock the coordinator's
 ``control`` stream uses. Recording never raises into the training loop: on a Redis error the
 entry is dropped and recording pauses for ``error_backoff`` seconds. Nothing in the
 coordinator reads this stream.
@@ -39,8 +40,11 @@ class ProgressRecorder:
         self.recorded = 0
         self.dropped = 0
 
-    def record(self, step: int, loss: float | None, generation: int, world_size: int, t: float | None = None) -> bool:
-        """Append this committed step if due; True when an entry was written. Never raises."""
+    def record(self, step: int, loss: float | None, generation: int, world_size: int, t: float | None = None, *,
+               input_wait: float | None = None) -> bool:
+        """Append this committed step if due; True when an entry was written. Never raises.
+        ``input_wait``: seconds rank 0's step waited for its batches (the entry's
+        ``input_wait``; left out when None)."""
         try:
             now = time.time() if t is None else float(t)
             new_generation = generation != self._last_generation
@@ -51,6 +55,8 @@ class ProgressRecorder:
             loss_s = "nan" if loss is None or not math.isfinite(float(loss)) else repr(float(loss))
             fields = {"step": str(int(step)), "loss": loss_s, "generation": str(int(generation)),
                       "world_size": str(int(world_size)), "t": f"{now:.3f}"}
+            if input_wait is not None:
+                fields["input_wait"] = f"{float(input_wait):.6f}"
             self.client.xadd(self.keys.progress, fields, maxlen=PROGRESS_MAXLEN, approximate=True)
         except redis.RedisError as exc:
             self.dropped += 1

@@ -50,9 +50,9 @@ import torch
 from shoal.core.connection import without_retries
 from shoal.core.faults import FaultPlan
 from shoal.core.jobspec import JobSpec
-from shoal.events.keys import RENDEZVOUS_TTL_S
 from shoal.events.models import ShardTable
 from shoal.worker import process_group as pg
+from shoal.worker.barrier import GenerationBarrier
 from shoal.worker.checkpoints import Checkpoints
 from shoal.worker.data import DataOrder
 from shoal.worker.decide import (
@@ -95,8 +95,10 @@ from shoal.worker.heartbeat import CutOff
 from shoal.worker.errors import CollectiveFailed, RendezvousFailed, StateMismatch, StepAborted
 from shoal.worker.ledger import Ledger
 from shoal.worker.membership import Membership
+from shoal.worker.prefetch import Prefetcher
 from shoal.worker.progress import ProgressRecorder
 from shoal.worker.runner import WorkerRunner
+from shoal.worker.store import legacy_rendezvous
 from shoal.worker.transfer import catch_up_state, state_bytes, transfer_timeout
 from shoal.worker.userapi import TrainingSetup, load_entrypoint
 from shoal.worker.watcher import GenerationWatcher
@@ -129,8 +131,13 @@ class TrainingWorker(WorkerRunner):
         self.engine: StepEngine | None = None
         self.order: DataOrder | None = None
         self.ckpt: Checkpoints | None = None
+        #: the input pipeline: fetches the next steps' batches ahead (the engine's fetcher)
+        self.prefetch: Prefetcher | None = None
         # started by start()
         self.watcher: GenerationWatcher | None = None
+        #: where the members of a generation meet (blocking waits; the watcher wakes them)
+        self.barrier: GenerationBarrier | None = None
+        self._legacy_barrier = legacy_rendezvous()  # benches only: the 2 ms polling barrier
         self.progress: ProgressRecorder | None = None
         # the switch digest's helper (one long-lived thread: no start-up per switch) and the
         # (future, generation, step) it is working on
@@ -153,10 +160,21 @@ class TrainingWorker(WorkerRunner):
     def prepare(self) -> None:
         setup = load_entrypoint(self.spec.entrypoint, self.spec.seed)
         self.setup = setup
-        self.engine = StepEngine.from_setup(setup, device=None, require_group=True)
+        self.engine = StepEngine.from_setup(setup, device=None, require_group=True, precision=self.spec.precision,
+                                            max_grad_norm=self.spec.max_grad_norm,
+                                            bucket_cap_mb=self.spec.bucket_cap_mb)
         self.order = DataOrder(len(setup.dataset), self.spec.seed, self.spec.global_batch_size)
         n = len(setup.dataset)
         log.info("built %s: %d samples, %d steps/epoch", self.spec.entrypoint, n, self.order.steps_per_epoch())
+        # here, before any thread or socket of the heartbeat, the watcher or a group exists: a
+        # forked loader inherits none of them (see shoal.worker.prefetch)
+        self.prefetch = Prefetcher(
+            setup.dataset, self.engine.collate_fn, num_samples=n, seed=self.spec.seed,
+            global_batch=self.spec.global_batch_size, micro_batch=self.engine.micro_batch, device=self.engine.device,
+            workers=self.spec.loader_workers if setup.loader_workers is None else setup.loader_workers,
+            steps=self.spec.prefetch_steps if setup.prefetch_steps is None else setup.prefetch_steps,
+            end=n * self.spec.epochs)
+        self.engine.fetcher = self.prefetch.fetch
         self.ckpt = Checkpoints.open(self.spec, self.m, self.faults) if self.spec.checkpoint_uri else None
         step, cursor = 0, 0
         if self.ckpt is not None:
@@ -176,6 +194,7 @@ class TrainingWorker(WorkerRunner):
         wid = super().start()
         self.state = replace(self.state, worker_id=wid)
         # the client's pool gives the watcher's blocking XREAD a connection of its own
+        self.barrier = GenerationBarrier(self.m.client, self.m.keys)
         self.watcher = GenerationWatcher(self.m.client, self.m.keys, interval=min(1.0, self.spec.heartbeat_interval * 2),
                                          on_table=self._on_table, on_ended=self._on_ended)
         self.watcher.start()
@@ -186,7 +205,10 @@ class TrainingWorker(WorkerRunner):
 
     def _on_table(self, table: ShardTable) -> None:
         """(The watcher's thread.) A newer table that evicts a member of our group: abort the
-        group's collectives now - that peer is hung, cut off or dead, and will not come."""
+        group's collectives now - that peer is hung, cut off or dead, and will not come. A
+        wait at an older generation's barrier ends at once (this one supersedes it)."""
+        if self.barrier is not None:
+            self.barrier.wake(newer=table.generation)
         generation, members = self._group
         if table.generation <= generation or not table.evicted:
             return
@@ -198,7 +220,9 @@ class TrainingWorker(WorkerRunner):
         """(The watcher's thread.) The job failed: a group still being formed (its rendezvous
         waits for peers that will not come) or stuck in a collective is aborted, so the loop
         sees the end at once. Not on a completed or stopped job: there every member finishes
-        its step (a stop saves a checkpoint of it)."""
+        its step (a stop saves a checkpoint of it). A wait at a barrier ends at once."""
+        if self.barrier is not None:
+            self.barrier.wake()
         generation, _members = self._group
         if generation and state == "failed":
             pg.request_abort(generation, "the job failed")
@@ -226,6 +250,8 @@ class TrainingWorker(WorkerRunner):
         if self.watcher is not None:
             self.watcher.stop()
         pg.leave_group()
+        if self.prefetch is not None:
+            self.prefetch.close()
         if self.ckpt is not None:
             self.ckpt.close()
 
@@ -268,7 +294,7 @@ class TrainingWorker(WorkerRunner):
             case Beat():
                 self._beat(action)
             case RecordProgress(step=step, loss=loss, generation=generation, world=world):
-                self.progress.record(step, loss, generation, world)
+                self.progress.record(step, loss, generation, world, input_wait=self.prefetch.step_wait)
             case SaveCheckpoint():
                 self._save(action)
             case Evaluate():
@@ -294,12 +320,9 @@ class TrainingWorker(WorkerRunner):
             case WaitTable(after=after):
                 return self._wait_table(after)
             case Arrive(generation=generation):
-                pipe = self.m.client.pipeline(transaction=False)
-                pipe.sadd(self.m.keys.barrier(generation), self.m.worker_id)
-                pipe.expire(self.m.keys.barrier(generation), RENDEZVOUS_TTL_S)
-                pipe.execute()
-            case PollBarrier(generation=generation, pause=pause):
-                return self._poll_barrier(generation, pause)
+                self.barrier.arrive(generation, self.m.worker_id, self.state.table.world_size)
+            case PollBarrier(generation=generation, wait=wait):
+                return self._poll_barrier(generation, wait)
             case Form(table=table, rank=rank):
                 return self._form(table, rank)
             case Announce():
@@ -325,6 +348,7 @@ class TrainingWorker(WorkerRunner):
         self.faults.at(wid, act.step, "before_step")
         batch = self.order.batch(act.cursor)
         local = batch.for_rank(act.ranges)
+        self.prefetch.start_step(act.cursor, act.ranges, self._steady_ranges(act.ranges))
         started = time.monotonic()
         self.faults.at(wid, act.step, "mid_step")
         try:
@@ -336,8 +360,19 @@ class TrainingWorker(WorkerRunner):
             return Aborted(str(exc))
         self._not_busy()
         self.ledger.commit(wid, act.step + 1, batch, act.base, local, act.world)
+        self.prefetch.aim(batch.next_cursor, self._steady_ranges(act.ranges))  # the next steps' batches
+        if self.hb is not None:  # published with the next beat
+            self.hb.update(compute_time=round(result.compute_seconds, 4),
+                           exposed_comm_time=round(result.comm_exposed_seconds, 4))
+            self.hb.update(input_wait_time=round(self.prefetch.step_wait, 4))  # waited for its batches
         self.faults.at(wid, act.step + 1, "after_commit")
         return Committed(cursor=batch.next_cursor, max_generation=result.max_generation, loss=result.loss, started=started)
+
+    def _steady_ranges(self, fallback: tuple) -> tuple:
+        """This member's ranges in its generation's table (the first step after a catch-up
+        may take others): what the prefetcher plans the coming steps with."""
+        member = self.state.member
+        return tuple(map(tuple, member.ranges)) if member is not None else fallback
 
     def _beat(self, act: Beat) -> None:
         if self.hb is None:
@@ -370,16 +405,19 @@ class TrainingWorker(WorkerRunner):
             return TableWaited(table)
         return TableWaited(job_ended=self.m.job_state() in TERMINAL)
 
-    def _poll_barrier(self, generation: int, pause: float) -> BarrierPolled:
-        if pause:
-            time.sleep(pause)
-        pipe = self.m.client.pipeline(transaction=False)
-        pipe.scard(self.m.keys.barrier(generation))
-        pipe.get(self.m.keys.shard)
-        pipe.hget(self.m.keys.state, "state")
-        arrived, raw, state = pipe.execute()
-        newest = ShardTable.model_validate_json(raw).generation if raw else 0
-        return BarrierPolled(arrived, newest, self.evicted, job_ended=(state or b"").decode() in TERMINAL)
+    def _poll_barrier(self, generation: int, wait: float) -> BarrierPolled:
+        """One blocking wait (at most ``wait`` s) at the barrier; a newer table or the job's
+        end (the watcher's, read locally) ends it early (:meth:`_on_table`, :meth:`_on_ended`)."""
+        if self._legacy_barrier:
+            p = self.barrier.poll_legacy(generation)
+            return BarrierPolled(p.arrived, p.newest, self.evicted, job_ended=p.job_state in TERMINAL)
+        watcher = self.watcher
+
+        def interrupted() -> bool:
+            return watcher.latest > generation or watcher.job_state in TERMINAL or self.evicted
+
+        arrived = self.barrier.wait(generation, self.m.worker_id, self.state.table.world_size, wait, interrupted)
+        return BarrierPolled(arrived, watcher.latest, self.evicted, job_ended=watcher.job_state in TERMINAL)
 
     def _form(self, table: ShardTable, rank: int) -> Formed | FormFailed:
         """Join ``table``'s group and make every member's state equal to the most advanced
@@ -394,9 +432,11 @@ class TrainingWorker(WorkerRunner):
                           # a state transfer is bounded by its own, size-scaled timeout
                           collective_timeout=max(self.collective_timeout,
                                                  transfer_timeout(state_bytes(self.engine.model, self.engine.optimizer))))
-            extra = {"step": self.state.step, "cursor": self.state.cursor}
+            # the engine's replicated state (the fp16 loss scale) travels in extra
+            extra = {"step": self.state.step, "cursor": self.state.cursor, **self.engine.state_extras()}
             src, got, behind = catch_up_state(self.engine.model, self.engine.optimizer, extra, self.state.step,
                                               lr_scheduler=self.engine.lr_scheduler)
+            self.engine.load_state_extras(got)
         except (RendezvousFailed, CollectiveFailed, StateMismatch) as exc:
             return FormFailed(str(exc))
         return Formed(int(got["step"]), int(got["cursor"]), src, tuple(behind), time.monotonic() - t0)
@@ -410,6 +450,8 @@ class TrainingWorker(WorkerRunner):
         precedes its first commit in the generation, as when this was done inline."""
         if self.hb is not None:
             self.hb.update(generation=act.generation, digest=None, step=act.step)
+        first = self.state.first_ranges
+        self.prefetch.aim(act.cursor, self._steady_ranges(first or ()), first_ranges=first)
         model = self.engine.model
         params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
         state = {k: v if k in params else v.clone() for k, v in model.state_dict().items()}

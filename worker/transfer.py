@@ -12,13 +12,14 @@ scheduler, and a small JSON-able ``extra`` (step, cursor), from one rank to othe
 Encoding
     A JSON header describes the structure of ``model.state_dict()``, ``optimizer.state_dict()``,
     the scheduler's state and ``extra``, with every tensor replaced by a reference (tuples and
-    non-string dict keys are tagged so they survive the round trip). The tensors follow as one
-    flat buffer per dtype (broadcast) or one message each (catch-up). A receiver whose model or
-    optimizer differs in structure raises :class:`~shoal.worker.errors.StateMismatch` before
-    anything is changed; a failed peer surfaces as
-    :class:`~shoal.worker.errors.CollectiveFailed`. Receivers copy weights and buffers in place
-    (the optimizer's parameter references stay valid) and load optimizer and scheduler state
-    with ``load_state_dict``.
+    non-string dict keys are tagged so they survive the round trip). The tensors follow packed
+    into flat buffers of one dtype (broadcast) or as one message each (catch-up); a tensor
+    over :data:`CHUNK_BYTES` goes in pieces that are views of it, received in place. A
+    receiver whose model or optimizer differs in structure raises
+    :class:`~shoal.worker.errors.StateMismatch` before anything is changed; a failed peer
+    surfaces as :class:`~shoal.worker.errors.CollectiveFailed`. Receivers copy weights and
+    buffers in place (the optimizer's parameter references stay valid) and load optimizer and
+    scheduler state with ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -78,6 +79,17 @@ def _decode(obj: Any, tensors: list[torch.Tensor]) -> Any:
 #: fails (and the group is aborted) instead of hanging the generation.
 TRANSFER_BASE_S = 30.0
 TRANSFER_MIN_RATE = 20e6
+#: A tensor larger than this goes as several messages, each a view of it (no copy): gloo's
+#: and the wire's 2 GiB limits never apply, and a multi-GB parameter needs no second buffer.
+CHUNK_BYTES = 128 * 2**20
+
+
+def _pieces(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t`` (contiguous) as views of at most :data:`CHUNK_BYTES` each, the same split on the
+    sending and the receiving side."""
+    if t.numel() * t.element_size() <= CHUNK_BYTES:
+        return [t]
+    return list(t.reshape(-1).split(max(1, CHUNK_BYTES // t.element_size())))
 
 
 def transfer_timeout(nbytes: int) -> float:
@@ -171,10 +183,10 @@ def broadcast_state(
             f"state broadcast from rank {src} refused: " + (problem or "another rank's model differs")
         )
 
-    # 3. tensors: one flat buffer per dtype
+    # 3. tensors: packed into flat buffers, or (large ones) in pieces of their own
     specs = header["tensors"]
-    if rank != src:
-        tensors = [torch.empty(shape, dtype=_dtype(dt)) for dt, shape, _ in specs]
+    if rank != src:  # shapes and dtypes only: no memory until received
+        tensors = [torch.empty(shape, dtype=_dtype(dt), device="meta") for dt, shape, _ in specs]
     received = _broadcast_tensors(tensors, src, comm, rank)
 
     if rank != src:
@@ -201,21 +213,40 @@ def _describe_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
 def _broadcast_tensors(
     tensors: list[torch.Tensor], src: int, comm: torch.device, rank: int
 ) -> list[torch.Tensor]:
-    """Broadcast ``tensors`` (filled on ``src``, correctly shaped everywhere) as one flat
-    buffer per dtype; returns the received tensors (on CPU unless ``comm`` is a GPU)."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
+    """Broadcast ``tensors`` (filled on ``src``, correctly shaped everywhere); returns the
+    received tensors (on CPU unless ``comm`` is a GPU). A tensor over :data:`CHUNK_BYTES` goes
+    on its own, in pieces that are views of it (no copy on ``src``; received in place); the
+    others go packed into flat buffers of at most that size, one dtype each, so no more than
+    one buffer is held at a time."""
     out: list[torch.Tensor] = list(tensors)
-    for dtype, idxs in by_dtype.items():
-        wire = torch.uint8 if dtype == torch.bool else dtype
+    buckets: list[list[int]] = []
+    open_bucket: dict[torch.dtype, tuple[list[int], int]] = {}  # dtype -> (indices, bytes)
+    for i, t in enumerate(tensors):
+        if t.numel() == 0:
+            continue
+        nbytes = t.numel() * t.element_size()
+        wire = _wire(t.dtype)
+        if nbytes > CHUNK_BYTES:
+            big = t.to(comm, wire).contiguous() if rank == src else torch.empty(t.shape, dtype=wire, device=comm)
+            for piece in _pieces(big):
+                pg.broadcast(piece, src)
+            out[i] = big if rank == src else big.to(t.dtype)
+            continue
+        bucket, filled = open_bucket.get(t.dtype, (None, 0))
+        if bucket is None or filled + nbytes > CHUNK_BYTES:
+            bucket, filled = [], 0
+            buckets.append(bucket)
+        bucket.append(i)
+        open_bucket[t.dtype] = (bucket, filled + nbytes)
+    for idxs in buckets:
+        dtype = tensors[idxs[0]].dtype
+        wire = _wire(dtype)
         total = sum(tensors[i].numel() for i in idxs)
         if rank == src:
-            flat = torch.cat([tensors[i].reshape(-1).to(comm, wire) for i in idxs]) if total else torch.empty(0, dtype=wire, device=comm)
+            flat = torch.cat([tensors[i].reshape(-1).to(comm, wire) for i in idxs])
         else:
             flat = torch.empty(total, dtype=wire, device=comm)
-        if total:
-            pg.broadcast(flat, src)
+        pg.broadcast(flat, src)
         offset = 0
         for i in idxs:
             n = tensors[i].numel()
@@ -359,7 +390,8 @@ def _send_state(model, optimizer, extra, lr_scheduler, dsts: list[int], comm: to
             continue
         pg.isend(buf, dst)
         for w in wire:
-            pg.isend(w, dst)
+            for piece in _pieces(w):
+                pg.isend(piece, dst)
     if error:
         pg.wait_sends()  # the receivers got the -1 and raise too
         raise StateMismatch(error)
@@ -380,7 +412,12 @@ def _recv_state(model, optimizer, lr_scheduler, src: int, mine: dict[str, Any], 
     specs = header["tensors"]
     wire = [torch.empty(shape, dtype=_wire(_dtype(dt)), device=comm) for dt, shape, _ in specs]
     nbytes = sum(w.numel() * w.element_size() for w in wire)
-    pg.recv_many([w for w in wire if w.numel()], src, timeout=transfer_timeout(nbytes))
+    # the whole transfer is bounded by its size-scaled timeout, and so is each piece: the
+    # group's own timeout came from this member's state, which may be smaller (a joiner's
+    # optimizer holds no state yet)
+    bound = transfer_timeout(nbytes)
+    pg.extend_timeout(bound)
+    pg.recv_many([piece for w in wire if w.numel() for piece in _pieces(w)], src, timeout=bound)
     placed = [
         w.to(_dtype(dt)).to(comm if devtype != "cpu" else torch.device("cpu"))
         for w, (dt, _, devtype) in zip(wire, specs)

@@ -63,6 +63,11 @@ class TrainingSetup:
     #: Largest number of samples one forward/backward pass handles; bigger local slices are
     #: split and their gradients accumulated. None: the whole local slice at once.
     micro_batch: int | None = None
+    #: The job spec's ``loader_workers`` / ``prefetch_steps`` for this dataset instead (None:
+    #: the spec's), e.g. ``loader_workers=0`` - one loader thread - for a dataset that cannot
+    #: be forked or pickled (see :mod:`shoal.worker.prefetch`).
+    loader_workers: int | None = None
+    prefetch_steps: int | None = None
 
     def validate(self, where: str = "TrainingSetup") -> None:
         """Raise EntrypointError naming the first field that breaks the contract."""
@@ -84,6 +89,11 @@ class TrainingSetup:
             raise EntrypointError(f"{where}: dataset is empty")
         if self.micro_batch is not None and self.micro_batch <= 0:
             raise EntrypointError(f"{where}: micro_batch must be positive, got {self.micro_batch}")
+        for name in ("loader_workers", "prefetch_steps"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 64):
+                raise EntrypointError(f"{where}: {name} must be an int from 0 to 64 (or None: the job spec's), "
+                                      f"got {value!r}")
         model_params = {id(p) for p in self.model.parameters()}
         opt_params = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         if not opt_params <= model_params:

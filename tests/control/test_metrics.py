@@ -75,7 +75,8 @@ def test_scrape_reports_jobs_workers_generations_and_replica_counters(r, job_id)
             from shoal.events.models import Heartbeat, Member, ShardTable
 
             r.hset(keys.workers, "w0", json.dumps({"worker_id": "w0", "state": "Active", "restarts": 2}))
-            r.set(keys.heartbeat("w0"), Heartbeat(worker_id="w0", step=41, loss=0.5, step_time=0.25).model_dump_json())
+            r.set(keys.heartbeat("w0"), Heartbeat(worker_id="w0", step=41, loss=0.5, step_time=0.25, compute_time=0.2,
+                                                          input_wait_time=0.01).model_dump_json())
             r.set(keys.shard, ShardTable(job_id=job_id, generation=3, world_size=1, strategy="contiguous",
                                          num_samples=64, members=[Member(worker_id="w0", rank=0, ranges=[(0, 64, 1)])]
                                          ).model_dump_json())
@@ -85,6 +86,9 @@ def test_scrape_reports_jobs_workers_generations_and_replica_counters(r, job_id)
             assert value(text, f'shoal_job_loss{{job="{job_id}"}}') == 0.5
             assert value(text, f'shoal_job_steps_per_second{{job="{job_id}"}}') == 4
             assert value(text, f'shoal_job_world_size{{job="{job_id}"}}') == 1
+            assert value(text, f'shoal_job_step_part_seconds{{job="{job_id}",part="compute"}}') == 0.2
+            assert value(text, f'shoal_job_step_part_seconds{{job="{job_id}",part="input_wait"}}') == 0.01
+            assert f'part="exposed_comm"' not in text  # not reported by this (older) worker
             assert value(text, f'shoal_job_worker_restarts_total{{job="{job_id}"}}') == 2
             assert value(text, f'shoal_job_failures_total{{job="{job_id}"}}') == 1
             assert "# TYPE shoal_job_worker_restarts_total counter" in text

@@ -1,5 +1,6 @@
 """Every attribute of a worker-side class is created in ``__init__`` (its own or a base's in
-worker/): a method may change an attribute, never grow a new one. Read from the source."""
+worker/, or declared as a dataclass field): a method may change an attribute, never grow a
+new one. Read from the source."""
 
 from __future__ import annotations
 
@@ -34,9 +35,13 @@ def test_no_worker_class_creates_attributes_outside_init() -> None:
 
     def created(cls: ast.ClassDef) -> set[str]:
         names = set()
+        dataclass = any((d.id if isinstance(d, ast.Name) else getattr(getattr(d, "func", None), "id", "")) == "dataclass"
+                        for d in cls.decorator_list)
         for item in cls.body:
             if isinstance(item, ast.FunctionDef) and item.name == "__init__":
                 names |= _stored(item)
+            elif dataclass and isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                names.add(item.target.id)  # a dataclass field: its generated __init__ sets it
         for base in cls.bases:
             if isinstance(base, ast.Name) and base.id in classes:
                 names |= created(classes[base.id])

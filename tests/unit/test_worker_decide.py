@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from shoal.events.models import Member, ShardTable
 from shoal.worker.decide import (
+    BARRIER_WAIT_S,
     DIGEST_EVERY,
     PHASE_MOVES,
     Aborted,
@@ -126,7 +127,10 @@ def test_a_table_without_this_worker_or_a_paused_one_is_waited_out() -> None:
 def test_the_barrier_forms_when_everyone_arrived_and_gives_up_at_its_deadline() -> None:
     s = decide(decide(fresh(), Tick(), T0).state, TableFetched(table(1, "w0", "w1")), T0).state
     d = decide(s, BarrierPolled(arrived=1, newest=1), T0 + 1)
-    assert d.actions == (PollBarrier(1, pause=d.actions[0].pause),) and d.actions[0].pause > 0
+    assert d.actions == (PollBarrier(1, wait=BARRIER_WAIT_S),)  # one blocking wait, not a busy poll
+    # the last wait before the deadline ends at the deadline
+    near = decide(s, BarrierPolled(arrived=1, newest=1), T0 + LIMITS.barrier_s - 0.25)
+    assert near.actions == (PollBarrier(1, wait=0.25),)
     assert d.state.phase is Phase.FORMING and d.state.used == 0  # nothing spent yet
     d = decide(s, BarrierPolled(arrived=2, newest=1), T0 + 1)
     assert d.actions == (Form(s.table, 0),) and d.state.used == 1
