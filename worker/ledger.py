@@ -39,7 +39,13 @@ class Ledger:
 
 
 def read(directory: Path) -> list[dict]:
-    return [json.loads(line) for f in sorted(Path(directory).glob("ledger-*.jsonl")) for line in f.read_text().splitlines() if line]
+    """Every complete entry (a line ending in a newline) of the ledgers in ``directory``: a
+    line still being written by a running worker, or cut off by a killed one, is left out."""
+    out = []
+    for f in sorted(Path(directory).glob("ledger-*.jsonl")):
+        *complete, _partial = f.read_text().split("\n")
+        out += [json.loads(line) for line in complete if line]
+    return out
 
 
 @dataclass(frozen=True)

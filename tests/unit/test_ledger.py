@@ -49,3 +49,16 @@ def test_a_step_committed_by_some_ranks_only_is_accepted_if_disjoint() -> None:
     overlapping = [dict(_entry(1, 1, [4, 1, 0], [4, 1]), world=3), dict(_entry(1, 1, [4, 1, 0], [1]), world=3),
                    _entry(2, 2, [5, 3, 2], [5, 3, 2])]
     assert "overlap" in verify(overlapping, N).problem
+
+
+def test_read_leaves_out_a_line_still_being_written(tmp_path) -> None:
+    """A test polls the ledgers while workers append to them: a line not yet ended (or cut
+    off by a killed worker) is not an entry, and not a JSON error."""
+    import json
+
+    from shoal.worker.ledger import read
+
+    whole = json.dumps(_entry(1, 1, [4, 1, 0], [4, 1]))
+    (tmp_path / "ledger-1.jsonl").write_text(whole + "\n" + whole[:20])
+    (tmp_path / "ledger-2.jsonl").write_text(whole + "\n")
+    assert [e["step"] for e in read(tmp_path)] == [1, 1]
