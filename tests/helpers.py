@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -107,3 +108,23 @@ def server_ms(client: redis.Redis) -> int:
     """Redis server time in ms (the clock the coordinator decides by)."""
     sec, usec = client.time()
     return int(sec) * 1000 + int(usec) // 1000
+
+
+def run_ranks(module: str, mode: str, n: int, job_id: str, env: dict[str, str], timeout: float = 120) -> list[dict]:
+    """Run ``python -m module mode RANK job_id`` for ranks 0..n-1 together and return each
+    rank's ``RESULT {json}`` line, in rank order; a rank that fails fails the test with its
+    stderr. Every process is killed at the end."""
+    env = dict(env, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", module, mode, str(r), job_id], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(n)]
+    results = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            assert p.returncode == 0, stderr[-3000:]
+            results.append(json.loads([ln for ln in stdout.splitlines() if ln.startswith("RESULT ")][-1][7:]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return results

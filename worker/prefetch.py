@@ -303,18 +303,36 @@ def _loader_main(dataset: Any, collate_fn: Callable[[list[Any]], Any], tasks: An
         results.cancel_join_thread()  # never hang at exit on a parent that stopped reading
 
 
-class _Processes:
+class _Pool:
+    """What both kinds of loader share: handing a batch over (pinned first for CUDA)."""
+
+    def __init__(self, deliver: Callable[[int, _State, Any], None], pin_device: torch.device | None) -> None:
+        self._deliver = deliver
+        self._pin_device = pin_device
+
+    def _ready(self, task_id: int, batch: Any) -> None:
+        """Deliver a fetched batch, in page-locked memory when the device is CUDA (given up
+        for the rest of the run if pinning fails: it is an optimisation only)."""
+        if self._pin_device is not None:
+            try:
+                batch = _pin(batch)
+            except Exception as exc:  # noqa: BLE001 - pinning is an optimisation only
+                log.warning("pinning a prefetched batch failed (%s): copies will be synchronous", exc)
+                self._pin_device = None
+        self._deliver(task_id, _State.READY, batch)
+
+
+class _Processes(_Pool):
     """``workers`` loader processes and the result thread that hands their batches over."""
 
     def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any], workers: int, method: str, seed: int,
                  deliver: Callable[[int, _State, Any], None], broken: Callable[[str], None],
                  pin_device: torch.device | None) -> None:
+        super().__init__(deliver, pin_device)
         ctx = torch_mp.get_context(method)
         self._thread: threading.Thread | None = None
         self.method = method
-        self._deliver = deliver
         self._broken = broken
-        self._pin_device = pin_device
         self._tasks = ctx.Queue()
         self._results = ctx.Queue()
         self._stopping = threading.Event()
@@ -367,13 +385,7 @@ class _Processes:
             if not ok:
                 self._deliver(task_id, _State.FAILED, value.rebuild())
                 continue
-            if self._pin_device is not None:
-                try:
-                    value = _pin(value)
-                except Exception as exc:  # noqa: BLE001 - pinning is an optimisation only
-                    log.warning("pinning a prefetched batch failed (%s): copies will be synchronous", exc)
-                    self._pin_device = None
-            self._deliver(task_id, _State.READY, value)
+            self._ready(task_id, value)
 
     def close(self) -> None:
         """Stop the loaders (sentinels, then SIGKILL after :data:`CLOSE_WAIT_S`) and the
@@ -397,19 +409,18 @@ class _Processes:
             q.close()
 
 
-class _Thread:
+class _Thread(_Pool):
     """One loader thread in the worker process (``loader_workers: 0``, or when processes
     cannot be used); it reads the dataset under ``lock``, as inline misses do."""
 
     def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any], lock: threading.Lock,
                  deliver: Callable[[int, _State, Any], None], pin_device: torch.device | None) -> None:
+        super().__init__(deliver, pin_device)
         self.method = "thread"
         self.procs: list = []
         self._dataset = dataset
         self._collate = collate_fn
         self._lock = lock
-        self._deliver = deliver
-        self._pin_device = pin_device
         self._tasks: queue.Queue = queue.Queue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="loader", daemon=True)
@@ -443,13 +454,7 @@ class _Thread:
                     pass
                 self._deliver(task_id, _State.FAILED, exc)
                 continue
-            if self._pin_device is not None:
-                try:
-                    batch = _pin(batch)
-                except Exception as exc:  # noqa: BLE001 - pinning is an optimisation only
-                    log.warning("pinning a prefetched batch failed (%s): copies will be synchronous", exc)
-                    self._pin_device = None
-            self._deliver(task_id, _State.READY, batch)
+            self._ready(task_id, batch)
 
     def close(self) -> None:
         self._stopping.set()

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 
+from tests.helpers import run_ranks
 from shoal.worker.digest import state_digest  # noqa: E402
 from shoal.worker.engine import StepEngine  # noqa: E402
 from shoal.worker.transfer import _decode, _encode  # noqa: E402
@@ -465,19 +466,7 @@ def _catchup_child(rank: int, job: str) -> None:
 
 @pytest.mark.slow
 def test_catch_up_moves_state_only_to_the_ranks_behind(job_id, subprocess_env):
-    env = dict(subprocess_env, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", __name__, "catchup", str(r), job_id], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(3)]
-    results = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=120)
-            assert p.returncode == 0, stderr[-3000:]
-            results.append(json.loads([ln for ln in stdout.splitlines() if ln.startswith("RESULT ")][-1][7:]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    results = run_ranks(__name__, "catchup", 3, job_id, subprocess_env)
     survivors, joiner = results[:2], results[2]
     for r in results:
         assert r["src"] == 0 and r["behind"] == [2] and r["behind_when_equal"] == []

@@ -26,6 +26,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers import run_ranks
+
 pytestmark = pytest.mark.slow
 
 N = 2**27  #: parameters: 512 MiB of float32; with SGD momentum the state is 1 GiB
@@ -175,19 +177,7 @@ def _pieces_child(rank: int, job: str) -> None:
 
 
 def test_large_tensors_move_in_pieces_and_the_receiver_waits_with_the_transfer_timeout(job_id, subprocess_env) -> None:
-    env = dict(subprocess_env, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", __name__, "pieces", str(r), job_id], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    results = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=120)
-            assert p.returncode == 0, stderr[-3000:]
-            results.append(json.loads([ln for ln in stdout.splitlines() if ln.startswith("RESULT ")][-1][7:]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    results = run_ranks(__name__, "pieces", 2, job_id, subprocess_env)
     source, joiner = results
     assert source["behind"] == joiner["behind"] == [1] and joiner["extra"] == {"step": 4}
     for key in ("digest", "momentum", "mask", "after_broadcast"):
