@@ -146,11 +146,11 @@ def _gpt_size(env: dict[str, str]) -> float:
 def workloads(quick: bool) -> list[Workload]:
     gpt = _gpt_env(2, 256, 4, 128) if quick else _gpt_env(6, 384, 6, 128)
     return [
-        Workload("gpt", "bench.real_models:build_gpt", 16, 25 if quick else 40,
+        Workload("gpt", "bench.real_models:build_gpt", 16, 40,
                  f"GPT {_gpt_size(gpt):.1f} M params, seq 128, AdamW", gpt),
-        Workload("data", "bench.real_models:build_data", 32, 50 if quick else 120,
+        Workload("data", "bench.real_models:build_data", 32, 80 if quick else 160,
                  f"convnet, {ITEM_COST_S * 1e3:g} ms CPU per __getitem__"),
-        Workload("mlp", "bench.models:build", 64, 150 if quick else 300, "digits MLP 64-1024-1024-10"),
+        Workload("mlp", "bench.models:build", 64, 300 if quick else 500, "digits MLP 64-1024-1024-10"),
     ]
 
 

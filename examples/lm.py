@@ -286,7 +286,7 @@ def build(cfg: GPTConfig | None = None, max_bytes: int | None = None) -> Trainin
 
 
 def train_locally(steps: int = 300, global_batch: int = 16, eval_every: int = 25, seed: int = 0,
-                  log=print) -> list[dict[str, float]]:
+                  precision: str = "fp32", log=print) -> list[dict[str, float]]:
     """Train single-process with shoal's engine and data order (no Redis); the held-out
     metrics at step 0 and every ``eval_every`` steps, with the mean training loss since the
     last evaluation."""
@@ -297,7 +297,7 @@ def train_locally(steps: int = 300, global_batch: int = 16, eval_every: int = 25
     setup = load_entrypoint("shoal.examples.lm:build", seed)
     log(f"GPT {num_parameters(setup.model) / 1e6:.2f} M parameters {setup.model.cfg}; "
         f"train split {setup.dataset.nbytes / 1e6:.1f} MB = {len(setup.dataset)} windows")
-    engine = StepEngine.from_setup(setup, require_group=False)
+    engine = StepEngine.from_setup(setup, require_group=False, precision=precision)
     order = DataOrder(len(setup.dataset), seed, global_batch)
     cursor, history, total, count, started = 0, [], 0.0, 0, time.monotonic()
 
@@ -327,5 +327,6 @@ if __name__ == "__main__":
     ap.add_argument("--batch", type=int, default=16, help="global batch (windows per step)")
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="the job spec's precision")
     args = ap.parse_args()
-    train_locally(args.steps, args.batch, args.eval_every, args.seed)
+    train_locally(args.steps, args.batch, args.eval_every, args.seed, args.precision)

@@ -54,6 +54,11 @@ class Point:
     loss: float
     generation: int
     world_size: int
+    #: rank 0's step time split (seconds; None where the entry has none): data, forward and
+    #: backward; the part of it spent waiting for batches; the all-reduce not hidden by backward
+    compute: float | None = None
+    input_wait: float | None = None
+    exposed_comm: float | None = None
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,15 @@ def _float(v: str | None) -> float:
         return math.nan
 
 
+def _seconds(v: str | None) -> float | None:
+    """A step-time part of a progress entry: None when absent or not a finite number >= 0."""
+    try:
+        x = float(v) if v is not None else None
+    except ValueError:
+        return None
+    return x if x is not None and math.isfinite(x) and x >= 0 else None
+
+
 def load_history(client: redis.Redis, job_id: str) -> History:
     """Both streams of ``job_id``. ConfigError for an unknown job, NoProgress when rank 0
     has not recorded anything yet."""
@@ -157,7 +171,9 @@ def load_history(client: redis.Redis, job_id: str) -> History:
                 h.evals.append(ev)
         elif "kind" not in f:  # a committed step (entries of kinds this reader does not know are skipped)
             h.points.append(Point(t_ms=int(sid.split("-")[0]), step=_int(f.get("step")), loss=_float(f.get("loss")),
-                                  generation=_int(f.get("generation")), world_size=_int(f.get("world_size"))))
+                                  generation=_int(f.get("generation")), world_size=_int(f.get("world_size")),
+                                  compute=_seconds(f.get("compute")), input_wait=_seconds(f.get("input_wait")),
+                                  exposed_comm=_seconds(f.get("exposed_comm"))))
     for _sid, f in _xrange_all(client, keys.control):
         h.control.append(f)
     if not h.state and h.control:
@@ -324,7 +340,7 @@ MAX_EVAL_LINES = 8
 
 def render(history: History, marks: list[Marked], path: str | Path) -> Path:
     """Draw the four panels into ``path`` (PNG, 1400x900 px); with evaluations, two more
-    below them (1400x1250 px)."""
+    below them, and with rank 0's step time split two more (each row adds 350 px)."""
     # matplotlib's first import builds a font cache and says so at INFO: not news for the user
     logging.getLogger("matplotlib").setLevel(max(logging.WARNING, logging.getLogger("matplotlib").level))
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -340,9 +356,11 @@ def render(history: History, marks: list[Marked], path: str | Path) -> Path:
     rates = _rates(pts)
 
     evals = history.evals
-    fig = Figure(figsize=(14, 12.5 if evals else 9), dpi=100, layout="constrained")
+    split = any(p.compute is not None for p in pts)
+    rows = 2 + bool(evals) + split
+    fig = Figure(figsize=(14, 9 + 3.5 * (rows - 2)), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(3 if evals else 2, 2, sharex="col")
+    axes = fig.subplots(rows, 2, sharex="col")
     (loss_step, loss_time), (rate_step, rate_time) = axes[0], axes[1]
     bottom = axes[-1]
     for ax, x, y in ((loss_step, steps, losses), (loss_time, secs, losses),
@@ -357,7 +375,9 @@ def render(history: History, marks: list[Marked], path: str | Path) -> Path:
     bottom[1].set_xlabel("time since start (s)")
     panels = [(loss_step, loss_time), (rate_step, rate_time)]
     if evals:
-        panels.append(_draw_evals(evals, t0, bottom))
+        panels.append(_draw_evals(evals, t0, axes[2]))
+    if split:
+        panels.append(_draw_split(pts, t0, bottom))
     loss_step.set_title("against step")
     loss_time.set_title("against time")
     if any(v > 0 for v in losses if not math.isnan(v)) and _spread(losses) > 20:
@@ -423,6 +443,29 @@ def _draw_evals(evals: list[EvalPoint], t0: int, axes) -> tuple:
     by_step.set_ylabel("evaluation (eval_fn)")
     if names:
         by_step.legend(fontsize=8, loc="best")
+    return by_step, by_time
+
+
+def _draw_split(pts: list[Point], t0: int, axes) -> tuple:
+    """Rank 0's step time split (ms) against step and time: compute (data, forward, backward),
+    the input wait within it, and the all-reduce not hidden by backward."""
+    by_step, by_time = axes
+    for attr, label, colour in (("compute", "compute (data, forward, backward)", "#1864ab"),
+                                ("input_wait", "input wait (within compute)", "#e8590c"),
+                                ("exposed_comm", "all-reduce not hidden by backward", "#c92a2a")):
+        shown = [p for p in pts if getattr(p, attr) is not None]
+        if not shown:
+            continue
+        ms = [getattr(p, attr) * 1000 for p in shown]
+        marker = "." if len(shown) < 200 else None
+        by_step.plot([p.step for p in shown], ms, color=colour, linewidth=1.1, marker=marker, markersize=3, label=label)
+        by_time.plot([(p.t_ms - t0) / 1000.0 for p in shown], ms, color=colour, linewidth=1.1, marker=marker,
+                     markersize=3)
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.set_ylim(bottom=0)
+    by_step.set_ylabel("rank 0 step time (ms)")
+    by_step.legend(fontsize=8, loc="best")
     return by_step, by_time
 
 

@@ -194,6 +194,12 @@ class DataOrder:
     def steps_per_epoch(self) -> int:
         return -(-self.num_samples // self.global_batch)
 
+    def cursor_after(self, steps: int) -> int:
+        """The cursor once ``steps`` steps committed from the start (each epoch's last batch
+        is short: the next epoch starts at a multiple of ``num_samples``)."""
+        epochs, within = divmod(steps, self.steps_per_epoch())
+        return epochs * self.num_samples + within * self.global_batch
+
     def perm(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch or self._perm is None:
             self._perm = permutation(self.num_samples, self.seed, epoch)

@@ -15,16 +15,18 @@ Overlap
     As DDP's reducer does, the gradient is reduced in buckets while backward still runs. The
     trainable parameters are split, in reverse registration order (the order backward
     produces their gradients), into buckets of about ``bucket_cap_mb`` MiB (the first one
-    1 MiB at most, so communication starts early). Each parameter's ``.grad`` is a view of its
+    closed once it holds 1 MiB, so communication starts early; as DDP's, a bucket takes the
+    parameter that crosses its cap). Each parameter's ``.grad`` is a view of its
     bucket, so backward accumulates straight into what is reduced. A post-accumulate-grad hook
     marks a parameter ready during the backward of the **last** micro-batch only (earlier ones
     just accumulate); a bucket whose parameters are all ready is all-reduced asynchronously,
     and buckets are launched strictly in index order (bucket ``i`` only after ``0..i-1``), so
     every rank starts the same collectives in the same order whatever order its hooks fired
-    in. With gloo a bucket also waits until the previous collective completed (at most one in
-    flight, :func:`~shoal.worker.process_group.serial_collectives`): a rank whose collective
-    failed then has nothing else in flight, so leaving the group closes its connections and
-    the peers blocked on it fail at once instead of waiting for each other. When backward returns, the parameters that got no gradient (unused, or used only by
+    in. With gloo and three or more ranks a bucket also waits until the previous collective
+    completed (at most one in flight, :func:`~shoal.worker.process_group.serial_collectives`):
+    a rank whose collective failed then has nothing else in flight, so leaving the group
+    closes its connections and the peers blocked on it fail at once instead of waiting for
+    each other (with two ranks the only peer is the one that failed). When backward returns, the parameters that got no gradient (unused, or used only by
     earlier micro-batches) are marked ready as they are - zeros, or what earlier micro-batches
     accumulated - and the remaining buckets are launched, in order: no deadlock, no flag to
     set. Once a step found such parameters, later steps find them before backward by walking
@@ -154,20 +156,21 @@ def _to_device(obj: Any, device: torch.device) -> Any:
 
 
 def plan_buckets(sizes_bytes: Sequence[int], cap_bytes: float, first_bytes: float = FIRST_BUCKET_BYTES) -> list[list[int]]:
-    """Split parameters (their byte sizes, in registration order) into buckets: in reverse
-    order, consecutive parameters until a bucket would exceed its cap (``first_bytes`` for
-    bucket 0 - at most ``cap_bytes`` - then ``cap_bytes``); a parameter larger than the cap
-    gets a bucket of its own. Returns each bucket's parameter indices (reverse order)."""
+    """Split parameters (their byte sizes, in registration order) into buckets as DDP's reducer
+    does: in reverse order, a bucket takes consecutive parameters and closes once it holds at
+    least its cap (``first_bytes`` for bucket 0 - at most ``cap_bytes`` - then ``cap_bytes``),
+    so the parameter that crosses the cap still goes with the gradients computed before it
+    and its reduction starts before the rest of backward. Returns each bucket's parameter
+    indices (reverse order)."""
     buckets: list[list[int]] = []
     current: list[int] = []
     used = 0.0
     for i in reversed(range(len(sizes_bytes))):
-        cap = min(first_bytes, cap_bytes) if not buckets else cap_bytes
-        if current and used + sizes_bytes[i] > cap:
-            buckets.append(current)
-            current, used = [], 0.0
         current.append(i)
         used += sizes_bytes[i]
+        if used >= (min(first_bytes, cap_bytes) if not buckets else cap_bytes):
+            buckets.append(current)
+            current, used = [], 0.0
     if current:
         buckets.append(current)
     return buckets
@@ -489,10 +492,11 @@ class StepEngine:
 
     def _forward_backward(self, local: list[int], ahead: float, global_count: int) -> None:
         self.model.train()
-        # fp16: backward of the loss sum x scale / global count = the scaled *mean* loss of the
-        # global batch, as with torch.amp.GradScaler and a mean loss (the sum alone would be
-        # count times larger and overflow at once); the reduced gradient is divided by the scale
-        factor = self.scaler.scale / global_count if self.scaler is not None else None
+        # backward of the loss sum / global count: the reduced gradient is the global batch's mean
+        # with no pass over it afterwards. fp16: x the scale, as with torch.amp.GradScaler and
+        # a mean loss (the sum alone would be count times larger and overflow at once); the
+        # reduced gradient is divided by the scale
+        factor = (self.scaler.scale if self.scaler is not None else 1.0) / global_count
         mb = self.micro_batch or max(1, len(local))
         starts = list(range(0, len(local), mb))
         total = torch.zeros((), dtype=self.bucket_dtype, device=self.device)
@@ -512,7 +516,7 @@ class StepEngine:
             if k == len(starts) - 1:  # the last micro-batch: its backward launches the buckets
                 self._write_tail(ahead, total, len(local))
                 self._arm(loss)
-            (loss.float() * factor if factor is not None else loss).backward()
+            (loss.float() * factor).backward()
         if not starts:  # an empty slice: zeros, and the trailing values
             self._write_tail(ahead, total, 0)
 
@@ -674,8 +678,9 @@ class StepEngine:
         """Check the reduced values, unscale, clip, and step the optimizer (or skip, fp16)."""
         scale = self.scaler.scale if self.scaler is not None else None
         grads = [b.grads for b in self._buckets]
-        for g in grads:  # the mean gradient: fp16's backward divided by the count already
-            g.div_(scale if scale is not None else global_count)
+        if scale is not None and scale != 1.0:  # backward divided by the count already: the mean
+            for g in grads:
+                g.div_(scale)
         tail = self._buckets[-1].flat[-_TAIL:]
         want_norm = scale is not None or self.max_grad_norm is not None
         if want_norm:

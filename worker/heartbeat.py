@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import redis
 
@@ -89,6 +90,8 @@ class Heartbeater:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.evicted = False
+        #: called once (from the thread whose beat found it) when :attr:`evicted` becomes True
+        self.on_evicted: Callable[[], None] | None = None
         #: set while the thread's beats raise (Redis unreachable): when they started failing,
         #: and when the thread last tried
         self._failing_since: float | None = None
@@ -118,8 +121,14 @@ class Heartbeater:
                                args=[self.worker_id, value, self._ttl_ms, busy_ms], client=client))
         if ok:
             self.confirmed_at = max(self.confirmed_at, sent)
-        else:
+        elif not self.evicted:
             self.evicted = True
+            hook, self.on_evicted = self.on_evicted, None
+            if hook is not None:
+                try:
+                    hook()
+                except Exception:  # noqa: BLE001 - a beat must not fail on it
+                    log.exception("heartbeat: handling the eviction failed")
         return ok
 
     def still_member(self) -> bool:

@@ -1,7 +1,9 @@
 """The ledger of committed steps: proof that every sample was used exactly once.
 
 When ``SHOAL_LEDGER_DIR`` is set, every worker appends one JSON line per committed step:
-step, cursor, epoch, generation, worker, pid, the whole global batch and its own slice.
+step, cursor, epoch, generation, worker, pid, the whole global batch and its own slice (plus,
+with fp16, the loss scale the step used, whether it was an overflow step skipped, and the
+scale's state after it).
 :func:`verify` checks a run's ledgers: each step committed in one generation only, the
 ranks' slices partition the step's batch, and each complete epoch used every sample once.
 """
@@ -30,12 +32,14 @@ class Ledger:
         Path(d).mkdir(parents=True, exist_ok=True)
         return cls(Path(d) / f"ledger-{os.getpid()}.jsonl")
 
-    def commit(self, worker_id: str, step: int, batch, generation: int, local, world: int = 0) -> None:
+    def commit(self, worker_id: str, step: int, batch, generation: int, local, world: int = 0,
+               extra: dict | None = None) -> None:
         if self._fh is None:
             return
-        self._fh.write(json.dumps({"t": time.time(), "world": world, "worker": worker_id, "pid": os.getpid(), "step": step, "cursor": batch.cursor,
-                                   "epoch": batch.epoch, "generation": generation, "count": batch.count,
-                                   "batch": [int(i) for i in batch.indices], "indices": [int(i) for i in local]}) + "\n")
+        entry = {"t": time.time(), "world": world, "worker": worker_id, "pid": os.getpid(), "step": step,
+                 "cursor": batch.cursor, "epoch": batch.epoch, "generation": generation, "count": batch.count,
+                 "batch": [int(i) for i in batch.indices], "indices": [int(i) for i in local]}
+        self._fh.write(json.dumps({**entry, **(extra or {})}) + "\n")
 
 
 def read(directory: Path) -> list[dict]:

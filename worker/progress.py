@@ -41,10 +41,12 @@ class ProgressRecorder:
         self.dropped = 0
 
     def record(self, step: int, loss: float | None, generation: int, world_size: int, t: float | None = None, *,
-               input_wait: float | None = None) -> bool:
+               input_wait: float | None = None, compute: float | None = None,
+               exposed_comm: float | None = None) -> bool:
         """Append this committed step if due; True when an entry was written. Never raises.
-        ``input_wait``: seconds rank 0's step waited for its batches (the entry's
-        ``input_wait``; left out when None)."""
+        The step's time split, each left out when None: ``input_wait`` (seconds rank 0's step
+        waited for its batches), ``compute`` (its data, forward and backward, input wait
+        included) and ``exposed_comm`` (waiting on the all-reduce after its backward)."""
         try:
             now = time.time() if t is None else float(t)
             new_generation = generation != self._last_generation
@@ -55,8 +57,9 @@ class ProgressRecorder:
             loss_s = "nan" if loss is None or not math.isfinite(float(loss)) else repr(float(loss))
             fields = {"step": str(int(step)), "loss": loss_s, "generation": str(int(generation)),
                       "world_size": str(int(world_size)), "t": f"{now:.3f}"}
-            if input_wait is not None:
-                fields["input_wait"] = f"{float(input_wait):.6f}"
+            for name, value in (("input_wait", input_wait), ("compute", compute), ("exposed_comm", exposed_comm)):
+                if value is not None:
+                    fields[name] = f"{float(value):.6f}"
             self.client.xadd(self.keys.progress, fields, maxlen=PROGRESS_MAXLEN, approximate=True)
         except redis.RedisError as exc:
             self.dropped += 1

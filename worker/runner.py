@@ -60,6 +60,10 @@ class WorkerRunner:
     def prepare(self) -> None:
         """Work done before joining (e.g. building the model), so a join is never left idle."""
 
+    def on_evicted(self) -> None:
+        """(The thread whose heartbeat found it.) The coordinator no longer counts this worker
+        as a member: declared failed, or its record lost with Redis's data."""
+
     def cleanup(self) -> None:
         """Called once after the loop ends, whatever the reason."""
 
@@ -74,6 +78,7 @@ class WorkerRunner:
         wid = self.m.join(self.join_timeout, last_generation=last_generation)
         self.hb = Heartbeater(self.m.client, self.m.keys, wid, interval=self.spec.heartbeat_interval,
                               ttl=self.spec.heartbeat_ttl, pid=os.getpid(), fence_wait=self.fence_wait)
+        self.hb.on_evicted = self.on_evicted
         self.hb.beat()
         self.hb.start()
         log.info("joined job %s as %s", self.m.job_id, wid)

@@ -121,6 +121,8 @@ class TrainingWorker(WorkerRunner):
         self.iface = iface
         self.faults = FaultPlan.from_env()
         self.ledger = Ledger.from_env()
+        #: the last committed step's compute and exposed all-reduce seconds (for progress)
+        self._step_parts: tuple[float | None, float | None] = (None, None)
         #: bounds the Redis barrier and each wait of the rendezvous
         self.rdzv_timeout = 30.0
         #: everything the decisions read; replaced by each decision
@@ -173,7 +175,7 @@ class TrainingWorker(WorkerRunner):
             global_batch=self.spec.global_batch_size, micro_batch=self.engine.micro_batch, device=self.engine.device,
             workers=self.spec.loader_workers if setup.loader_workers is None else setup.loader_workers,
             steps=self.spec.prefetch_steps if setup.prefetch_steps is None else setup.prefetch_steps,
-            end=n * self.spec.epochs)
+            end=self.order.cursor_after(self._total_steps()))  # nothing past the last step is fetched
         self.engine.fetcher = self.prefetch.fetch
         self.ckpt = Checkpoints.open(self.spec, self.m, self.faults) if self.spec.checkpoint_uri else None
         step, cursor = 0, 0
@@ -215,6 +217,17 @@ class TrainingWorker(WorkerRunner):
         gone = [w for w in table.evicted if w in members]
         if gone:  # the group formed, or being formed (its rendezvous waits for that peer)
             pg.request_abort(generation, f"generation {table.generation} evicted {', '.join(gone)}")
+
+    def on_evicted(self) -> None:
+        """(The heartbeat thread.) This worker is no longer a member - declared failed, or its
+        record lost with Redis's data: its step cannot commit (the fence would refuse it), so
+        the group's collectives are aborted now instead of waiting for peers that may have
+        left already (after a Redis wipe a peer whose fence found out first left the group,
+        and this one sat in the next step's all-reduce until the collective timeout: 65 s)."""
+        generation, _members = self._group
+        if generation:
+            pg.request_abort(generation, "this worker is no longer a member of the job (declared failed, "
+                                         "or its record was lost with Redis's data)")
 
     def _on_ended(self, state: str) -> None:
         """(The watcher's thread.) The job failed: a group still being formed (its rendezvous
@@ -294,7 +307,9 @@ class TrainingWorker(WorkerRunner):
             case Beat():
                 self._beat(action)
             case RecordProgress(step=step, loss=loss, generation=generation, world=world):
-                self.progress.record(step, loss, generation, world, input_wait=self.prefetch.step_wait)
+                compute, exposed = self._step_parts
+                self.progress.record(step, loss, generation, world, input_wait=self.prefetch.step_wait,
+                                     compute=compute, exposed_comm=exposed)
             case SaveCheckpoint():
                 self._save(action)
             case Evaluate():
@@ -359,8 +374,12 @@ class TrainingWorker(WorkerRunner):
             # group, so leaving it closes its sockets and peers still inside the collective fail now
             return Aborted(str(exc))
         self._not_busy()
-        self.ledger.commit(wid, act.step + 1, batch, act.base, local, act.world)
+        scaler = self.engine.scaler
+        fp16 = {} if scaler is None else {"loss_scale": result.loss_scale, "skipped": result.skipped,
+                                          "scale_after": scaler.state_dict()}
+        self.ledger.commit(wid, act.step + 1, batch, act.base, local, act.world, fp16)
         self.prefetch.aim(batch.next_cursor, self._steady_ranges(act.ranges))  # the next steps' batches
+        self._step_parts = (result.compute_seconds, result.comm_exposed_seconds)
         if self.hb is not None:  # published with the next beat
             self.hb.update(compute_time=round(result.compute_seconds, 4),
                            exposed_comm_time=round(result.comm_exposed_seconds, 4))

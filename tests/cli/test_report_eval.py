@@ -45,3 +45,40 @@ def test_report_draws_evaluations_and_never_past_the_end_line(r, job_id, tmp_pat
     write_report(r, job_id, out)
     h_px, w_px, _ = imread(out).shape
     assert (w_px, h_px) == (1400, 1250)
+
+
+def test_report_draws_rank_0s_step_time_split(r, job_id, tmp_path) -> None:
+    rec = ProgressRecorder(r, job_keys(job_id + "-rec"))
+    assert rec.record(7, 1.5, 1, 2, t=1.0, input_wait=0.001, compute=0.0321, exposed_comm=0.004)
+    ((_id, fields),) = r.xrange(job_keys(job_id + "-rec").progress)
+    r.delete(job_keys(job_id + "-rec").progress)
+    written = {k.decode(): v.decode() for k, v in fields.items()}
+    assert (written["compute"], written["input_wait"], written["exposed_comm"]) == ("0.032100", "0.001000", "0.004000")
+
+    simulate_run(r, job_id)
+    progress = job_keys(job_id).progress
+    entries = [(sid.decode(), {k.decode(): v.decode() for k, v in f.items()}) for sid, f in r.xrange(progress)]
+    r.delete(progress)
+    for n, (sid, f) in enumerate(entries):  # exposed all-reduce grows when w3 joins; one entry unreadable
+        parts = {"compute": "0.030", "input_wait": "0.002",
+                 "exposed_comm": "0.009" if int(f["generation"]) >= 3 else "0.003"}
+        if n == 5:
+            parts["compute"] = "fast"
+        r.xadd(progress, {**f, **parts}, id=sid)
+
+    h = load_history(r, job_id)
+    assert [p.compute for p in h.points].count(None) == 1 and h.points[5].compute is None
+    assert h.points[5].exposed_comm == 0.003 and h.points[-1].exposed_comm == 0.009
+    assert all(p.input_wait == 0.002 for p in h.points)
+    out = tmp_path / "report.png"
+    write_report(r, job_id, out)
+    h_px, w_px, _ = imread(out).shape
+    assert (w_px, h_px) == (1400, 1250)  # a row for the split
+
+    plain = tmp_path / "plain.png"  # entries without the split (an older worker): no such row
+    r.delete(progress)
+    for sid, f in entries:
+        r.xadd(progress, f, id=sid)
+    assert all(p.compute is None for p in load_history(r, job_id).points)
+    write_report(r, job_id, plain)
+    assert imread(plain).shape[:2] == (900, 1400)

@@ -151,3 +151,14 @@ def test_bad_arguments():
         rank_slice(np.arange(4), [[-1, 1, 1]])
     with pytest.raises(ValueError):
         locate(-1, 10)
+
+
+def test_cursor_after_steps_matches_walking_the_batches():
+    from shoal.worker.data import DataOrder
+
+    for n, g in ((10, 3), (12, 4), (5, 8)):
+        order = DataOrder(n, 1, g)
+        cursor = 0
+        for steps in range(3 * order.steps_per_epoch() + 1):
+            assert order.cursor_after(steps) == cursor, (n, g, steps)
+            cursor = order.batch(cursor).next_cursor

@@ -77,13 +77,17 @@ def test_loss_is_the_sum_of_per_sample_means():
     assert torch.allclose(whole, parts) and torch.allclose(whole / 4, mean)
 
 
-def test_a_few_steps_reduce_the_loss_of_a_fixed_batch():
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_a_few_steps_reduce_the_loss_of_a_fixed_batch(precision):
     setup = tiny_setup()
-    engine = StepEngine.from_setup(setup, require_group=False)
+    engine = StepEngine.from_setup(setup, require_group=False, precision=precision)
     batch = list(range(8))
-    losses = [engine.step(batch, len(batch), generation=0).loss for _ in range(6)]
+    results = [engine.step(batch, len(batch), generation=0) for _ in range(6)]
+    losses = [r.loss for r in results]
     assert abs(losses[0] - math.log(lm.VOCAB)) < 0.5  # an untrained model: about uniform
     assert losses[-1] < losses[0] - 0.05, losses
+    assert not any(r.skipped for r in results)  # fp16: the initial scale fits this model
+    assert all(p.dtype == torch.float32 for p in setup.model.parameters())  # autocast: fp32 master weights
 
 
 def test_same_seed_same_model():

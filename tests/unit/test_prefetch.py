@@ -18,7 +18,7 @@ from torch.utils.data import default_collate
 from shoal.worker.data import DataOrder, micro_batches
 from shoal.worker.engine import StepEngine
 from shoal.worker.errors import UserCodeError
-from shoal.worker.prefetch import ItemKey, Prefetcher, plan
+from shoal.worker.prefetch import INLINE_TENSOR_BYTES, ItemKey, Prefetcher, _BatchPickler, plan
 from tests.helpers import wait_until
 
 N, B, SEED = 50, 8, 7
@@ -48,8 +48,9 @@ def indices_of(batch) -> list[int]:
     return batch[1].tolist()
 
 
-def expected(cursor: int, ranges, micro_batch: int | None) -> list[list[int]]:
-    local = DataOrder(N, SEED, B).batch(cursor).for_rank(ranges)
+def expected(cursor: int, ranges, micro_batch: int | None, *, n: int = N, seed: int = SEED,
+             b: int = B) -> list[list[int]]:
+    local = DataOrder(n, seed, b).batch(cursor).for_rank(ranges)
     return [c.tolist() for c in micro_batches(local, micro_batch)]
 
 
@@ -279,3 +280,40 @@ def test_a_setup_may_override_the_pipeline_within_bounds(field) -> None:
     setattr(setup, field, -1)
     with pytest.raises(EntrypointError, match=field):
         setup.validate()
+
+
+class Mixed(torch.utils.data.Dataset):
+    """Samples holding a small tensor of each kind and one over the inline limit."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        big = torch.full((INLINE_TENSOR_BYTES // 4 + 1,), float(i))  # just over the limit
+        return {"x": torch.arange(6, dtype=torch.float32).reshape(2, 3).t() + i,  # not contiguous
+                "h": torch.tensor([i], dtype=torch.bfloat16), "flag": torch.tensor(i % 2 == 0),
+                "empty": torch.zeros(0, 3, dtype=torch.int64), "big": big, "id": i}
+
+
+def test_small_tensors_travel_by_value_and_large_ones_through_shared_memory() -> None:
+    import pickle
+
+    batch = default_collate([Mixed()[i] for i in range(2)])
+    got = pickle.loads(bytes(_BatchPickler.dumps(batch)))
+    for k, v in batch.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), k
+    assert not got["x"].is_shared() and got["big"].is_shared()  # by value / shared memory
+    got["x"].add_(1)  # a writable copy
+    lazy = torch.randn(3, dtype=torch.complex64).conj()  # a lazy conjugate: resolved, not lost
+    assert torch.equal(pickle.loads(bytes(_BatchPickler.dumps(lazy))), lazy)
+
+    p = Prefetcher(Mixed(), default_collate, num_samples=4, seed=0, global_batch=2, workers=1, steps=2,
+                   start_method="fork")
+    try:
+        p.start_step(0, [[0, 2, 1]])
+        (chunk,) = expected(0, [[0, 2, 1]], None, n=4, seed=0, b=2)
+        out = p.fetch(chunk)
+        assert p.misses == 0  # from the loader process, not inline
+        assert out["id"].tolist() == chunk and out["big"].is_shared() and not out["x"].is_shared()
+    finally:
+        p.close()
