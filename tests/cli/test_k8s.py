@@ -336,3 +336,35 @@ def test_submitted_spec_is_a_valid_job_spec(tmp_path):
     path.write_text(cm["data"]["job.yaml"])
     spec = load_spec(path)
     assert spec.checkpoint_uri.startswith("s3://shoal-checkpoints/")
+
+
+def test_preflight_init_container_refuses_the_secret_template(tmp_path):
+    """The init container's own command and environment, with the template's placeholder
+    values for its secretKeyRefs: it refuses them, naming the Secret (never a value); with
+    real values it passes."""
+    import os
+
+    template = yaml.safe_load((K8S / "secret.template.yaml").read_text())["stringData"]
+    sts = next(o for o in render(OVERLAYS[0]) if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "redis")
+    init = sts["spec"]["template"]["spec"]["initContainers"][0]
+    cm = next(o for o in render(OVERLAYS[0]) if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "shoal-deploy-scripts")
+    (tmp_path / "preflight.sh").write_text(cm["data"]["preflight.sh"])
+    argv = [tmp_path / "preflight.sh" if a == "/shoal-deploy/preflight.sh" else a for a in init["command"]]
+
+    def run(values: dict[str, str]) -> subprocess.CompletedProcess:
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+        for e in init["env"]:
+            env[e["name"]] = e["value"] if "value" in e else values[e["valueFrom"]["secretKeyRef"]["key"]]
+        return subprocess.run([str(a) for a in argv], env=env, capture_output=True, text=True, timeout=30)
+
+    refused = run(template)
+    assert refused.returncode == 1
+    for name in ("REDIS_PASSWORD", "S3_ACCESS_KEY", "S3_SECRET_KEY"):
+        assert f"shoal: {name} in the Secret shoal-credentials is still the placeholder from " \
+               "deploy/k8s/secret.template.yaml" in refused.stderr
+    assert ".env" not in refused.stderr and "change-me" not in refused.stderr.replace("secret.template", "")
+    real = {"REDIS_PASSWORD": "0f1e2d3c4b5a69788796a5b4c3d2e1f0", "S3_ACCESS_KEY": "shoal-1a2b",
+            "S3_SECRET_KEY": "9f8e7d6c5b4a3928", "SHOAL_API_TOKEN": "t" * 32}
+    ok = run(real)
+    assert ok.returncode == 0, ok.stderr
+    assert all(v not in ok.stdout + ok.stderr for v in real.values())
