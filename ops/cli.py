@@ -252,7 +252,7 @@ def cmd_health(args: argparse.Namespace) -> int:
                 raise
             url = url_from_env()
             raise ConnectionFailed(f"cannot reach Redis at {redact_url(url) if url else 'the embedded server'}: {exc}") from exc
-        print(f"{args.component}: Redis unreachable, not judged (--allow-redis-down): "
+        print(f"{args.component}: Redis not usable, not judged (--allow-redis-down): "
               f"{escape_controls(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)}")
         return 0
     if not verdict.healthy:
