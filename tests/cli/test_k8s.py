@@ -368,3 +368,17 @@ def test_preflight_init_container_refuses_the_secret_template(tmp_path):
     ok = run(real)
     assert ok.returncode == 0, ok.stderr
     assert all(v not in ok.stdout + ok.stderr for v in real.values())
+
+
+def test_env_references_name_earlier_variables(objs):
+    """The kubelet expands ``$(VAR)`` in an env value only from variables defined before it
+    in the same container (envFrom first); a later or unknown one stays literal, which for
+    REDIS_URL would send the text ``$(REDIS_PASSWORD)`` as the password."""
+    cms = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ConfigMap"}
+    for w, spec in pod_specs(objs):
+        for c in containers(spec):
+            defined = {k for src in c.get("envFrom", []) for k in cms[src["configMapRef"]["name"]]["data"]}
+            for e in c.get("env", []):
+                for var in _VAR.findall(e.get("value", "")):
+                    assert var in defined, f"{named(w)}/{c['name']}: {e['name']} uses $({var}) before it is defined"
+                defined.add(e["name"])
