@@ -1,7 +1,12 @@
 #!/bin/sh
 # One-shot check run by the `preflight` service before anything else in compose.yaml starts.
 # Refuses placeholder or unusable credentials from .env. Names the variable, never its value.
+# Kubernetes runs it too (an init container of Redis and MinIO, deploy/k8s), naming its
+# Secret instead of .env through the three SHOAL_CREDENTIALS_* variables.
 set -u
+source=${SHOAL_CREDENTIALS_SOURCE:-.env}
+template=${SHOAL_CREDENTIALS_TEMPLATE:-deploy/env.example}
+hint=${SHOAL_CREDENTIALS_HINT:-copy deploy/env.example to .env and fill it in}
 fail=0
 bad() { echo "shoal: $1" >&2; fail=1; }
 
@@ -9,8 +14,8 @@ check() {  # check NAME MIN_LENGTH
     name=$1 min=$2
     eval "value=\${$name-}"
     case "$value" in
-        "") bad "$name is not set: copy deploy/env.example to .env and fill it in"; return ;;
-        change-me*) bad "$name in .env is still the placeholder from deploy/env.example: replace it" ;;
+        "") bad "$name is not set: $hint"; return ;;
+        change-me*) bad "$name in $source is still the placeholder from $template: replace it" ;;
     esac
     if [ "${#value}" -lt "$min" ]; then
         bad "$name must be at least $min characters"

@@ -28,6 +28,13 @@ COORDINATORS = f"{PREFIX}:coordinators"
 #: RQ queue on which launch work for node agents is enqueued.
 LAUNCH_QUEUE = "shoal-launch"
 
+#: Seconds between the registration heartbeats of a queue node agent (``shoal agent --queue``,
+#: an RQ worker): it refreshes ``last_heartbeat`` of its RQ worker hash at least this often,
+#: idle or running a unit. ``shoal health agent`` judges an agent stale after
+#: ``AGENT_STALE_HEARTBEATS`` of these (the agent's ``--heartbeat`` changes it for that agent).
+AGENT_HEARTBEAT_S = 30
+AGENT_STALE_HEARTBEATS = 3
+
 #: Prefix of the RQ job id of every launch unit (RQ stores the unit at ``rq:job:<id>``).
 #: Writer: ``shoal submit`` and the coordinator's launcher. Reader: ``shoal agent --queue``.
 LAUNCH_UNIT_PREFIX = "shoal-launch-"

@@ -45,9 +45,9 @@ def _embedded_up(run_dir) -> bool:
 
 
 @contextlib.contextmanager
-def redis_client(*, start_embedded: bool, ride_out: float = 0.0) -> Iterator[redis.Redis]:
+def redis_client(*, start_embedded: bool, ride_out: float = 0.0, timeout: float = 5.0) -> Iterator[redis.Redis]:
     """A client for ``REDIS_URL``, or for the embedded server (started if allowed).
-    ``ride_out``: see :func:`shoal.core.connection.connect`."""
+    ``ride_out`` and ``timeout`` (socket): see :func:`shoal.core.connection.connect`."""
     url = url_from_env()
     server = None
     if url is None:
@@ -59,7 +59,7 @@ def redis_client(*, start_embedded: bool, ride_out: float = 0.0) -> Iterator[red
         url = server.url
         if server.owned:
             log.info("started embedded Redis at %s (AOF in %s)", url, run_dir)
-    client = connect(url, ride_out=ride_out)
+    client = connect(url, ride_out=ride_out, timeout=timeout)
     try:
         yield client
     finally:
@@ -176,6 +176,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         return _agent_queue(args)
     if args.burst:
         raise ConfigError("--burst applies to --queue mode only")
+    if args.heartbeat is not None:
+        raise ConfigError("--heartbeat applies to --queue mode only")
     args.workers = 1 if args.workers is None else args.workers
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
@@ -203,7 +205,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 def _agent_queue(args: argparse.Namespace) -> int:
     """The node agent as an RQ worker on the launch queue: each launch unit it takes runs
     ``shoal.launch.run_launch`` (a NodeAgent for that job) in RQ's forked work horse."""
-    from shoal.events.keys import LAUNCH_QUEUE
+    from shoal.events.keys import AGENT_HEARTBEAT_S, LAUNCH_QUEUE
     from shoal.ops.launch import launch_worker
 
     with redis_client(start_embedded=False) as client:
@@ -215,10 +217,47 @@ def _agent_queue(args: argparse.Namespace) -> int:
             os.environ["SHOAL_IFACE"] = args.iface  # the work horses' workers inherit it
         if args.run_dir:
             os.environ["SHOAL_AGENT_DIR"] = str(Path(args.run_dir).resolve())
-        worker = launch_worker(client, name=args.name)
+        worker = launch_worker(client, name=args.name,
+                               heartbeat=AGENT_HEARTBEAT_S if args.heartbeat is None else args.heartbeat)
         log.info("agent %s serving RQ queue %s at %s%s", worker.name, LAUNCH_QUEUE, redact_url(url),
                  " (burst: until the queue is empty)" if args.burst else "")
         worker.work(burst=args.burst, logging_level="DEBUG" if args.verbose else "INFO", with_scheduler=False)
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 and one line on stdout when healthy; else ``shoal: <cause>`` and exit 1
+    (unhealthy) or 3 (Redis unreachable). See :mod:`shoal.ops.health`."""
+    import socket
+
+    from shoal.events.keys import AGENT_HEARTBEAT_S, AGENT_STALE_HEARTBEATS
+    from shoal.ops.health import Unhealthy, check_agent, check_coordinator, check_redis
+
+    if args.component != "agent" and args.name is not None:
+        raise ConfigError("--name applies to `shoal health agent`")
+    if args.component != "coordinator" and args.id is not None:
+        raise ConfigError("--id applies to `shoal health coordinator`")
+    try:
+        with redis_client(start_embedded=False, timeout=args.timeout) as client:
+            if args.component == "coordinator":
+                verdict = check_coordinator(client, args.id or socket.gethostname(), args.lease_ttl)
+            elif args.component == "agent":
+                max_age = AGENT_STALE_HEARTBEATS * AGENT_HEARTBEAT_S if args.max_age is None else args.max_age
+                verdict = check_agent(client, name=args.name, max_age_s=max_age)
+            else:
+                verdict = check_redis(client)
+    except (ConnectionFailed, redis.ConnectionError, redis.TimeoutError) as exc:
+        if not args.allow_redis_down:
+            if isinstance(exc, ConnectionFailed):
+                raise
+            url = url_from_env()
+            raise ConnectionFailed(f"cannot reach Redis at {redact_url(url) if url else 'the embedded server'}: {exc}") from exc
+        print(f"{args.component}: Redis not usable, not judged (--allow-redis-down): "
+              f"{escape_controls(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)}")
+        return 0
+    if not verdict.healthy:
+        raise Unhealthy(verdict.reason)
+    print(verdict.reason)
     return 0
 
 
@@ -644,6 +683,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run as an RQ worker on the launch queue (also the mode when no JOB is given)")
     ag.add_argument("--burst", action="store_true", help="--queue: exit once the queue is empty")
     ag.add_argument("--name", help="--queue: RQ worker name (default: random)")
+    ag.add_argument("--heartbeat", type=_positive_float, default=None, metavar="SECONDS",
+                    help="--queue: refresh this agent's registration at least this often "
+                         "(default 30; `shoal health agent` reads it)")
     ag.add_argument("--workers", "-n", type=int, default=None, help="direct mode: worker processes (default 1)")
     ag.add_argument("--max-restarts", type=int, default=None, help="default: the job spec's max_restarts")
     ag.add_argument("--backoff", type=float, default=0.5, help="first restart delay; doubles each time")
@@ -656,6 +698,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the workers' --iface: network interface whose address gloo advertises to the peers "
                          "(default: env SHOAL_IFACE, else the interface this host reaches Redis through)")
     ag.set_defaults(func=cmd_agent)
+
+    he = sub.add_parser("health", help="probe a coordinator, node agent or Redis: exit 0 when healthy",
+                        description="Exit 0 with one line when healthy; otherwise one line naming the cause "
+                                    "and exit 1 (unhealthy) or 3 (Redis unreachable). For container probes: "
+                                    "see docs/deploy.md.")
+    he.add_argument("component", choices=["coordinator", "agent", "redis"], help="what to check")
+    he.add_argument("--id", default=None,
+                    help="coordinator: the replica's --id (default: this host's name)")
+    he.add_argument("--lease-ttl", type=_positive_float, default=2.0,
+                    help="coordinator: the replica's --lease-ttl; stale after 3 of them (default 2)")
+    he.add_argument("--name", default=None,
+                    help="agent: the RQ worker name (default: every queue agent registered from this host)")
+    he.add_argument("--max-age", type=_positive_float, default=None, metavar="SECONDS",
+                    help="agent: stale when its last heartbeat is older (default 90: three 30 s heartbeats)")
+    he.add_argument("--timeout", type=_positive_float, default=2.0, metavar="SECONDS",
+                    help="Redis socket timeout (default 2)")
+    he.add_argument("--allow-redis-down", action="store_true",
+                    help="pass when Redis cannot be reached (liveness probes: a restart would not help)")
+    he.set_defaults(func=cmd_health)
 
     sb = sub.add_parser("submit", help="validate a job spec, register the job and queue its launch units")
     sb.add_argument("spec", help="job spec YAML")

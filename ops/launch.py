@@ -20,7 +20,7 @@ from pathlib import Path
 
 import redis
 
-from shoal.events.keys import job_keys
+from shoal.events.keys import AGENT_HEARTBEAT_S, job_keys
 from shoal.events.models import ShardTable
 from shoal.core.connection import connect, redact_url, url_from_env
 from shoal.ops.embedded import default_run_dir
@@ -247,7 +247,7 @@ def unit_args(func_name: object, args: object, kwargs: object) -> tuple[str, int
     return job_id, workers
 
 
-def launch_worker(client: redis.Redis, *, name: str | None = None):
+def launch_worker(client: redis.Redis, *, name: str | None = None, heartbeat: float = AGENT_HEARTBEAT_S):
     """An RQ worker on the launch queue (JSON payloads) whose warm shutdown also drains the
     running launch unit: SIGTERM is forwarded to the work horse, whose agent asks its
     workers to leave the job; a second SIGTERM is RQ's cold shutdown (kills the horse's
@@ -256,7 +256,11 @@ def launch_worker(client: redis.Redis, *, name: str | None = None):
     It runs launch units only (:func:`unit_args`), never whatever function a payload names.
     A unit that is refused, or whose launch fails with a ShoalError (e.g. the job does not
     exist), fails with that one line as its RQ failure reason; other exceptions are bugs and
-    keep their traceback."""
+    keep their traceback.
+
+    ``heartbeat``: the worker refreshes its registration (``last_heartbeat`` of its RQ worker
+    hash) at least this often, idle (its blocking dequeue waits that long) or running a unit
+    (the horse monitor's interval): ``shoal health agent`` reads it."""
     from rq import Worker
     from rq.exceptions import DeserializationError
     from rq.job import Job
@@ -314,5 +318,7 @@ def launch_worker(client: redis.Redis, *, name: str | None = None):
                     pass
             super().request_stop(signum, frame)
 
+    beat = max(1, round(heartbeat))
+    # RQ's idle dequeue blocks for worker_ttl - 15 s between heartbeats
     return LaunchWorker([launch_queue(client)], connection=client, serializer=JSONSerializer, name=name,
-                        job_class=LaunchUnit)
+                        job_class=LaunchUnit, worker_ttl=beat + 15, job_monitoring_interval=beat)
