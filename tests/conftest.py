@@ -20,7 +20,36 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--soak", action="store_true", default=False, help="run long soak tests")
 
 
+#: Test files that run many processes for a long time, or whose verdicts depend on timing
+#: (heartbeat TTLs of 1-1.5 s, recovery times, "no failure without a fault"). The suite runs on
+#: two pytest-xdist workers (pyproject's addopts: ``-n 2 --dist loadgroup``); these files all
+#: go to one of them, one test after another, so no two of them share the 2 cores at once,
+#: while the other worker runs everything else (unit, control, cli, storage, the lighter
+#: process tests). ``-n 0`` runs the suite in one process.
+HEAVY = (
+    "tests/api/test_dashboard_browser.py",
+    "tests/cli/test_readme_using_it.py",  # also: examples/job.yaml's fixed /tmp/shoal-checkpoints
+    "tests/multihost/",
+    "tests/processes/test_chaos.py",
+    "tests/processes/test_fault_phases.py",
+    "tests/processes/test_fp16_processes.py",
+    "tests/processes/test_hung_peer.py",
+    "tests/processes/test_large_join.py",
+    "tests/processes/test_load_many_jobs.py",
+    "tests/processes/test_prefetch_processes.py",
+    "tests/processes/test_redis_loss.py",
+    "tests/processes/test_redone_steps.py",
+    "tests/processes/test_slow_peer.py",
+    "tests/processes/test_streaming_processes.py",
+    "tests/processes/test_training_elastic.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(HEAVY):
+            item.add_marker(pytest.mark.xdist_group("heavy"))
     if config.getoption("--soak"):
         return
     skip = pytest.mark.skip(reason="long soak: run with --soak")
