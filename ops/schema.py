@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import inspect
 import json
 import re
@@ -114,23 +115,31 @@ _FIELD = re.compile(r"^    (\w+)\s*:")
 
 def field_notes(cls: type) -> dict[str, str]:
     """``{field: text}`` of the ``#:`` comment lines right above each field of ``cls`` and its
-    bases (a subclass's note wins). Classes without source give none."""
+    shoal bases (a subclass's note wins). Classes without source give none."""
     notes: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
-        try:
-            lines = inspect.getsource(klass).splitlines()
-        except (OSError, TypeError):
+        if klass.__module__.startswith("shoal."):
+            notes.update(_own_notes(klass))
+    return notes
+
+
+@functools.cache
+def _own_notes(klass: type) -> dict[str, str]:
+    notes: dict[str, str] = {}
+    try:
+        lines = inspect.getsource(klass).splitlines()
+    except (OSError, TypeError):
+        return notes
+    pending: list[str] = []
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("#:"):
+            pending.append(stripped[2:].strip())
             continue
-        pending: list[str] = []
-        for line in lines:
-            stripped = line.strip()
-            if stripped.startswith("#:"):
-                pending.append(stripped[2:].strip())
-                continue
-            hit = _FIELD.match(line)
-            if hit and pending:
-                notes[hit.group(1)] = " ".join(pending)
-            pending = []
+        hit = _FIELD.match(line)
+        if hit and pending:
+            notes[hit.group(1)] = " ".join(pending)
+        pending = []
     return notes
 
 

@@ -42,8 +42,9 @@ def test_rendering_is_deterministic() -> None:
     assert schema.render() == schema.render()
 
 
-def _patched(entry_name: str, model) -> tuple[schema.Published, ...]:
-    return tuple(dataclasses.replace(e, source=model) if e.name == entry_name else e for e in schema.CATALOG)
+def _patched(**models) -> tuple[schema.Published, ...]:
+    """The catalog with some entries generated from other models (by entry name)."""
+    return tuple(dataclasses.replace(e, source=models[e.name]) if e.name in models else e for e in schema.CATALOG)
 
 
 def test_a_model_changed_without_regenerating_fails_the_check() -> None:
@@ -53,9 +54,7 @@ def test_a_model_changed_without_regenerating_fails_the_check() -> None:
                          priority=(int, Field(default=0)))
     beat = create_model("Heartbeat", __base__=m.Heartbeat, __doc__=m.Heartbeat.__doc__,
                         step=(int, Field(default=0, ge=0)))
-    catalog = _patched("Heartbeat", beat)
-    catalog = tuple(dataclasses.replace(e, source=table) if e.name == "ShardTable" else e for e in catalog)
-    names = schema.stale(DOCS, schema.render(catalog))
+    names = schema.stale(DOCS, schema.render(_patched(Heartbeat=beat, ShardTable=table)))
     assert names == ["Heartbeat.json", "ShardTable.json"]
     msg = schema.stale_message(names)
     assert "Heartbeat.json, ShardTable.json" in msg and schema.WRITE_COMMAND in msg
