@@ -37,6 +37,7 @@ from pydantic.json_schema import GenerateJsonSchema
 from shoal.coordinator.states import JobStatus
 from shoal.core.jobspec import JobSpec
 from shoal.events import models as m
+from shoal.events import streams as st
 from shoal.storage.datasets import DatasetIndex
 from shoal.storage.manifest import Manifest
 
@@ -103,6 +104,12 @@ CATALOG: tuple[Published, ...] = (
     Published("LaunchSettings", m.LaunchSettings, "`shoal:{J}:launch` HASH (HGETALL)", HASH),
     Published("LatestPointer", m.LatestPointer, "`shoal:{J}:latest` STRING; the store's `LATEST` object",
               patch=_latest_checkpoint),
+    Published("ControlEntry", st.ControlEntry, "`shoal:{J}:control` stream entries (fields)"),
+    Published("FailureEntry", st.FailureEntry, "`shoal:{J}:failures` stream entries (fields)"),
+    Published("ProgressEntry", st.StepProgress | st.EvalProgress,
+              "`shoal:{J}:progress` stream entries (fields): a committed step, or (`kind` = `eval`) an evaluation"),
+    Published("LogEntry", st.LogEntry, "`shoal:{J}:logs` stream entries (fields)"),
+    Published("DeadLetter", st.DeadLetter, "`shoal:{J}:dead` stream entries (fields)"),
     Published("JobSpec", JobSpec, "`shoal:{J}:spec` STRING (what `shoal submit` writes; readers ignore unknown fields)"),
     Published("CheckpointManifest", Manifest, "a checkpoint's `manifest.json` in the store (`step-<9 digits>/`)"),
     Published("DatasetIndex", DatasetIndex, "a dataset's `index.json` in the store (`data_uri`)"),
@@ -208,6 +215,9 @@ def schema_of(entry: Published) -> dict:
         entry.patch(schema)
     if entry.kind == HASH:
         schema = _hash_form(schema)
+    if entry.name == "ProgressEntry":
+        schema["description"] = ("An entry of a job's `progress` stream (every value a string): a committed step "
+                                 "of rank 0 (no `kind`) or an evaluation (`kind` = `eval`). " + (st.__doc__ or "").split("\n\n")[0])
     if entry.source is m.WorkerEvent:
         schema["description"] = ("Any worker event: the JSON in the `data` field of an entry of a job's `events` "
                                  "stream, told apart by `kind`. " + (inspect.getdoc(m) or "").split("\n\n", 1)[1])

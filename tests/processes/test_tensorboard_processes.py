@@ -1,5 +1,6 @@
 """TensorBoard event files of a job (``tensorboard_dir``), read back with TensorBoard's own
-reader: real coordinator and worker processes, a second worker joining mid-job."""
+reader: real coordinator and worker processes, a second worker joining mid-job. The progress
+and log entries those processes wrote are checked against the published wire schema too."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from shoal.events import bus
 from shoal.events.keys import job_keys
 from shoal.events.models import StopJob
 from tests.helpers import ControlWatcher, wait_until
+from tests.wire_schema import assert_valid, stream_entries
 
 pytestmark = pytest.mark.slow
 
@@ -61,5 +63,12 @@ def test_rank0_writes_scalars_and_membership_changes_that_tensorboard_reads(r, p
     steps = [e.step for e in acc.Scalars("train/loss")]
     assert steps == sorted(steps) and steps[-1] >= at_switch
     texts = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors("membership/text_summary")]
+    # what the real training worker wrote to its streams matches the published schema
+    progress = stream_entries(r, job_keys(job_id).progress)
+    assert {e.get("kind") for e in progress} == {None, "eval"}
+    for entry in progress:
+        assert_valid("ProgressEntry", entry)
+    for entry in stream_entries(r, job_keys(job_id).logs):
+        assert_valid("LogEntry", entry)
     assert "generation 1: world size 1 (w0)" in texts[0], texts
     assert any("w1 joined" in t and "generation 2: world size 2 (w0, w1)" in t for t in texts), texts
