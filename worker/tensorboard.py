@@ -11,7 +11,7 @@ What is written (tags):
 - ``train/loss``, ``train/steps_per_s``, ``train/world_size``, ``train/generation``,
   ``train/lr`` (``train/lr/group<i>`` per optimizer parameter group when there are several):
   a point per committed step, at most one per ``interval`` seconds, plus the first step of
-  every generation; steps/s is measured between two written points;
+  every generation; steps/s is measured between two written points of one generation;
 - ``eval/<metric>``: every evaluation rank 0 reports (``EvalReported``), at its step;
 - ``membership`` (text): each generation this worker starts as rank 0, with the shard
   table's reason (who joined, failed or left).
@@ -88,7 +88,10 @@ class TensorBoardLog:
         last = self._last
         if last is not None and last[2] == generation and now - last[0] < self.interval:
             return
-        rate = (step - last[1]) / (now - last[0]) if last is not None and now > last[0] and step > last[1] else None
+        # within one generation only: across a switch the gap may be time this worker spent
+        # not being rank 0 at all
+        same = last is not None and last[2] == generation and now > last[0] and step > last[1]
+        rate = (step - last[1]) / (now - last[0]) if same else None
         self._last = (now, step, generation)
         values: dict[str, float] = {"train/world_size": world_size, "train/generation": generation}
         if loss is not None:
@@ -116,13 +119,14 @@ class TensorBoardLog:
             return
         self._closed = True
         thread = self._thread
-        if thread is None:
+        if thread is None or not thread.is_alive():
             return
+        deadline = time.monotonic() + timeout
         try:
             self._queue.put(_STOP, timeout=timeout)
         except queue.Full:
             pass
-        thread.join(timeout)
+        thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
             log.warning("TensorBoard writer did not finish within %.0f s; its last records may be missing", timeout)
 

@@ -31,7 +31,7 @@ def test_scalars_metrics_and_text_read_back(tmp_path) -> None:
     tb.close()
     acc = _read(tmp_path / "tb")
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.5), (3, 2.0), (4, pytest.approx(1.9))]
-    assert [(e.step, e.value) for e in acc.Scalars("train/steps_per_s")] == [(3, 2.0), (4, pytest.approx(10.0))]
+    assert [(e.step, e.value) for e in acc.Scalars("train/steps_per_s")] == [(3, 2.0)]  # none across a switch
     assert [e.value for e in acc.Scalars("train/world_size")] == [1, 1, 2]
     assert [e.value for e in acc.Scalars("train/generation")] == [1, 1, 2]
     assert [e.step for e in acc.Scalars("train/lr")] == [1, 3]
