@@ -2,7 +2,8 @@
 
 Wire rules (evolve only by adding optional fields):
 - every event carries ``schema_version``, a unique ``event_id``, ``job_id``, ``worker_id``
-  (None only on a join request, before the coordinator assigned one), ``ts`` (sender's
+  (None on a join request, before the coordinator assigned one, and on the events of senders
+  that have none: an operator's stop, a node agent's start failure), ``ts`` (sender's
   unix time, informational; decisions use Redis server time) and a ``kind`` discriminator;
 - readers ignore unknown fields, so a newer writer never breaks an older reader;
 - everything is JSON a human can read with ``redis-cli``; nothing is pickled.
