@@ -295,7 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rendered = render()
     if args.write:
-        changed = write(args.dir, rendered)
+        try:
+            changed = write(args.dir, rendered)
+        except OSError as exc:
+            print(f"cannot write the schema into {args.dir}/: {exc.strerror or exc}", file=sys.stderr)
+            return 2
         print(f"{len(changed)} file(s) written in {args.dir}/" + (f": {', '.join(changed)}" if changed else ""))
         return 0
     names = stale(args.dir, rendered)

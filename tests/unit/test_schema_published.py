@@ -92,3 +92,11 @@ def test_files_list_their_location(name: str) -> None:
     doc = json.loads((DOCS / f"{name}.json").read_text())
     assert doc["x-shoal-location"]
     assert f"[`{name}.json`]({name}.json)" in (DOCS / "README.md").read_text()
+
+
+def test_an_unwritable_directory_is_one_line(tmp_path, capsys) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert schema.main(["--write", "--dir", str(blocker / "schema")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"cannot write the schema into {blocker}/schema/")
