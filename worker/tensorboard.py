@@ -39,6 +39,9 @@ log = logging.getLogger("shoal.worker.tensorboard")
 
 #: Records waiting for the writer thread; more are dropped.
 QUEUE_CAP = 10_000
+#: The SummaryWriter's flush period: what a live TensorBoard lags behind, and what a rank 0
+#: killed with SIGKILL loses of its local file.
+FLUSH_SECS = 2
 #: How long :meth:`TensorBoardLog.close` waits for the thread to flush (and upload).
 CLOSE_TIMEOUT_S = 30.0
 
@@ -156,7 +159,7 @@ class TensorBoardLog:
             local, store = self._target()
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
-            writer = SummaryWriter(log_dir=str(local), flush_secs=5)
+            writer = SummaryWriter(log_dir=str(local), flush_secs=FLUSH_SECS)
             next_upload = time.monotonic() + self.upload_every
             while True:
                 wait = max(0.05, next_upload - time.monotonic()) if store is not None else 1.0
