@@ -102,6 +102,13 @@ class JobSpec(BaseModel):
     #: Glob patterns (matched against each path relative to ``working_dir`` and against each
     #: name) left out of the package, besides the defaults (``.git``, ``__pycache__``, ...).
     working_dir_excludes: tuple[str, ...] = ()
+    #: TensorBoard event files of the job: rank 0 of the current generation writes its
+    #: scalars (loss, steps/s, world size, generation, learning rate, evaluation metrics) and
+    #: each membership change as text here. An absolute local path (or ``file:///path``), or
+    #: ``s3://bucket/prefix`` (written locally, uploaded periodically and at the end; S3
+    #: settings from the environment, as for checkpoints). Needs the ``tensorboard`` package
+    #: (``pip install 'shoal[tensorboard]'``) on the submitting machine and the workers.
+    tensorboard_dir: str | None = None
     #: Simulated step time for workers with ``entrypoint: simulate`` (control-plane tests).
     simulate_step_time: Annotated[float, Field(ge=0)] = 0.05
 
@@ -124,6 +131,20 @@ class JobSpec(BaseModel):
     def _uri_scheme(cls, v: str | None) -> str | None:
         if v is not None and not (v.startswith("file://") or v.startswith("s3://")):
             raise ValueError("must start with file:// or s3://")
+        return v
+
+    @field_validator("tensorboard_dir")
+    @classmethod
+    def _tensorboard_dir(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if v.startswith("s3://"):
+            if not v[len("s3://"):].split("/")[0]:
+                raise ValueError("s3:// needs a bucket: s3://bucket/prefix")
+            return v
+        path = v[len("file://"):] if v.startswith("file://") else v
+        if not path.startswith("/"):
+            raise ValueError("must be an absolute path, file:///absolute/path or s3://bucket/prefix")
         return v
 
     @model_validator(mode="after")

@@ -2,7 +2,8 @@
 
 Wire rules (evolve only by adding optional fields):
 - every event carries ``schema_version``, a unique ``event_id``, ``job_id``, ``worker_id``
-  (None only on a join request, before the coordinator assigned one), ``ts`` (sender's
+  (None on a join request, before the coordinator assigned one, and on the events of senders
+  that have none: an operator's stop, a node agent's start failure), ``ts`` (sender's
   unix time, informational; decisions use Redis server time) and a ``kind`` discriminator;
 - readers ignore unknown fields, so a newer writer never breaks an older reader;
 - everything is JSON a human can read with ``redis-cli``; nothing is pickled.
@@ -33,10 +34,21 @@ class _Wire(BaseModel):
 
 
 class EventBase(_Wire):
+    """Fields every worker event carries (the JSON in the ``data`` field of an ``events``
+    stream entry)."""
+
+    #: Wire format version; a reader refuses an event newer than it knows (1 today).
     schema_version: int = SCHEMA_VERSION
+    #: Unique per event, chosen by the sender (shoal sends 32 lowercase hex digits, a UUID4).
+    #: Not the stream entry id: a join's reply key is named after this value, so a sender
+    #: that wants the reply must set it.
     event_id: Annotated[str, Field(min_length=1, max_length=64)] = Field(default_factory=new_event_id)
+    #: The job (must match the stream's job; 1-64 of letters, digits, ``_``, ``.``, ``-``).
     job_id: Annotated[str, Field(min_length=1, max_length=64)]
+    #: The sender's worker id as the coordinator assigned it (``w0``, ``w1``, ...); null on a
+    #: join request (before it has one), an operator's stop and a start failure.
     worker_id: Annotated[str | None, Field(max_length=64)] = None
+    #: The sender's unix time in seconds, informational (decisions use Redis server time).
     ts: float = Field(default_factory=time.time)
 
 
@@ -44,8 +56,11 @@ class JoinRequest(EventBase):
     """A worker process asks to join. The reply goes to ``keys.join_reply(event_id)``."""
 
     kind: Literal["join"] = "join"
+    #: The joining process's host name (shown by status; the coordinator records it).
     host: Annotated[str, Field(max_length=255)] = ""
+    #: Its process id: an agent's exit report about another pid is ignored.
     pid: int = 0
+    #: The node agent that started it ("" : none).
     node: Annotated[str, Field(max_length=255)] = ""
     # (``previous_worker_id``, sent by earlier versions, was never used and is ignored: a
     # restarted process joins under a new id; the restart budget is kept by its node agent)
@@ -277,7 +292,11 @@ def decode_event(fields: dict[bytes | str, bytes | str], expected_job: str | Non
 
 
 class Member(_Wire):
+    """One member of a generation: its rank in the group and its part of the shard space."""
+
+    #: The worker id the coordinator assigned at join (``w<n>``).
     worker_id: str
+    #: Its rank in this generation's process group (0 .. world_size-1).
     rank: int
     #: Half-open ``[start, stop, step]`` ranges over the shard space (see ShardTable).
     ranges: list[tuple[int, int, int]]
@@ -291,12 +310,17 @@ class ShardTable(_Wire):
     """
 
     job_id: str
+    #: Increases with every plan; a worker switches to the newest generation it sees.
     generation: int
+    #: Number of members (ranks) of the generation's process group.
     world_size: int
+    #: The job's ``shard_strategy`` (contiguous, round_robin, hash).
     strategy: str
     num_samples: int
     members: list[Member]
+    #: Fewer live workers than ``min_workers``: no members, training waits.
     paused: bool = False
+    #: Why this generation was planned (who joined, failed or left), for people.
     reason: str = ""
     #: Epoch of the coordinator that wrote it (for debugging fencing).
     epoch: int = 0
@@ -313,8 +337,15 @@ class ShardTable(_Wire):
 
 
 class JoinReply(_Wire):
+    """The coordinator's answer to a join request, the one element of the LIST
+    ``shoal:{J}:join:<event_id>`` (the request's JSON ``event_id``, not its stream entry id),
+    which expires after 60 s. A refused worker should exit (shoal's exit with code 4)."""
+
+    #: True: joined; the worker id below is the sender's from now on.
     accepted: bool
+    #: The assigned worker id (``w<n>``, unique within the job), when accepted.
     worker_id: str | None = None
+    #: Why a join was refused (the job ended, or it is at ``max_workers``).
     reason: str = ""
     generation: int | None = None
 
@@ -323,10 +354,16 @@ class Heartbeat(_Wire):
     """Value of a worker's heartbeat key (also what ``status`` shows per worker)."""
 
     worker_id: str
+    #: Committed steps so far (the step the worker's state is after).
     step: int = 0
+    #: The generation it trains in.
     generation: int = 0
+    #: Seconds of its last step, wall clock, waits included (None: no step yet).
     step_time: float | None = None
+    #: Loss of its last committed step (None: none yet).
     loss: float | None = None
+    #: Digest of its parameters, published at each generation switch and every few steps
+    #: (replicas at the same step have the same one; None: not computed yet).
     digest: str | None = None
     pid: int = 0
     #: The job's length in steps (``max_steps``, else epochs x steps per epoch), as the

@@ -74,8 +74,9 @@ def submit(client: redis.Redis, spec: JobSpec, *, workers_per_unit: int = 1) -> 
 
 def check_runnable(spec: JobSpec, *, build: bool = False) -> None:
     """What can be checked on the submitting machine before a job is accepted, calling no
-    user code: the entrypoint imports and names a function callable without arguments, and
-    an ``s3://`` checkpoint or data URI has its S3 settings (``S3_ENDPOINT``,
+    user code: the entrypoint imports and names a function callable without arguments, a
+    ``tensorboard_dir`` has the ``tensorboard`` package installed, and an ``s3://``
+    checkpoint, data or TensorBoard URI has its S3 settings (``S3_ENDPOINT``,
     ``S3_ACCESS_KEY``, ``S3_SECRET_KEY`` or ``S3_CREDENTIALS_FILE``). With ``build``
     (``--dry-build``) the entrypoint is also called, seeded as on a worker, and what it
     returns is checked like a worker checks it (model, optimizer, dataset...). A job with a
@@ -91,7 +92,14 @@ def check_runnable(spec: JobSpec, *, build: bool = False) -> None:
         if problem:
             where = f" (imported from working_dir {spec.working_dir})" if spec.working_dir else ""
             raise ConfigError(f"{problem}{where}{skip}")
-    for field in ("checkpoint_uri", "data_uri"):
+    if spec.tensorboard_dir:
+        from shoal.worker.tensorboard import missing_package
+
+        missing = missing_package()
+        if missing:
+            raise ConfigError(f"tensorboard_dir {spec.tensorboard_dir}: the {missing} package is not installed "
+                              f"(pip install 'shoal[tensorboard]'){skip}")
+    for field in ("checkpoint_uri", "data_uri", "tensorboard_dir"):
         uri = getattr(spec, field)
         if uri and uri.startswith("s3://"):
             try:

@@ -99,6 +99,7 @@ from shoal.worker.prefetch import Prefetcher
 from shoal.worker.progress import ProgressRecorder
 from shoal.worker.runner import WorkerRunner
 from shoal.worker.store import legacy_rendezvous
+from shoal.worker.tensorboard import TensorBoardLog
 from shoal.worker.transfer import catch_up_state, state_bytes, transfer_timeout
 from shoal.worker.userapi import TrainingSetup, load_entrypoint
 from shoal.worker.watcher import GenerationWatcher
@@ -141,6 +142,8 @@ class TrainingWorker(WorkerRunner):
         self.barrier: GenerationBarrier | None = None
         self._legacy_barrier = legacy_rendezvous()  # benches only: the 2 ms polling barrier
         self.progress: ProgressRecorder | None = None
+        #: rank 0's TensorBoard event files (the spec's ``tensorboard_dir``; None: not asked for)
+        self.tensorboard = TensorBoardLog(spec.tensorboard_dir) if spec.tensorboard_dir else None
         # the switch digest's helper (one long-lived thread: no start-up per switch) and the
         # (future, generation, step) it is working on
         self._digester = ThreadPoolExecutor(1, thread_name_prefix="switch-digest")
@@ -267,6 +270,8 @@ class TrainingWorker(WorkerRunner):
             self.prefetch.close()
         if self.ckpt is not None:
             self.ckpt.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -310,6 +315,9 @@ class TrainingWorker(WorkerRunner):
                 compute, exposed = self._step_parts
                 self.progress.record(step, loss, generation, world, input_wait=self.prefetch.step_wait,
                                      compute=compute, exposed_comm=exposed)
+                if self.tensorboard is not None:
+                    lrs = [group.get("lr", 0.0) for group in self.engine.optimizer.param_groups]
+                    self.tensorboard.scalars(step, loss, generation, world, lrs)
             case SaveCheckpoint():
                 self._save(action)
             case Evaluate():
@@ -475,6 +483,11 @@ class TrainingWorker(WorkerRunner):
         params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
         state = {k: v if k in params else v.clone() for k, v in model.state_dict().items()}
         moved = f"; state from rank {act.src} to {list(act.behind)}" if act.behind else ""
+        if self.tensorboard is not None and act.rank == 0:
+            table = self.state.table
+            why = table.reason if table is not None and table.generation == act.generation else ""
+            # the plan's reason says who joined, failed or left, and names the generation
+            self.tensorboard.text(act.step, "membership", why or f"generation {act.generation}: world size {act.world}")
 
         def run() -> None:
             try:
@@ -529,6 +542,8 @@ class TrainingWorker(WorkerRunner):
         if act.report:
             self.m.evaluated(act.step, act.epoch, act.generation, metrics)
             self.progress.record_eval(act.step, act.epoch, act.generation, metrics)
+            if self.tensorboard is not None:
+                self.tensorboard.metrics(act.step, metrics)
         log.info("evaluated step %d (epoch %d) in %.3f s%s: %s", act.step, act.epoch, time.monotonic() - started,
                  ", reported" if act.report else "", json.dumps(metrics))
 
@@ -542,6 +557,8 @@ class TrainingWorker(WorkerRunner):
                 epoch = act.cursor // self.order.num_samples
                 self.m.evaluated(act.step, epoch, self._group[0], metrics, final=True)
                 self.progress.record_eval(act.step, epoch, self._group[0], metrics)
+                if self.tensorboard is not None:
+                    self.tensorboard.metrics(act.step, metrics)
         if act.checkpoint is not None:
             self._save(act.checkpoint)
         export = os.environ.get("SHOAL_EXPORT_DIR")
