@@ -1,0 +1,110 @@
+"""The endpoints that change something: submit, stop, delete, purge. Each needs the API
+token (:class:`shoal.ops.api.auth.TokenCheck`) and checks all of its input before it writes
+anything; each is logged (what was done, never the token)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from shoal.core.errors import ConfigError
+from shoal.core.jobspec import MAX_WORKERS
+from shoal.events.keys import LAUNCH_QUEUE
+from shoal.ops.api.read_routes import Client
+from shoal.ops.jobs import delete_job, purge_jobs, spec_from_request, stop_job
+
+log = logging.getLogger("shoal.api")
+
+#: Longest the entrypoint check of a submitted spec may take (a child process imports it).
+CHECK_TIMEOUT_S = 120.0
+SKIP_HINT = 'send "no_validate": true if only the worker nodes have it'
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SubmitRequest(_Request):
+    """``shoal submit`` (or with ``queue`` false, ``shoal create``) over HTTP."""
+
+    spec: dict[str, Any] = Field(description="the job spec: the fields of a job spec YAML file (core/jobspec.py); "
+                                             "working_dir is not accepted over HTTP")
+    workers: int = Field(1, ge=1, le=MAX_WORKERS,
+                         description="worker processes per launch unit, i.e. per node agent (shoal submit --workers); "
+                                     "max_workers / workers launch units are queued")
+    queue: bool = Field(True, description="queue launch units for 'shoal agent --queue' (false: only register "
+                                          "the job, like shoal create)")
+    no_validate: bool = Field(False, description="do not import the entrypoint or check S3 settings on the server")
+    dry_build: bool = Field(False, description="also call the entrypoint (in a child process) and check what it "
+                                               "returns")
+
+
+class StopRequest(_Request):
+    reason: str = Field("stopped by operator", min_length=1, max_length=1000,
+                        description="recorded as the job's reason")
+
+
+class PurgeRequest(_Request):
+    states: list[str] = Field(min_length=1, max_length=3, description="finished states: completed, failed, stopped")
+    dry_run: bool = Field(False, description="only list the jobs that would be deleted")
+
+
+def routes(require_token) -> APIRouter:
+    """The changing endpoints, each behind ``require_token``."""
+    router = APIRouter(dependencies=[Depends(require_token)])
+
+    @router.post("/jobs", status_code=201, summary="validate a job spec, register the job, queue its launch units")
+    def submit_job(body: SubmitRequest, client: Client) -> dict:
+        """The spec is validated by the same model and checks as ``shoal submit``; a bad one is
+        refused (422, one line naming the field) before anything is written. 409 when a job of
+        that name exists. Registering the job and queueing its launch units is one transaction."""
+        from shoal.ops.submit import check_runnable, register, submit
+
+        if body.no_validate and body.dry_build:
+            raise ConfigError("dry_build and no_validate contradict each other")
+        spec = spec_from_request(body.spec)
+        if not body.no_validate:
+            check_runnable(spec, build=body.dry_build, isolated=True, timeout=CHECK_TIMEOUT_S, skip_hint=SKIP_HINT)
+        if not body.queue:
+            register(client, spec)
+            log.info("registered job %s (not queued)", spec.name)
+            return {"job_id": spec.name, "queued": False, "unit_ids": [], "workers_per_unit": []}
+        done = submit(client, spec, workers_per_unit=body.workers)
+        log.info("registered job %s; %d launch unit(s) queued", spec.name, len(done.unit_ids))
+        return {"job_id": done.job_id, "queued": True, "queue": LAUNCH_QUEUE, "unit_ids": done.unit_ids,
+                "workers_per_unit": done.sizes}
+
+    @router.post("/jobs/purge", summary="delete the keys of finished jobs (checkpoints stay)")
+    def purge(body: PurgeRequest, client: Client) -> dict:
+        """Every job in one of ``states`` loses its Redis keys and queued launch units (its
+        checkpoints are not touched). Waits for the jobs' coordinator leases to lapse (about
+        a lease TTL). ``dry_run``: only list them."""
+        done = purge_jobs(client, body.states, dry_run=body.dry_run)
+        if not done.dry_run:
+            log.info("purged %d job(s) (%s)", len(done.targets), ", ".join(done.targets))
+        return {"jobs": done.targets, "deleted_keys": done.deleted_keys, "dry_run": done.dry_run}
+
+    @router.post("/jobs/{job_id}/stop", summary="stop a job gracefully",
+                 responses={202: {"description": "stop requested"}, 200: {"description": "the job had ended"}})
+    def stop(job_id: str, client: Client, body: Annotated[StopRequest | None, Body()] = None) -> JSONResponse:
+        """The workers see ``stopped`` and exit; queued launch units are dropped. 202 when the
+        stop was requested, 200 when the job had already ended (nothing sent)."""
+        done = stop_job(client, job_id, (body or StopRequest()).reason)
+        if done.requested:
+            log.info("stop requested for job %s (was %s)", job_id, done.was)
+        out = {"job_id": job_id, "was": done.was, "requested": done.requested, "dropped_units": done.dropped_units}
+        return JSONResponse(out, status_code=202 if done.requested else 200)
+
+    @router.delete("/jobs/{job_id}", summary="remove every key of a job (checkpoints stay)")
+    def delete(job_id: str, client: Client) -> dict:
+        """Waits for the job's coordinator lease to lapse (about a lease TTL), then deletes its
+        keys and queued launch units. A running job's workers then fail: stop it first."""
+        n = delete_job(client, job_id)
+        log.info("deleted job %s (%d keys)", job_id, n)
+        return {"job_id": job_id, "deleted_keys": n}
+
+    return router
