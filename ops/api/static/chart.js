@@ -158,11 +158,15 @@ class LineChart {
     }
     g.restore();
 
-    // the marks: a vertical line each, its label rotated along it
-    for (const m of this.marks) {
-      if (!Number.isFinite(m.x)) continue;
+    // the marks: a vertical line each, its label rotated along it; labels of marks at about
+    // the same x are set side by side (a start and the first join, a failure and its replan)
+    const marks = this.marks.filter((m) => Number.isFinite(m.x)).sort((a, b) => a.x - b.x);
+    let lastLabel = -Infinity;
+    for (const m of marks) {
       const s = MARK_STYLE[m.kind] || MARK_STYLE.join;
       const x = Math.round(X(m.x)) + 0.5;
+      const lx = Math.max(x + 3, lastLabel + 12);
+      lastLabel = lx;
       g.save();
       g.strokeStyle = s.colour;
       g.setLineDash(s.dash);
@@ -170,10 +174,14 @@ class LineChart {
       g.beginPath(); g.moveTo(x, pad.t); g.lineTo(x, pad.t + ph); g.stroke();
       g.setLineDash([]);
       g.fillStyle = s.colour;
-      g.translate(x + 3, pad.t + 4);
+      g.translate(lx, pad.t + 4);
       g.rotate(Math.PI / 2);
       g.textAlign = "left";
       g.textBaseline = "bottom";
+      const tw = g.measureText(m.label).width;
+      g.fillStyle = "rgba(255, 255, 255, 0.8)";
+      g.fillRect(-1, -12, tw + 2, 13);
+      g.fillStyle = s.colour;
       g.fillText(m.label, 0, 0);
       g.restore();
     }
