@@ -76,7 +76,7 @@ def create_app(client: redis.Redis, *, token: str | None) -> FastAPI:
             return JSONResponse({"status": "unavailable", "redis": reason, "detail": reason, **base}, status_code=503)
         return JSONResponse({"status": "ok", "redis": "ok", **base})
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     def dashboard() -> FileResponse:
         return FileResponse(STATIC / "index.html", media_type="text/html")
 

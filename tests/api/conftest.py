@@ -49,6 +49,15 @@ def start_serve(procs: LocalProcs, name: str, *args: str, timeout: float = 60) -
 
 
 @pytest.fixture
+def env(subprocess_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    """Environment of a ``python -m shoal`` command: the session's Redis, the test's own
+    ``SHOAL_HOME``, no API token unless a test sets one."""
+    env = {**subprocess_env, "SHOAL_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    env.pop("SHOAL_API_TOKEN", None)
+    return env
+
+
+@pytest.fixture
 def api_token(tmp_path: Path) -> tuple[str, Path]:
     token = secrets.token_urlsafe(24)
     path = tmp_path / "api-token"
