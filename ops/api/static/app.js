@@ -165,6 +165,12 @@ class JobView {
     const f = $("#job-failure");
     f.hidden = !s.first_failure;
     f.textContent = s.first_failure ? `first failure: ${s.first_failure}` : "";
+    const ev = $("#job-eval");
+    ev.hidden = !s.eval;
+    if (s.eval) {
+      const metrics = Object.entries(s.eval.metrics).slice(0, 8).map(([k, v]) => `${k}=${Number(v).toPrecision(4)}`);
+      ev.textContent = `last evaluation: step ${s.eval.step}: ${metrics.join(" ")}`;
+    }
     const body = $("#workers tbody");
     body.replaceChildren();
     for (const w of s.workers) {

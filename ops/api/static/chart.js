@@ -107,6 +107,7 @@ class LineChart {
     let y1 = pts.length ? Math.max(...pts.map((p) => p[1])) : 1;
     if (this.opts.yFromZero) y0 = Math.min(0, y0);
     if (y1 === y0) { y1 = y0 + (Math.abs(y0) || 1) * 0.1; y0 -= (y1 - y0); }
+    y1 += (y1 - y0) * 0.05;  // headroom: the highest point is not drawn on the frame
     const yt = ticks(y0, y1, 5);
     y0 = Math.min(y0, yt[0]);
     y1 = Math.max(y1, yt[yt.length - 1]);
@@ -165,7 +166,8 @@ class LineChart {
     for (const m of marks) {
       const s = MARK_STYLE[m.kind] || MARK_STYLE.join;
       const x = Math.round(X(m.x)) + 0.5;
-      const lx = Math.max(x + 3, lastLabel + 12);
+      // at the right edge (the end of the job) the label goes left of its line
+      const lx = x + 16 > pad.l + pw ? x - 14 : Math.max(x + 3, lastLabel + 12);
       lastLabel = lx;
       g.save();
       g.strokeStyle = s.colour;
