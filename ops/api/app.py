@@ -76,6 +76,12 @@ def create_app(client: redis.Redis, *, token: str | None) -> FastAPI:
             return JSONResponse({"status": "unavailable", "redis": reason, "detail": reason, **base}, status_code=503)
         return JSONResponse({"status": "ok", "redis": "ok", **base})
 
+    @app.get("/health/live", summary="liveness only: 200 while the process serves (Redis not asked)")
+    def live() -> dict:
+        """For a liveness probe: restarting this server does not bring Redis back, so only
+        readiness (``/health``) should depend on it."""
+        return {"status": "ok"}
+
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     def dashboard() -> FileResponse:
         return FileResponse(STATIC / "index.html", media_type="text/html")

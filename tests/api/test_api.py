@@ -18,7 +18,7 @@ from tests.helpers import ControlWatcher, wait_until
 
 pytestmark = pytest.mark.slow
 
-EVERY_PATH = ["/health", "/jobs", "/jobs/summaries", "/jobs/purge", "/jobs/{job_id}", "/jobs/{job_id}/summary",
+EVERY_PATH = ["/health", "/health/live", "/jobs", "/jobs/summaries", "/jobs/purge", "/jobs/{job_id}", "/jobs/{job_id}/summary",
               "/jobs/{job_id}/progress", "/jobs/{job_id}/logs", "/jobs/{job_id}/logs/stream", "/jobs/{job_id}/events",
               "/jobs/{job_id}/events/stream", "/jobs/{job_id}/stop"]
 
@@ -223,6 +223,7 @@ def test_an_unreachable_redis_is_503_and_its_password_is_never_shown(tmp_path) -
         http = httpx.Client(base_url=base, timeout=30)
         health = http.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "unavailable"
+        assert http.get("/health/live").status_code == 200  # liveness does not ask Redis
         assert health.json()["redis"].startswith("Redis unavailable: ")
         for path in ("/jobs", "/jobs/x", "/jobs/x/logs", "/jobs/x/events/stream"):
             resp = http.get(path)

@@ -8,6 +8,7 @@ log lines stream in. A screenshot is left in the test's directory (and in
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -69,7 +70,7 @@ def test_the_dashboard_shows_a_training_job_live_with_a_failure_mark(server: Ser
 
         victim = workers[1]
         victim.signal(signal.SIGKILL)
-        watch.wait_for(lambda d: " failed" in d["reason"] and d["job_state"] == "running", 30)
+        watch.wait_for(lambda d: re.search(r"\bw\d+ failed\b", d["reason"]) and d["job_state"] == "running", 30)
         # the failure mark appears on both charts and in the legend, and training goes on after it
         wait_until(lambda: _count(page, "#loss-chart", "data-failure-marks") >= 1, 20, "a failure mark on the loss chart")
         assert _count(page, "#rate-chart", "data-failure-marks") >= 1
