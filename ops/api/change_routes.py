@@ -33,9 +33,11 @@ class SubmitRequest(_Request):
 
     spec: dict[str, Any] = Field(description="the job spec: the fields of a job spec YAML file (core/jobspec.py); "
                                              "working_dir is not accepted over HTTP")
-    workers: int = Field(1, ge=1, le=MAX_WORKERS,
-                         description="worker processes per launch unit, i.e. per node agent (shoal submit --workers); "
-                                     "max_workers / workers launch units are queued")
+    workers: int | None = Field(None, ge=1, le=MAX_WORKERS,
+                                description="worker processes per launch unit, i.e. per node agent (shoal submit "
+                                            "--workers; default 1): max_workers / workers launch units are queued")
+    units: int | None = Field(None, ge=1, le=MAX_WORKERS,
+                              description="or: the number of launch units (node agents) to spread max_workers over")
     queue: bool = Field(True, description="queue launch units for 'shoal agent --queue' (false: only register "
                                           "the job, like shoal create)")
     no_validate: bool = Field(False, description="do not import the entrypoint or check S3 settings on the server")
@@ -66,14 +68,17 @@ def routes(require_token) -> APIRouter:
 
         if body.no_validate and body.dry_build:
             raise ConfigError("dry_build and no_validate contradict each other")
+        if body.workers is not None and body.units is not None:
+            raise ConfigError("give workers (per launch unit) or units, not both")
         spec = spec_from_request(body.spec)
+        per_unit = body.workers or (-(-spec.max_workers // body.units) if body.units else 1)
         if not body.no_validate:
             check_runnable(spec, build=body.dry_build, isolated=True, timeout=CHECK_TIMEOUT_S, skip_hint=SKIP_HINT)
         if not body.queue:
             register(client, spec)
             log.info("registered job %s (not queued)", spec.name)
             return {"job_id": spec.name, "queued": False, "unit_ids": [], "workers_per_unit": []}
-        done = submit(client, spec, workers_per_unit=body.workers)
+        done = submit(client, spec, workers_per_unit=per_unit)
         log.info("registered job %s; %d launch unit(s) queued", spec.name, len(done.unit_ids))
         return {"job_id": done.job_id, "queued": True, "queue": LAUNCH_QUEUE, "unit_ids": done.unit_ids,
                 "workers_per_unit": done.sizes}

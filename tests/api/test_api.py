@@ -127,6 +127,8 @@ def test_bad_specs_are_refused_with_one_line_and_nothing_is_written(server: Serv
     assert first.status_code == 201, first.text
     assert first.json()["workers_per_unit"] == [2, 1] and len(first.json()["unit_ids"]) == 2
     assert sorted(i for i in queue.get_job_ids() if job_of_launch_unit(i) == job_id) == sorted(first.json()["unit_ids"])
+    both = server.http.post("/jobs", json={**good, "units": 2}, headers=server.auth())
+    assert both.status_code == 422 and "not both" in one_line(both)
     spec_before = r.get(job_keys(job_id).spec)
     again = server.http.post("/jobs", json={"spec": {"name": job_id, "entrypoint": "simulate", "epochs": 9}},
                              headers=server.auth())
@@ -136,6 +138,11 @@ def test_bad_specs_are_refused_with_one_line_and_nothing_is_written(server: Serv
     assert server.http.delete(f"/jobs/{job_id}", headers=server.auth()).status_code == 200
     assert [i for i in queue.get_job_ids() if job_of_launch_unit(i) == job_id] == []
     assert job_keyspace(r, job_id) == []
+    # or a number of launch units: max_workers spread over them
+    by_units = server.http.post("/jobs", json={"spec": {"name": job_id, "entrypoint": "simulate", "max_workers": 5},
+                                               "units": 2}, headers=server.auth())
+    assert by_units.status_code == 201 and by_units.json()["workers_per_unit"] == [3, 2], by_units.text
+    assert server.http.delete(f"/jobs/{job_id}", headers=server.auth()).status_code == 200
 
 
 def test_unknown_jobs_are_404(server: Server) -> None:

@@ -1,6 +1,7 @@
 // The shoal dashboard: the jobs list; per job its status and workers (polled), loss and
 // throughput charts with membership marks (polled, after a cursor), and the decision log and
 // log lines (Server-Sent Events). Every text from the server goes in through textContent.
+// Every URL is relative, so the page also works behind a reverse proxy under a path prefix.
 "use strict";
 
 const POLL_MS = 1000;
@@ -47,7 +48,7 @@ function clock(ms) {
 async function pollHealth() {
   const pill = $("#health");
   try {
-    const r = await fetch("/health", { cache: "no-store" });
+    const r = await fetch("health", { cache: "no-store" });
     const h = await r.json();
     pill.textContent = h.status === "ok" ? "Redis ok" : h.redis;
     pill.className = "pill" + (h.status === "ok" ? "" : " bad");
@@ -69,7 +70,7 @@ function progressText(j) {
 
 async function pollJobs() {
   let data;
-  try { data = await getJSON("/jobs"); } catch (e) { return; }
+  try { data = await getJSON("jobs"); } catch (e) { return; }
   const body = $("#jobs tbody");
   body.replaceChildren();
   for (const j of data.jobs) {
@@ -144,7 +145,7 @@ class JobView {
   async pollStatus() {
     let s;
     try {
-      s = await getJSON(`/jobs/${this.enc}`);
+      s = await getJSON(`jobs/${this.enc}`);
     } catch (e) {
       $("#job-reason").textContent = e.message;
       return false;
@@ -189,7 +190,7 @@ class JobView {
   // returns true when more points wait (ask again at once)
   async pollProgress() {
     const q = this.cursor ? `?after=${encodeURIComponent(this.cursor)}` : "";
-    const page = await getJSON(`/jobs/${this.enc}/progress${q}`);
+    const page = await getJSON(`jobs/${this.enc}/progress${q}`);
     if (this.stopped) return false;
     const pts = page.points;
     for (let i = 0; i < pts.step.length; i++) {
@@ -228,7 +229,7 @@ class JobView {
 
   follow(path, kind, add, liveSel) {
     const live = $(liveSel);
-    const src = new EventSource(`/jobs/${this.enc}/${path}/stream`);
+    const src = new EventSource(`jobs/${this.enc}/${path}/stream`);
     this.sources.push(src);
     src.addEventListener("open", () => { live.textContent = "● live"; live.className = "live"; });
     src.addEventListener(kind, (ev) => add(JSON.parse(ev.data)));
