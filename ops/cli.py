@@ -311,7 +311,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
         if not args.yes:
             print(f"dry run: pass --yes to delete these {len(listed.targets)} job(s) (their checkpoints are kept)")
             return 0
-        done = purge_jobs(client, wanted, dry_run=False)  # waits for their coordinator leases to lapse
+        done = purge_jobs(client, wanted, dry_run=False, among=list(listed.targets))  # waits for leases to lapse
     print(f"purged {len(done.targets)} job(s) ({done.deleted_keys} keys); checkpoints were not touched")
     return 0
 

@@ -101,17 +101,19 @@ def parse_purge_states(states: list[str]) -> list[str]:
     return wanted
 
 
-def purge_jobs(client: redis.Redis, states: list[str], *, dry_run: bool) -> PurgeOutcome:
+def purge_jobs(client: redis.Redis, states: list[str], *, dry_run: bool,
+               among: list[str] | None = None) -> PurgeOutcome:
     """Delete every key of each job in one of the finished ``states`` and drop its queued
     launch units (checkpoints are never touched); with ``dry_run`` only say which jobs that
-    would be. Waits for the jobs' coordinator leases to lapse (about a lease TTL, see
+    would be; with ``among``, only jobs named there (what a dry run showed someone). Waits for
+    the jobs' coordinator leases to lapse (about a lease TTL, see
     :func:`shoal.core.registry.delete_jobs`)."""
     from shoal.coordinator.launcher import cancel_queued, launch_queue
     from shoal.core.registry import delete_jobs, job_states, list_jobs
 
     wanted = parse_purge_states(states)
     found = job_states(client, list_jobs(client))
-    targets = {j: st for j, st in found.items() if st in wanted}
+    targets = {j: st for j, st in found.items() if st in wanted and (among is None or j in among)}
     if dry_run or not targets:
         return PurgeOutcome(targets, 0, dry_run)
     n = delete_jobs(client, list(targets))

@@ -55,12 +55,50 @@ class PurgeRequest(_Request):
     dry_run: bool = Field(False, description="only list the jobs that would be deleted")
 
 
+class Submitted(BaseModel):
+    job_id: str
+    #: False: registered only (``"queue": false``)
+    queued: bool
+    queue: str | None = None
+    #: the RQ ids of the queued launch units
+    unit_ids: list[str]
+    #: worker processes of each unit
+    workers_per_unit: list[int]
+
+
+class Stopped(BaseModel):
+    job_id: str
+    #: the job's state when the stop was asked for
+    was: str
+    #: False: it had already ended, nothing was sent
+    requested: bool
+    #: launch units no node had taken, removed from the queue
+    dropped_units: int
+
+
+class Deleted(BaseModel):
+    job_id: str
+    deleted_keys: int
+
+
+class Purged(BaseModel):
+    #: job id -> its state, of every job purged (or, with ``dry_run``, that would be)
+    jobs: dict[str, str]
+    deleted_keys: int
+    dry_run: bool
+
+
+_ERRORS = {401: {"description": "no token, or a wrong one"}, 403: {"description": "the server is read-only"},
+           422: {"description": "bad input: one line naming the field"}, 503: {"description": "Redis unavailable"}}
+
+
 def routes(require_token) -> APIRouter:
     """The changing endpoints, each behind ``require_token``."""
-    router = APIRouter(dependencies=[Depends(require_token)])
+    router = APIRouter(dependencies=[Depends(require_token)], responses=_ERRORS)
 
-    @router.post("/jobs", status_code=201, summary="validate a job spec, register the job, queue its launch units")
-    def submit_job(body: SubmitRequest, client: Client) -> dict:
+    @router.post("/jobs", status_code=201, summary="validate a job spec, register the job, queue its launch units",
+                 responses={409: {"description": "a job of that name exists"}})
+    def submit_job(body: SubmitRequest, client: Client) -> Submitted:
         """The spec is validated by the same model and checks as ``shoal submit``; a bad one is
         refused (422, one line naming the field) before anything is written. 409 when a job of
         that name exists. Registering the job and queueing its launch units is one transaction."""
@@ -77,39 +115,42 @@ def routes(require_token) -> APIRouter:
         if not body.queue:
             register(client, spec)
             log.info("registered job %s (not queued)", spec.name)
-            return {"job_id": spec.name, "queued": False, "unit_ids": [], "workers_per_unit": []}
+            return Submitted(job_id=spec.name, queued=False, unit_ids=[], workers_per_unit=[])
         done = submit(client, spec, workers_per_unit=per_unit)
         log.info("registered job %s; %d launch unit(s) queued", spec.name, len(done.unit_ids))
-        return {"job_id": done.job_id, "queued": True, "queue": LAUNCH_QUEUE, "unit_ids": done.unit_ids,
-                "workers_per_unit": done.sizes}
+        return Submitted(job_id=done.job_id, queued=True, queue=LAUNCH_QUEUE, unit_ids=done.unit_ids,
+                         workers_per_unit=done.sizes)
 
     @router.post("/jobs/purge", summary="delete the keys of finished jobs (checkpoints stay)")
-    def purge(body: PurgeRequest, client: Client) -> dict:
+    def purge(body: PurgeRequest, client: Client) -> Purged:
         """Every job in one of ``states`` loses its Redis keys and queued launch units (its
         checkpoints are not touched). Waits for the jobs' coordinator leases to lapse (about
         a lease TTL). ``dry_run``: only list them."""
         done = purge_jobs(client, body.states, dry_run=body.dry_run)
         if not done.dry_run:
             log.info("purged %d job(s) (%s)", len(done.targets), ", ".join(done.targets))
-        return {"jobs": done.targets, "deleted_keys": done.deleted_keys, "dry_run": done.dry_run}
+        return Purged(jobs=done.targets, deleted_keys=done.deleted_keys, dry_run=done.dry_run)
 
     @router.post("/jobs/{job_id}/stop", summary="stop a job gracefully",
-                 responses={202: {"description": "stop requested"}, 200: {"description": "the job had ended"}})
+                 response_model=Stopped, responses={202: {"description": "stop requested", "model": Stopped},
+                                                    200: {"description": "the job had ended"},
+                                                    404: {"description": "no such job"}})
     def stop(job_id: str, client: Client, body: Annotated[StopRequest | None, Body()] = None) -> JSONResponse:
         """The workers see ``stopped`` and exit; queued launch units are dropped. 202 when the
         stop was requested, 200 when the job had already ended (nothing sent)."""
         done = stop_job(client, job_id, (body or StopRequest()).reason)
         if done.requested:
             log.info("stop requested for job %s (was %s)", job_id, done.was)
-        out = {"job_id": job_id, "was": done.was, "requested": done.requested, "dropped_units": done.dropped_units}
-        return JSONResponse(out, status_code=202 if done.requested else 200)
+        out = Stopped(job_id=job_id, was=done.was, requested=done.requested, dropped_units=done.dropped_units)
+        return JSONResponse(out.model_dump(), status_code=202 if done.requested else 200)
 
-    @router.delete("/jobs/{job_id}", summary="remove every key of a job (checkpoints stay)")
-    def delete(job_id: str, client: Client) -> dict:
+    @router.delete("/jobs/{job_id}", summary="remove every key of a job (checkpoints stay)",
+                   responses={404: {"description": "no such job"}})
+    def delete(job_id: str, client: Client) -> Deleted:
         """Waits for the job's coordinator lease to lapse (about a lease TTL), then deletes its
         keys and queued launch units. A running job's workers then fail: stop it first."""
         n = delete_job(client, job_id)
         log.info("deleted job %s (%d keys)", job_id, n)
-        return {"job_id": job_id, "deleted_keys": n}
+        return Deleted(job_id=job_id, deleted_keys=n)
 
     return router

@@ -76,7 +76,7 @@ def test_the_token_is_checked_and_never_shown(server: Server, r, job_id) -> None
         assert job_keyspace(r, job_id) == []
     resp = server.http.post("/jobs", json=body, headers=server.auth())
     assert resp.status_code == 201, resp.text
-    assert resp.json() == {"job_id": job_id, "queued": False, "unit_ids": [], "workers_per_unit": []}
+    assert resp.json() == {"job_id": job_id, "queued": False, "queue": None, "unit_ids": [], "workers_per_unit": []}
     assert r.sismember(JOBS, job_id) and r.exists(job_keys(job_id).spec)
     assert server.http.get("/health").json()["read_only"] is False
     # the token is in no response and in no log line (uvicorn's access log included)
