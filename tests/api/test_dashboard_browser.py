@@ -91,6 +91,13 @@ def test_the_dashboard_shows_a_training_job_live_with_a_failure_mark(server: Ser
             out = Path(os.environ["SHOAL_TEST_ARTIFACTS"])
             out.mkdir(parents=True, exist_ok=True)
             shutil.copy2(shot, out / "dashboard.png")
+        # stopping it from the page: the token is asked for, sent, and the job stops
+        page.on("dialog", lambda d: d.accept(server.token) if d.type == "prompt" else d.accept())
+        page.click("#stop-job")
+        wait_until(lambda: "stop requested" in page.inner_text("#action-result"), 20, "the stop to be requested")
+        watch.wait_for(lambda d: d["job_state"] == "stopped" and "stopped from the dashboard" in d["reason"], 30)
+        wait_until(lambda: "stopped" in page.inner_text("#job-state"), 20, "the page to show the job stopped")
+        assert page.is_hidden("#stop-job")
         assert errors == [], errors
     except BaseException:
         page.screenshot(path=str(tmp_path / "dashboard-failed.png"), full_page=True)

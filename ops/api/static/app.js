@@ -52,6 +52,7 @@ async function pollHealth() {
     const h = await r.json();
     pill.textContent = h.status === "ok" ? "Redis ok" : h.redis;
     pill.className = "pill" + (h.status === "ok" ? "" : " bad");
+    readOnly = h.read_only;
     $("#mode").textContent = h.read_only ? "read-only server" : "token required for changes";
   } catch (e) {
     pill.textContent = "server unreachable";
@@ -60,6 +61,30 @@ async function pollHealth() {
 }
 
 let selected = null;
+let readOnly = true;
+// the API token, asked for when a change is first made; kept in this page only (never stored)
+let token = null;
+
+async function stopJob(id) {
+  const out = $("#action-result");
+  if (!token) token = window.prompt("API token (SHOAL_API_TOKEN of the server; kept in this page only)");
+  if (!token) return;
+  if (!window.confirm(`Stop job ${id}? Its workers finish their step and exit.`)) return;
+  let r;
+  try {
+    r = await fetch(`jobs/${encodeURIComponent(id)}/stop`, {
+      method: "POST",
+      headers: { Authorization: `Bearer ${token}`, "Content-Type": "application/json" },
+      body: JSON.stringify({ reason: "stopped from the dashboard" }),
+    });
+  } catch (e) {
+    out.textContent = "the server did not answer";
+    return;
+  }
+  const body = await r.json().catch(() => ({}));
+  if (r.status === 401) token = null;
+  out.textContent = r.ok ? (body.requested ? "stop requested" : `already ${body.was}`) : (body.detail || `${r.status}`);
+}
 
 function progressText(j) {
   if (j.error) return "?";
@@ -110,6 +135,7 @@ class JobView {
     $("#marks").replaceChildren();
     $("#workers tbody").replaceChildren();
     $("#job-title").textContent = id;
+    $("#action-result").textContent = "";
     $("#job").hidden = false;
     this.lossChart.setData([], []);
     this.rateChart.setData([], []);
@@ -153,6 +179,7 @@ class JobView {
     const st = $("#job-state");
     st.textContent = s.state;
     st.className = `state ${s.state}`;
+    $("#stop-job").hidden = readOnly || TERMINAL.has(s.state);
     const p = s.progress;
     const parts = [`step ${p.step}` + (p.total_steps ? `/${p.total_steps} (${p.percent}%)` : "")];
     if (p.epoch) parts.push(`epoch ${p.epoch}`);
@@ -277,6 +304,9 @@ function route() {
 }
 
 window.addEventListener("hashchange", route);
+window.addEventListener("DOMContentLoaded", () => {
+  $("#stop-job").addEventListener("click", () => { if (selected) stopJob(selected); });
+});
 window.addEventListener("DOMContentLoaded", () => {
   route();
   pollHealth();
