@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from shoal.core.errors import ConfigError
 from shoal.core.jobspec import MAX_WORKERS
 from shoal.events.keys import LAUNCH_QUEUE
+from shoal.ops.api.errors import COMMON, described
 from shoal.ops.api.read_routes import Client
 from shoal.ops.jobs import delete_job, purge_jobs, spec_from_request, stop_job
 
@@ -88,8 +89,7 @@ class Purged(BaseModel):
     dry_run: bool
 
 
-_ERRORS = {401: {"description": "no token, or a wrong one"}, 403: {"description": "the server is read-only"},
-           422: {"description": "bad input: one line naming the field"}, 503: {"description": "Redis unavailable"}}
+_ERRORS = {**COMMON, **described(_401="no token, or a wrong one", _403="the server is read-only")}
 
 
 def routes(require_token) -> APIRouter:
@@ -97,7 +97,7 @@ def routes(require_token) -> APIRouter:
     router = APIRouter(dependencies=[Depends(require_token)], responses=_ERRORS)
 
     @router.post("/jobs", status_code=201, summary="validate a job spec, register the job, queue its launch units",
-                 responses={409: {"description": "a job of that name exists"}})
+                 responses=described(_409="a job of that name exists"))
     def submit_job(body: SubmitRequest, client: Client) -> Submitted:
         """The spec is validated by the same model and checks as ``shoal submit``; a bad one is
         refused (422, one line naming the field) before anything is written. 409 when a job of
@@ -134,7 +134,7 @@ def routes(require_token) -> APIRouter:
     @router.post("/jobs/{job_id}/stop", summary="stop a job gracefully",
                  response_model=Stopped, responses={202: {"description": "stop requested", "model": Stopped},
                                                     200: {"description": "the job had ended"},
-                                                    404: {"description": "no such job"}})
+                                                    **described(_404="no such job")})
     def stop(job_id: str, client: Client, body: Annotated[StopRequest | None, Body()] = None) -> JSONResponse:
         """The workers see ``stopped`` and exit; queued launch units are dropped. 202 when the
         stop was requested, 200 when the job had already ended (nothing sent)."""
@@ -145,7 +145,7 @@ def routes(require_token) -> APIRouter:
         return JSONResponse(out.model_dump(), status_code=202 if done.requested else 200)
 
     @router.delete("/jobs/{job_id}", summary="remove every key of a job (checkpoints stay)",
-                   responses={404: {"description": "no such job"}})
+                   responses=described(_404="no such job"))
     def delete(job_id: str, client: Client) -> Deleted:
         """Waits for the job's coordinator lease to lapse (about a lease TTL), then deletes its
         keys and queued launch units. A running job's workers then fail: stop it first."""

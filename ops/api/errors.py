@@ -22,6 +22,7 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shoal.core.errors import ConfigError, ConnectionFailed, ShoalError
@@ -33,6 +34,21 @@ log = logging.getLogger("shoal.api")
 
 #: Longest detail sent back.
 MAX_DETAIL = 500
+
+
+class Detail(BaseModel):
+    """Every error's body."""
+
+    detail: str = Field(description="what went wrong, one line")
+
+
+def described(**codes: str) -> dict:
+    """OpenAPI ``responses`` entries of error answers (their body: :class:`Detail`)."""
+    return {int(code.lstrip("_")): {"model": Detail, "description": text} for code, text in codes.items()}
+
+
+#: The errors any endpoint may answer.
+COMMON = described(_422="bad input: one line naming the field or parameter", _503="Redis unavailable")
 
 
 def one_line(exc: BaseException | str) -> str:

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import redis
 from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from shoal.core.connection import redact_url
@@ -16,11 +17,15 @@ from shoal.core.registry import list_jobs
 from shoal.events.models import Decision, LogLine
 from shoal.ops.api import sse
 from shoal.ops.api.charts import chart_page
+from shoal.ops.api.errors import COMMON, described
 from shoal.ops.jobs import job_state, require_job
 from shoal.ops.status import job_status, job_summary, jobs_overview
 from shoal.ops.streams import decision_json, follow, last_id, log_json, read_range, stream_id
 
-router = APIRouter()
+router = APIRouter(responses=COMMON)
+_404 = described(_404="no such job")
+_SSE = {**_404, 200: {"description": "text/event-stream: one event per entry, then 'end'",
+                      "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 #: Most entries one list call returns (ask again after ``last_id`` for more).
 MAX_PAGE = 10_000
@@ -71,7 +76,7 @@ def summaries(client: Client) -> dict:
     return {"jobs": [job_summary(client, j) for j in list_jobs(client)]}
 
 
-@router.get("/jobs/{job_id}", summary="a job's status (shoal status --json) and its spec")
+@router.get("/jobs/{job_id}", responses=_404, summary="a job's status (shoal status --json) and its spec")
 def job(job_id: str, client: Client) -> dict:
     """State, progress (step, total, epoch, percent, steps/s, ETA), generation, world size,
     reason, first failure, the leading coordinator replica (its name only), and per worker:
@@ -83,7 +88,7 @@ def job(job_id: str, client: Client) -> dict:
     return out
 
 
-@router.get("/jobs/{job_id}/summary", summary="a job's summary (what its launch units return)")
+@router.get("/jobs/{job_id}/summary", responses=_404, summary="a job's summary (what its launch units return)")
 def summary(job_id: str, client: Client) -> dict:
     """State, reason, generation, steps, steps redone, the completion summary rank 0 reported
     and the newest evaluation."""
@@ -91,7 +96,7 @@ def summary(job_id: str, client: Client) -> dict:
     return job_summary(client, job_id)
 
 
-@router.get("/jobs/{job_id}/progress", summary="chart data: committed steps and membership marks")
+@router.get("/jobs/{job_id}/progress", responses=_404, summary="chart data: committed steps and membership marks")
 def progress(request: Request, job_id: str, client: Client, after: After = None,
              limit: Limit = 5000) -> dict:
     """Committed-step points after ``after`` as columns (``t_ms`` Redis server time, step,
@@ -102,7 +107,7 @@ def progress(request: Request, job_id: str, client: Client, after: After = None,
     return chart_page(client, keys, request.app.state.marks, after=_after(after), limit=limit)
 
 
-@router.get("/jobs/{job_id}/logs", summary="the workers' log lines (shoal logs)")
+@router.get("/jobs/{job_id}/logs", responses=_404, summary="the workers' log lines (shoal logs)")
 def logs(job_id: str, client: Client, worker: Annotated[str | None, Query(max_length=64)] = None,
          tail: Annotated[int | None, Query(ge=1, le=MAX_PAGE)] = None, after: After = None,
          limit: Limit = 1000) -> dict:
@@ -116,7 +121,8 @@ def logs(job_id: str, client: Client, worker: Annotated[str | None, Query(max_le
     return {"lines": [log_json(sid, line) for sid, line in got], "last_id": got[-1][0] if got else _after(after)}
 
 
-@router.get("/jobs/{job_id}/events", summary="the coordinator's decisions with their reasons (shoal events)")
+@router.get("/jobs/{job_id}/events", responses=_404,
+            summary="the coordinator's decisions with their reasons (shoal events)")
 def events(job_id: str, client: Client, after: After = None, limit: Limit = 1000) -> dict:
     """Decisions (``id``, ``ts_ms``, ``epoch``, ``kind``, ``source_id``, ``job_state``,
     ``generation``, ``reason``), oldest first, the first ``limit`` after ``after``."""
@@ -144,7 +150,8 @@ LastEventId = Annotated[str | None, Header(alias="Last-Event-ID", max_length=41,
                                            description="resume after this entry (sent by a reconnecting EventSource)")]
 
 
-@router.get("/jobs/{job_id}/logs/stream", summary="log lines as Server-Sent Events, live")
+@router.get("/jobs/{job_id}/logs/stream", responses=_SSE, response_class=StreamingResponse,
+            summary="log lines as Server-Sent Events, live")
 def logs_stream(job_id: str, client: Client, worker: Annotated[str | None, Query(max_length=64)] = None,
                 tail: Annotated[int, Query(ge=0, le=MAX_PAGE)] = 200, last_event_id: LastEventId = None):
     """``event: log`` per line (data: the line as in ``GET /jobs/{id}/logs``, ``id:`` its entry
@@ -156,7 +163,8 @@ def logs_stream(job_id: str, client: Client, worker: Annotated[str | None, Query
                    quiet_s=2.0)
 
 
-@router.get("/jobs/{job_id}/events/stream", summary="decisions as Server-Sent Events, live")
+@router.get("/jobs/{job_id}/events/stream", responses=_SSE, response_class=StreamingResponse,
+            summary="decisions as Server-Sent Events, live")
 def events_stream(job_id: str, client: Client, tail: Annotated[int, Query(ge=0, le=MAX_PAGE)] = 1000,
                   last_event_id: LastEventId = None):
     """``event: decision`` per coordinator decision (data: as in ``GET /jobs/{id}/events``),
