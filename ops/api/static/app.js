@@ -193,6 +193,10 @@ class JobView {
     const f = $("#job-failure");
     f.hidden = !s.first_failure;
     f.textContent = s.first_failure ? `first failure: ${s.first_failure}` : "";
+    const tb = (s.first_failure_traceback || "").trim();
+    $("#job-traceback").hidden = !tb;
+    const pre = $("#job-traceback pre");
+    if (pre.textContent !== tb) pre.textContent = tb;
     const ev = $("#job-eval");
     ev.hidden = !s.eval;
     if (s.eval) {
