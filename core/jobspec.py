@@ -131,6 +131,9 @@ class JobSpec(BaseModel):
     def _uri_scheme(cls, v: str | None) -> str | None:
         if v is not None and not (v.startswith("file://") or v.startswith("s3://")):
             raise ValueError("must start with file:// or s3://")
+        if v is not None and "@" in v.split("://", 1)[1].split("/", 1)[0]:
+            # the spec is stored in Redis and shown by status and the HTTP API: no secrets in it
+            raise ValueError("must not carry credentials (user:password@); S3 settings come from the environment")
         return v
 
     @field_validator("tensorboard_dir")

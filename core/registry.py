@@ -13,15 +13,19 @@ from shoal.core.errors import ConfigError, ShoalError
 from shoal.core.jobspec import JobSpec
 
 
+class JobExists(ConfigError):
+    """A job of that name is already registered; nothing was written."""
+
+
 def create_job(client: redis.Redis, spec: JobSpec, *, also: Callable[[Pipeline], None] | None = None) -> str:
     """Store the spec and register the job; a coordinator picks it up on its next lease
-    refresh. Raises ConfigError if a job of that name already exists.
+    refresh. Raises JobExists (a ConfigError) if a job of that name already exists.
 
     ``also(pipe)`` adds more writes (e.g. ``shoal submit``'s launch units) to the same
     MULTI/EXEC transaction: either the job is registered with all of them, or nothing is
     written (WATCH on the spec key makes a concurrent create of the same name lose)."""
     keys = job_keys(spec.name)
-    exists = ConfigError(f"job {spec.name!r} already exists (use 'shoal delete {spec.name}' first)")
+    exists = JobExists(f"job {spec.name!r} already exists (use 'shoal delete {spec.name}' first)")
     if also is None:
         if not client.set(keys.spec, spec.to_json(), nx=True):
             raise exists

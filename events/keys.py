@@ -188,8 +188,8 @@ class JobKeys:
         Writer: rank 0 of the training worker (``worker/progress.py``: at most one entry per
         0.5 s, plus the first step of each generation; dropped when Redis is down). Rank 0 also
         appends every evaluation: ``kind`` = ``eval``, ``step``, ``epoch``, ``generation``,
-        ``metrics`` (JSON), ``t``; entries without ``kind`` are committed steps. Reader:
-        ``shoal report``. Capped at ~:data:`PROGRESS_MAXLEN` entries. The coordinator never reads it."""
+        ``metrics`` (JSON), ``t``; entries without ``kind`` are committed steps. Readers:
+        ``shoal report``, the HTTP API's chart data (``GET /jobs/{id}/progress``). Capped at ~:data:`PROGRESS_MAXLEN` entries. The coordinator never reads it."""
         return f"{self.base}:progress"
 
     @property

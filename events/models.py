@@ -467,3 +467,56 @@ class LatestPointer:
         if not ints_ok or not isinstance(ptr.store, str) or obj.get("checkpoint") != ptr.checkpoint:
             raise ValueError(f"Redis LATEST pointer is inconsistent: {obj!r}")
         return ptr
+
+
+# ---- entries of the informational streams (``logs``, ``control``) ---------------------------
+
+
+class _StreamEntry(_Wire):
+    """Fields of one entry of an informational stream, read through a model: every field is
+    optional, unknown fields are ignored, and a field whose value does not parse is dropped
+    (read as its default) rather than losing the whole entry."""
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> "_StreamEntry":
+        """Parse an XRANGE/XREAD entry's fields (bytes or str). Never raises."""
+        data = {(k.decode(errors="replace") if isinstance(k, bytes) else str(k)):
+                (v.decode(errors="replace") if isinstance(v, bytes) else v) for k, v in fields.items()}
+        for _ in range(len(data) + 1):
+            try:
+                return cls.model_validate(data)
+            except ValidationError as exc:
+                bad = {str(err["loc"][0]) for err in exc.errors() if err["loc"]}
+                if not bad & data.keys():
+                    break
+                data = {k: v for k, v in data.items() if k not in bad}
+        return cls()
+
+
+class LogLine(_StreamEntry):
+    """One entry of a job's ``logs`` stream (``shoal logs``). Writer: the workers' log handler
+    (``worker/loghandler.py``)."""
+
+    worker: str = "-"
+    level: str = ""
+    msg: str = ""
+    #: the worker's unix time of the record (0: not known)
+    ts: Annotated[float, Field(allow_inf_nan=False)] = 0.0
+
+
+class Decision(_StreamEntry):
+    """One entry of a job's ``control`` stream: a coordinator decision with its reason
+    (``shoal events``). Writer: the coordinator (fenced)."""
+
+    #: Redis server time (ms) of the decision
+    ts_ms: int = 0
+    #: the fencing epoch of the coordinator that decided it
+    epoch: int = 0
+    #: the event kind that caused it (``join``, ``exited``, ``tick``, ``dead_letter``, ...)
+    kind: str = ""
+    #: the id of the worker event it applied ("" for a tick)
+    source_id: str = ""
+    #: the job's state after it
+    job_state: str = ""
+    generation: int = 0
+    reason: str = ""

@@ -44,21 +44,28 @@ def _embedded_up(run_dir) -> bool:
     return True
 
 
+def redis_url(*, start_embedded: bool):
+    """``(url, server)``: ``REDIS_URL`` (server None), else the embedded server's URL and the
+    server (started if allowed and none runs; ``server.stop()`` stops it only if it was
+    started here). ConnectionFailed when no URL is set and no embedded server may be used."""
+    url = url_from_env()
+    if url is not None:
+        return url, None
+    run_dir = default_run_dir()
+    if not start_embedded and not _embedded_up(run_dir):
+        raise ConnectionFailed(f"REDIS_URL is not set and no embedded server runs in {run_dir}"
+                               + (f" (waited {EMBEDDED_WAIT_S:g} s for one)" if run_dir.exists() else ""))
+    server = ensure_server(run_dir)
+    if server.owned:
+        log.info("started embedded Redis at %s (AOF in %s)", server.url, run_dir)
+    return server.url, server
+
+
 @contextlib.contextmanager
 def redis_client(*, start_embedded: bool, ride_out: float = 0.0, timeout: float = 5.0) -> Iterator[redis.Redis]:
     """A client for ``REDIS_URL``, or for the embedded server (started if allowed).
     ``ride_out`` and ``timeout`` (socket): see :func:`shoal.core.connection.connect`."""
-    url = url_from_env()
-    server = None
-    if url is None:
-        run_dir = default_run_dir()
-        if not start_embedded and not _embedded_up(run_dir):
-            raise ConnectionFailed(f"REDIS_URL is not set and no embedded server runs in {run_dir}"
-                                   + (f" (waited {EMBEDDED_WAIT_S:g} s for one)" if run_dir.exists() else ""))
-        server = ensure_server(run_dir)
-        url = server.url
-        if server.owned:
-            log.info("started embedded Redis at %s (AOF in %s)", url, run_dir)
+    url, server = redis_url(start_embedded=start_embedded)
     client = connect(url, ride_out=ride_out, timeout=timeout)
     try:
         yield client
@@ -305,30 +312,24 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from shoal.coordinator.launcher import cancel_queued, launch_queue
-    from shoal.events import bus
-    from shoal.events.models import StopJob
+    from shoal.ops.jobs import TERMINAL, job_state, keys_of, stop_job
 
-    keys = _job_keys(args.job)
+    keys = keys_of(args.job)
     if args.wait is not None and args.wait <= 0:
         raise ConfigError("--wait must be > 0 seconds")
     with redis_client(start_embedded=False) as client:
-        if client.get(keys.spec) is None:
-            raise ConfigError(f"no job {args.job!r} in this Redis")
-        state = (client.hget(keys.state, "state") or b"pending").decode()
-        if state in ("completed", "failed", "stopped"):
-            print(f"job {args.job} is already {state}; nothing to stop")
+        done = stop_job(client, args.job, args.reason)
+        if not done.requested:
+            print(f"job {args.job} is already {done.was}; nothing to stop")
             return 0
-        bus.publish(client, keys.events, StopJob(job_id=args.job, reason=args.reason))
-        dropped = cancel_queued(launch_queue(client), args.job)
-        print(f"stop requested for job {args.job} (was {state})"
-              + (f"; dropped {dropped} queued launch unit(s)" if dropped else ""))
+        print(f"stop requested for job {args.job} (was {done.was})"
+              + (f"; dropped {done.dropped_units} queued launch unit(s)" if done.dropped_units else ""))
         if args.wait is None:
             return 0
         deadline = time.monotonic() + args.wait
         while time.monotonic() < deadline:
-            state = (client.hget(keys.state, "state") or b"pending").decode()
-            if state in ("completed", "failed", "stopped"):
+            state = job_state(client, keys)
+            if state in TERMINAL:
                 print(f"job {args.job} is {state}")
                 return 0
             time.sleep(0.2)
@@ -336,82 +337,46 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
-    from shoal.coordinator.launcher import cancel_queued, launch_queue
-    from shoal.core.registry import delete_jobs, job_states, list_jobs
+    from shoal.ops.jobs import parse_purge_states, purge_jobs
 
-    finished = ("completed", "failed", "stopped")
-    wanted = [w.strip() for w in args.state.split(",") if w.strip()]
-    bad = [w for w in wanted if w not in finished]
-    if not wanted or bad:
-        raise ConfigError(f"--state takes finished states only ({', '.join(finished)}), got {args.state!r}")
+    wanted = parse_purge_states(args.state.split(","))
     with redis_client(start_embedded=False) as client:
-        states = job_states(client, list_jobs(client))
-        targets = [j for j, st in states.items() if st in wanted]
-        if not targets:
+        listed = purge_jobs(client, wanted, dry_run=True)
+        if not listed.targets:
             print(f"no {'/'.join(wanted)} jobs")
             return 0
-        for j in targets:
-            print(f"{j:<24} {states[j]}")
+        for j, state in listed.targets.items():
+            print(f"{j:<24} {state}")
         if not args.yes:
-            print(f"dry run: pass --yes to delete these {len(targets)} job(s) (their checkpoints are kept)")
+            print(f"dry run: pass --yes to delete these {len(listed.targets)} job(s) (their checkpoints are kept)")
             return 0
-        n = delete_jobs(client, targets)  # waits for their coordinator leases to lapse (~lease TTL)
-        queue = launch_queue(client)
-        for j in targets:
-            cancel_queued(queue, j)
-    print(f"purged {len(targets)} job(s) ({n} keys); checkpoints were not touched")
+        done = purge_jobs(client, wanted, dry_run=False, among=list(listed.targets))  # waits for leases to lapse
+    print(f"purged {len(done.targets)} job(s) ({done.deleted_keys} keys); checkpoints were not touched")
     return 0
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from collections import deque
+    from shoal.events.models import LogLine
+    from shoal.ops.jobs import keys_of, require_job
+    from shoal.ops.streams import follow, format_log, last_id, read_range
 
-    keys = _job_keys(args.job)
+    keys_of(args.job)
     if args.tail is not None and args.tail < 1:
         raise ConfigError("--tail must be >= 1")
-
-    def lines(entries) -> Iterator[str]:
-        for _sid, f in entries:
-            d = {k.decode(): v.decode(errors="replace") for k, v in f.items()}
-            if args.worker and d.get("worker") != args.worker:
-                continue
-            try:
-                ts = time.strftime("%H:%M:%S", time.localtime(float(d.get("ts") or 0)))
-            except (ValueError, OverflowError):
-                ts = "--:--:--"
-            yield f"{ts} {d.get('worker', '-'):<8} {d.get('level', ''):<7} {d.get('msg', '')}"
-
+    keep = (lambda line: line.worker == args.worker) if args.worker else None
     with redis_client(start_embedded=False) as client:
-        if client.get(keys.spec) is None and not client.exists(keys.logs):
-            raise ConfigError(f"no job {args.job!r} in this Redis")
+        keys = require_job(client, args.job, "logs")
         # what is there now (the stream is capped at ~10000 lines), then new lines with --follow
-        shown: deque = deque(maxlen=args.tail)
-        last, start = "0-0", "-"
-        while True:
-            chunk = client.xrange(keys.logs, min=start, count=1000)
-            if not chunk:
-                break
-            last = chunk[-1][0].decode()
-            start = "(" + last
-            shown.extend(lines(chunk))
-        for line in shown:
-            print(line)
+        last = last_id(client, keys.logs)
+        for _sid, line in read_range(client, keys.logs, LogLine, until=last, keep=keep, tail=args.tail):
+            print(format_log(line))
         if not args.follow:
             return 0
         sys.stdout.flush()
-        quiet_since = time.monotonic()
-        while True:
-            resp = client.xread({keys.logs: last}, count=500, block=1000)
-            for _s, entries in resp or []:
-                last = entries[-1][0].decode()
-                for line in lines(entries):
-                    print(line, flush=True)
-            if resp:
-                quiet_since = time.monotonic()
-            elif time.monotonic() - quiet_since > 2.0:
-                state = (client.hget(keys.state, "state") or b"").decode()
-                if state in ("completed", "failed", "stopped"):
-                    return 0  # the job ended and its workers went quiet
+        for entries in follow(client, keys, keys.logs, LogLine, after=last, keep=keep, quiet_s=2.0):
+            for _sid, line in entries:
+                print(format_log(line), flush=True)
+    return 0  # the job ended and its workers went quiet
 
 
 def cmd_create(args: argparse.Namespace) -> int:
@@ -501,48 +466,54 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    from shoal.core.registry import list_jobs
-    from shoal.ops.status import job_status
+    from shoal.ops.status import jobs_overview
 
     with redis_client(start_embedded=False) as client:
-        for jid in list_jobs(client):
-            try:
-                s = job_status(client, jid)
-                print(f"{jid:<24} {s['state']:<10} generation {s['generation']:<4} workers {s['world_size']}")
-            except ShoalError as exc:
-                print(f"{jid:<24} ? ({exc})")
+        for job in jobs_overview(client):
+            if "error" in job:
+                print(f"{job['job_id']:<24} ? ({job['error']})")
+            else:
+                print(f"{job['job_id']:<24} {job['state']:<10} generation {job['generation']:<4} "
+                      f"workers {job['world_size']}")
     return 0
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    from shoal.core.registry import delete_job
+    from shoal.ops.jobs import delete_job, keys_of
 
-    keys = _job_keys(args.job)
+    keys_of(args.job)
     with redis_client(start_embedded=False) as client:
-        if client.get(keys.spec) is None and not client.exists(keys.state, keys.control):
-            raise ConfigError(f"no job {args.job!r} in this Redis")
         n = delete_job(client, args.job)
     print(f"deleted job {args.job} ({n} keys)")
     return 0
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    keys = _job_keys(args.job)
+    from shoal.events.models import Decision
+    from shoal.ops.jobs import keys_of, require_job
+    from shoal.ops.streams import follow, format_decision, last_id, read_range
+
+    keys_of(args.job)
     with redis_client(start_embedded=False) as client:
-        if client.get(keys.spec) is None and not client.exists(keys.control):
-            raise ConfigError(f"no job {args.job!r} in this Redis")
-        last = "0-0"
-        while True:
-            ended = args.follow and (client.hget(keys.state, "state") or b"").decode() in ("completed", "failed", "stopped")
-            resp = client.xread({keys.control: last}, count=500, block=1000 if args.follow else None)
-            for _s, entries in resp or []:
-                for sid, f in entries:
-                    last = sid.decode()
-                    d = {k.decode(): v.decode() for k, v in f.items()}
-                    ts = time.strftime("%H:%M:%S", time.localtime(int(d.get("ts_ms", 0)) / 1000))
-                    print(f"{ts} gen {d.get('generation', '?'):>3} {d.get('job_state', ''):<9} [{d.get('kind', '')}] {d.get('reason', '')}")
-            if not resp and (not args.follow or ended):  # --follow ends once the job ended and all is shown
-                return 0
+        keys = require_job(client, args.job, "control")
+        last = last_id(client, keys.control)
+        for _sid, d in read_range(client, keys.control, Decision, until=last):
+            print(format_decision(d))
+        if not args.follow:
+            return 0
+        sys.stdout.flush()
+        for entries in follow(client, keys, keys.control, Decision, after=last):
+            for _sid, d in entries:
+                print(format_decision(d), flush=True)  # --follow ends once the job ended and all is shown
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from shoal.ops.api.serve import serve
+
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be 0..65535, got {args.port}")
+    return serve(host=args.host, port=args.port, token_file=args.token_file)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -808,6 +779,16 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("job", help="the job id (its name)")
     rp.add_argument("-o", "--output", default="report.png", help="PNG file to write (default report.png)")
     rp.set_defaults(func=cmd_report)
+
+    sv = sub.add_parser("serve", help="the HTTP API and the live web dashboard",
+                        description="Serve the HTTP API (docs/api.md; OpenAPI at /openapi.json) and the dashboard "
+                                    "(at /). Calls that change anything need 'Authorization: Bearer <token>' with the "
+                                    "token from SHOAL_API_TOKEN or --token-file; without one the server is read-only.")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080; 0: any free port)")
+    sv.add_argument("--token-file", metavar="PATH",
+                    help="read the API token from this file's first line (instead of SHOAL_API_TOKEN)")
+    sv.set_defaults(func=cmd_serve)
 
     cl = sub.add_parser("cluster", help="validate or show a cluster.yaml")
     cl.add_argument("action", choices=["validate", "show"], help="validate: check the file; show: print what it describes")

@@ -24,7 +24,7 @@ from shoal.events.keys import AGENT_HEARTBEAT_S, job_keys
 from shoal.events.models import ShardTable
 from shoal.core.connection import connect, redact_url, url_from_env
 from shoal.ops.embedded import default_run_dir
-from shoal.ops.status import parse_heartbeat, progress
+from shoal.ops.status import job_summary, parse_heartbeat, progress
 from shoal.core.errors import ConfigError, ShoalError
 from shoal.core.jobspec import JobSpec
 
@@ -73,37 +73,6 @@ class Progress:
             "loss": loss,
             "updated_at": time.time(),
         }
-
-
-def job_summary(client: redis.Redis, job_id: str, *, steps: int = 0) -> dict:
-    """What a launch unit returns: state, reason, generation, steps, committed steps redone
-    (lost with every replica that held them: the job resumed from a checkpoint or from
-    scratch), the summary the job's rank 0 reported at completion (``summary`` in the
-    state hash, JSON) and its newest evaluation (``eval``: step, epoch, generation, metrics;
-    None when it has none)."""
-    from shoal.coordinator.decide import last_eval
-    from shoal.coordinator.states import JobStatus
-
-    keys = job_keys(job_id)
-    h = {k.decode(): v.decode() for k, v in client.hgetall(keys.state).items()}
-    summary = None
-    if h.get("summary"):
-        try:
-            summary = json.loads(h["summary"])
-        except ValueError:
-            summary = None
-    if isinstance(summary, dict) and isinstance(summary.get("step"), int):
-        steps = summary["step"]
-    return {
-        "job_id": job_id,
-        "state": h.get("state", "pending"),
-        "reason": h.get("reason", ""),
-        "generation": int(h.get("generation", 0) or 0),
-        "steps": steps,
-        "steps_redone": int(h.get("steps_redone", 0) or 0),
-        "summary": summary,
-        "eval": last_eval(JobStatus(eval=h.get("eval", ""))),
-    }
 
 
 def _save_meta(rq_job, fields: dict) -> None:

@@ -32,6 +32,7 @@ import redis
 
 from shoal.events.keys import job_keys
 from shoal.core.errors import ConfigError, ShoalError
+from shoal.ops.jobs import NoSuchJob
 
 TERMINAL = ("completed", "failed", "stopped")
 _FAILED = re.compile(r"\b(w\d+) failed\b")
@@ -145,6 +146,39 @@ def _seconds(v: str | None) -> float | None:
     return x if x is not None and math.isfinite(x) and x >= 0 else None
 
 
+def read_progress(client: redis.Redis, key: str, *, after: str = "0-0",
+                  limit: int | None = None) -> tuple[list[Point], list[EvalPoint], str, bool]:
+    """The committed steps and evaluations of a job's ``progress`` stream (``key``) after entry
+    id ``after``: ``(points, evals, last id read, more)``; with ``limit``, at most about that
+    many entries are read and ``more`` says whether the stream goes on (read again after the
+    last id: how the dashboard's charts follow a job). Entries of kinds this reader does not
+    know, and evaluations that do not parse, are skipped."""
+    points: list[Point] = []
+    evals: list[EvalPoint] = []
+    start, last, chunk = ("(" + after if after != "0-0" else "-"), after, min(limit or 10_000, 10_000)
+    while True:
+        entries = client.xrange(key, min=start, count=chunk)
+        for raw_sid, raw in entries:
+            sid = raw_sid.decode()
+            f = {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
+            if f.get("kind") == "eval":
+                ev = _eval_point(sid, f)
+                if ev is not None:
+                    evals.append(ev)
+            elif "kind" not in f:  # a committed step
+                points.append(Point(t_ms=int(sid.split("-")[0]), step=_int(f.get("step")), loss=_float(f.get("loss")),
+                                    generation=_int(f.get("generation")), world_size=_int(f.get("world_size")),
+                                    compute=_seconds(f.get("compute")), input_wait=_seconds(f.get("input_wait")),
+                                    exposed_comm=_seconds(f.get("exposed_comm"))))
+        if entries:
+            last = entries[-1][0].decode()
+            start = "(" + last
+        if len(entries) < chunk:
+            return points, evals, last, False
+        if limit is not None and len(points) + len(evals) >= limit:
+            return points, evals, last, True
+
+
 def load_history(client: redis.Redis, job_id: str) -> History:
     """Both streams of ``job_id``. ConfigError for an unknown job, NoProgress when rank 0
     has not recorded anything yet."""
@@ -159,21 +193,12 @@ def load_history(client: redis.Redis, job_id: str) -> History:
     pipe.hmget(keys.state, ["state", "summary", "high_step"])
     has_spec, has_control, has_progress, (state, summary, high_step) = pipe.execute()
     if not (has_spec or has_control or has_progress):
-        raise ConfigError(f"no job {job_id!r} in this Redis")
+        raise NoSuchJob(f"no job {job_id!r} in this Redis")
     if not has_progress:
         raise NoProgress(f"job {job_id!r} has no progress history yet (nothing in {keys.progress}: "
                          f"rank 0 records committed steps once training runs)")
     h = History(job_id=job_id, state=state.decode() if state else "")
-    for sid, f in _xrange_all(client, keys.progress):
-        if f.get("kind") == "eval":
-            ev = _eval_point(sid, f)
-            if ev is not None:
-                h.evals.append(ev)
-        elif "kind" not in f:  # a committed step (entries of kinds this reader does not know are skipped)
-            h.points.append(Point(t_ms=int(sid.split("-")[0]), step=_int(f.get("step")), loss=_float(f.get("loss")),
-                                  generation=_int(f.get("generation")), world_size=_int(f.get("world_size")),
-                                  compute=_seconds(f.get("compute")), input_wait=_seconds(f.get("input_wait")),
-                                  exposed_comm=_seconds(f.get("exposed_comm"))))
+    h.points, h.evals, _last, _more = read_progress(client, keys.progress)
     for _sid, f in _xrange_all(client, keys.control):
         h.control.append(f)
     if not h.state and h.control:

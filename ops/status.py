@@ -14,8 +14,9 @@ from shoal.coordinator.decide import format_metrics, last_eval
 from shoal.coordinator.states import JobStatus
 from shoal.events.keys import job_keys
 from shoal.events.models import Heartbeat, ShardTable, WorkerDoc
-from shoal.core.errors import ConfigError
+from shoal.core.errors import ShoalError
 from shoal.core.yamlfile import escape_controls
+from shoal.ops.jobs import NoSuchJob
 
 
 def parse_heartbeat(raw: bytes | None) -> Heartbeat | None:
@@ -52,7 +53,7 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
     pipe.xlen(keys.failures)
     spec_raw, state_raw, workers_raw, seen, shard_raw, (sec, usec), dead, lease, epoch, failures = pipe.execute()
     if spec_raw is None:
-        raise ConfigError(f"no job {job_id!r} in this Redis")
+        raise NoSuchJob(f"no job {job_id!r} in this Redis")
     now_ms = int(sec) * 1000 + int(usec) // 1000
     status = JobStatus.from_hash(state_raw)
     last_seen = {w.decode(): int(s) for w, s in seen}
@@ -112,6 +113,58 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
         "epoch": int(epoch or 0),
         "workers": workers,
     }
+
+
+def job_summary(client: redis.Redis, job_id: str, *, steps: int = 0) -> dict:
+    """What a launch unit returns (its RQ result) and the HTTP API's ``/jobs/{id}/summary``:
+    state, reason, generation, steps (the completion summary's, else the highest committed
+    step seen: ``steps`` or the job record's), committed steps redone (lost with every replica
+    that held them: the job resumed from a checkpoint or from scratch), the summary the job's
+    rank 0 reported at completion (``summary`` in the state hash, JSON) and its newest
+    evaluation (``eval``: step, epoch, generation, metrics; None when it has none)."""
+    raw = client.hgetall(job_keys(job_id).state)
+    status = JobStatus.from_hash(raw)
+    summary = None
+    if status.summary:
+        try:
+            summary = json.loads(status.summary)
+        except ValueError:
+            summary = None
+    if isinstance(summary, dict) and isinstance(summary.get("step"), int):
+        steps = summary["step"]
+    else:
+        steps = max(steps, status.high_step)
+    return {
+        "job_id": job_id,
+        "state": status.state.value,
+        "reason": status.reason if raw else "",
+        "generation": status.generation,
+        "steps": steps,
+        "steps_redone": status.steps_redone,
+        "summary": summary,
+        "eval": last_eval(status),
+    }
+
+
+def jobs_overview(client: redis.Redis) -> list[dict]:
+    """One line per registered job (``shoal jobs``, the HTTP API's ``GET /jobs``): job id,
+    state, generation, world size, step, total steps, percent, steps/s, workers Active; a
+    job whose records do not read shows its id, state ``unknown`` and the one-line ``error``."""
+    from shoal.core.registry import list_jobs
+
+    out = []
+    for jid in list_jobs(client):
+        try:
+            s = job_status(client, jid)
+        except (ShoalError, ValidationError, ValueError) as exc:
+            out.append({"job_id": jid, "state": "unknown", "error": escape_controls(str(exc).splitlines()[0])})
+            continue
+        p = s["progress"]
+        out.append({"job_id": jid, "state": s["state"], "generation": s["generation"], "world_size": s["world_size"],
+                    "step": p["step"], "total_steps": p["total_steps"], "percent": p["percent"],
+                    "steps_per_s": p["steps_per_s"], "reason": s["reason"],
+                    "active": sum(1 for w in s["workers"] if w["state"] == "Active")})
+    return out
 
 
 def _summary_step(summary: str) -> int:

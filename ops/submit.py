@@ -72,7 +72,12 @@ def submit(client: redis.Redis, spec: JobSpec, *, workers_per_unit: int = 1) -> 
     return Submitted(spec.name, ids, sizes)
 
 
-def check_runnable(spec: JobSpec, *, build: bool = False) -> None:
+#: What a refused check tells a ``shoal submit`` user to do when only the workers have the code.
+CLI_SKIP_HINT = "pass --no-validate if only the worker nodes have it"
+
+
+def check_runnable(spec: JobSpec, *, build: bool = False, isolated: bool = False, timeout: float | None = None,
+                   skip_hint: str = CLI_SKIP_HINT) -> None:
     """What can be checked on the submitting machine before a job is accepted, calling no
     user code: the entrypoint imports and names a function callable without arguments, a
     ``tensorboard_dir`` has the ``tensorboard`` package installed, and an ``s3://``
@@ -82,13 +87,17 @@ def check_runnable(spec: JobSpec, *, build: bool = False) -> None:
     returns is checked like a worker checks it (model, optimizer, dataset...). A job with a
     ``working_dir`` is checked in a child process started there with it first on
     ``PYTHONPATH``, as its workers will be. ConfigError, one line naming the problem and
-    ``--no-validate`` (for a job whose code or settings exist only on the worker nodes)."""
+    ``--no-validate`` (for a job whose code or settings exist only on the worker nodes; the
+    HTTP API passes its own ``skip_hint``). ``isolated`` checks every entrypoint in a child
+    process (a long-running server must not import user code into itself), given at most
+    ``timeout`` seconds (None: no limit)."""
     from shoal.storage.errors import StorageConfigError
     from shoal.storage.s3_config import S3Config
 
-    skip = "; pass --no-validate if only the worker nodes have it"
+    skip = f"; {skip_hint}"
     if spec.entrypoint != "simulate":
-        problem = _entrypoint_problem(spec.entrypoint, spec.seed, build, spec.working_dir)
+        problem = _entrypoint_problem(spec.entrypoint, spec.seed, build, spec.working_dir, isolated=isolated,
+                                      timeout=timeout)
         if problem:
             where = f" (imported from working_dir {spec.working_dir})" if spec.working_dir else ""
             raise ConfigError(f"{problem}{where}{skip}")
@@ -108,21 +117,29 @@ def check_runnable(spec: JobSpec, *, build: bool = False) -> None:
                 raise ConfigError(f"{field} {uri}: {exc}{skip}") from None
 
 
-def _entrypoint_problem(entrypoint: str, seed: int, build: bool, working_dir: str | None) -> str:
+def _entrypoint_problem(entrypoint: str, seed: int, build: bool, working_dir: str | None, *,
+                        isolated: bool = False, timeout: float | None = None) -> str:
     """What is wrong with ``entrypoint`` ("" : nothing): imported (and called when ``build``)
-    here, or, with a ``working_dir``, in a child process run like a worker there."""
+    here, or, with a ``working_dir`` or ``isolated``, in a child process run like a worker
+    there (in the current directory when there is no ``working_dir``), killed after
+    ``timeout`` s."""
     from shoal.worker.errors import EntrypointError
     from shoal.worker.userapi import load_entrypoint, resolve_entrypoint
 
-    if working_dir is None:
+    if working_dir is None and not isolated:
         try:
             load_entrypoint(entrypoint, seed) if build else resolve_entrypoint(entrypoint)
         except EntrypointError as exc:
             return str(exc)
         return ""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([working_dir, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    cwd = working_dir or os.getcwd()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([cwd, *filter(None, [os.environ.get("PYTHONPATH")])]))
     argv = [sys.executable, "-m", "shoal.ops.submit", entrypoint, str(seed), *(["--build"] if build else [])]
-    res = subprocess.run(argv, cwd=working_dir, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    try:
+        res = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"checking entrypoint {entrypoint!r} took longer than {timeout:g} s"
     if res.returncode == 0:
         return ""
     lines = [line for line in res.stderr.splitlines() if line.strip()]

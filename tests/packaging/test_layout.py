@@ -77,6 +77,7 @@ def test_every_package_folder_is_installed_and_every_installed_package_exists() 
                 assert sub.resolve() in mapped, f"{sub.relative_to(ROOT)} holds code the wheel would not install"
     assert not (ROOT / "shoal").exists(), "a folder named shoal/ would shadow an installed shoal from the checkout"
     assert layer_of("shoal.ops.chaos.run") == "shoal.ops"
+    assert layer_of("shoal.ops.api.app") == "shoal.ops"  # the HTTP API is operator tooling, like the CLI
 
 
 def test_no_code_or_test_edits_sys_path() -> None:
