@@ -273,6 +273,10 @@ def test_health_probes_match_what_the_processes_run(objs):
         assert agent_check.max_age >= 2 * heartbeat
         # a Redis outage must not restart the processes: liveness and startup pass it
         assert agent_check.allow_redis_down == check.allow_redis_down == (probe != "readinessProbe")
+    serve = deps["shoal-serve"]["spec"]["template"]["spec"]["containers"][0]
+    # the API: ready while Redis answers (/health is 503 otherwise), alive while it serves
+    assert serve["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert serve["livenessProbe"]["httpGet"]["path"] == serve["startupProbe"]["httpGet"]["path"] == "/health/live"
 
 
 def test_coordinators_are_two_replicas_and_agents_scale_per_overlay():
