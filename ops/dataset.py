@@ -14,9 +14,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
+from pathlib import Path
 
 from shoal.core.errors import ConfigError
 
@@ -63,8 +65,6 @@ def _store(uri: str, *, create: bool):
     from shoal.storage.uri import open_store
 
     if "://" not in uri and not uri.startswith("/"):
-        from pathlib import Path
-
         uri = str(Path(uri).absolute())
     if uri.startswith("memory:"):
         raise ConfigError("memory:// datasets do not outlive this command: use a directory or s3://")
@@ -75,14 +75,23 @@ def cmd_pack(args: argparse.Namespace) -> int:
     from shoal.storage.streaming_pack import iter_source, pack
 
     samples = iter_source(args.source)
+    local = None if "://" in args.output and not args.output.startswith("file://") else args.output
+    existed = local is not None and Path(local.removeprefix("file://")).exists()
     store = _store(args.output, create=True)
 
     def progress(n: int, shards: int) -> None:
         if sys.stderr.isatty():
             print(f"\r{n} samples, {shards} shards", end="", file=sys.stderr, flush=True)
 
-    index = pack(samples, store, format=args.format, shard_size=args.shard_size, index_key=args.index_key,
-                 progress=progress)
+    try:
+        index = pack(samples, store, format=args.format, shard_size=args.shard_size, index_key=args.index_key,
+                     progress=progress)
+    except BaseException:
+        root = store.local_path("x")
+        if local is not None and not existed and root is not None:
+            with contextlib.suppress(OSError):
+                root.parent.rmdir()  # the output directory this command made, left empty
+        raise
     if sys.stderr.isatty():
         print(file=sys.stderr)
     n = sum(s.samples or 0 for s in index.shards)

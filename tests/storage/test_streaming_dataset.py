@@ -107,6 +107,21 @@ def test_plan_prefetches_owned_shards_in_need_order(tmp_path: Path) -> None:
     ds.close()
 
 
+def test_pickles_for_spawned_loaders(tmp_path: Path) -> None:
+    import pickle
+
+    _, _, uri = _s3_dataset(50)
+    ds = StreamingDataset(uri, cache_dir=tmp_path / "c", decode=_label)
+    assert ds[3] == 3
+    again = pickle.loads(pickle.dumps(ds))
+    assert again[13] == 3 and len(again) == 50
+    assert again.stats()["cache_hits"] + again.stats()["cache_misses"] == 2  # one cache dir, one set of counters
+
+
+def _label(sample: dict) -> int:
+    return sample["cls"]
+
+
 def test_local_directory_is_read_in_place(tmp_path: Path) -> None:
     from shoal.storage.local import LocalStore
 
@@ -148,9 +163,9 @@ def test_corrupt_shard_raises_naming_it_and_is_not_cached(tmp_path: Path) -> Non
         ds.get_remote(last)
 
 
-def _reader(uri: str, cache: str, limit: int, ids: list[int], done, out) -> None:
+def _reader(ds: StreamingDataset, ids: list[int], done, out) -> None:
+    """A forked loader: reads through the dataset object it inherited from its worker."""
     try:
-        ds = StreamingDataset(uri, cache_dir=cache, cache_limit=limit)
         for i in ids:
             assert ds[i]["cls"] == i % 10
             done.value += 1
@@ -192,7 +207,7 @@ def test_cache_limit_is_never_exceeded_by_two_forked_readers(tmp_path: Path) -> 
     out = ctx.Queue()
     done = [ctx.Value("l", 0, lock=False) for _ in range(2)]
     halves = [order[0::2].tolist(), order[1::2].tolist()]
-    kids = [ctx.Process(target=_reader, args=(uri, str(cache), limit, h, d, out)) for h, d in zip(halves, done)]
+    kids = [ctx.Process(target=_reader, args=(ds, h, d, out)) for h, d in zip(halves, done)]
     for k in kids:  # forked before this process has threads of its own, as the prefetcher's loaders
         k.start()
     watcher = threading.Thread(target=watch, daemon=True)
