@@ -67,6 +67,8 @@ from shoal.storage.errors import (
 from shoal.storage.streaming_cache import Counters, ShardCache, file_lock, sum_counters
 
 DEFAULT_PREDOWNLOAD = 4096
+#: ranged reads in flight at once in :meth:`StreamingDataset.read`
+REMOTE_PARALLEL = 8
 _CHUNK = 8 * 1024 * 1024
 _NOT_TRANSIENT = (ObjectNotFound, StorageAccessDenied, StorageConfigError, ShardCorrupt)
 
@@ -86,6 +88,7 @@ class _Proc:
         self.want: list[int] = []  # shards to prefetch, in order
         self.failed: set[int] = set()  # shards whose prefetch failed (demand reads raise)
         self.needs: dict[str, int] | None = None  # last needs written (skip rewriting them)
+        self.pool: Any = None  # threads for parallel ranged reads, made on first use
         self.stop = False
 
 
@@ -105,10 +108,16 @@ class StreamingDataset:
     ) -> None:
         from shoal.storage.uri import open_store
 
+        if "://" not in uri and not uri.startswith("/"):
+            uri = str(Path(uri).absolute())  # a plain relative path: the directory it names now
         if uri.startswith("memory:"):
             raise StorageConfigError("a StreamingDataset needs file:// or s3:// (memory stores are per process)")
-        if predownload < 0:
-            raise StorageConfigError(f"predownload must be >= 0 samples, got {predownload}")
+        if not isinstance(predownload, int) or predownload < 0:
+            raise StorageConfigError(f"predownload must be an int >= 0 (samples), got {predownload!r}")
+        if cache_limit is not None and (not isinstance(cache_limit, int) or cache_limit <= 0):
+            raise StorageConfigError(f"cache_limit must be a positive int (bytes) or None, got {cache_limit!r}")
+        if decode is not None and not callable(decode):
+            raise StorageConfigError(f"decode must be a callable (a top-level function), got {type(decode).__name__}")
         self.uri = uri
         self.decode = decode
         self.cache_limit = cache_limit
@@ -219,15 +228,39 @@ class StreamingDataset:
 
     def read(self, ids: Iterable[int], owned: set[int] | frozenset[int]) -> list[Any]:
         """The samples ``ids`` in order: whole-shard reads for shards in ``owned`` (and shards
-        that happen to be cached), ranged reads for the others."""
-        out = []
+        that happen to be cached), ranged reads for the others (up to :data:`REMOTE_PARALLEL`
+        at once). The first error raises (naming the shard)."""
+        out: list[Any] = []
+        remote: list[tuple[int, int, int]] = []  # (slot in out, shard, pos)
         for i in ids:
             shard, pos = self.locate(int(i))
             if shard in owned or self._local or self._cached_path(shard) is not None:
                 out.append(self._finish(self._read_local(shard, pos)))
             else:
-                out.append(self._finish(self._read_remote(shard, pos)))
+                remote.append((len(out), shard, pos))
+                out.append(None)
+        if len(remote) == 1:
+            slot, shard, pos = remote[0]
+            out[slot] = self._finish(self._read_remote(shard, pos))
+        elif remote:
+            pool = self._pool()
+            futures = [(slot, pool.submit(self._read_remote, shard, pos)) for slot, shard, pos in remote]
+            for slot, fut in futures:
+                out[slot] = self._finish(fut.result())
         return out
+
+    def _pool(self) -> Any:
+        proc = self._proc()
+        with proc.lock:
+            if proc.pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                proc.pool = ThreadPoolExecutor(REMOTE_PARALLEL, thread_name_prefix="shoal-stream-remote")
+            return proc.pool
+
+    def __repr__(self) -> str:
+        n = len(self._index.shards) if self._index is not None else "?"
+        return f"StreamingDataset({self._where!r}, shards={n}, cache_dir={str(self.cache_dir)!r}, cache_limit={self.cache_limit})"
 
     def _finish(self, sample: dict[str, Any]) -> Any:
         return self.decode(sample) if self.decode is not None else sample
@@ -465,6 +498,9 @@ class StreamingDataset:
             proc.stop = True
             proc.wake.set()
             proc.thread.join(timeout=10)
+        if proc is not None and proc.pid == os.getpid() and proc.pool is not None:
+            proc.pool.shutdown(wait=True, cancel_futures=True)
+            proc.pool = None
 
     # -- visibility -------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:

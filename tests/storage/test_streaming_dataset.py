@@ -87,6 +87,12 @@ def test_ranged_reads_return_the_same_samples_and_count_bytes(tmp_path: Path) ->
     after = ds.stats()
     assert [o["cls"] for o in out] == [0, 9, 1]
     assert after["remote_reads"] - before["remote_reads"] == 1  # sample 199 (shard 0 is cached now)
+    # many remote samples: read in parallel, returned in the order asked
+    ids = [120, 61, 199, 0, 77, 140]
+    got = ds.read(ids, owned=set())
+    assert [g["__key__"] for g in got] == [f"{i:09d}" for i in ids]
+    assert all(_equal(g, ds.get_remote(i)) for g, i in zip(got, ids))
+    ds.close()
 
 
 def test_plan_prefetches_owned_shards_in_need_order(tmp_path: Path) -> None:
