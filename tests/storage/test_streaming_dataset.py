@@ -317,3 +317,37 @@ def test_gives_up_after_the_retry_budget_with_one_line(tmp_path: Path, monkeypat
         assert "SECRET" not in str(info.value)
     finally:
         proxy.close()
+
+
+def test_a_dead_downloaders_reservation_is_reclaimed(tmp_path: Path) -> None:
+    """A loader killed mid-download leaves a ``.part`` reservation; the next reservation
+    removes it instead of waiting for space that never frees."""
+    import subprocess
+    import sys
+
+    _, index, uri = _s3_dataset(100, shard_size=3000)
+    limit = max(s.size for s in index.shards) + 10
+    cache = tmp_path / "c"
+    ds = StreamingDataset(uri, cache_dir=cache, cache_limit=limit)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = cache / f".part-{'0' * 64}-{int(dead.stdout)}-1"
+    stale.write_bytes(b"\0" * (limit - 5))
+    assert ds[0]["cls"] == 0  # needs the space the dead process had reserved
+    assert not stale.exists()
+    assert ds.stats()["cached_bytes"] <= limit
+
+
+@pytest.mark.parametrize("kind", ["memory", "local", "s3"])
+def test_get_range_on_every_backend(kind: str, tmp_path: Path) -> None:
+    from tests.storage.support import make_store
+
+    store = make_store(kind, tmp_path)
+    data = bytes(range(256)) * 4
+    store.put_bytes("a/obj", data)
+    assert store.get_range("a/obj", 10, 20) == data[10:30]
+    assert store.get_range("a/obj", 1000, 100) == data[1000:]  # fewer only at the end
+    assert store.get_range("a/obj", 5, 0) == b""
+    with pytest.raises(ObjectNotFound):
+        store.get_range("a/missing", 0, 4)
+    with pytest.raises(ValueError):
+        store.get_range("a/obj", -1, 4)
