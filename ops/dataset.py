@@ -68,6 +68,12 @@ def _store(uri: str, *, create: bool):
         uri = str(Path(uri).absolute())
     if uri.startswith("memory:"):
         raise ConfigError("memory:// datasets do not outlive this command: use a directory or s3://")
+    if not create and uri.startswith(("/", "file:")):
+        from urllib.parse import unquote, urlsplit
+
+        folder = Path(unquote(urlsplit(uri).path) if uri.startswith("file:") else uri)
+        if not folder.is_dir():  # opening the store would create it
+            raise ConfigError(f"no dataset directory {folder}")
     return open_store(uri, create_bucket=create)
 
 

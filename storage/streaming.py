@@ -124,6 +124,12 @@ class StreamingDataset:
         self.predownload = predownload
         self.index_key = check_key(index_key)
         self.retry_timeout_s = retry_timeout_s
+        if uri.startswith(("/", "file:")):
+            from urllib.parse import unquote, urlsplit
+
+            folder = Path(unquote(urlsplit(uri).path) if uri.startswith("file:") else uri)
+            if not folder.is_dir():  # open_store would create it
+                raise ObjectNotFound(f"dataset directory {folder} does not exist")
         store = open_store(uri)  # validates the URI and the S3 settings now
         self._local = store.local_path(index_key) is not None
         self._where = store.uri

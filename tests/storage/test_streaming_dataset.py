@@ -133,6 +133,9 @@ def test_local_directory_is_read_in_place(tmp_path: Path) -> None:
 
     pack(streaming_data.samples(100), LocalStore(tmp_path / "ds"), shard_size=3000)
     ds = StreamingDataset(f"file://{tmp_path / 'ds'}", cache_dir=tmp_path / "c")
+    with pytest.raises(ObjectNotFound, match="does not exist"):
+        StreamingDataset(str(tmp_path / "nothing"), cache_dir=tmp_path / "c")
+    assert not (tmp_path / "nothing").exists()
     assert _equal(ds[42], {"__key__": f"{42:09d}", **streaming_data.sample(42)})
     ds.plan(list(range(100)), {0, 1})
     st = ds.stats()

@@ -82,7 +82,8 @@ def test_bad_input_one_line_and_nothing_written(tmp_path: Path) -> None:
         (["dataset", "pack", "tests.storage.streaming_data:small", str(out), "--shard-size", "lots"],
          "--shard-size: expected a size"),
         (["dataset", "pack", "tests.storage.streaming_data:small", "ftp://x/y"], "unsupported storage URI"),
-        (["dataset", "info", str(tmp_path / "empty")], "no such file"),
+        (["dataset", "info", str(out)], f"no dataset directory {out}"),
+        (["dataset", "index", str(out)], f"no dataset directory {out}"),
     ]
     for argv, expected in cases:
         line = _one_line_error(run_cli(_env(), *argv))
