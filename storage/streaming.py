@@ -372,20 +372,34 @@ class StreamingDataset:
             if part is None:
                 return None
             try:
-                data = self._retry(f"download {self._label(shard)}",
-                                   lambda: self._store().get_bytes(shard_key(self.index_key, entry.name)))
-                self._check(shard, len(data), hashlib.sha256(data).hexdigest())
-                with translated(f"write {part}"), open(part, "r+b") as f:
-                    f.write(data)
+                size = self._retry(f"download {self._label(shard)}", lambda: self._download(shard, part))
                 final = self._cache.commit(part, entry.sha256, suffix)
             except BaseException:
                 self._cache.abort(part)
                 raise
-            proc.counters.add("bytes_downloaded", len(data))
+            proc.counters.add("bytes_downloaded", size)
             proc.counters.add("downloads")
             if not demand:
                 proc.counters.add("prefetched")
             return final, False
+
+    def _download(self, shard: int, part: Path) -> int:
+        """Stream the shard into its reservation ``part``, hashing as it comes; never writes
+        more than the index's size (the reservation). Returns the bytes written."""
+        entry = self.index.shards[shard]
+        label = self._label(shard)
+        sha = hashlib.sha256()
+        size = 0
+        with translated(f"download {label}"), self._store().open_read(shard_key(self.index_key, entry.name)) as src, \
+                open(part, "r+b") as dst:
+            while chunk := src.read(_CHUNK):
+                size += len(chunk)
+                if size > entry.size:
+                    raise ShardCorrupt(f"dataset shard {label}: larger than the {entry.size} bytes the index says")
+                sha.update(chunk)
+                dst.write(chunk)
+        self._check(shard, size, sha.hexdigest())
+        return size
 
     def _check(self, shard: int, size: int, digest: str) -> None:
         entry = self.index.shards[shard]

@@ -247,11 +247,13 @@ def test_cache_limit_is_never_exceeded_by_two_forked_readers(tmp_path: Path) -> 
 
 
 class _FlakyProxy:
-    """A TCP forwarder to ``target`` that resets the first ``fail`` connections."""
+    """A TCP forwarder to ``target`` that resets the first ``fail`` connections, or with
+    ``cut_after`` forwards them but drops each after that many response bytes."""
 
-    def __init__(self, target_port: int, fail: int) -> None:
+    def __init__(self, target_port: int, fail: int, cut_after: int | None = None) -> None:
         self.target = ("127.0.0.1", target_port)
         self.fail = fail
+        self.cut_after = cut_after
         self.accepted = 0
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -266,18 +268,24 @@ class _FlakyProxy:
             except OSError:
                 return
             self.accepted += 1
-            if self.accepted <= self.fail:
+            if self.accepted <= self.fail and self.cut_after is None:
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                 conn.close()
                 continue
             up = socket.create_connection(self.target, timeout=10)
-            for a, b in ((conn, up), (up, conn)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            cut = self.cut_after if self.accepted <= self.fail else None
+            threading.Thread(target=self._pipe, args=(conn, up), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(up, conn, cut), daemon=True).start()
 
     @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(src: socket.socket, dst: socket.socket, cut: int | None = None) -> None:
+        sent = 0
         try:
             while data := src.recv(65536):
+                if cut is not None and sent + len(data) >= cut:
+                    dst.sendall(data[: cut - sent])
+                    break
+                sent += len(data)
                 dst.sendall(data)
         except OSError:
             pass
@@ -304,6 +312,30 @@ def test_transient_s3_errors_are_retried_with_backoff(tmp_path: Path, monkeypatc
         st = ds.stats()
         assert st["retries"] >= 1 and proxy.accepted > 12
         assert st["bytes_downloaded"] == index.shards[0].size
+    finally:
+        proxy.close()
+
+
+def test_a_download_cut_mid_body_is_retried_and_verified(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, index, uri = _s3_dataset(200, shard_size=100_000, payload=2000)
+    assert index.shards[0].size > 60_000
+    moto_port = int(s3_env()["S3_ENDPOINT"].rsplit(":", 1)[1])
+    ds = StreamingDataset(uri, cache_dir=tmp_path / "c", retry_timeout_s=30)
+    len(ds)  # the index through the direct endpoint
+    proxy = _FlakyProxy(moto_port, fail=1000, cut_after=30_000)  # every body cut short
+    monkeypatch.setenv("S3_ENDPOINT", f"http://127.0.0.1:{proxy.port}")
+    try:
+        fresh = StreamingDataset(uri, cache_dir=tmp_path / "c2", retry_timeout_s=1)
+        with pytest.raises(Exception, match="gave up after 1 s of retries"):  # cut bodies are retried
+            fresh[0]
+        assert fresh.stats()["retries"] >= 1
+        assert not list((tmp_path / "c2").glob(".part-*")) and fresh.stats()["shards_cached"] == 0
+        proxy.fail = proxy.accepted + 2  # the next two connections are cut, then all is well
+        again = StreamingDataset(uri, cache_dir=tmp_path / "c3", retry_timeout_s=30)
+        assert _equal(again[1], {"__key__": f"{1:09d}", **streaming_data.sample(1, 2000)})
+        st = again.stats()
+        assert st["bytes_downloaded"] == index.shards[0].size and st["downloads"] == 1
+        assert proxy.accepted > proxy.fail  # it got through the cut connections
     finally:
         proxy.close()
 
@@ -347,6 +379,11 @@ def test_get_range_on_every_backend(kind: str, tmp_path: Path) -> None:
     store = make_store(kind, tmp_path)
     data = bytes(range(256)) * 4
     store.put_bytes("a/obj", data)
+    with store.open_read("a/obj") as f:
+        assert f.read(100) + f.read(10_000) == data
+    with pytest.raises(ObjectNotFound):
+        with store.open_read("a/missing"):
+            pass
     assert store.get_range("a/obj", 10, 20) == data[10:30]
     assert store.get_range("a/obj", 1000, 100) == data[1000:]  # fewer only at the end
     assert store.get_range("a/obj", 5, 0) == b""
