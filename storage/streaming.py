@@ -40,7 +40,10 @@ Processes
 from __future__ import annotations
 
 import atexit
+import bisect
 import hashlib
+import mmap
+import operator
 import os
 import shutil
 import tempfile
@@ -69,6 +72,10 @@ from shoal.storage.streaming_cache import Counters, ShardCache, file_lock, sum_c
 DEFAULT_PREDOWNLOAD = 4096
 #: ranged reads in flight at once in :meth:`StreamingDataset.read`
 REMOTE_PARALLEL = 8
+#: local shard copies a process keeps mapped. A copy evicted by another process stays on disk
+#: until this one next reads it or maps another shard (then it is unmapped), so the disk space
+#: in use can exceed ``cache_limit`` by at most this many shards per process that stopped reading.
+MAPPED_SHARDS = 8
 _CHUNK = 8 * 1024 * 1024
 _NOT_TRANSIENT = (ObjectNotFound, StorageAccessDenied, StorageConfigError, ShardCorrupt)
 
@@ -89,6 +96,8 @@ class _Proc:
         self.failed: set[int] = set()  # shards whose prefetch failed (demand reads raise)
         self.needs: dict[str, int] | None = None  # last needs written (skip rewriting them)
         self.pool: Any = None  # threads for parallel ranged reads, made on first use
+        self.maps: dict[int, tuple[mmap.mmap, int, Path]] = {}  # shard -> mapped local copy (LRU order)
+        self.touched: dict[int, float] = {}  # shard -> when its copy's mtime was last set
         self.stop = False
 
 
@@ -141,6 +150,7 @@ class StreamingDataset:
         self._cache.sweep()
         self._index: DatasetIndex | None = None
         self._cum: np.ndarray | None = None
+        self._starts: list[int] = []  # the same as a list (bisect in locate)
         self._proc_state: _Proc | None = _Proc(self.cache_dir)
         self._proc_state.store = store
 
@@ -180,6 +190,7 @@ class StreamingDataset:
                 if s.format == "webdataset" and s.offsets is None:
                     raise ShardCorrupt(f"{self._where}/{self.index_key}: webdataset shard {s.name} has no offsets")
             self._cum = np.concatenate([[0], np.cumsum([s.samples for s in index.shards], dtype=np.int64)])
+            self._starts = [int(x) for x in self._cum]
             self._index = index
         return self._index
 
@@ -204,14 +215,16 @@ class StreamingDataset:
 
     def locate(self, i: int) -> tuple[int, int]:
         """(shard number, position in the shard) of global sample ``i``; IndexError outside."""
-        n = len(self)
+        if self._index is None:
+            _ = self.index
+        starts = self._starts
+        n = starts[-1]
         if i < 0:
             i += n
         if not 0 <= i < n:
             raise IndexError(f"sample {i} out of range for a dataset of {n} samples")
-        assert self._cum is not None
-        shard = int(np.searchsorted(self._cum, i, side="right") - 1)
-        return shard, int(i - self._cum[shard])
+        shard = bisect.bisect_right(starts, i) - 1
+        return shard, i - starts[shard]
 
     def shard_of(self, ids: np.ndarray | Sequence[int]) -> np.ndarray:
         """Shard numbers of many sample ids at once (no range check beyond numpy's)."""
@@ -224,7 +237,7 @@ class StreamingDataset:
 
     # -- reading --------------------------------------------------------------------------
     def __getitem__(self, i: int) -> Any:
-        shard, pos = self.locate(int(i))
+        shard, pos = self.locate(operator.index(i))
         return self._finish(self._read_local(shard, pos))
 
     def get_remote(self, i: int) -> Any:
@@ -280,23 +293,70 @@ class StreamingDataset:
 
     def _read_local(self, shard: int, pos: int) -> dict[str, Any]:
         proc = self._proc()
-        path, hit = self._shard_file(shard, demand=True)
         entry = self.index.shards[shard]
-        try:
-            with open(path, "rb") as f:
-                fd = f.fileno()
+        for _ in range(100):  # evicted by another process between download and open: again
+            with proc.lock:
+                mapped = proc.maps.get(shard)
+                if mapped is not None and os.fstat(mapped[1]).st_nlink == 0:
+                    self._unmap(proc, shard)  # evicted since: do not keep its space alive
+                    mapped = None
+            hit = True
+            if mapped is None:
+                path, hit = self._shard_file(shard, demand=True)
+                try:
+                    mapped = self._map(proc, shard, path)
+                except FileNotFoundError:
+                    continue
+            with proc.lock:
+                mm = mapped[0]
                 if entry.format == "packed":
-                    start, end = packed.offset_pair(os.pread(fd, 16, packed.offsets_span(pos)[0]))
+                    start, end = packed.offset_pair(mm[packed.offsets_span(pos)[0] : packed.offsets_span(pos)[0] + 16])
                 else:
                     assert entry.offsets is not None
                     start, end = entry.offsets[pos], entry.offsets[pos + 1]
-                raw = os.pread(fd, end - start, start)
-        except FileNotFoundError:
-            return self._read_local(shard, pos)  # evicted between lookup and open: fetch again
-        except OSError as exc:
-            raise StorageError(f"read dataset shard {self._label(shard)}: {exc.strerror or exc}") from exc
-        proc.counters.add("cache_hits" if hit else "cache_misses")
-        return self._decode(shard, pos, raw)
+                if not 0 <= start <= end <= len(mm):
+                    raise ShardCorrupt(f"dataset shard {self._label(shard)}: sample {pos} lies outside the shard")
+                raw = mm[start:end]
+            proc.counters.add("cache_hits" if hit else "cache_misses")
+            self._touch(proc, shard, mapped[2])
+            return self._decode(shard, pos, raw)
+        raise StorageError(f"dataset shard {self._label(shard)} keeps being evicted before it is read "
+                           f"(cache_limit {self.cache_limit} too small for the readers of this worker?)")
+
+    def _map(self, proc: _Proc, shard: int, path: Path) -> tuple[mmap.mmap, int, Path]:
+        """Map the shard file read-only (kept open, at most :data:`MAPPED_SHARDS` per process)."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        with proc.lock:
+            for other in [k for k, m in proc.maps.items() if k == shard or os.fstat(m[1]).st_nlink == 0]:
+                self._unmap(proc, other)  # evicted copies: free their space now
+            proc.maps[shard] = (mm, fd, path)
+            while len(proc.maps) > MAPPED_SHARDS:
+                self._unmap(proc, next(iter(proc.maps)))
+        return mm, fd, path
+
+    @staticmethod
+    def _unmap(proc: _Proc, shard: int) -> None:
+        mm, fd, _ = proc.maps.pop(shard)
+        mm.close()
+        os.close(fd)
+
+    def _touch(self, proc: _Proc, shard: int, path: Path) -> None:
+        """Mark the cached copy as used (its mtime: least-recently-used eviction), at most
+        once a second per shard and process."""
+        if self._local:
+            return
+        now = time.monotonic()
+        if now - proc.touched.get(shard, -10.0) > 1.0:
+            proc.touched[shard] = now
+            try:
+                os.utime(path)
+            except FileNotFoundError:
+                pass
 
     def _decode(self, shard: int, pos: int, raw: bytes) -> dict[str, Any]:
         fmt = self.index.shards[shard].format
@@ -512,7 +572,8 @@ class StreamingDataset:
         return False
 
     def close(self) -> None:
-        """Stop this process's prefetch thread (cached shards stay)."""
+        """Stop this process's prefetch thread and reading threads and unmap its shard copies
+        (cached shards stay; the dataset can still be read afterwards)."""
         proc = self._proc_state
         if proc is not None and proc.pid == os.getpid() and proc.thread is not None:
             proc.stop = True
@@ -521,6 +582,10 @@ class StreamingDataset:
         if proc is not None and proc.pid == os.getpid() and proc.pool is not None:
             proc.pool.shutdown(wait=True, cancel_futures=True)
             proc.pool = None
+        if proc is not None and proc.pid == os.getpid():
+            with proc.lock:
+                for shard in list(proc.maps):
+                    self._unmap(proc, shard)
 
     # -- visibility -------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:

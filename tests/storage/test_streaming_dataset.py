@@ -354,6 +354,20 @@ def test_gives_up_after_the_retry_budget_with_one_line(tmp_path: Path, monkeypat
         proxy.close()
 
 
+def test_a_copy_evicted_while_mapped_is_let_go_and_fetched_again(tmp_path: Path) -> None:
+    _, index, uri = _s3_dataset(100, shard_size=3000)
+    ds = StreamingDataset(uri, cache_dir=tmp_path / "c")
+    assert ds[0]["cls"] == 0 and ds.stats()["downloads"] == 1
+    copy = next(p for p in (tmp_path / "c").iterdir() if not p.name.startswith("."))
+    copy.unlink()  # what another process's eviction does
+    assert ds[1]["cls"] == 1
+    st = ds.stats()
+    assert st["downloads"] == 2 and st["cache_misses"] == 2 and st["cache_hits"] == 0
+    assert os.path.exists(copy)
+    ds.close()
+    assert ds[2]["cls"] == 2  # still readable after close
+
+
 def test_a_dead_downloaders_reservation_is_reclaimed(tmp_path: Path) -> None:
     """A loader killed mid-download leaves a ``.part`` reservation; the next reservation
     removes it instead of waiting for space that never frees."""
