@@ -76,6 +76,9 @@ REMOTE_PARALLEL = 8
 #: until this one next reads it or maps another shard (then it is unmapped), so the disk space
 #: in use can exceed ``cache_limit`` by at most this many shards per process that stopped reading.
 MAPPED_SHARDS = 8
+#: a packed shard's offsets table up to this many bytes is read whole by the first ranged read
+#: of the shard (and kept per process); beyond it each ranged read fetches its 16 bytes
+OFFSETS_TABLE_MAX = 64 * 1024
 _CHUNK = 8 * 1024 * 1024
 _NOT_TRANSIENT = (ObjectNotFound, StorageAccessDenied, StorageConfigError, ShardCorrupt)
 
@@ -369,10 +372,14 @@ class StreamingDataset:
         proc = self._proc()
         entry = self.index.shards[shard]
         key = shard_key(self.index_key, entry.name)
-        if entry.format == "packed":
+        n = int(entry.samples or 0)
+        if entry.format == "packed" and 8 * (n + 1) > OFFSETS_TABLE_MAX and shard not in proc.offsets:
+            # a large table: just this sample's two offsets (16 bytes) rather than the table
+            a, length = packed.offsets_span(pos)
+            start, end = packed.offset_pair(self._ranged(key, a, length, shard))
+        elif entry.format == "packed":
             table = proc.offsets.get(shard)
             if table is None:
-                n = int(entry.samples or 0)
                 raw = self._ranged(key, 0, packed.HEADER + 8 * (n + 1), shard)
                 try:
                     if packed.parse_header(raw) != n:

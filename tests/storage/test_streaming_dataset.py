@@ -95,6 +95,19 @@ def test_ranged_reads_return_the_same_samples_and_count_bytes(tmp_path: Path) ->
     ds.close()
 
 
+def test_a_ranged_read_of_a_shard_with_a_large_table_fetches_only_its_offsets(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shoal.storage import streaming
+
+    _, index, uri = _s3_dataset(200, shard_size=40_000, payload=200)
+    monkeypatch.setattr(streaming, "OFFSETS_TABLE_MAX", 0)
+    ds = StreamingDataset(uri, cache_dir=tmp_path / "c")
+    got = ds.get_remote(33)
+    st = ds.stats()
+    assert _equal(got, ds[33]) and st["remote_reads"] == 1
+    assert 16 < st["remote_bytes"] < 16 + 400  # the two offsets, then the ~300-byte record
+
+
 def test_plan_prefetches_owned_shards_in_need_order(tmp_path: Path) -> None:
     _, index, uri = _s3_dataset(300, shard_size=3000)
     ds = StreamingDataset(uri, cache_dir=tmp_path / "c", predownload=100)
