@@ -1,6 +1,6 @@
 """``shoal dataset``: write and inspect streaming datasets (:mod:`shoal.storage.streaming`).
 
-``shoal dataset pack SOURCE OUTPUT [--format packed|webdataset] [--shard-size 64MiB]``
+``shoal dataset pack SOURCE OUTPUT [--format packed|webdataset] [--shard-size 64MiB] [--shard-samples N]``
     SOURCE: a directory (one sample per file: ``name``, ``data``) or ``module:function``
     returning an iterable of dicts; OUTPUT: a directory, ``file:///abs/dir`` or
     ``s3://bucket/prefix``. Shards first, ``index.json`` last; on any error what was written
@@ -38,6 +38,12 @@ def parse_size(text: str) -> int:
     return value
 
 
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     ds = sub.add_parser("dataset", help="write (pack, index) and inspect streaming datasets")
     dsub = ds.add_subparsers(dest="action", required=True)
@@ -46,8 +52,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     pk.add_argument("output", help="a directory, file:///abs/dir or s3://bucket/prefix (must hold no index yet)")
     pk.add_argument("--format", choices=["packed", "webdataset"], default="packed",
                     help="shard format: shoal's packed format (default) or WebDataset tars")
-    pk.add_argument("--shard-size", type=parse_size, default="64MiB",
-                    help="largest shard in bytes, e.g. 67108864, 64MB, 64MiB (default 64MiB)")
+    pk.add_argument("--shard-size", type=parse_size, default=None,
+                    help="largest shard in bytes, e.g. 67108864, 64MB, 64MiB (default 64MiB unless --shard-samples)")
+    pk.add_argument("--shard-samples", type=_positive_int, default=None,
+                    help="at most this many samples per shard (the same boundaries in both formats)")
     pk.add_argument("--index-key", default="index.json", help="name of the index object (default index.json)")
     pk.set_defaults(func=cmd_pack)
     ix = dsub.add_parser("index", help="write index.json for the WebDataset .tar shards under a URI")
@@ -78,7 +86,7 @@ def _store(uri: str, *, create: bool):
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
-    from shoal.storage.streaming_pack import iter_source, pack
+    from shoal.storage.streaming_pack import DEFAULT_SHARD_SIZE, iter_source, pack
 
     samples = iter_source(args.source)
     local = None if "://" in args.output and not args.output.startswith("file://") else args.output
@@ -89,9 +97,10 @@ def cmd_pack(args: argparse.Namespace) -> int:
         if sys.stderr.isatty():
             print(f"\r{n} samples, {shards} shards", end="", file=sys.stderr, flush=True)
 
+    size = args.shard_size if args.shard_size is not None or args.shard_samples else DEFAULT_SHARD_SIZE
     try:
-        index = pack(samples, store, format=args.format, shard_size=args.shard_size, index_key=args.index_key,
-                     progress=progress)
+        index = pack(samples, store, format=args.format, shard_size=size, shard_samples=args.shard_samples,
+                     index_key=args.index_key, progress=progress)
     except BaseException:
         root = store.local_path("x")
         if local is not None and not existed and root is not None:

@@ -27,9 +27,11 @@ def _s3_settings(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(k, v)
 
 
-def _s3_dataset(n: int, *, fmt: str = "packed", shard_size: int = 8000, payload: int = 64):
+def _s3_dataset(n: int, *, fmt: str = "packed", shard_size: int | None = 8000, payload: int = 64,
+                shard_samples: int | None = None):
     store = make_s3_store("data/set")
-    index = pack(streaming_data.samples(n, payload), store, format=fmt, shard_size=shard_size)
+    index = pack(streaming_data.samples(n, payload), store, format=fmt, shard_size=shard_size,
+                 shard_samples=shard_samples)
     return store, index, f"s3://{store.bucket}/data/set"
 
 
@@ -49,6 +51,13 @@ def test_webdataset_and_packed_give_the_same_samples_for_the_same_ids(tmp_path: 
     for i in np.random.default_rng(0).permutation(400)[:120]:
         assert _equal(a[int(i)], b[int(i)]), i
         assert _equal(a.get_remote(int(i)), b.get_remote(int(i))), i
+    # cut by sample count, both formats get the same boundaries (so the same shard-aware order)
+    _, _, packed_even = _s3_dataset(400, fmt="packed", shard_size=None, shard_samples=37)
+    _, _, tar_even = _s3_dataset(400, fmt="webdataset", shard_size=None, shard_samples=37)
+    c = StreamingDataset(packed_even, cache_dir=tmp_path / "c")
+    d = StreamingDataset(tar_even, cache_dir=tmp_path / "d")
+    assert c.shard_samples == d.shard_samples == [37] * 10 + [30]
+    assert all(_equal(c[i], d[i]) for i in (0, 36, 37, 399))
 
 
 def test_locate_and_shard_of_follow_index_order(tmp_path: Path) -> None:

@@ -57,10 +57,10 @@ def test_pack_a_python_iterable_to_s3(fmt: str, tmp_path: Path, monkeypatch: pyt
     bucket = make_s3_store("unused").bucket  # a fresh, existing bucket
     uri = f"s3://{bucket}/sets/small"
     res = run_cli(_env(), "dataset", "pack", "tests.storage.streaming_data:small", uri,
-                  "--format", fmt, "--shard-size", "10KB")
+                  "--format", fmt, "--shard-size", "10KB", "--shard-samples", "70")
     assert res.returncode == 0, res.stderr
     ds = StreamingDataset(uri, cache_dir=tmp_path / "cache")
-    assert len(ds) == 300 and len(ds.shard_samples) > 3
+    assert len(ds) == 300 and len(ds.shard_samples) > 3 and max(ds.shard_samples) <= 70
     for i in (0, 1, 150, 299):
         got, want = ds[i], streaming_data.sample(i)
         assert got["__key__"] == f"{i:09d}" and got["cls"] == want["cls"] and got["txt"] == want["txt"]
@@ -82,6 +82,8 @@ def test_bad_input_one_line_and_nothing_written(tmp_path: Path) -> None:
         (["dataset", "pack", "tests.storage.streaming_data:small", str(out), "--shard-size", "lots"],
          "--shard-size: expected a size"),
         (["dataset", "pack", "tests.storage.streaming_data:small", "ftp://x/y"], "unsupported storage URI"),
+        (["dataset", "pack", "tests.storage.streaming_data:small", str(out), "--shard-samples", "0"],
+         "--shard-samples: expected a positive integer"),
         (["dataset", "info", str(out)], f"no dataset directory {out}"),
         (["dataset", "index", str(out)], f"no dataset directory {out}"),
     ]
