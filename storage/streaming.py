@@ -33,8 +33,10 @@ Processes
     store connections, threads and locks are per process, created on first use after a fork;
     the cache directory and its counters are shared by the processes of one worker (the
     training process and its loaders), so :meth:`stats` counts all of them. Give each worker
-    its own ``cache_dir`` (the default is a fresh temporary directory per dataset object,
-    removed when the process that made it exits).
+    its own ``cache_dir``. The default is a fresh directory per dataset object under
+    ``$SHOAL_STREAM_CACHE_ROOT`` (default ``<tmp>/shoal-stream-cache``), removed when the
+    process that made it exits, or by the next dataset made on the machine when that process
+    was killed.
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ class StreamingDataset:
         self._local = store.local_path(index_key) is not None
         self._where = store.uri
         if cache_dir is None:
-            cache_dir = tempfile.mkdtemp(prefix="shoal-stream-")
+            cache_dir = _default_cache_dir()
             atexit.register(_remove_if_owner, cache_dir, os.getpid())
         self.cache_dir = Path(cache_dir).absolute()
         self._cache = ShardCache(self.cache_dir, cache_limit)
@@ -603,6 +605,22 @@ class StreamingDataset:
         used, count = self._cache.usage()
         out.update(cached_bytes=used, shards_cached=count, cache_limit=self.cache_limit or 0)
         return out
+
+
+def _default_cache_dir() -> str:
+    """A fresh ``<pid>-<random>`` directory under ``$SHOAL_STREAM_CACHE_ROOT`` (default
+    ``<tmp>/shoal-stream-cache``), after removing the ones of processes that no longer run
+    (a worker killed with SIGKILL never runs its exit handler)."""
+    from shoal.storage.streaming_cache import _alive, _pid_of
+
+    root = Path(os.environ.get("SHOAL_STREAM_CACHE_ROOT") or Path(tempfile.gettempdir()) / "shoal-stream-cache")
+    with translated(f"create {root}"):
+        root.mkdir(parents=True, exist_ok=True)
+        for old in root.iterdir():
+            pid = _pid_of(old.name.split("-", 1)[0])
+            if old.is_dir() and pid is not None and not _alive(pid):
+                shutil.rmtree(old, ignore_errors=True)
+        return tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root)
 
 
 def _remove_if_owner(path: str, pid: int) -> None:

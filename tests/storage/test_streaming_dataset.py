@@ -390,6 +390,21 @@ def test_a_copy_evicted_while_mapped_is_let_go_and_fetched_again(tmp_path: Path)
     assert ds[2]["cls"] == 2  # still readable after close
 
 
+def test_default_cache_dirs_of_killed_workers_are_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("SHOAL_STREAM_CACHE_ROOT", str(tmp_path / "caches"))
+    _, _, uri = _s3_dataset(30)
+    code = ("import os, sys; from shoal.storage.streaming import StreamingDataset; "
+            "d = StreamingDataset(sys.argv[1]); d[0]; print(d.cache_dir, flush=True); os.kill(os.getpid(), 9)")
+    res = subprocess.run([sys.executable, "-c", code, uri], capture_output=True, text=True, timeout=60)
+    left = Path(res.stdout.strip())
+    assert res.returncode == -9 and left.parent == tmp_path / "caches" and any(left.iterdir())
+    ds = StreamingDataset(uri)
+    assert not left.exists() and ds.cache_dir.parent == tmp_path / "caches" and ds[1]["cls"] == 1
+
+
 def test_a_dead_downloaders_reservation_is_reclaimed(tmp_path: Path) -> None:
     """A loader killed mid-download leaves a ``.part`` reservation; the next reservation
     removes it instead of waiting for space that never frees."""
