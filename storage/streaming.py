@@ -299,7 +299,7 @@ class StreamingDataset:
     def _read_local(self, shard: int, pos: int) -> dict[str, Any]:
         proc = self._proc()
         entry = self.index.shards[shard]
-        for _ in range(100):  # evicted by another process between download and open: again
+        for _ in range(3):  # evicted by another process between download and open: again
             with proc.lock:
                 mapped = proc.maps.get(shard)
                 if mapped is not None and os.fstat(mapped[1]).st_nlink == 0:
@@ -325,8 +325,9 @@ class StreamingDataset:
             proc.counters.add("cache_hits" if hit else "cache_misses")
             self._touch(proc, shard, mapped[2])
             return self._decode(shard, pos, raw)
-        raise StorageError(f"dataset shard {self._label(shard)} keeps being evicted before it is read "
-                           f"(cache_limit {self.cache_limit} too small for the readers of this worker?)")
+        # the cache is too small for what this worker's processes read at once: read this
+        # sample remotely rather than fail (counted in remote_reads)
+        return self._read_remote(shard, pos)
 
     def _map(self, proc: _Proc, shard: int, path: Path) -> tuple[mmap.mmap, int, Path]:
         """Map the shard file read-only (kept open, at most :data:`MAPPED_SHARDS` per process)."""
