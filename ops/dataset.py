@@ -7,6 +7,8 @@
     is removed and the exit status is non-zero with one line naming the cause.
 ``shoal dataset index URI``
     Index the WebDataset ``*.tar`` shards under URI (sample counts and byte offsets).
+``shoal dataset verify URI``
+    Hash every shard against the index; exit 1 with one line naming the bad ones.
 ``shoal dataset info URI [--json]``
     Shards, samples, bytes and formats of a dataset.
 """
@@ -62,6 +64,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ix.add_argument("uri", help="a directory, file:///abs/dir or s3://bucket/prefix holding *.tar shards")
     ix.add_argument("--index-key", default="index.json", help="name of the index object (default index.json)")
     ix.set_defaults(func=cmd_index)
+    vf = dsub.add_parser("verify", help="hash every shard against the index (exit 1 naming the bad ones)")
+    vf.add_argument("uri", help="a directory, file:///abs/dir or s3://bucket/prefix")
+    vf.add_argument("--index-key", default="index.json", help="name of the index object (default index.json)")
+    vf.set_defaults(func=cmd_verify)
     inf = dsub.add_parser("info", help="shards, samples and bytes of a dataset")
     inf.add_argument("uri", help="a directory, file:///abs/dir or s3://bucket/prefix")
     inf.add_argument("--index-key", default="index.json", help="name of the index object (default index.json)")
@@ -139,4 +145,18 @@ def cmd_info(args: argparse.Namespace) -> int:
     else:
         print(f"{summary['uri']}: {summary['samples']} samples, {summary['shards']} shards, "
               f"{summary['bytes']} bytes, format {', '.join(summary['formats'])}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from shoal.storage.errors import ShardCorrupt
+    from shoal.storage.streaming_pack import verify_dataset
+
+    store = _store(args.uri, create=False)
+    checked, problems = verify_dataset(store, args.index_key)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ShardCorrupt(f"{len(problems)} of {checked} shards of {store.uri} do not match the index: "
+                           f"{'; '.join(problems[:3])}{more}")
+    print(f"{checked} shards of {store.uri} match the index")
     return 0

@@ -138,3 +138,17 @@ def test_index_existing_webdataset_tars(tmp_path: Path) -> None:
     (root / "junk.tar").write_bytes(b"this is not a tar" * 100)
     with pytest.raises(Exception, match="junk.tar"):
         index_tars(LocalStore(root))
+
+
+def test_verify_names_the_bad_shards(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "ds")
+    index = pack(streaming_data.samples(100), store, shard_size=2000)
+    ok = run_cli(_env(), "dataset", "verify", str(tmp_path / "ds"))
+    assert ok.returncode == 0 and f"{len(index.shards)} shards of" in ok.stdout, ok.stderr
+    bad, gone = index.shards[1].name, index.shards[4].name
+    data = bytearray(store.get_bytes(bad))
+    data[-1] ^= 1
+    store.put_bytes(bad, bytes(data))
+    store.delete(gone)
+    line = _one_line_error(run_cli(_env(), "dataset", "verify", str(tmp_path / "ds")))
+    assert f"2 of {len(index.shards)} shards" in line and f"{bad}: sha256" in line and f"{gone}: missing" in line
