@@ -526,10 +526,11 @@ class StreamingDataset:
         its first need for eviction. Returns at once; a prefetch error is not raised here (the
         read that needs the shard raises it). A no-op for a local directory.
 
-        Call it again as reading proceeds (the training worker: every step, with the ids from
-        the committed cursor on): eviction ranks are those of the last plan, so a plan that
-        is never renewed keeps ranking shards already read as needed soon. Only one process
-        of a worker plans (the training process); its loaders just read."""
+        Call it again as reading proceeds - at least whenever the set of shards ahead changes
+        (the training worker does exactly that, with the ids from the committed cursor on):
+        eviction follows the order of the last plan, so a plan never renewed keeps ranking
+        shards already read as needed soon. Only one process of a worker plans (the training
+        process); its loaders just read."""
         if self._local:
             return
         ids = np.asarray(upcoming_ids, dtype=np.int64)
