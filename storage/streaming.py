@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import atexit
 import bisect
-import hashlib
 import mmap
 import operator
 import os
@@ -52,24 +51,18 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from shoal.storage import streaming_fetch as fetch
 from shoal.storage import streaming_format as packed
 from shoal.storage import streaming_tar as wds
 from shoal.storage.backend import ObjectStore, check_key
-from shoal.storage.datasets import INDEX, DatasetIndex, ShardEntry, parse_index, shard_key
-from shoal.storage.errors import (
-    ObjectNotFound,
-    ShardCorrupt,
-    StorageAccessDenied,
-    StorageConfigError,
-    StorageError,
-    translated,
-)
-from shoal.storage.streaming_cache import Counters, ShardCache, file_lock, sum_counters
+from shoal.storage.datasets import INDEX, DatasetIndex, parse_index, shard_key
+from shoal.storage.errors import ObjectNotFound, ShardCorrupt, StorageConfigError, translated
+from shoal.storage.streaming_cache import Counters, ShardCache, sum_counters
 
 DEFAULT_PREDOWNLOAD = 4096
 #: ranged reads in flight at once in :meth:`StreamingDataset.read`
@@ -81,8 +74,6 @@ MAPPED_SHARDS = 8
 #: a packed shard's offsets table up to this many bytes is read whole by the first ranged read
 #: of the shard (and kept per process); beyond it each ranged read fetches its 16 bytes
 OFFSETS_TABLE_MAX = 64 * 1024
-_CHUNK = 8 * 1024 * 1024
-_NOT_TRANSIENT = (ObjectNotFound, StorageAccessDenied, StorageConfigError, ShardCorrupt)
 
 
 class _Proc:
@@ -289,12 +280,9 @@ class StreamingDataset:
     def _finish(self, sample: dict[str, Any]) -> Any:
         return self.decode(sample) if self.decode is not None else sample
 
-    def _suffix(self, entry: ShardEntry) -> str:
-        return PurePosixPath(entry.name).suffix
-
     def _cached_path(self, shard: int) -> Path | None:
         entry = self.index.shards[shard]
-        return self._cache.lookup(entry.sha256, self._suffix(entry), entry.size)
+        return self._cache.lookup(entry.sha256, fetch.suffix(entry), entry.size)
 
     def _read_local(self, shard: int, pos: int) -> dict[str, Any]:
         proc = self._proc()
@@ -428,96 +416,20 @@ class StreamingDataset:
 
     def _ensure_cached(self, shard: int, *, demand: bool) -> tuple[Path, bool] | None:
         entry = self.index.shards[shard]
-        suffix = self._suffix(entry)
-        found = self._cache.lookup(entry.sha256, suffix, entry.size)
-        if found is not None:
-            return found, True
-        proc = self._proc()
-        with self._cache.downloading(entry.sha256):
-            found = self._cache.lookup(entry.sha256, suffix, entry.size)
-            if found is not None:
-                return found, not demand  # a sibling downloaded it while we waited
-            part = self._cache.reserve(entry.sha256, entry.size, demand=demand, counters=proc.counters,
-                                       label=self._label(shard))
-            if part is None:
-                return None
-            try:
-                size = self._retry(f"download {self._label(shard)}", lambda: self._download(shard, part))
-                final = self._cache.commit(part, entry.sha256, suffix)
-            except BaseException:
-                self._cache.abort(part)
-                raise
-            proc.counters.add("bytes_downloaded", size)
-            proc.counters.add("downloads")
-            if not demand:
-                proc.counters.add("prefetched")
-            return final, False
-
-    def _download(self, shard: int, part: Path) -> int:
-        """Stream the shard into its reservation ``part``, hashing as it comes; never writes
-        more than the index's size (the reservation). Returns the bytes written."""
-        entry = self.index.shards[shard]
-        label = self._label(shard)
-        sha = hashlib.sha256()
-        size = 0
-        with translated(f"download {label}"), self._store().open_read(shard_key(self.index_key, entry.name)) as src, \
-                open(part, "r+b") as dst:
-            while chunk := src.read(_CHUNK):
-                size += len(chunk)
-                if size > entry.size:
-                    raise ShardCorrupt(f"dataset shard {label}: larger than the {entry.size} bytes the index says")
-                sha.update(chunk)
-                dst.write(chunk)
-        self._check(shard, size, sha.hexdigest())
-        return size
-
-    def _check(self, shard: int, size: int, digest: str) -> None:
-        entry = self.index.shards[shard]
-        if size != entry.size:
-            raise ShardCorrupt(f"dataset shard {self._label(shard)}: size {size} bytes, index says {entry.size}")
-        if digest != entry.sha256:
-            raise ShardCorrupt(
-                f"dataset shard {self._label(shard)}: sha256 {digest[:12]}... does not match the index "
-                f"({entry.sha256[:12]}...)"
-            )
+        return fetch.fetch_to_cache(self._cache, self._store, shard_key(self.index_key, entry.name), entry,
+                                    self._label(shard), demand=demand, counters=self._proc().counters,
+                                    retry_timeout_s=self.retry_timeout_s)
 
     def _verify_in_place(self, shard: int, path: Path) -> None:
         proc = self._proc()
         if shard in proc.verified:
             return
-        entry = self.index.shards[shard]
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            raise ObjectNotFound(f"dataset shard {self._label(shard)}: no such file") from None
-        marker = self.cache_dir / f".ok-{entry.sha256}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
-        if not marker.exists():
-            with file_lock(self.cache_dir / f".dl-{entry.sha256}", self._cache.wait_s, f"hashing {path}"):
-                if not marker.exists():
-                    sha = hashlib.sha256()
-                    size = 0
-                    with translated(f"read {path}"), open(path, "rb") as f:
-                        while chunk := f.read(_CHUNK):
-                            sha.update(chunk)
-                            size += len(chunk)
-                    self._check(shard, size, sha.hexdigest())
-                    marker.touch()
+        fetch.verify_in_place(self._cache, path, self.index.shards[shard], self._label(shard))
         with proc.lock:
             proc.verified.add(shard)
 
     def _retry(self, what: str, fn: Callable[[], Any]) -> Any:
-        delay, deadline = 0.1, time.monotonic() + self.retry_timeout_s
-        while True:
-            try:
-                return fn()
-            except _NOT_TRANSIENT:
-                raise
-            except StorageError as exc:
-                if time.monotonic() + delay > deadline:
-                    raise StorageError(f"{what}: gave up after {self.retry_timeout_s:g} s of retries: {exc}") from exc
-                self._proc().counters.add("retries")
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        return fetch.retry(what, fn, self.retry_timeout_s, self._proc().counters)
 
     # -- planning ---------------------------------------------------------------------------
     def plan(self, upcoming_ids: Sequence[int] | np.ndarray, owned: set[int] | frozenset[int]) -> None:
