@@ -91,6 +91,21 @@ class LocalStore(ObjectStore):
         with translated(f"read {path}"):
             return path.read_bytes()
 
+    @contextmanager
+    def open_read(self, key: str) -> Iterator[BinaryIO]:
+        path = self._path(key)
+        with translated(f"read {path}"):
+            f = open(path, "rb")
+        with f:
+            yield f
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if start < 0 or length < 0:
+            raise ValueError(f"invalid byte range start={start} length={length}")
+        path = self._path(key)
+        with translated(f"read {path} [{start}:{start + length}]"), open(path, "rb") as f:
+            return os.pread(f.fileno(), length, start)
+
     def exists(self, key: str) -> bool:
         path = self._path(key)
         with translated(f"stat {path}"):
