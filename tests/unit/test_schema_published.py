@@ -100,3 +100,18 @@ def test_an_unwritable_directory_is_one_line(tmp_path, capsys) -> None:
     assert schema.main(["--write", "--dir", str(blocker / "schema")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"cannot write the schema into {blocker}/schema/")
+
+
+def test_the_readers_stream_models_name_the_published_fields():
+    """``shoal logs``/``events`` and ``shoal serve`` read the logs and control streams through
+    typed, forgiving models (events.models.LogLine, Decision); the published contract of the
+    same entries is events.streams (strings as XRANGE gives them). The two must not drift."""
+    from shoal.events.models import Decision, LogLine
+    from shoal.events.streams import ControlEntry, LogEntry
+
+    assert set(LogLine.model_fields) == set(LogEntry.model_fields)
+    assert set(Decision.model_fields) == set(ControlEntry.model_fields)
+    entry = {"ts_ms": "1700000000000", "epoch": "3", "kind": "tick", "source_id": "tick", "job_state": "running",
+             "generation": "4", "reason": "w2 failed"}
+    assert Decision.from_fields(entry).model_dump() == {**ControlEntry(**entry).model_dump(), "ts_ms": 1700000000000,
+                                                        "epoch": 3, "generation": 4}
