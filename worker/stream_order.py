@@ -1,0 +1,177 @@
+"""Streaming datasets: a shard-aware sample order and the per-step assignment by locality.
+
+A streaming dataset (:class:`shoal.storage.streaming.StreamingDataset`, anything with a
+``shard_samples`` list) stores its samples in shards: global sample id ``i`` is the i-th
+sample in index order, so shard ``s`` holds the ids ``offsets[s] .. offsets[s+1]-1``.
+
+The order (:func:`shard_aware_permutation`)
+    Per epoch: shuffle the shards with a ``(seed, epoch)`` RNG, cut the shuffled list into
+    windows of ``window`` shards and shuffle the samples inside each window. The result is a
+    permutation of ``0..n-1``, a pure function of its arguments - never of the world size - so
+    the global cursor, the commit-only advance and the exactly-once rules of
+    :mod:`shoal.worker.data` apply unchanged, a step redone by another world size consumes the
+    same global batch, and after a full restart the cursor alone says which shard and which
+    position come next. Consecutive global batches draw from the ``window`` shards of one
+    window (two at a window's edge): a worker needs only a few shards at a time.
+
+The assignment (:func:`assign_step`)
+    Every rank computes, from the step's global batch, each sample's shard and the shard
+    owners of the table (:func:`owner_ranks`), the same split of the batch's *positions* among
+    the ranks: a rank takes the samples of the shards it owns (read from its cache), then the
+    counts are balanced to within a tolerance by moving samples - the highest positions of
+    the fullest rank first - to the emptiest one, which reads them remotely (ranged reads).
+    Samples of shards nobody in the step owns (an owner that left, a member still catching up)
+    go to the emptiest ranks. The split is returned as ordinary shard-table ranges
+    (``[start, stop, 1]`` runs of positions), so the slices of all ranks partition the batch
+    exactly (:func:`shoal.worker.data.validate_table`) and everything downstream (the engine,
+    the prefetcher's keys, the ledger) is unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Shards per shuffle window when the dataset does not say (``shuffle_window`` attribute).
+DEFAULT_WINDOW = 8
+
+
+def _rng(seed: int, epoch: int, what: str) -> np.random.Generator:
+    digest = hashlib.sha256(f"shoal-stream:{what}:{seed}:{epoch}".encode()).digest()
+    entropy = [int.from_bytes(digest[i : i + 4], "little") for i in range(0, 16, 4)]
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
+
+
+def shard_offsets(shard_samples: Sequence[int]) -> np.ndarray:
+    """``offsets[s]``: the first global id of shard ``s``; ``offsets[-1]`` the total (int64)."""
+    counts = np.asarray(shard_samples, dtype=np.int64)
+    if counts.ndim != 1 or (counts < 0).any():
+        raise ValueError("shard_samples must be a list of non-negative sample counts")
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+
+def shard_aware_permutation(shard_samples: Sequence[int], seed: int, epoch: int, window: int) -> np.ndarray:
+    """The sample order of ``epoch``: a permutation of ``0..sum(shard_samples)-1`` (int64).
+
+    Shards are shuffled, cut into consecutive windows of ``window`` shards, and the samples of
+    each window are shuffled together. A pure function of its arguments (numpy PCG64 seeded
+    from ``(seed, epoch)``). ValueError on an empty dataset, a negative epoch or window < 1."""
+    if window < 1:
+        raise ValueError(f"shuffle window must be at least 1 shard, got {window}")
+    if epoch < 0:
+        raise ValueError(f"epoch must be non-negative, got {epoch}")
+    offsets = shard_offsets(shard_samples)
+    total = int(offsets[-1])
+    if total <= 0:
+        raise ValueError("a streaming dataset with no samples")
+    rng = _rng(seed, epoch, "order")
+    shards = rng.permutation(len(offsets) - 1)
+    out = np.empty(total, dtype=np.int64)
+    at = 0
+    for w in range(0, len(shards), window):
+        ids = np.concatenate([np.arange(offsets[s], offsets[s + 1], dtype=np.int64) for s in shards[w : w + window]])
+        rng.shuffle(ids)
+        out[at : at + len(ids)] = ids
+        at += len(ids)
+    return out
+
+
+def shard_of(ids: np.ndarray | Sequence[int], offsets: np.ndarray) -> np.ndarray:
+    """The shard of each global id (vectorised; ``offsets`` from :func:`shard_offsets`)."""
+    return np.searchsorted(offsets, np.asarray(ids, dtype=np.int64), side="right") - 1
+
+
+def owner_ranks(shard_owners: Mapping[str, Sequence[Sequence[int]]] | None, num_shards: int,
+                rank_of: Mapping[str, int]) -> np.ndarray:
+    """``owner[s]``: the rank owning shard ``s`` (-1: nobody in ``rank_of``). ``shard_owners``
+    is a table's field: worker id -> ``[start, stop]`` half-open ranges of shard numbers."""
+    owner = np.full(num_shards, -1, dtype=np.int64)
+    for wid, ranges in (shard_owners or {}).items():
+        rank = rank_of.get(wid)
+        if rank is None:
+            continue
+        for start, stop in ranges:
+            owner[max(0, int(start)) : min(num_shards, int(stop))] = rank
+    return owner
+
+
+@dataclass(frozen=True)
+class StepAssignment:
+    """One step's split. ``positions[r]``: rank ``r``'s positions of the global batch
+    (ascending); ``remote[p]``: position ``p`` is read by a rank that does not own its shard."""
+
+    positions: tuple[np.ndarray, ...]
+    remote: np.ndarray
+
+    def ranges(self, rank: int) -> tuple[tuple[int, int, int], ...]:
+        """Rank ``rank``'s positions as shard-table ranges: ``(start, stop, 1)`` runs."""
+        return positions_to_ranges(self.positions[rank])
+
+    @property
+    def balance_error(self) -> int:
+        """Largest minus smallest sample count over the ranks that take part."""
+        counts = [len(p) for p in self.positions]
+        return max(counts) - min(counts) if counts else 0
+
+    def remote_count(self, rank: int | None = None) -> int:
+        """Samples read remotely in this step (by ``rank``, or by every rank)."""
+        if rank is None:
+            return int(self.remote.sum())
+        return int(self.remote[self.positions[rank]].sum())
+
+
+def positions_to_ranges(positions: np.ndarray) -> tuple[tuple[int, int, int], ...]:
+    """Ascending positions as the shortest list of ``(start, stop, 1)`` runs."""
+    pos = np.asarray(positions, dtype=np.int64)
+    if len(pos) == 0:
+        return ()
+    breaks = np.flatnonzero(np.diff(pos) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    stops = np.concatenate([breaks, [len(pos)]])
+    return tuple((int(pos[a]), int(pos[b - 1]) + 1, 1) for a, b in zip(starts, stops))
+
+
+def assign_step(shards: np.ndarray, owner: np.ndarray, world: int, active: Sequence[int] | None = None,
+                tolerance: int = 0) -> StepAssignment:
+    """Split a global batch among ``world`` ranks by locality (see the module docstring).
+
+    ``shards[p]``: the shard of the sample at position ``p``; ``owner[s]``: the rank owning
+    shard ``s`` (-1: nobody); ``active``: the ranks that take samples (default all; the others
+    - members receiving state in a generation's first step - get none). After the split, no
+    active rank holds more than ``tolerance + 1`` samples more than another. A pure function:
+    every rank computes the same split."""
+    active = list(range(world)) if active is None else sorted(set(active))
+    shards = np.asarray(shards, dtype=np.int64)
+    n = len(shards)
+    take = np.full(n, -1, dtype=np.int64)
+    if not active:
+        raise ValueError("no rank takes part in the step")
+    owned_by = owner[shards] if n else np.empty(0, dtype=np.int64)
+    is_active = np.zeros(world, dtype=bool)
+    is_active[active] = True
+    mine = (owned_by >= 0) & is_active[np.clip(owned_by, 0, world - 1)]
+    take[mine] = owned_by[mine]
+    buckets: dict[int, list[int]] = {r: np.flatnonzero(take == r).tolist() for r in active}
+    # samples nobody active owns: to the emptiest rank, position by position
+    for p in np.flatnonzero(take < 0).tolist():
+        r = min(active, key=lambda a: (len(buckets[a]), a))
+        buckets[r].append(p)
+    # balance: the highest position of the fullest rank to the emptiest, until within tolerance
+    while True:
+        hi = max(active, key=lambda a: (len(buckets[a]), -a))
+        lo = min(active, key=lambda a: (len(buckets[a]), a))
+        if len(buckets[hi]) - len(buckets[lo]) <= tolerance + 1:
+            break
+        # a sample hi reads remotely anyway moves first (no extra remote read), else its own
+        others = [q for q in buckets[hi] if owned_by[q] != hi]
+        p = max(others) if others else max(buckets[hi])
+        buckets[hi].remove(p)
+        buckets[lo].append(p)
+    positions = tuple(np.sort(np.asarray(buckets.get(r, []), dtype=np.int64)) for r in range(world))
+    remote = np.zeros(n, dtype=bool)
+    for r in range(world):
+        remote[positions[r]] = owned_by[positions[r]] != r
+    return StepAssignment(positions=positions, remote=remote)
