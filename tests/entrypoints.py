@@ -53,3 +53,13 @@ def empty_dataset() -> TrainingSetup:
     setup = build_digits()
     setup.dataset = []
     return setup
+
+
+def stream_digits() -> TrainingSetup:
+    """The slow digits job on a streaming dataset stand-in (``tests.stream_fake.FakeStream``:
+    the glyphs in shards of 50): the shard-aware order and the split by shard owner."""
+    from tests.stream_fake import FakeStream
+
+    setup = slow_digits()
+    setup.dataset = FakeStream()
+    return setup
