@@ -44,6 +44,7 @@ _EXPORTS = {
     "load_spec": "shoal.core.jobspec",
     "ShoalError": "shoal.core.errors",
     "ConfigError": "shoal.core.errors",
+    "StreamingDataset": "shoal.storage.streaming",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -51,6 +52,7 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from shoal.core.errors import ConfigError, ShoalError
     from shoal.core.jobspec import JobSpec, load_spec
+    from shoal.storage.streaming import StreamingDataset
     from shoal.worker.errors import EntrypointError
     from shoal.worker.userapi import TrainingSetup, load_entrypoint, seed_everything
 

@@ -18,7 +18,12 @@ Modules (each small, named for what it holds):
 ``memcopy``      fast batched CPU tensor copy for snapshots
 ``resume``       Redis pointer -> store LATEST -> scan
 ``async_saver``  background checkpointing
-``datasets``     verified, cached dataset shards
+``datasets``     verified, cached dataset shards; the dataset index model
+``streaming``    :class:`StreamingDataset`: a map-style dataset streamed from shards
+``streaming_format``  shoal's packed shard format (typed fields, no pickle)
+``streaming_tar``     WebDataset tar shards
+``streaming_cache``   the bounded, multi-process shard cache
+``streaming_pack``    ``shoal dataset pack`` / ``shoal dataset index``
 
 See docs/storage.md.
 """

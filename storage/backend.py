@@ -92,6 +92,14 @@ class ObjectStore(ABC):
         with translated(f"read {path}"), open(path, "rb") as src, self.open_write(key) as dst:
             shutil.copyfileobj(src, dst, _COPY_CHUNK)
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes of ``key`` from byte ``start`` (fewer only at the object's end).
+        Raises ObjectNotFound for a missing key, ``ValueError`` for a negative start or
+        length. Backends override this with a real ranged read (S3: one ranged GET)."""
+        if start < 0 or length < 0:
+            raise ValueError(f"invalid byte range start={start} length={length}")
+        return self.get_bytes(key)[start : start + length]
+
     def local_path(self, key: str) -> Path | None:
         """A local filesystem path holding ``key`` if the backend has one (local store), so
         callers can skip a copy; None for remote backends."""

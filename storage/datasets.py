@@ -3,7 +3,15 @@
 A dataset is a set of shard objects plus an index object (default ``index.json``) next to
 them::
 
-    {"format": 1, "shards": [{"name": "train-00000.bin", "size": 1048576, "sha256": "..."}]}
+    {"format": 1, "shards": [{"name": "train-00000.bin", "size": 1048576, "sha256": "...",
+                              "samples": 1000, "format": "packed"}]}
+
+``samples`` (how many samples the shard holds), ``format`` (``packed``: shoal's own binary
+format, :mod:`shoal.storage.streaming_format`; ``webdataset``: a tar of WebDataset samples)
+and ``offsets`` (``samples + 1`` byte offsets: where each sample starts, then the end of the
+last one; written for ``webdataset`` shards, whose tar has no offsets table of its own) are
+optional: indexes without them still parse, and :class:`~shoal.storage.streaming.StreamingDataset`
+requires the first two.
 
 Shard names are keys relative to the index's directory. :class:`ShardReader` gives a local
 path for a shard: for a local store the file itself (hashed once per reader), otherwise a
@@ -22,7 +30,7 @@ import threading
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shoal.storage.backend import ObjectStore, check_key
 from shoal.storage.errors import ShardCorrupt, translated
@@ -39,11 +47,25 @@ class ShardEntry(BaseModel):
     name: str
     size: int = Field(ge=0)
     sha256: HexDigest
+    samples: int | None = Field(default=None, ge=0)
+    format: Literal["packed", "webdataset"] | None = None
+    offsets: list[int] | None = None
 
     @field_validator("name")
     @classmethod
     def _valid_key(cls, v: str) -> str:
         return check_key(v)
+
+    @model_validator(mode="after")
+    def _offsets_fit(self) -> "ShardEntry":
+        if self.offsets is not None:
+            if self.samples is None or len(self.offsets) != self.samples + 1:
+                raise ValueError(f"shard {self.name}: offsets must hold samples + 1 entries")
+            if any(b < a for a, b in zip(self.offsets, self.offsets[1:])) or (
+                self.offsets and (self.offsets[0] < 0 or self.offsets[-1] > self.size)
+            ):
+                raise ValueError(f"shard {self.name}: offsets must be ascending within the shard")
+        return self
 
 
 class DatasetIndex(BaseModel):
@@ -61,6 +83,21 @@ class DatasetIndex(BaseModel):
         if len(set(names)) != len(names):
             raise ValueError("duplicate shard names")
         return v
+
+
+def parse_index(raw: bytes, where: str) -> DatasetIndex:
+    """The index in ``raw``; ShardCorrupt naming ``where`` and the first problem otherwise."""
+    try:
+        return DatasetIndex.model_validate_json(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        raise ShardCorrupt(f"{where}: invalid dataset index: {loc + ': ' if loc else ''}{err['msg']}") from exc
+
+
+def shard_key(index_key: str, name: str) -> str:
+    """The store key of shard ``name`` of the index at ``index_key``."""
+    return _shard_key(index_key, name)
 
 
 def _shard_key(index_key: str, name: str) -> str:
@@ -96,10 +133,7 @@ class ShardReader:
         self.store = store
         self.index_key = check_key(index_key)
         raw = store.get_bytes(index_key)
-        try:
-            self.index = DatasetIndex.model_validate_json(raw)
-        except ValidationError as exc:
-            raise ShardCorrupt(f"{store.uri}/{index_key}: invalid dataset index: {exc.errors()[0]['msg']}") from exc
+        self.index = parse_index(raw, f"{store.uri}/{index_key}")
         self._entries = {s.name: s for s in self.index.shards}
         self._cache = LocalStore(cache_dir)
         self._verified_local: set[str] = set()

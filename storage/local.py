@@ -91,6 +91,13 @@ class LocalStore(ObjectStore):
         with translated(f"read {path}"):
             return path.read_bytes()
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if start < 0 or length < 0:
+            raise ValueError(f"invalid byte range start={start} length={length}")
+        path = self._path(key)
+        with translated(f"read {path} [{start}:{start + length}]"), open(path, "rb") as f:
+            return os.pread(f.fileno(), length, start)
+
     def exists(self, key: str) -> bool:
         path = self._path(key)
         with translated(f"stat {path}"):

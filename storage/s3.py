@@ -117,6 +117,21 @@ class S3Store(ObjectStore):
                 resp.close()
                 resp.release_conn()
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """One ranged GET (``Range: bytes=start-start+length-1``)."""
+        if start < 0 or length < 0:
+            raise ValueError(f"invalid byte range start={start} length={length}")
+        if length == 0:
+            return b""
+        name = self._name(key)
+        with translated(f"get {self._where(key)} [{start}:{start + length}]"):
+            resp = self.client.get_object(self.bucket, name, offset=start, length=length)
+            try:
+                return resp.read()
+            finally:
+                resp.close()
+                resp.release_conn()
+
     def exists(self, key: str) -> bool:
         try:
             self.size(key)

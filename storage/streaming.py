@@ -1,0 +1,474 @@
+"""A map-style dataset streamed from shard files in a local directory or an S3 prefix.
+
+::
+
+    ds = StreamingDataset("s3://bucket/prefix", decode=to_tensors, cache_limit=50 << 20)
+    len(ds); ds[i]; ds.locate(i); ds.plan(upcoming, owned); ds.stats()
+
+The dataset is described by its index (``index.json``, :mod:`shoal.storage.datasets`) whose
+shards carry ``samples`` and ``format`` (``packed``: :mod:`~shoal.storage.streaming_format`;
+``webdataset``: :mod:`~shoal.storage.streaming_tar`). Global sample id ``i`` is the i-th
+sample in index order; :meth:`StreamingDataset.locate` maps it to ``(shard, position)``.
+
+Reading
+    ``ds[i]`` reads from the local copy of the shard, downloading the whole shard first if it
+    is not cached (verified against the index's size and sha256, then renamed into the cache:
+    a shard that fails is never cached and raises :class:`~shoal.storage.errors.ShardCorrupt`
+    naming it). :meth:`get_remote` reads one sample with ranged reads instead (counted as
+    remote; a packed record's crc32 is checked). :meth:`read` does either per sample: whole
+    shards for the shards a worker owns, ranged reads for the others (unless cached anyway).
+    A dataset in a local directory (``file://`` or a path) is read in place: nothing is
+    copied, each shard is hashed once per cache directory.
+
+Prefetch and cache (remote stores)
+    :meth:`plan` tells the dataset which samples this worker reads next, in order. A
+    background thread downloads the owned shards of the first ``predownload`` of them, in the
+    order they are needed, and the planned order decides eviction: the cache never holds more
+    than ``cache_limit`` bytes (:mod:`~shoal.storage.streaming_cache`). Transient store errors
+    (endpoint unreachable, 5xx) are retried with exponential backoff for up to
+    ``retry_timeout_s``; a missing or corrupt shard is not retried and raises, naming it.
+
+Processes
+    The object is safe to use from forked loader processes (and picklable for spawned ones):
+    store connections, threads and locks are per process, created on first use after a fork;
+    the cache directory and its counters are shared by the processes of one worker (the
+    training process and its loaders), so :meth:`stats` counts all of them. Give each worker
+    its own ``cache_dir`` (the default is a fresh temporary directory per dataset object,
+    removed when the process that made it exits).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import numpy as np
+
+from shoal.storage import streaming_format as packed
+from shoal.storage import streaming_tar as wds
+from shoal.storage.backend import ObjectStore, check_key
+from shoal.storage.datasets import INDEX, DatasetIndex, ShardEntry, parse_index, shard_key
+from shoal.storage.errors import (
+    ObjectNotFound,
+    ShardCorrupt,
+    StorageAccessDenied,
+    StorageConfigError,
+    StorageError,
+    translated,
+)
+from shoal.storage.streaming_cache import Counters, ShardCache, file_lock, sum_counters
+
+DEFAULT_PREDOWNLOAD = 4096
+_CHUNK = 8 * 1024 * 1024
+_NOT_TRANSIENT = (ObjectNotFound, StorageAccessDenied, StorageConfigError, ShardCorrupt)
+
+
+class _Proc:
+    """What one process owns: store connection, prefetch thread, locks, counters."""
+
+    def __init__(self, cache_root: Path) -> None:
+        self.pid = os.getpid()
+        self.store: ObjectStore | None = None
+        self.lock = threading.Lock()
+        self.counters = Counters(cache_root)
+        self.offsets: dict[int, np.ndarray] = {}  # packed shards' offset tables (ranged reads)
+        self.verified: set[int] = set()  # local shards hashed by this process
+        self.thread: threading.Thread | None = None
+        self.wake = threading.Event()
+        self.want: list[int] = []  # shards to prefetch, in order
+        self.failed: set[int] = set()  # shards whose prefetch failed (demand reads raise)
+        self.stop = False
+
+
+class StreamingDataset:
+    """See the module docstring. Constructing it reads nothing; the index is read on first use."""
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        decode: Callable[[dict[str, Any]], Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
+        predownload: int = DEFAULT_PREDOWNLOAD,
+        index_key: str = INDEX,
+        retry_timeout_s: float = 60.0,
+    ) -> None:
+        from shoal.storage.uri import open_store
+
+        if uri.startswith("memory:"):
+            raise StorageConfigError("a StreamingDataset needs file:// or s3:// (memory stores are per process)")
+        if predownload < 0:
+            raise StorageConfigError(f"predownload must be >= 0 samples, got {predownload}")
+        self.uri = uri
+        self.decode = decode
+        self.cache_limit = cache_limit
+        self.predownload = predownload
+        self.index_key = check_key(index_key)
+        self.retry_timeout_s = retry_timeout_s
+        store = open_store(uri)  # validates the URI and the S3 settings now
+        self._local = store.local_path(index_key) is not None
+        self._where = store.uri
+        if cache_dir is None:
+            cache_dir = tempfile.mkdtemp(prefix="shoal-stream-")
+            atexit.register(_remove_if_owner, cache_dir, os.getpid())
+        self.cache_dir = Path(cache_dir).absolute()
+        self._cache = ShardCache(self.cache_dir, cache_limit)
+        self._cache.sweep()
+        self._index: DatasetIndex | None = None
+        self._cum: np.ndarray | None = None
+        self._proc_state: _Proc | None = _Proc(self.cache_dir)
+        self._proc_state.store = store
+
+    # -- per process ----------------------------------------------------------------------
+    def _proc(self) -> _Proc:
+        st = self._proc_state
+        if st is None or st.pid != os.getpid():
+            st = self._proc_state = _Proc(self.cache_dir)
+        return st
+
+    def _store(self) -> ObjectStore:
+        st = self._proc()
+        if st.store is None:
+            from shoal.storage.uri import open_store
+
+            st.store = open_store(self.uri)
+        return st.store
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_proc_state"] = None
+        return state
+
+    # -- index ----------------------------------------------------------------------------
+    @property
+    def index(self) -> DatasetIndex:
+        if self._index is None:
+            raw = self._retry(f"read index {self._where}/{self.index_key}",
+                              lambda: self._store().get_bytes(self.index_key))
+            index = parse_index(raw, f"{self._where}/{self.index_key}")
+            for s in index.shards:
+                if s.samples is None or s.format is None:
+                    raise ShardCorrupt(
+                        f"{self._where}/{self.index_key}: shard {s.name} has no sample count or format "
+                        "(write the index with shoal dataset pack / shoal dataset index)"
+                    )
+                if s.format == "webdataset" and s.offsets is None:
+                    raise ShardCorrupt(f"{self._where}/{self.index_key}: webdataset shard {s.name} has no offsets")
+            self._cum = np.concatenate([[0], np.cumsum([s.samples for s in index.shards], dtype=np.int64)])
+            self._index = index
+        return self._index
+
+    @property
+    def shard_samples(self) -> list[int]:
+        """Samples per shard, in index order."""
+        return [int(s.samples or 0) for s in self.index.shards]
+
+    @property
+    def shard_sizes(self) -> list[int]:
+        """Bytes per shard, in index order."""
+        return [s.size for s in self.index.shards]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.shard_sizes)
+
+    def __len__(self) -> int:
+        _ = self.index
+        assert self._cum is not None
+        return int(self._cum[-1])
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """(shard number, position in the shard) of global sample ``i``; IndexError outside."""
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"sample {i} out of range for a dataset of {n} samples")
+        assert self._cum is not None
+        shard = int(np.searchsorted(self._cum, i, side="right") - 1)
+        return shard, int(i - self._cum[shard])
+
+    def shard_of(self, ids: np.ndarray | Sequence[int]) -> np.ndarray:
+        """Shard numbers of many sample ids at once (no range check beyond numpy's)."""
+        _ = self.index
+        assert self._cum is not None
+        return np.searchsorted(self._cum, np.asarray(ids, dtype=np.int64), side="right") - 1
+
+    def _label(self, shard: int) -> str:
+        return f"{self._where}/{shard_key(self.index_key, self.index.shards[shard].name)}"
+
+    # -- reading --------------------------------------------------------------------------
+    def __getitem__(self, i: int) -> Any:
+        shard, pos = self.locate(int(i))
+        return self._finish(self._read_local(shard, pos))
+
+    def get_remote(self, i: int) -> Any:
+        """Sample ``i`` by ranged reads, without downloading its shard."""
+        shard, pos = self.locate(int(i))
+        return self._finish(self._read_remote(shard, pos))
+
+    def read(self, ids: Iterable[int], owned: set[int] | frozenset[int]) -> list[Any]:
+        """The samples ``ids`` in order: whole-shard reads for shards in ``owned`` (and shards
+        that happen to be cached), ranged reads for the others."""
+        out = []
+        for i in ids:
+            shard, pos = self.locate(int(i))
+            if shard in owned or self._local or self._cached_path(shard) is not None:
+                out.append(self._finish(self._read_local(shard, pos)))
+            else:
+                out.append(self._finish(self._read_remote(shard, pos)))
+        return out
+
+    def _finish(self, sample: dict[str, Any]) -> Any:
+        return self.decode(sample) if self.decode is not None else sample
+
+    def _suffix(self, entry: ShardEntry) -> str:
+        return PurePosixPath(entry.name).suffix
+
+    def _cached_path(self, shard: int) -> Path | None:
+        entry = self.index.shards[shard]
+        return self._cache.lookup(entry.sha256, self._suffix(entry), entry.size)
+
+    def _read_local(self, shard: int, pos: int) -> dict[str, Any]:
+        proc = self._proc()
+        path, hit = self._shard_file(shard, demand=True)
+        proc.counters.add("cache_hits" if hit else "cache_misses")
+        entry = self.index.shards[shard]
+        try:
+            with open(path, "rb") as f:
+                fd = f.fileno()
+                if entry.format == "packed":
+                    start, end = packed.offset_pair(os.pread(fd, 16, packed.offsets_span(pos)[0]))
+                else:
+                    assert entry.offsets is not None
+                    start, end = entry.offsets[pos], entry.offsets[pos + 1]
+                raw = os.pread(fd, end - start, start)
+        except FileNotFoundError:
+            return self._read_local(shard, pos)  # evicted between lookup and open: fetch again
+        except OSError as exc:
+            raise StorageError(f"read dataset shard {self._label(shard)}: {exc.strerror or exc}") from exc
+        return self._decode(shard, pos, raw)
+
+    def _decode(self, shard: int, pos: int, raw: bytes) -> dict[str, Any]:
+        fmt = self.index.shards[shard].format
+        try:
+            return packed.decode_record(raw) if fmt == "packed" else wds.decode_range(raw)
+        except packed.FormatError as exc:
+            raise ShardCorrupt(f"dataset shard {self._label(shard)}: sample {pos}: {exc}") from exc
+
+    def _read_remote(self, shard: int, pos: int) -> dict[str, Any]:
+        proc = self._proc()
+        entry = self.index.shards[shard]
+        key = shard_key(self.index_key, entry.name)
+        if entry.format == "packed":
+            table = proc.offsets.get(shard)
+            if table is None:
+                n = int(entry.samples or 0)
+                raw = self._ranged(key, 0, packed.HEADER + 8 * (n + 1), shard)
+                try:
+                    if packed.parse_header(raw) != n:
+                        raise packed.FormatError(f"header says {packed.parse_header(raw)} samples, index says {n}")
+                    table = packed.offsets_table(memoryview(raw)[packed.HEADER:], n)
+                except packed.FormatError as exc:
+                    raise ShardCorrupt(f"dataset shard {self._label(shard)}: {exc}") from exc
+                if len(proc.offsets) > 256:
+                    proc.offsets.clear()
+                proc.offsets[shard] = table
+            start, end = int(table[pos]), int(table[pos + 1])
+        else:
+            assert entry.offsets is not None
+            start, end = entry.offsets[pos], entry.offsets[pos + 1]
+        if not 0 <= start <= end <= entry.size:
+            raise ShardCorrupt(f"dataset shard {self._label(shard)}: sample {pos} lies outside the shard")
+        raw = self._ranged(key, start, end - start, shard)
+        proc.counters.add("remote_reads")
+        return self._decode(shard, pos, raw)
+
+    def _ranged(self, key: str, start: int, length: int, shard: int) -> bytes:
+        raw = self._retry(f"ranged read of {self._label(shard)}",
+                          lambda: self._store().get_range(key, start, length))
+        self._proc().counters.add("remote_bytes", len(raw))
+        if len(raw) != length:
+            raise ShardCorrupt(f"dataset shard {self._label(shard)}: short read ({len(raw)} of {length} bytes)")
+        return raw
+
+    # -- whole shards ---------------------------------------------------------------------
+    def _shard_file(self, shard: int, *, demand: bool) -> tuple[Path, bool]:
+        """(local verified file of the shard, whether it was there already)."""
+        entry = self.index.shards[shard]
+        store = self._store()
+        key = shard_key(self.index_key, entry.name)
+        if self._local:
+            local = store.local_path(key)
+            assert local is not None
+            self._verify_in_place(shard, local)
+            return local, True
+        got = self._ensure_cached(shard, demand=demand)
+        assert got is not None
+        return got
+
+    def _ensure_cached(self, shard: int, *, demand: bool) -> tuple[Path, bool] | None:
+        entry = self.index.shards[shard]
+        suffix = self._suffix(entry)
+        found = self._cache.lookup(entry.sha256, suffix, entry.size)
+        if found is not None:
+            return found, True
+        proc = self._proc()
+        with self._cache.downloading(entry.sha256):
+            found = self._cache.lookup(entry.sha256, suffix, entry.size)
+            if found is not None:
+                return found, not demand  # a sibling downloaded it while we waited
+            part = self._cache.reserve(entry.sha256, entry.size, demand=demand, counters=proc.counters,
+                                       label=self._label(shard))
+            if part is None:
+                return None
+            try:
+                data = self._retry(f"download {self._label(shard)}",
+                                   lambda: self._store().get_bytes(shard_key(self.index_key, entry.name)))
+                self._check(shard, len(data), hashlib.sha256(data).hexdigest())
+                with translated(f"write {part}"), open(part, "r+b") as f:
+                    f.write(data)
+                final = self._cache.commit(part, entry.sha256, suffix)
+            except BaseException:
+                self._cache.abort(part)
+                raise
+            proc.counters.add("bytes_downloaded", len(data))
+            proc.counters.add("downloads")
+            if not demand:
+                proc.counters.add("prefetched")
+            return final, False
+
+    def _check(self, shard: int, size: int, digest: str) -> None:
+        entry = self.index.shards[shard]
+        if size != entry.size:
+            raise ShardCorrupt(f"dataset shard {self._label(shard)}: size {size} bytes, index says {entry.size}")
+        if digest != entry.sha256:
+            raise ShardCorrupt(
+                f"dataset shard {self._label(shard)}: sha256 {digest[:12]}... does not match the index "
+                f"({entry.sha256[:12]}...)"
+            )
+
+    def _verify_in_place(self, shard: int, path: Path) -> None:
+        proc = self._proc()
+        if shard in proc.verified:
+            return
+        entry = self.index.shards[shard]
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise ObjectNotFound(f"dataset shard {self._label(shard)}: no such file") from None
+        marker = self.cache_dir / f".ok-{entry.sha256}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
+        if not marker.exists():
+            with file_lock(self.cache_dir / f".dl-{entry.sha256}", self._cache.wait_s, f"hashing {path}"):
+                if not marker.exists():
+                    sha = hashlib.sha256()
+                    size = 0
+                    with translated(f"read {path}"), open(path, "rb") as f:
+                        while chunk := f.read(_CHUNK):
+                            sha.update(chunk)
+                            size += len(chunk)
+                    self._check(shard, size, sha.hexdigest())
+                    marker.touch()
+        with proc.lock:
+            proc.verified.add(shard)
+
+    def _retry(self, what: str, fn: Callable[[], Any]) -> Any:
+        delay, deadline = 0.1, time.monotonic() + self.retry_timeout_s
+        while True:
+            try:
+                return fn()
+            except _NOT_TRANSIENT:
+                raise
+            except StorageError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise StorageError(f"{what}: gave up after {self.retry_timeout_s:g} s of retries: {exc}") from exc
+                self._proc().counters.add("retries")
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    # -- planning ---------------------------------------------------------------------------
+    def plan(self, upcoming_ids: Sequence[int] | np.ndarray, owned: set[int] | frozenset[int]) -> None:
+        """This worker reads ``upcoming_ids`` next, in this order: prefetch the owned shards
+        of the first ``predownload`` of them in the background, and rank every owned shard by
+        its first need for eviction. Returns at once; a prefetch error is not raised here (the
+        read that needs the shard raises it). A no-op for a local directory."""
+        if self._local:
+            return
+        ids = np.asarray(upcoming_ids, dtype=np.int64)
+        shards = self.shard_of(ids) if len(ids) else np.zeros(0, dtype=np.int64)
+        uniq, first = np.unique(shards, return_index=True)
+        order = np.argsort(first, kind="stable")
+        needs = {self.index.shards[int(uniq[k])].sha256: int(first[k]) for k in order if int(uniq[k]) in owned}
+        self._cache.write_needs(needs)
+        horizon = min(len(ids), self.predownload)
+        want = [int(uniq[k]) for k in order if first[k] < horizon and int(uniq[k]) in owned]
+        proc = self._proc()
+        with proc.lock:
+            proc.want = want
+            if proc.thread is None or not proc.thread.is_alive():
+                proc.stop = False
+                proc.thread = threading.Thread(target=self._prefetch_loop, args=(proc,), daemon=True,
+                                               name="shoal-stream-prefetch")
+                proc.thread.start()
+        proc.wake.set()
+
+    def _prefetch_loop(self, proc: _Proc) -> None:
+        while not proc.stop:
+            proc.wake.wait(1.0)
+            proc.wake.clear()
+            with proc.lock:
+                want = list(proc.want)
+            for shard in want:
+                if proc.stop or proc.wake.is_set():
+                    break  # a newer plan: start over from its first shard
+                if shard in proc.failed:
+                    continue
+                try:
+                    if self._ensure_cached(shard, demand=False) is None:
+                        break  # the cache is full of shards needed sooner
+                except Exception:  # noqa: BLE001 - the demand read raises it, naming the shard
+                    proc.failed.add(shard)
+
+    def wait_prefetched(self, timeout_s: float) -> bool:
+        """Wait until every shard of the last plan's horizon is cached (tests, benches)."""
+        proc = self._proc()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with proc.lock:
+                want = list(proc.want)
+            if all(s in proc.failed or self._cached_path(s) is not None for s in want):
+                return True
+            time.sleep(0.01)
+        return False
+
+    def close(self) -> None:
+        """Stop this process's prefetch thread (cached shards stay)."""
+        proc = self._proc_state
+        if proc is not None and proc.pid == os.getpid() and proc.thread is not None:
+            proc.stop = True
+            proc.wake.set()
+            proc.thread.join(timeout=10)
+
+    # -- visibility -------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """Monotonic counters of every process using this cache directory, plus the cache's
+        current ``cached_bytes``, ``shards_cached`` and ``cache_limit`` (0: none)."""
+        self._proc()  # make sure this process's counter file exists
+        out = sum_counters(self.cache_dir)
+        used, count = self._cache.usage()
+        out.update(cached_bytes=used, shards_cached=count, cache_limit=self.cache_limit or 0)
+        return out
+
+
+def _remove_if_owner(path: str, pid: int) -> None:
+    if os.getpid() == pid:
+        shutil.rmtree(path, ignore_errors=True)

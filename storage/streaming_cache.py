@@ -1,0 +1,271 @@
+"""The local shard cache of a streaming dataset: bounded, shared by the processes of a worker.
+
+One directory holds verified shard copies named ``<sha256><suffix>`` (content-addressed, so
+a file that exists is a verified copy of exactly that shard) and a few bookkeeping files:
+
+``.lock``          fcntl lock taken for every change of what the directory holds
+``.dl-<sha256>``   per-shard lock: one process downloads a shard, the others wait for it
+``.part-<sha256>-<pid>-<n>``  a download in progress; created at the shard's full size
+                   *before* any byte is fetched (the reservation), renamed into place once
+                   the sha256 verified, removed on any failure
+``.needs``         JSON ``{sha256: first need}`` written by ``plan``: eviction order
+``.stats-<pid>``   this process's counters (int64 slots, see :data:`COUNTERS`), single
+                   writer; :meth:`ShardCache.stats` sums every process's file
+
+The limit: the sum of the sizes of the cached shards and the reservations never exceeds
+``limit`` bytes, because space is reserved under ``.lock`` after evicting, and a download
+only writes into its reservation. Eviction takes first the shards nobody needs (oldest use
+first), then the ones needed last. A prefetch reservation never evicts a shard needed
+before its own; a demand reservation (a read that needs the shard now) may evict anything
+cached; when reservations in flight fill the cache, it waits (up to ``wait_s``).
+
+Every processes of one worker (the training process and its forked loaders) may share one
+directory; a directory must not be shared by different workers (their counters would mix).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import mmap
+import os
+import struct
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from shoal.storage.errors import StorageConfigError, StorageError, translated
+
+COUNTERS = (
+    "bytes_downloaded",  # whole-shard downloads (verified)
+    "downloads",  # shards downloaded
+    "prefetched",  # ... of them by the background prefetch
+    "remote_bytes",  # ranged reads (samples of shards not cached here)
+    "remote_reads",  # samples read by ranged reads
+    "cache_hits",  # samples read from a shard that was already cached / local
+    "cache_misses",  # samples whose shard had to be downloaded first
+    "evictions",  # shards evicted
+    "retries",  # transient store errors retried
+)
+_SLOT = struct.Struct("<q")
+_LOCK_POLL_S = 0.005
+
+
+@contextmanager
+def file_lock(path: Path, timeout_s: float, what: str) -> Iterator[None]:
+    """An exclusive fcntl lock on ``path`` (created), held for the block. StorageError when it
+    is not obtained within ``timeout_s``."""
+    with translated(f"lock {path}"):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise StorageError(f"timed out after {timeout_s:g} s waiting for {what}") from None
+                time.sleep(_LOCK_POLL_S)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+class Counters:
+    """This process's counters in ``.stats-<pid>`` (memory-mapped; one writer)."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / f".stats-{os.getpid()}"
+        size = _SLOT.size * len(COUNTERS)
+        with translated(f"create {self.path}"):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                if os.fstat(fd).st_size < size:
+                    os.ftruncate(fd, size)
+                self._map = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+
+    def add(self, name: str, n: int = 1) -> None:
+        off = COUNTERS.index(name) * _SLOT.size
+        _SLOT.pack_into(self._map, off, _SLOT.unpack_from(self._map, off)[0] + n)
+
+
+def sum_counters(root: Path) -> dict[str, int]:
+    """Every process's counters in ``root`` summed (files of dead processes count too)."""
+    total = dict.fromkeys(COUNTERS, 0)
+    for path in root.glob(".stats-*"):
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            continue
+        for k, name in enumerate(COUNTERS):
+            if len(raw) >= (k + 1) * _SLOT.size:
+                total[name] += _SLOT.unpack_from(raw, k * _SLOT.size)[0]
+    return total
+
+
+class ShardCache:
+    """The cache directory ``root`` with an optional byte ``limit`` (see the module)."""
+
+    def __init__(self, root: Path, limit: int | None, *, wait_s: float = 600.0) -> None:
+        if limit is not None and limit <= 0:
+            raise StorageConfigError(f"cache_limit must be a positive number of bytes, got {limit}")
+        self.root = root
+        self.limit = limit
+        self.wait_s = wait_s
+        with translated(f"create {root}"):
+            root.mkdir(parents=True, exist_ok=True)
+        self._seq = 0
+
+    # -- names --------------------------------------------------------------------------
+    def path(self, sha256: str, suffix: str) -> Path:
+        return self.root / f"{sha256}{suffix}"
+
+    def lookup(self, sha256: str, suffix: str, size: int) -> Path | None:
+        """The cached copy if present (and of the right size), touched as used."""
+        p = self.path(sha256, suffix)
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            return None
+        if st.st_size != size:
+            return None
+        if time.time() - st.st_mtime > 1.0:
+            try:
+                os.utime(p)
+            except FileNotFoundError:
+                return None
+        return p
+
+    @contextmanager
+    def downloading(self, sha256: str) -> Iterator[None]:
+        """Held while this process downloads shard ``sha256`` (others wait)."""
+        with file_lock(self.root / f".dl-{sha256}", self.wait_s, f"another process's download of shard {sha256[:12]}"):
+            yield
+
+    # -- accounting ---------------------------------------------------------------------
+    def _entries(self) -> tuple[list[tuple[Path, int, float]], int]:
+        """(cached shards as (path, size, mtime), bytes reserved by downloads in flight)."""
+        cached, reserved = [], 0
+        for p in self.root.iterdir():
+            name = p.name
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            if name.startswith(".part-"):
+                reserved += st.st_size
+            elif not name.startswith("."):
+                cached.append((p, st.st_size, st.st_mtime))
+        return cached, reserved
+
+    def usage(self) -> tuple[int, int]:
+        """(bytes held by cached shards and reservations, number of cached shards)."""
+        cached, reserved = self._entries()
+        return sum(s for _, s, _ in cached) + reserved, len(cached)
+
+    def needs(self) -> dict[str, int]:
+        try:
+            data = json.loads((self.root / ".needs").read_text())
+            return {str(k): int(v) for k, v in data.items()} if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def write_needs(self, needs: dict[str, int]) -> None:
+        tmp = self.root / f".needs.tmp-{os.getpid()}"
+        with translated(f"write {tmp}"):
+            tmp.write_text(json.dumps(needs))
+            os.replace(tmp, self.root / ".needs")
+
+    def reserve(self, sha256: str, size: int, *, demand: bool, counters: Counters, label: str) -> Path | None:
+        """A ``.part`` file of ``size`` bytes to download shard ``sha256`` into, space made by
+        evicting as described in the module. None when ``demand`` is false and the space would
+        need evicting a shard needed sooner. StorageConfigError when the shard alone is larger
+        than the limit; StorageError when reservations of others keep the cache full for
+        ``wait_s``."""
+        if self.limit is not None and size > self.limit:
+            raise StorageConfigError(f"cache_limit {self.limit} bytes is smaller than dataset shard {label} ({size} bytes)")
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            with file_lock(self.root / ".lock", self.wait_s, "the shard cache lock"):
+                part = self._try_reserve(sha256, size, demand, counters)
+                if part is not False:
+                    return part  # type: ignore[return-value]
+            if time.monotonic() > deadline:
+                raise StorageError(f"shard cache {self.root} stayed full for {self.wait_s:g} s (cache_limit {self.limit})")
+            time.sleep(0.02)
+
+    def _try_reserve(self, sha256: str, size: int, demand: bool, counters: Counters) -> Path | None | bool:
+        if self.limit is not None:
+            cached, reserved = self._entries()
+            used = sum(s for _, s, _ in cached) + reserved
+            if used + size > self.limit:
+                needs = self.needs()
+                mine = needs.get(sha256, 2**62)
+                never = 2**63
+
+                def order(e: tuple[Path, int, float]) -> tuple[int, float]:
+                    # unneeded first (oldest use first), then the ones needed last
+                    rank = needs.get(e[0].name.split(".")[0], never)
+                    return (0, e[2]) if rank == never else (1, -rank)
+
+                for path, sz, _ in sorted(cached, key=order):
+                    if used + size <= self.limit:
+                        break
+                    rank = needs.get(path.name.split(".")[0], never)
+                    if not demand and rank != never and rank <= mine:
+                        return None  # a prefetch does not push out what is needed sooner
+                    with translated(f"evict {path}"):
+                        path.unlink(missing_ok=True)
+                    counters.add("evictions")
+                    used -= sz
+                if used + size > self.limit:
+                    return None if not demand else False  # reservations in flight: wait
+        self._seq += 1
+        part = self.root / f".part-{sha256}-{os.getpid()}-{self._seq}"
+        with translated(f"create {part}"):
+            with open(part, "wb") as f:
+                f.truncate(size)
+        return part
+
+    def commit(self, part: Path, sha256: str, suffix: str) -> Path:
+        """Move a verified download into place (atomic rename)."""
+        final = self.path(sha256, suffix)
+        with translated(f"rename {part}"):
+            os.replace(part, final)
+        return final
+
+    @staticmethod
+    def abort(part: Path) -> None:
+        try:
+            part.unlink()
+        except FileNotFoundError:
+            pass
+
+    def sweep(self) -> None:
+        """Remove what dead processes left: their ``.part`` files and ``.stats`` files."""
+        for p in self.root.glob(".part-*"):
+            pid = _pid_of(p.name.split("-")[2] if p.name.count("-") >= 3 else "")
+            if pid is not None and not _alive(pid):
+                self.abort(p)
+        for p in self.root.glob(".stats-*"):
+            pid = _pid_of(p.name[len(".stats-"):])
+            if pid is not None and pid != os.getpid() and not _alive(pid):
+                p.unlink(missing_ok=True)
+
+
+def _pid_of(text: str) -> int | None:
+    return int(text) if text.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

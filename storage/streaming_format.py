@@ -1,0 +1,220 @@
+"""shoal's packed shard format: samples of typed fields, indexable without unpickling.
+
+Layout of one shard (all integers little-endian)::
+
+    0     8 bytes   magic  b"SHOALPK\\x01"
+    8     u64       n, the number of samples
+    16    u64 x n+1 offsets: where record i starts; offsets[n] is the end of the last record
+    ...   records
+
+    record   u32 crc32 of the body, then the body
+    body     u16 field count, then per field:
+             u16 name length, name (UTF-8), u8 type, payload
+
+    type  payload
+    0     none     (nothing)
+    1     bytes    u64 length, the bytes
+    2     str      u64 length, UTF-8
+    3     int      i64
+    4     float    f64
+    5     bool     u8
+    6     ndarray  u8 dtype length, numpy ``dtype.str`` (ASCII, e.g. ``<f4``), u8 ndim,
+                   u64 x ndim shape, the C-order data (``prod(shape) * itemsize`` bytes)
+
+A sample is a ``dict`` from field name (``str``) to one of those types; numpy scalars are
+stored as int/float/bool, torch tensors (CPU) as ndarrays. Nothing is pickled: object and
+structured dtypes, ints outside 64 bits and other value types raise :class:`FormatError`.
+Reading record ``i`` needs ``offsets[i:i+2]`` (16 bytes at ``16 + 8 i``) and the record
+itself, so a sample can be fetched with ranged reads; its crc32 is checked on every decode.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+MAGIC = b"SHOALPK\x01"
+HEADER = 16  # magic + n
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_I64 = struct.Struct("<q")
+_F64 = struct.Struct("<d")
+
+_NONE, _BYTES, _STR, _INT, _FLOAT, _BOOL, _ARRAY = range(7)
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+
+
+class FormatError(ValueError):
+    """A sample that cannot be packed, or bytes that are not a valid packed shard/record.
+    The message names the field or the offending part; callers add the shard name."""
+
+
+def _as_array(value: Any) -> np.ndarray | None:
+    if isinstance(value, np.ndarray):
+        return value
+    if type(value).__module__.startswith("torch") and hasattr(value, "numpy"):
+        return value.detach().cpu().numpy()
+    return None
+
+
+def encode_sample(sample: Mapping[str, Any]) -> bytes:
+    """One record (crc32 + body) for ``sample``. FormatError for an unsupported value."""
+    if not isinstance(sample, Mapping):
+        raise FormatError(f"a sample must be a dict of fields, got {type(sample).__name__}")
+    if len(sample) > 0xFFFF:
+        raise FormatError(f"a sample has at most 65535 fields, got {len(sample)}")
+    parts = [_U16.pack(len(sample))]
+    for name, value in sample.items():
+        if not isinstance(name, str):
+            raise FormatError(f"field names must be str, got {name!r}")
+        raw = name.encode()
+        if len(raw) > 0xFFFF:
+            raise FormatError(f"field name too long ({len(raw)} bytes)")
+        parts += [_U16.pack(len(raw)), raw, _encode_value(name, value)]
+    body = b"".join(parts)
+    return _U32.pack(zlib.crc32(body)) + body
+
+
+def _encode_value(name: str, value: Any) -> bytes:
+    if value is None:
+        return bytes([_NONE])
+    if isinstance(value, (bool, np.bool_)):
+        return bytes([_BOOL, 1 if value else 0])
+    if isinstance(value, (int, np.integer)):
+        v = int(value)
+        if not _I64_MIN <= v <= _I64_MAX:
+            raise FormatError(f"field {name!r}: int {v} does not fit in 64 bits")
+        return bytes([_INT]) + _I64.pack(v)
+    if isinstance(value, (float, np.floating)):
+        return bytes([_FLOAT]) + _F64.pack(float(value))
+    if isinstance(value, str):
+        raw = value.encode()
+        return bytes([_STR]) + _U64.pack(len(raw)) + raw
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value)
+        return bytes([_BYTES]) + _U64.pack(len(raw)) + raw
+    arr = _as_array(value)
+    if arr is not None:
+        if arr.dtype.hasobject or arr.dtype.fields is not None or arr.dtype.subdtype is not None:
+            raise FormatError(f"field {name!r}: dtype {arr.dtype} is not supported (no object or structured dtypes)")
+        if arr.ndim > 255:
+            raise FormatError(f"field {name!r}: at most 255 dimensions")
+        dt = arr.dtype.str.encode("ascii")
+        shape = b"".join(_U64.pack(d) for d in arr.shape)
+        return bytes([_ARRAY, len(dt)]) + dt + bytes([arr.ndim]) + shape + np.ascontiguousarray(arr).tobytes()
+    raise FormatError(
+        f"field {name!r}: {type(value).__name__} is not a packable type "
+        "(bytes, str, int, float, bool, None, numpy array, torch tensor)"
+    )
+
+
+def decode_record(buf: bytes | memoryview) -> dict[str, Any]:
+    """The sample in one record (crc32 + body). FormatError when the crc or layout is wrong.
+    Arrays are writable copies."""
+    mv = memoryview(buf)
+    if len(mv) < 6:
+        raise FormatError(f"record of {len(mv)} bytes is truncated")
+    (crc,) = _U32.unpack_from(mv, 0)
+    body = mv[4:]
+    if zlib.crc32(body) != crc:
+        raise FormatError("record crc32 mismatch")
+    try:
+        return _decode_body(body)
+    except (struct.error, IndexError, UnicodeDecodeError, TypeError) as exc:
+        raise FormatError(f"malformed record: {exc}") from exc
+
+
+def _decode_body(mv: memoryview) -> dict[str, Any]:
+    (count,) = _U16.unpack_from(mv, 0)
+    pos = 2
+    out: dict[str, Any] = {}
+    for _ in range(count):
+        (nlen,) = _U16.unpack_from(mv, pos)
+        pos += 2
+        name = bytes(mv[pos : pos + nlen]).decode()
+        pos += nlen
+        kind = mv[pos]
+        pos += 1
+        if kind == _NONE:
+            value: Any = None
+        elif kind == _BOOL:
+            value = bool(mv[pos])
+            pos += 1
+        elif kind == _INT:
+            (value,) = _I64.unpack_from(mv, pos)
+            pos += 8
+        elif kind == _FLOAT:
+            (value,) = _F64.unpack_from(mv, pos)
+            pos += 8
+        elif kind in (_BYTES, _STR):
+            (n,) = _U64.unpack_from(mv, pos)
+            pos += 8
+            if pos + n > len(mv):
+                raise FormatError(f"field {name!r} runs past the record")
+            raw = bytes(mv[pos : pos + n])
+            pos += n
+            value = raw.decode() if kind == _STR else raw
+        elif kind == _ARRAY:
+            dlen = mv[pos]
+            dtype = np.dtype(bytes(mv[pos + 1 : pos + 1 + dlen]).decode("ascii"))
+            if dtype.hasobject:
+                raise FormatError(f"field {name!r}: object dtype refused")
+            pos += 1 + dlen
+            ndim = mv[pos]
+            pos += 1
+            shape = tuple(_U64.unpack_from(mv, pos + 8 * k)[0] for k in range(ndim))
+            pos += 8 * ndim
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            if pos + nbytes > len(mv):
+                raise FormatError(f"field {name!r} runs past the record")
+            value = np.frombuffer(mv[pos : pos + nbytes], dtype=dtype).reshape(shape).copy()
+            pos += nbytes
+        else:
+            raise FormatError(f"field {name!r}: unknown type code {kind}")
+        out[name] = value
+    if pos != len(mv):
+        raise FormatError(f"{len(mv) - pos} trailing bytes in record")
+    return out
+
+
+def build_shard(records: Iterable[bytes]) -> bytes:
+    """A whole shard from encoded records (:func:`encode_sample`)."""
+    records = list(records)
+    base = HEADER + 8 * (len(records) + 1)
+    offsets = [base]
+    for rec in records:
+        offsets.append(offsets[-1] + len(rec))
+    head = MAGIC + _U64.pack(len(records)) + b"".join(_U64.pack(o) for o in offsets)
+    return head + b"".join(records)
+
+
+def shard_overhead(samples: int) -> int:
+    """Bytes a shard of ``samples`` records spends besides the records."""
+    return HEADER + 8 * (samples + 1)
+
+
+def parse_header(head: bytes | memoryview) -> int:
+    """The sample count from a shard's first 16 bytes. FormatError if the magic is wrong."""
+    if len(head) < HEADER or bytes(head[:8]) != MAGIC:
+        raise FormatError("not a packed shard (bad magic)")
+    return _U64.unpack_from(head, 8)[0]
+
+
+def offsets_span(pos: int) -> tuple[int, int]:
+    """(start, length) of the bytes holding ``offsets[pos]`` and ``offsets[pos + 1]``."""
+    return HEADER + 8 * pos, 16
+
+
+def offset_pair(raw: bytes | memoryview) -> tuple[int, int]:
+    """(start, end) of a record from the 16 bytes at :func:`offsets_span`."""
+    return _U64.unpack_from(raw, 0)[0], _U64.unpack_from(raw, 8)[0]
+
+
+def offsets_table(raw: bytes | memoryview, samples: int) -> np.ndarray:
+    """All ``samples + 1`` record offsets from the bytes after the 16-byte header."""
+    return np.frombuffer(raw, dtype="<u8", count=samples + 1).astype(np.int64)
