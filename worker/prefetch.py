@@ -560,6 +560,9 @@ class Prefetcher:
         #: a streaming dataset's shards this rank owns (None: a map-style dataset): samples of
         #: other shards are read remotely (:func:`read_samples`)
         self.owned: frozenset[int] | None = None
+        #: the same for the step at a cursor (the planned items: a step of the next epoch
+        #: reads that epoch's shards); None: :attr:`owned` for every item
+        self.owned_at: Callable[[int], frozenset[int]] | None = None
         self._cond = threading.Condition()
         self._dataset_lock = threading.Lock()
         self._items: dict[ItemKey, _Item] = {}  # the plan, in consumption order
@@ -649,7 +652,8 @@ class Prefetcher:
                 task_id, self._next_task = self._next_task, self._next_task + 1
                 item.state = _State.RUNNING
                 self._tasks[task_id] = item
-                self._pool.submit(task_id, item.indices, self.owned)
+                owned = self.owned_at(item.key.cursor) if self.owned_at is not None else self.owned
+                self._pool.submit(task_id, item.indices, owned)
 
     def _deliver(self, task_id: int, state: _State, value: Any) -> None:
         """(A loader's thread.) The outcome of a task; dropped when its item is no longer planned."""

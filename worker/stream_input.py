@@ -13,6 +13,7 @@ exact.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +21,15 @@ import numpy as np
 
 from shoal.events.models import ShardTable
 from shoal.worker.data import DataOrder, StepBatch
-from shoal.worker.stream_order import StepAssignment, assign_step, owner_ranks, shard_of, shard_offsets
+from shoal.worker.stream_order import (
+    StepAssignment,
+    assign_step,
+    epoch_windows,
+    owner_ranks,
+    shard_of,
+    shard_offsets,
+    window_owners,
+)
 
 log = logging.getLogger("shoal.worker.stream")
 
@@ -58,6 +67,9 @@ class StreamInput:
         self._owner = np.full(self.num_shards, -1, dtype=np.int64)
         #: this rank's shards in the current table
         self.owned: frozenset[int] = frozenset()
+        #: epoch -> who reads each shard in it (the table's owners rebalanced per window)
+        self._epoch_owner: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
         self._cache: dict[tuple[int, tuple[int, ...] | None], StepAssignment] = {}
         #: the last trained step's balance error and this rank's remote samples in it
         self.balance_error = 0
@@ -75,16 +87,37 @@ class StreamInput:
         self.generation, self.rank, self.world = table.generation, me.rank, table.world_size
         self.owned = frozenset(np.flatnonzero(self._owner == me.rank).tolist())
         self._cache.clear()
+        with self._lock:
+            self._epoch_owner.clear()
         if table.shard_owners is None:
             log.warning("generation %d's table names no shard owners: every sample is read remotely",
                         table.generation)
+
+    def epoch_owner(self, epoch: int) -> np.ndarray:
+        """Who reads each shard locally in ``epoch`` (:func:`window_owners`)."""
+        with self._lock:  # also called by the prefetcher's result thread
+            got = self._epoch_owner.get(epoch)
+            if got is None:
+                windows = epoch_windows(self.order.shard_samples, self.order.seed, epoch, self.order.window)
+                got = window_owners(self.order.shard_samples, windows, self._owner, self.world)
+                while len(self._epoch_owner) >= 3:
+                    self._epoch_owner.pop(min(self._epoch_owner))
+                self._epoch_owner[epoch] = got
+            return got
+
+    def reading(self, cursor: int) -> frozenset[int]:
+        """The shards this rank reads whole (from its cache) in the epoch of ``cursor``
+        (samples of the others it is given: ranged reads)."""
+        epoch = cursor // self.order.num_samples
+        return frozenset(np.flatnonzero(self.epoch_owner(epoch) == self.rank).tolist())
 
     def assignment(self, batch: StepBatch, active: Sequence[int] | None = None) -> StepAssignment:
         """The split of ``batch`` among the table's ranks (``active``: the ranks that take part)."""
         key = (batch.cursor, None if active is None else tuple(sorted(active)))
         got = self._cache.get(key)
         if got is None:
-            got = assign_step(shard_of(batch.indices, self.offsets), self._owner, self.world, active, self.tolerance)
+            got = assign_step(shard_of(batch.indices, self.offsets), self.epoch_owner(batch.epoch), self.world, active,
+                              self.tolerance)
             if len(self._cache) >= CACHE_STEPS:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = got
@@ -109,6 +142,7 @@ class StreamInput:
         if plan is None or self.generation < 0:
             return
         ids: list[int] = []
+        owned: set[int] = set()
         c = cursor
         for _ in range(MAX_PLAN_STEPS):
             if len(ids) >= self.predownload or (end is not None and c >= end):
@@ -116,10 +150,12 @@ class StreamInput:
             batch = self.order.batch(c)
             a = self.assignment(batch)
             mine = a.positions[self.rank]
-            ids.extend(int(i) for i in batch.indices[mine])
+            local = mine[~a.remote[mine]]  # the samples it reads from its own shards (of that epoch)
+            ids.extend(int(i) for i in batch.indices[local])
+            owned |= self.reading(c)
             c = batch.next_cursor
         try:
-            plan(ids, set(self.owned))
+            plan(ids, owned)
         except Exception as exc:  # noqa: BLE001 - the reads report a real failure with its shard
             log.warning("predownload plan failed (%s: %s)", type(exc).__name__, exc)
 

@@ -14,9 +14,16 @@ The order (:func:`shard_aware_permutation`)
     position come next. Consecutive global batches draw from the ``window`` shards of one
     window (two at a window's edge): a worker needs only a few shards at a time.
 
+Who reads a shard (:func:`window_owners`)
+    The table's owners (sticky across generations, :mod:`shoal.coordinator.owners`) are
+    rebalanced inside each window of the epoch by moving whole shards, so that each rank's
+    share of every window is even; a shard is in one window per epoch, so in a cold cache
+    this costs no download at all. With the stratified shuffle, each rank's share of every
+    batch then follows its share of the window: few samples are left to move.
+
 The assignment (:func:`assign_step`)
-    Every rank computes, from the step's global batch, each sample's shard and the shard
-    owners of the table (:func:`owner_ranks`), the same split of the batch's *positions* among
+    Every rank computes, from the step's global batch, each sample's shard and these owners,
+    the same split of the batch's *positions* among
     the ranks: a rank takes the samples of the shards it owns (read from its cache), then the
     counts are balanced to within a tolerance by moving samples - the highest positions of
     the fullest rank first - to the emptiest one, which reads them remotely (ranged reads).
@@ -36,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 #: Shards per shuffle window when the dataset does not say (``shuffle_window`` attribute).
-DEFAULT_WINDOW = 8
+DEFAULT_WINDOW = 16
 
 
 def _rng(seed: int, epoch: int, what: str) -> np.random.Generator:
@@ -53,30 +60,86 @@ def shard_offsets(shard_samples: Sequence[int]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
 
-def shard_aware_permutation(shard_samples: Sequence[int], seed: int, epoch: int, window: int) -> np.ndarray:
-    """The sample order of ``epoch``: a permutation of ``0..sum(shard_samples)-1`` (int64).
-
-    Shards are shuffled, cut into consecutive windows of ``window`` shards, and the samples of
-    each window are shuffled together. A pure function of its arguments (numpy PCG64 seeded
-    from ``(seed, epoch)``). ValueError on an empty dataset, a negative epoch or window < 1."""
+def epoch_windows(shard_samples: Sequence[int], seed: int, epoch: int, window: int) -> list[np.ndarray]:
+    """The shards of each shuffle window of ``epoch``, in order (shard numbers, int64)."""
     if window < 1:
         raise ValueError(f"shuffle window must be at least 1 shard, got {window}")
     if epoch < 0:
         raise ValueError(f"epoch must be non-negative, got {epoch}")
+    shards = _rng(seed, epoch, "shards").permutation(len(shard_samples)).astype(np.int64)
+    return [shards[w : w + window] for w in range(0, len(shards), window)]
+
+
+def shard_aware_permutation(shard_samples: Sequence[int], seed: int, epoch: int, window: int) -> np.ndarray:
+    """The sample order of ``epoch``: a permutation of ``0..sum(shard_samples)-1`` (int64).
+
+    Shards are shuffled and cut into consecutive windows of ``window`` shards
+    (:func:`epoch_windows`); inside a window, each shard's samples are shuffled and the shards
+    are interleaved in rounds - round ``j`` takes the ``j``-th sample of every shard that has
+    one, the shards in a fresh random order each round - so any run of consecutive samples
+    draws from every shard of the window in proportion (a stratified shuffle: a rank's share
+    of a batch then follows its share of the window's shards, with no sampling noise to even
+    out by remote reads). A pure function of its arguments (numpy PCG64 seeded from
+    ``(seed, epoch)``). ValueError on an empty dataset, a negative epoch or window < 1."""
     offsets = shard_offsets(shard_samples)
     total = int(offsets[-1])
     if total <= 0:
         raise ValueError("a streaming dataset with no samples")
-    rng = _rng(seed, epoch, "order")
-    shards = rng.permutation(len(offsets) - 1)
+    windows = epoch_windows(shard_samples, seed, epoch, window)
+    rng = _rng(seed, epoch, "samples")
     out = np.empty(total, dtype=np.int64)
     at = 0
-    for w in range(0, len(shards), window):
-        ids = np.concatenate([np.arange(offsets[s], offsets[s + 1], dtype=np.int64) for s in shards[w : w + window]])
-        rng.shuffle(ids)
-        out[at : at + len(ids)] = ids
-        at += len(ids)
+    for shards in windows:
+        ids, rounds, ties = [], [], []
+        for sh in shards:
+            count = int(offsets[sh + 1] - offsets[sh])
+            ids.append(offsets[sh] + rng.permutation(count))
+            rounds.append(np.arange(count))
+            ties.append(rng.random(count))
+        if not ids:
+            continue
+        ids_a, rounds_a, ties_a = np.concatenate(ids), np.concatenate(rounds), np.concatenate(ties)
+        ordered = ids_a[np.lexsort((ties_a, rounds_a))]
+        out[at : at + len(ordered)] = ordered
+        at += len(ordered)
     return out
+
+
+def window_owners(shard_samples: Sequence[int], windows: Sequence[np.ndarray], owner: np.ndarray,
+                  world: int) -> np.ndarray:
+    """Who reads each shard locally in one epoch: the table's ``owner`` (``owner[s]``: a rank,
+    -1: nobody), rebalanced inside each window so that every rank's share of the window's
+    samples is as even as whole shards allow. Shards without an owner go, largest first, to
+    the least-loaded rank; then a shard of the most-loaded rank moves to the least-loaded one
+    while that narrows the gap. Each shard is in exactly one window per epoch, so it is still
+    downloaded once; only shards that must move do. A pure function."""
+    counts = np.asarray(shard_samples, dtype=np.int64)
+    eff = np.where((owner >= 0) & (owner < world), owner, -1).astype(np.int64)
+    ranks = list(range(world))
+    for win in windows:
+        loads = dict.fromkeys(ranks, 0)
+        pool = []
+        for sh in win.tolist():
+            if eff[sh] >= 0:
+                loads[int(eff[sh])] += int(counts[sh])
+            else:
+                pool.append(sh)
+        for sh in sorted(pool, key=lambda x: (-int(counts[x]), x)):
+            r = min(ranks, key=lambda a: (loads[a], a))
+            eff[sh] = r
+            loads[r] += int(counts[sh])
+        while True:
+            hi = max(ranks, key=lambda a: (loads[a], -a))
+            lo = min(ranks, key=lambda a: (loads[a], a))
+            gap = loads[hi] - loads[lo]
+            mine = [sh for sh in win.tolist() if eff[sh] == hi and 0 < counts[sh] < gap]
+            if not mine:
+                break
+            sh = min(mine, key=lambda x: (abs(gap - 2 * int(counts[x])), -x))
+            eff[sh] = lo
+            loads[hi] -= int(counts[sh])
+            loads[lo] += int(counts[sh])
+    return eff
 
 
 def shard_of(ids: np.ndarray | Sequence[int], offsets: np.ndarray) -> np.ndarray:

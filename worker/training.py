@@ -193,6 +193,8 @@ class TrainingWorker(WorkerRunner):
             steps=self.spec.prefetch_steps if setup.prefetch_steps is None else setup.prefetch_steps,
             end=self.order.cursor_after(self._total_steps()),  # nothing past the last step is fetched
             order=self.order)
+        if self.stream is not None:
+            self.prefetch.owned_at = self.stream.reading
         self.engine.fetcher = self.prefetch.fetch
         self.ckpt = Checkpoints.open(self.spec, self.m, self.faults) if self.spec.checkpoint_uri else None
         step, cursor = 0, 0
@@ -417,7 +419,7 @@ class TrainingWorker(WorkerRunner):
         """The ranks that take samples in ``act`` (None: all): in the first step after a
         catch-up, those that were not behind. Keeps the stream's table current."""
         self.stream.use_table(self.state.table, self.m.worker_id)
-        self.prefetch.owned = self.stream.owned
+        self.prefetch.owned = self.stream.reading(act.cursor)
         generation, step, behind = self._behind
         if behind and generation == act.base and step == act.step:
             return [r for r in range(act.world) if r not in behind]
@@ -513,7 +515,7 @@ class TrainingWorker(WorkerRunner):
         first = self.state.first_ranges
         if self.stream is not None:
             self.stream.use_table(self.state.table, self.m.worker_id)
-            self.prefetch.owned = self.stream.owned
+            self.prefetch.owned = self.stream.reading(act.cursor)
             active = [r for r in range(act.world) if r not in act.behind] if act.behind else None
             end = self.prefetch.end
             first = self.stream.ranges(self.order.batch(act.cursor), active) if end is None or act.cursor < end else None

@@ -102,3 +102,83 @@ def test_kill_join_and_leave_mid_epoch_exactly_once_and_same_batches_as_a_fixed_
     got = {e["step"]: e["batch"] for e in entries}
     assert len(ref) == len(got) == 2 * 79
     assert got == ref
+
+
+# ---- from the real S3 server -----------------------------------------------------------------
+
+
+def _s3_dataset(tmp: Path) -> tuple[str, int]:
+    """Pack the glyphs into a fresh bucket of the moto server: (uri, dataset bytes)."""
+    import uuid
+
+    from shoal.storage.s3 import S3Store
+    from shoal.storage.s3_config import S3Config
+    from tests.storage.support import s3_env
+    from tests.stream_data import pack_digits
+
+    bucket = f"ds-{uuid.uuid4().hex[:12]}"
+    index = pack_digits(S3Store(bucket, "digits", S3Config.from_env(s3_env()), create_bucket=True))
+    return f"s3://{bucket}/digits", sum(s.size for s in index.shards)
+
+
+def _downloaded(cache_root: Path) -> dict[str, dict[str, int]]:
+    """Every worker's dataset counters (its cache directory's), by worker pid."""
+    from shoal.storage.streaming_cache import sum_counters
+
+    return {d.name: sum_counters(d) for d in cache_root.iterdir() if d.is_dir()}
+
+
+def _s3_run(r, redis_url, tmp: Path, spec: JobSpec, workers: int, uri: str, script=None, **env):
+    from tests.storage.support import s3_env
+
+    extra = {"SHOAL_LEDGER_DIR": str(tmp / "ledger"), "SHOAL_TEST_STEP_DELAY": "0.03",
+             "SHOAL_TEST_STREAM_URI": uri, "SHOAL_TEST_CACHE_ROOT": str(tmp / "cache"), **s3_env(), **env}
+    create_job(r, spec)
+    watch = ControlWatcher(r, spec.name)
+    with LocalProcs(redis_url, tmp / "logs", extra_env=extra) as procs:
+        procs.coordinator("coord")
+        ws = [procs.worker(spec.name, f"p{i}") for i in range(workers)]
+        try:
+            if script:
+                script(watch, procs, ws)
+            watch.wait_for(lambda d: d["job_state"] in ("completed", "failed"), 240)
+            codes = {p.name: p.wait(60) for p in procs.procs if p.name != "coord"}
+        except BaseException:
+            for p in procs.procs:
+                print(f"===== {p.name}\n{p.log_tail(30)}")
+            raise
+    return watch, procs, codes
+
+
+def test_s3_bytes_per_epoch_three_workers_and_after_a_leave(r, redis_url, tmp_path):
+    """Acceptance 2: one epoch with 3 workers and no membership change downloads at most 1.1x
+    the dataset's bytes (each shard once by its owner, a few samples by ranged reads); with a
+    worker leaving mid-epoch, at most 1.5x."""
+    uri, size = _s3_dataset(tmp_path)
+    job = "s3bytes-" + tmp_path.name[-8:]
+    spec = _spec(job, entrypoint="tests.entrypoints:stream_digits_store", epochs=1, min_workers=3)
+    _s3_run(r, redis_url, tmp_path / "steady", spec, 3, uri)
+    per = _downloaded(tmp_path / "steady" / "cache")
+    total = sum(c["bytes_downloaded"] + c["remote_bytes"] for c in per.values())
+    remote = sum(c["remote_reads"] for c in per.values())
+    print(f"3 workers: {total / size:.3f}x the dataset ({size} bytes), {remote} remote samples")
+    assert len(per) == 3 and all(c["bytes_downloaded"] > 0 for c in per.values())
+    assert total <= 1.1 * size
+    assert ledger.verify(ledger.read(tmp_path / "steady" / "ledger"), NUM_SAMPLES).ok
+
+    job2 = job + "-leave"
+
+    def leave(watch, procs, ws):
+        wait_until(lambda: len(ledger.read(tmp_path / "leave" / "ledger")) >= 3 * 25, 120, "25 steps")
+        ws[2].signal(signal.SIGTERM)
+        watch.wait_for(lambda d: " left" in d["reason"], 60)
+
+    _, _, codes = _s3_run(r, redis_url, tmp_path / "leave", _spec(job2, entrypoint=spec.entrypoint, epochs=1,
+                                                                   min_workers=2), 3, uri, leave)
+    assert codes["p2"] == 0
+    per = _downloaded(tmp_path / "leave" / "cache")
+    total = sum(c["bytes_downloaded"] + c["remote_bytes"] for c in per.values())
+    print(f"3 workers, one leaving mid-epoch: {total / size:.3f}x the dataset")
+    assert total <= 1.5 * size
+    verdict = ledger.verify(ledger.read(tmp_path / "leave" / "ledger"), NUM_SAMPLES)
+    assert verdict.ok and verdict.epochs_complete == 1, verdict.problem

@@ -118,3 +118,36 @@ def test_owner_ranges_are_compact():
     assert to_ranges([5, 1, 2, 3, 7]) == [(1, 4), (5, 6), (7, 8)]
     plan, why = plan_owners(None, ["w0", "w1"], 4)
     assert plan == {"w0": [(0, 1), (2, 3)], "w1": [(1, 2), (3, 4)]} and "4 shards" in why
+
+
+def test_stratified_window_keeps_remote_reads_rare():
+    """Owners rebalanced per window + the stratified shuffle: over an epoch with 3 ranks, few
+    samples are read remotely (a uniform shuffle inside windows of static owners: ~17 %)."""
+    from shoal.worker.stream_order import epoch_windows, window_owners
+
+    shards = [61] * 81 + [59]
+    for world in (2, 3, 4):
+        owners, _ = plan_owners(None, [f"w{i}" for i in range(world)], len(shards))
+        owner = owner_ranks(owners, len(shards), {f"w{i}": i for i in range(world)})
+        order = DataOrder(sum(shards), 1, 64, shard_samples=shards, window=16)
+        offsets = shard_offsets(shards)
+        eff = window_owners(shards, epoch_windows(shards, 1, 0, 16), owner, world)
+        assert sorted(set(eff.tolist())) == list(range(world))
+        cursor, remote = 0, 0
+        while cursor < order.num_samples:
+            b = order.batch(cursor)
+            a = assign_step(shard_of(b.indices, offsets), eff, world)
+            assert a.balance_error <= 1
+            remote += a.remote_count()
+            cursor = b.next_cursor
+        assert remote / order.num_samples < 0.05, (world, remote)
+
+
+def test_window_owners_move_only_what_balances():
+    from shoal.worker.stream_order import window_owners
+
+    owner = np.array([0, 0, 0, 0, 1, 1])
+    eff = window_owners([10] * 6, [np.array([0, 1, 2, 3, 4, 5])], owner, 2)
+    assert (eff == 0).sum() == 3 and (eff == 1).sum() == 3 and eff[4] == 1 and eff[5] == 1
+    eff = window_owners([10] * 4, [np.array([0, 1]), np.array([2, 3])], np.array([-1, -1, 0, 1]), 2)
+    assert eff.tolist() == [0, 1, 0, 1]
