@@ -55,16 +55,6 @@ def empty_dataset() -> TrainingSetup:
     return setup
 
 
-def stream_digits() -> TrainingSetup:
-    """The slow digits job on a streaming dataset stand-in (``tests.stream_fake.FakeStream``:
-    the glyphs in shards of 50): the shard-aware order and the split by shard owner."""
-    from tests.stream_fake import FakeStream
-
-    setup = slow_digits()
-    setup.dataset = FakeStream()
-    return setup
-
-
 def stream_digits_store() -> TrainingSetup:
     """The slow digits job reading the glyphs packed as a streaming dataset at
     ``SHOAL_TEST_STREAM_URI`` (see ``tests.stream_data``)."""

@@ -29,86 +29,22 @@ NUM_SAMPLES = 5000
 
 
 def _spec(job: str, **kw) -> JobSpec:
-    base = dict(name=job, entrypoint="tests.entrypoints:stream_digits", min_workers=1, max_workers=3,
+    base = dict(name=job, entrypoint="tests.entrypoints:stream_digits_store", min_workers=1, max_workers=3,
                 global_batch_size=64, epochs=2, heartbeat_interval=0.2, heartbeat_ttl=1.5, seed=11,
                 loader_workers=1, prefetch_steps=2)
     return JobSpec(**(base | kw))
-
-
-def _run(r, redis_url, tmp: Path, spec: JobSpec, workers: int, script=None, delay: str = "0.03"):
-    create_job(r, spec)
-    watch = ControlWatcher(r, spec.name)
-    env = {"SHOAL_LEDGER_DIR": str(tmp / "ledger"), "SHOAL_TEST_STEP_DELAY": delay,
-           "SHOAL_TEST_STREAM_STATS": str(tmp / "stats")}
-    with LocalProcs(redis_url, tmp / "logs", extra_env=env) as procs:
-        procs.coordinator("coord")
-        ws = [procs.worker(spec.name, f"p{i}") for i in range(workers)]
-        try:
-            if script:
-                script(watch, procs, ws)
-            watch.wait_for(lambda d: d["job_state"] == "completed", 240)
-            codes = {p.name: p.wait(60) for p in procs.procs if p.name != "coord"}
-        except BaseException:
-            for p in procs.procs:
-                print(f"===== {p.name}\n{p.log_tail(30)}")
-            raise
-    return watch, procs, codes
 
 
 def _tables(r, job: str) -> list[ShardTable]:
     return [ShardTable.model_validate_json(f[b"data"]) for _id, f in r.xrange(job_keys(job).generations)]
 
 
-def test_kill_join_and_leave_mid_epoch_exactly_once_and_same_batches_as_a_fixed_world(r, redis_url, tmp_path):
-    job = "stream-" + tmp_path.name[-8:]
-
-    def script(watch, procs, ws):
-        watch.wait_for(lambda d: "world size 2" in d["reason"], 120)
-        joiner = procs.worker(job, "joiner")  # a join mid-epoch
-        watch.wait_for(lambda d: "world size 3" in d["reason"], 60)
-        watch.wait_for(lambda d: d["kind"] == "ready" and "w2 active" in d["reason"], 60)
-        wait_until(lambda: any(e["world"] == 3 for e in ledger.read(tmp_path / "elastic" / "ledger")), 60,
-                   "a step committed by three workers")
-        joiner.signal(signal.SIGKILL)  # a failure
-        watch.wait_for(lambda d: "w2 failed" in d["reason"], 60)
-        ws[0].signal(signal.SIGTERM)  # a graceful leave
-        watch.wait_for(lambda d: " left" in d["reason"], 60)
-
-    _, _, codes = _run(r, redis_url, tmp_path / "elastic", _spec(job), 2, script)
-    assert codes["p0"] == 0 and codes["p1"] == 0
-    entries = ledger.read(tmp_path / "elastic" / "ledger")
-    verdict = ledger.verify(entries, NUM_SAMPLES)
-    assert verdict.ok, verdict.problem
-    assert verdict.epochs_complete == 2 and verdict.steps == 2 * 79
-    assert {e["world"] for e in entries} >= {2, 3, 1}  # trained at three world sizes
-
-    # owners: every table covers each shard once, and membership changes move only what they must
-    tables = [t for t in _tables(r, job) if not t.paused]
-    assert all(t.shard_owners is not None for t in tables)
-    for t in tables:
-        shards = sorted(s for ranges in t.shard_owners.values() for s in from_ranges(ranges))
-        assert shards == list(range(100))
-    for before, after in zip(tables, tables[1:]):
-        left = set(before.shard_owners) - set(after.shard_owners)
-        joined = set(after.shard_owners) - set(before.shard_owners)
-        if left and not joined:  # survivors keep all theirs
-            for w in after.shard_owners:
-                assert set(from_ranges(before.shard_owners[w])) <= set(from_ranges(after.shard_owners[w]))
-
-    # the same job with one worker, no membership change: identical global batches step by step
-    fixed = job + "-w1"
-    _run(r, redis_url, tmp_path / "fixed", _spec(fixed, max_workers=1), 1, delay="0")
-    ref = {e["step"]: e["batch"] for e in ledger.read(tmp_path / "fixed" / "ledger")}
-    got = {e["step"]: e["batch"] for e in entries}
-    assert len(ref) == len(got) == 2 * 79
-    assert got == ref
-
-
 # ---- from the real S3 server -----------------------------------------------------------------
 
 
-def _s3_dataset(tmp: Path) -> tuple[str, int]:
-    """Pack the glyphs into a fresh bucket of the moto server: (uri, dataset bytes)."""
+def _s3_dataset(tmp: Path, fmt: str = "packed", store_out: list | None = None) -> tuple[str, int]:
+    """Pack the glyphs into a fresh bucket of the moto server: (uri, dataset bytes); the
+    store is appended to ``store_out`` when given."""
     import uuid
 
     from shoal.storage.s3 import S3Store
@@ -117,7 +53,10 @@ def _s3_dataset(tmp: Path) -> tuple[str, int]:
     from tests.stream_data import pack_digits
 
     bucket = f"ds-{uuid.uuid4().hex[:12]}"
-    index = pack_digits(S3Store(bucket, "digits", S3Config.from_env(s3_env()), create_bucket=True))
+    store = S3Store(bucket, "digits", S3Config.from_env(s3_env()), create_bucket=True)
+    index = pack_digits(store, fmt)
+    if store_out is not None:
+        store_out.append((store, index))
     return f"s3://{bucket}/digits", sum(s.size for s in index.shards)
 
 
@@ -182,3 +121,128 @@ def test_s3_bytes_per_epoch_three_workers_and_after_a_leave(r, redis_url, tmp_pa
     assert total <= 1.5 * size
     verdict = ledger.verify(ledger.read(tmp_path / "leave" / "ledger"), NUM_SAMPLES)
     assert verdict.ok and verdict.epochs_complete == 1, verdict.problem
+
+
+def test_kill_join_and_leave_mid_epoch_exactly_once_and_same_batches_as_a_fixed_world(r, redis_url, tmp_path):
+    """Acceptance 1, from the real S3 server."""
+    uri, _ = _s3_dataset(tmp_path)
+    job = "stream-" + tmp_path.name[-8:]
+
+    def script(watch, procs, ws):
+        watch.wait_for(lambda d: "world size 2" in d["reason"], 120)
+        joiner = procs.worker(job, "joiner")  # a join mid-epoch
+        watch.wait_for(lambda d: "world size 3" in d["reason"], 60)
+        watch.wait_for(lambda d: d["kind"] == "ready" and "w2 active" in d["reason"], 60)
+        wait_until(lambda: any(e["world"] == 3 for e in ledger.read(tmp_path / "elastic" / "ledger")), 60,
+                   "a step committed by three workers")
+        joiner.signal(signal.SIGKILL)  # a failure
+        watch.wait_for(lambda d: "w2 failed" in d["reason"], 60)
+        ws[0].signal(signal.SIGTERM)  # a graceful leave
+        watch.wait_for(lambda d: " left" in d["reason"], 60)
+
+    _, _, codes = _s3_run(r, redis_url, tmp_path / "elastic", _spec(job), 2, uri, script)
+    assert codes["p0"] == 0 and codes["p1"] == 0
+    entries = ledger.read(tmp_path / "elastic" / "ledger")
+    verdict = ledger.verify(entries, NUM_SAMPLES)
+    assert verdict.ok, verdict.problem
+    assert verdict.epochs_complete == 2 and verdict.steps == 2 * 79
+    assert {e["world"] for e in entries} >= {2, 3, 1}  # trained at three world sizes
+
+    # owners: every table covers each shard once, and membership changes move only what they must
+    tables = [t for t in _tables(r, job) if not t.paused]
+    assert all(t.shard_owners is not None for t in tables)
+    for t in tables:
+        shards = sorted(s for ranges in t.shard_owners.values() for s in from_ranges(ranges))
+        assert shards == list(range(82))
+    for before, after in zip(tables, tables[1:]):
+        left = set(before.shard_owners) - set(after.shard_owners)
+        joined = set(after.shard_owners) - set(before.shard_owners)
+        if left and not joined:  # survivors keep all theirs
+            for w in after.shard_owners:
+                assert set(from_ranges(before.shard_owners[w])) <= set(from_ranges(after.shard_owners[w]))
+
+    # the same job with one worker, no membership change: identical global batches step by step
+    fixed = job + "-w1"
+    _s3_run(r, redis_url, tmp_path / "fixed", _spec(fixed, max_workers=1), 1, uri, SHOAL_TEST_STEP_DELAY="0")
+    ref = {e["step"]: e["batch"] for e in ledger.read(tmp_path / "fixed" / "ledger")}
+    got = {e["step"]: e["batch"] for e in entries}
+    assert len(ref) == len(got) == 2 * 79
+    assert got == ref
+
+
+def test_corrupt_shard_fails_the_job_naming_it_and_keeps_the_latest_checkpoint(r, redis_url, tmp_path):
+    """Acceptance 5: a shard whose bytes no longer match the index (same size, other content)
+    fails the job with a one-line reason naming the shard; the checkpoints written before
+    stay, and LATEST still loads."""
+    from shoal.storage.checkpoint import load_latest
+    from shoal.storage.uri import open_store
+    from shoal.worker.stream_order import epoch_windows
+    from tests.storage.support import s3_env
+
+    got: list = []
+    uri, _ = _s3_dataset(tmp_path, store_out=got)
+    store, index = got[0]
+    # a shard of the epoch's last window: first read well after the first checkpoints
+    last = int(epoch_windows([s.samples for s in index.shards], 11, 0, 16)[-1][0])
+    name = index.shards[last].name
+    key = next(k for k in store.list() if k.endswith(name))
+    store.put_bytes(key, bytes(len(store.get_bytes(key))))
+    job = "corrupt-" + tmp_path.name[-8:]
+    ckpt = f"file://{tmp_path / 'ckpt'}"
+    spec = _spec(job, epochs=1, min_workers=2, max_workers=2, checkpoint_uri=ckpt, checkpoint_interval=10)
+    create_job(r, spec)
+    watch = ControlWatcher(r, job)
+    env = {"SHOAL_TEST_STEP_DELAY": "0.02", "SHOAL_TEST_STREAM_URI": uri, **s3_env()}
+    with LocalProcs(redis_url, tmp_path / "logs", extra_env=env) as procs:
+        procs.coordinator("coord")
+        agent = procs.start("agent", "agent", job, "--workers", "2", "--max-restarts", "0", "--backoff", "0.1",
+                            "--node", "n1", "--run-dir", str(tmp_path / "agent"))
+        try:
+            failed = watch.wait_for(lambda d: d["job_state"] == "failed", 180)
+            agent.wait(60)
+        except BaseException:
+            for p in procs.procs:
+                print(f"===== {p.name}\n{p.log_tail(30)}")
+            raise
+    status = r.hgetall(job_keys(job).state)
+    first = status[b"first_failure"].decode()
+    print(first)
+    assert name in first and "\n" not in first, first
+    assert failed["job_state"] == "failed"
+    state, _ = load_latest(open_store(ckpt))
+    assert state.step >= 10  # a checkpoint from before the corrupt shard, loadable
+
+
+def test_cache_limit_is_never_exceeded_and_training_completes(r, redis_url, tmp_path):
+    """Acceptance 3 (scaled: a cache of a quarter of the dataset): the bytes in each worker's
+    cache, sampled while it trains, never exceed the limit; the job completes exactly once."""
+    import threading
+
+    uri, size = _s3_dataset(tmp_path)
+    limit = size // 4
+    samples: list[int] = []
+    stop = threading.Event()
+    cache_root = tmp_path / "run" / "cache"
+
+    def sample() -> None:
+        while not stop.is_set():
+            if cache_root.exists():
+                for d in cache_root.iterdir():
+                    used = sum(f.stat().st_size for f in d.rglob("*") if f.is_file() and not f.name.startswith("."))
+                    samples.append(used)
+            stop.wait(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    job = "cache-" + tmp_path.name[-8:]
+    try:
+        _s3_run(r, redis_url, tmp_path / "run", _spec(job, epochs=2, min_workers=2, max_workers=2), 2, uri,
+                SHOAL_TEST_CACHE_LIMIT=str(limit))
+    finally:
+        stop.set()
+        sampler.join(5)
+    print(f"cache limit {limit} bytes; {len(samples)} samples, largest {max(samples)} bytes")
+    assert len(samples) > 50 and max(samples) > 0
+    assert max(samples) <= limit
+    verdict = ledger.verify(ledger.read(tmp_path / "run" / "ledger"), NUM_SAMPLES)
+    assert verdict.ok and verdict.epochs_complete == 2, verdict.problem
