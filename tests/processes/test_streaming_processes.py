@@ -96,7 +96,27 @@ def test_s3_bytes_per_epoch_three_workers_and_after_a_leave(r, redis_url, tmp_pa
     uri, size = _s3_dataset(tmp_path)
     job = "s3bytes-" + tmp_path.name[-8:]
     spec = _spec(job, entrypoint="tests.entrypoints:stream_digits_store", epochs=1, min_workers=3)
-    _s3_run(r, redis_url, tmp_path / "steady", spec, 3, uri)
+    shown: dict = {}
+
+    def visible(watch, procs, ws):  # shoal status (text, --json) and the metrics show the input
+        from shoal.ops.metrics import MetricsServer
+        from shoal.ops.status import format_status, job_status
+
+        def streaming() -> bool:
+            s = job_status(r, job)
+            live = [w for w in s["workers"] if w.get("bytes_downloaded")]
+            if len(live) == 3 and all(w["shards_owned"] for w in live):
+                shown.update(json=s, text=format_status(s), metrics=MetricsServer(r).render())
+                return True
+            return False
+
+        wait_until(streaming, 120, "3 workers' streaming figures in status")
+
+    _s3_run(r, redis_url, tmp_path / "steady", spec, 3, uri, visible)
+    assert "streaming input (downloaded / cache hits / shards owned" in shown["text"], shown["text"]
+    assert sum(w["shards_owned"] for w in shown["json"]["workers"]) == 82
+    assert 'shoal_stream_bytes_downloaded{job="' in shown["metrics"]
+    assert "shoal_stream_balance_error{" in shown["metrics"]
     per = _downloaded(tmp_path / "steady" / "cache")
     total = sum(c["bytes_downloaded"] + c["remote_bytes"] for c in per.values())
     remote = sum(c["remote_reads"] for c in per.values())
