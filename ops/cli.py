@@ -753,6 +753,10 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("file", help="cluster file (YAML), e.g. examples/cluster.yaml")
     cl.set_defaults(func=cmd_cluster)
 
+    from shoal.ops.dataset import add_parser as add_dataset_parser
+
+    add_dataset_parser(sub)  # shoal dataset pack|index|info (ops/dataset.py)
+
     co = sub.add_parser("completion", help="print the shell completion script (bash, zsh or fish)",
                         description="Enable with: eval \"$(shoal completion bash)\" (in ~/.bashrc), "
                                     "shoal completion zsh, or shoal completion fish | source. "

@@ -85,6 +85,7 @@ class _Proc:
         self.wake = threading.Event()
         self.want: list[int] = []  # shards to prefetch, in order
         self.failed: set[int] = set()  # shards whose prefetch failed (demand reads raise)
+        self.needs: dict[str, int] | None = None  # last needs written (skip rewriting them)
         self.stop = False
 
 
@@ -241,7 +242,6 @@ class StreamingDataset:
     def _read_local(self, shard: int, pos: int) -> dict[str, Any]:
         proc = self._proc()
         path, hit = self._shard_file(shard, demand=True)
-        proc.counters.add("cache_hits" if hit else "cache_misses")
         entry = self.index.shards[shard]
         try:
             with open(path, "rb") as f:
@@ -256,6 +256,7 @@ class StreamingDataset:
             return self._read_local(shard, pos)  # evicted between lookup and open: fetch again
         except OSError as exc:
             raise StorageError(f"read dataset shard {self._label(shard)}: {exc.strerror or exc}") from exc
+        proc.counters.add("cache_hits" if hit else "cache_misses")
         return self._decode(shard, pos, raw)
 
     def _decode(self, shard: int, pos: int, raw: bytes) -> dict[str, Any]:
@@ -400,7 +401,12 @@ class StreamingDataset:
         """This worker reads ``upcoming_ids`` next, in this order: prefetch the owned shards
         of the first ``predownload`` of them in the background, and rank every owned shard by
         its first need for eviction. Returns at once; a prefetch error is not raised here (the
-        read that needs the shard raises it). A no-op for a local directory."""
+        read that needs the shard raises it). A no-op for a local directory.
+
+        Call it again as reading proceeds (the training worker: every step, with the ids from
+        the committed cursor on): eviction ranks are those of the last plan, so a plan that
+        is never renewed keeps ranking shards already read as needed soon. Only one process
+        of a worker plans (the training process); its loaders just read."""
         if self._local:
             return
         ids = np.asarray(upcoming_ids, dtype=np.int64)
@@ -408,10 +414,12 @@ class StreamingDataset:
         uniq, first = np.unique(shards, return_index=True)
         order = np.argsort(first, kind="stable")
         needs = {self.index.shards[int(uniq[k])].sha256: int(first[k]) for k in order if int(uniq[k]) in owned}
-        self._cache.write_needs(needs)
+        proc = self._proc()
+        if needs != proc.needs:
+            self._cache.write_needs(needs)
+            proc.needs = needs
         horizon = min(len(ids), self.predownload)
         want = [int(uniq[k]) for k in order if first[k] < horizon and int(uniq[k]) in owned]
-        proc = self._proc()
         with proc.lock:
             proc.want = want
             if proc.thread is None or not proc.thread.is_alive():

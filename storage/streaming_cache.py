@@ -19,7 +19,7 @@ first), then the ones needed last. A prefetch reservation never evicts a shard n
 before its own; a demand reservation (a read that needs the shard now) may evict anything
 cached; when reservations in flight fill the cache, it waits (up to ``wait_s``).
 
-Every processes of one worker (the training process and its forked loaders) may share one
+All processes of one worker (the training process and its forked loaders) may share one
 directory; a directory must not be shared by different workers (their counters would mix).
 """
 
@@ -30,6 +30,7 @@ import json
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -77,6 +78,7 @@ class Counters:
     """This process's counters in ``.stats-<pid>`` (memory-mapped; one writer)."""
 
     def __init__(self, root: Path) -> None:
+        self._lock = threading.Lock()  # the prefetch thread and the reading thread both count
         self.path = root / f".stats-{os.getpid()}"
         size = _SLOT.size * len(COUNTERS)
         with translated(f"create {self.path}"):
@@ -90,7 +92,8 @@ class Counters:
 
     def add(self, name: str, n: int = 1) -> None:
         off = COUNTERS.index(name) * _SLOT.size
-        _SLOT.pack_into(self._map, off, _SLOT.unpack_from(self._map, off)[0] + n)
+        with self._lock:
+            _SLOT.pack_into(self._map, off, _SLOT.unpack_from(self._map, off)[0] + n)
 
 
 def sum_counters(root: Path) -> dict[str, int]:
