@@ -74,6 +74,8 @@ class StreamInput:
         #: the last trained step's balance error and this rank's remote samples in it
         self.balance_error = 0
         self.step_remote = 0
+        #: what :meth:`figures` returned last (the progress history records it)
+        self.last_figures: dict[str, Any] = {}
 
     def use_table(self, table: ShardTable, worker_id: str) -> None:
         """Take ``table``'s owners and this worker's rank in it (no-op for the same generation)."""
@@ -175,4 +177,5 @@ class StreamInput:
             out["cache_hit_rate"] = round(hits / (hits + misses), 4)
         if "remote_reads" in stats:
             out["remote_reads"] = int(stats["remote_reads"])
+        self.last_figures = out
         return out

@@ -328,7 +328,8 @@ class TrainingWorker(WorkerRunner):
             case RecordProgress(step=step, loss=loss, generation=generation, world=world):
                 compute, exposed = self._step_parts
                 self.progress.record(step, loss, generation, world, input_wait=self.prefetch.step_wait,
-                                     compute=compute, exposed_comm=exposed)
+                                     compute=compute, exposed_comm=exposed,
+                                     stream=self.stream.last_figures if self.stream is not None else None)
             case SaveCheckpoint():
                 self._save(action)
             case Evaluate():
