@@ -36,6 +36,7 @@ The assignment (:func:`assign_step`)
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -217,22 +218,26 @@ def assign_step(shards: np.ndarray, owner: np.ndarray, world: int, active: Seque
     is_active[active] = True
     mine = (owned_by >= 0) & is_active[np.clip(owned_by, 0, world - 1)]
     take[mine] = owned_by[mine]
-    buckets: dict[int, list[int]] = {r: np.flatnonzero(take == r).tolist() for r in active}
+    # per rank, ascending: the positions of its own shards, and the others it was given
+    own: dict[int, list[int]] = {r: np.flatnonzero(take == r).tolist() for r in active}
+    given: dict[int, list[int]] = {r: [] for r in active}
+
+    def count(a: int) -> int:
+        return len(own[a]) + len(given[a])
+
     # samples nobody active owns: to the emptiest rank, position by position
     for p in np.flatnonzero(take < 0).tolist():
-        r = min(active, key=lambda a: (len(buckets[a]), a))
-        buckets[r].append(p)
-    # balance: the highest position of the fullest rank to the emptiest, until within tolerance
+        given[min(active, key=lambda a: (count(a), a))].append(p)
+    # balance: the highest position of the fullest rank to the emptiest, until within
+    # tolerance; a sample the fullest reads remotely anyway moves first (no extra remote read)
     while True:
-        hi = max(active, key=lambda a: (len(buckets[a]), -a))
-        lo = min(active, key=lambda a: (len(buckets[a]), a))
-        if len(buckets[hi]) - len(buckets[lo]) <= tolerance + 1:
+        hi = max(active, key=lambda a: (count(a), -a))
+        lo = min(active, key=lambda a: (count(a), a))
+        if count(hi) - count(lo) <= tolerance + 1:
             break
-        # a sample hi reads remotely anyway moves first (no extra remote read), else its own
-        others = [q for q in buckets[hi] if owned_by[q] != hi]
-        p = max(others) if others else max(buckets[hi])
-        buckets[hi].remove(p)
-        buckets[lo].append(p)
+        p = given[hi].pop() if given[hi] else own[hi].pop()
+        bisect.insort(own[lo] if owned_by[p] == lo else given[lo], p)
+    buckets = {r: own[r] + given[r] for r in active}
     positions = tuple(np.sort(np.asarray(buckets.get(r, []), dtype=np.int64)) for r in range(world))
     remote = np.zeros(n, dtype=bool)
     for r in range(world):
