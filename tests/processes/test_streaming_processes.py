@@ -290,3 +290,48 @@ def test_webdataset_and_packed_copies_train_the_same_loss_curve(r, redis_url, tm
     assert len(finals["packed"]) == len(finals["webdataset"]) == 2
     for name, value in finals["packed"][0].items():
         assert torch.equal(value, finals["webdataset"][0][name]), name  # bit-identical training
+
+
+def test_full_restart_resumes_at_the_cursors_shard_and_position_without_replaying_the_epoch(r, redis_url, tmp_path):
+    """Every process killed mid-epoch, Redis wiped, one worker instead of two: the resumed run
+    starts at the checkpoint's cursor, together the runs use every sample of the epoch once,
+    and the restarted worker downloads only the shards of the windows still ahead (not the
+    epoch from its start)."""
+    from shoal.storage.checkpoint import load_latest
+    from shoal.storage.uri import open_store
+    from tests.storage.support import s3_env
+
+    uri, size = _s3_dataset(tmp_path)
+    job = "sresume-" + tmp_path.name[-8:]
+    ckpt = f"file://{tmp_path / 'ckpt'}"
+    spec = _spec(job, epochs=1, min_workers=2, max_workers=2, checkpoint_uri=ckpt, checkpoint_interval=20)
+    create_job(r, spec)
+    watch = ControlWatcher(r, job)
+    env = {"SHOAL_TEST_STEP_DELAY": "0.05", "SHOAL_TEST_STREAM_URI": uri, **s3_env()}
+    with LocalProcs(redis_url, tmp_path / "logs1", extra_env=env | {"SHOAL_LEDGER_DIR": str(tmp_path / "l1")}) as procs:
+        procs.coordinator("coord")
+        procs.worker(job, "a")
+        procs.worker(job, "b")
+        watch.wait_for(lambda d: "LATEST -> checkpoint of step 40" in d["reason"], 180)
+        for p in procs.procs:  # lose every process at once
+            p.signal(signal.SIGKILL)
+    state, _ = load_latest(open_store(ckpt))
+    assert 40 <= state.step < 79
+    r.flushdb()  # and the Redis data
+    create_job(r, spec.model_copy(update={"min_workers": 1}))
+    watch = ControlWatcher(r, job)
+    extra = env | {"SHOAL_LEDGER_DIR": str(tmp_path / "l2"), "SHOAL_TEST_CACHE_ROOT": str(tmp_path / "cache2")}
+    with LocalProcs(redis_url, tmp_path / "logs2", extra_env=extra) as procs:
+        procs.coordinator("coord")
+        w = procs.worker(job, "c")
+        watch.wait_for(lambda d: d["job_state"] == "completed", 180)
+        assert w.wait(60) == 0
+    second = sorted(ledger.read(tmp_path / "l2"), key=lambda e: e["step"])
+    assert second[0]["step"] == state.step + 1 and second[0]["cursor"] == int(state.data_cursor)
+    first = [e for e in ledger.read(tmp_path / "l1") if e["step"] <= state.step]
+    verdict = ledger.verify(first + second, NUM_SAMPLES)
+    assert verdict.ok and verdict.epochs_complete == 1, verdict.problem
+    downloaded = sum(c["bytes_downloaded"] + c["remote_bytes"] for c in _downloaded(tmp_path / "cache2").values())
+    ahead = 1 - int(state.data_cursor) / NUM_SAMPLES
+    print(f"resumed at step {state.step} ({ahead:.0%} of the epoch ahead): downloaded {downloaded / size:.2f}x")
+    assert downloaded < min(0.75, ahead + 0.3) * size
