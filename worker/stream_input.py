@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,8 +75,11 @@ class StreamInput:
         #: the last trained step's balance error and this rank's remote samples in it
         self.balance_error = 0
         self.step_remote = 0
-        #: what :meth:`figures` returned last (the progress history records it)
+        #: what :meth:`figures` returned last (the progress history records it), and when
         self.last_figures: dict[str, Any] = {}
+        self._figures_at = -float("inf")
+        #: (generation, shards ahead) of the last plan handed to the dataset
+        self._planned: tuple[int, frozenset[int]] | None = None
 
     def use_table(self, table: ShardTable, worker_id: str) -> None:
         """Take ``table``'s owners and this worker's rank in it (no-op for the same generation)."""
@@ -156,14 +160,31 @@ class StreamInput:
             ids.extend(int(i) for i in batch.indices[local])
             owned |= self.reading(c)
             c = batch.next_cursor
+        # the dataset re-ranks its cache and wakes its downloader on every plan: only when the
+        # set of shards ahead changed, not on every step (their order of need moves a little
+        # each step; the next change re-ranks)
+        if len(ids):
+            shards = shard_of(ids, self.offsets)
+            _, first = np.unique(shards, return_index=True)
+            ahead = (self.generation, frozenset(shards[first].tolist()))
+        else:
+            ahead = (self.generation, frozenset())
+        if ahead == self._planned:
+            return
+        self._planned = ahead
         try:
             plan(ids, owned)
         except Exception as exc:  # noqa: BLE001 - the reads report a real failure with its shard
             log.warning("predownload plan failed (%s: %s)", type(exc).__name__, exc)
 
-    def figures(self) -> dict[str, Any]:
+    def figures(self, max_age: float = 0.0) -> dict[str, Any]:
         """Heartbeat fields: bytes downloaded, cache hit rate, shards owned, remote reads,
-        balance error (the dataset's counters where it has them)."""
+        balance error (the dataset's counters where it has them). The counters are read again
+        only when the last reading is older than ``max_age`` seconds."""
+        now = time.monotonic()
+        if self.last_figures and now - self._figures_at < max_age:
+            return {**self.last_figures, "shards_owned": len(self.owned), "balance_error": int(self.balance_error)}
+        self._figures_at = now
         stats: dict[str, Any] = {}
         try:
             stats = dict(self.dataset.stats()) if callable(getattr(self.dataset, "stats", None)) else {}
