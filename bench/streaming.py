@@ -2,8 +2,9 @@
 
     python3 scripts/dev.py python bench/streaming.py --quick      # < 5 min on 2 cores
 
-Data: the digits glyphs (5000 samples, ~330 bytes each) packed into 82 shards of ~20 KB in a
-bucket of a local S3 server (moto, the tests' server, on loopback). Every sample's decode burns
+Data: the digits glyphs (5000 samples, each with a 2 KiB payload standing in for an encoded
+image: 11.9 MB) packed into 46 shards of ~256 KiB in a bucket of a local S3 server (moto, the
+tests' server, on loopback). Every sample's decode burns
 ``SHOAL_BENCH_ITEM_MS`` (default 1 ms) of CPU in both variants, so the jobs are data-bound.
 
 Figures (one line each):
@@ -44,6 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 ITEM_COST_S = float(os.environ.get("SHOAL_BENCH_ITEM_MS", "1")) / 1000
 _BLOCK = bytes(range(256)) * 64
 ACCESS, SECRET = "bench-access", "bench-secret-not-printed"
+PAYLOAD = 2048
+SHARD_BYTES = 256 * 1024
 
 
 def _burn() -> None:
@@ -75,9 +78,12 @@ def _samples():
     from shoal.examples.digits import DigitGlyphs
 
     base = DigitGlyphs(train=True)
+    rng = np.random.default_rng(0)
     for i in range(len(base)):
         x, y = base[i]
-        yield {"x": x.numpy(), "y": int(y)}
+        # a 2 KiB payload stands in for an encoded image: samples of a realistic size, so a
+        # shard holds a few steps' worth and each request's cost is spread over them
+        yield {"x": x.numpy(), "y": int(y), "payload": rng.bytes(PAYLOAD)}
 
 
 def _setup(dataset):
@@ -122,8 +128,9 @@ def _pack(env: dict) -> tuple[str, int]:
     from shoal.storage.streaming_pack import pack
 
     bucket = f"bench-{uuid.uuid4().hex[:10]}"
-    index = pack(_samples(), S3Store(bucket, "digits", S3Config.from_env(env), create_bucket=True), shard_size=20000)
-    return f"s3://{bucket}/digits", sum(s.size for s in index.shards)
+    index = pack(_samples(), S3Store(bucket, "digits", S3Config.from_env(env), create_bucket=True),
+                 shard_size=SHARD_BYTES)
+    return f"s3://{bucket}/digits", sum(s.size for s in index.shards), len(index.shards)
 
 
 def _wait_done(client, job: str, timeout: float = 600) -> None:
@@ -179,8 +186,9 @@ def main() -> int:
     from shoal.ops.localproc import LocalProcs
 
     s3 = {"S3_ENDPOINT": _moto(), "S3_ACCESS_KEY": ACCESS, "S3_SECRET_KEY": SECRET}
-    uri, size = _pack(s3)
-    print(f"streaming: digits, {size} bytes in S3 (moto on loopback), {ITEM_COST_S * 1000:.1f} ms decode per sample, "
+    uri, size, shards = _pack(s3)
+    print(f"streaming: digits + {PAYLOAD} B payload a sample, {size} bytes in {shards} shards in S3 (moto on "
+          f"loopback), {ITEM_COST_S * 1000:.1f} ms decode per sample, "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}", flush=True)
     with tempfile.TemporaryDirectory(prefix="shoal-bench-streaming-") as t:
         tmp = Path(t)
