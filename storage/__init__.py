@@ -23,6 +23,7 @@ Modules (each small, named for what it holds):
 ``streaming_format``  shoal's packed shard format (typed fields, no pickle)
 ``streaming_tar``     WebDataset tar shards
 ``streaming_cache``   the bounded, multi-process shard cache
+``streaming_fetch``   whole shards downloaded into it and verified; the retry policy
 ``streaming_pack``    ``shoal dataset pack`` / ``shoal dataset index``
 
 See docs/storage.md.

@@ -92,6 +92,16 @@ class ObjectStore(ABC):
         with translated(f"read {path}"), open(path, "rb") as src, self.open_write(key) as dst:
             shutil.copyfileobj(src, dst, _COPY_CHUNK)
 
+    def open_read(self, key: str) -> AbstractContextManager[BinaryIO]:
+        """A context manager yielding the content of ``key`` as a file open for ``read(n)``
+        (not seekable), for copying large objects without holding them in memory. Raises
+        ObjectNotFound for a missing key when entered; errors while reading may be outside
+        errors (an HTTP connection dropped mid-body): read inside ``errors.translated``."""
+        import io
+        from contextlib import nullcontext
+
+        return nullcontext(io.BytesIO(self.get_bytes(key)))  # type: ignore[return-value]
+
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """``length`` bytes of ``key`` from byte ``start`` (fewer only at the object's end).
         Raises ObjectNotFound for a missing key, ``ValueError`` for a negative start or

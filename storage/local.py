@@ -91,6 +91,14 @@ class LocalStore(ObjectStore):
         with translated(f"read {path}"):
             return path.read_bytes()
 
+    @contextmanager
+    def open_read(self, key: str) -> Iterator[BinaryIO]:
+        path = self._path(key)
+        with translated(f"read {path}"):
+            f = open(path, "rb")
+        with f:
+            yield f
+
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if start < 0 or length < 0:
             raise ValueError(f"invalid byte range start={start} length={length}")

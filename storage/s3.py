@@ -117,6 +117,18 @@ class S3Store(ObjectStore):
                 resp.close()
                 resp.release_conn()
 
+    @contextmanager
+    def open_read(self, key: str) -> Iterator[BinaryIO]:
+        """One streaming GET; the body is read as the caller reads."""
+        name = self._name(key)
+        with translated(f"get {self._where(key)}"):
+            resp = self.client.get_object(self.bucket, name)
+        try:
+            yield resp  # type: ignore[misc]  # urllib3 HTTPResponse: read(n)
+        finally:
+            resp.close()
+            resp.release_conn()
+
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """One ranged GET (``Range: bytes=start-start+length-1``)."""
         if start < 0 or length < 0:

@@ -33,42 +33,47 @@ Processes
     store connections, threads and locks are per process, created on first use after a fork;
     the cache directory and its counters are shared by the processes of one worker (the
     training process and its loaders), so :meth:`stats` counts all of them. Give each worker
-    its own ``cache_dir`` (the default is a fresh temporary directory per dataset object,
-    removed when the process that made it exits).
+    its own ``cache_dir``. The default is a fresh directory per dataset object under
+    ``$SHOAL_STREAM_CACHE_ROOT`` (default ``<tmp>/shoal-stream-cache``), removed when the
+    process that made it exits, or by the next dataset made on the machine when that process
+    was killed.
 """
 
 from __future__ import annotations
 
 import atexit
-import hashlib
+import bisect
+import mmap
+import operator
 import os
 import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from shoal.storage import streaming_fetch as fetch
 from shoal.storage import streaming_format as packed
 from shoal.storage import streaming_tar as wds
 from shoal.storage.backend import ObjectStore, check_key
-from shoal.storage.datasets import INDEX, DatasetIndex, ShardEntry, parse_index, shard_key
-from shoal.storage.errors import (
-    ObjectNotFound,
-    ShardCorrupt,
-    StorageAccessDenied,
-    StorageConfigError,
-    StorageError,
-    translated,
-)
-from shoal.storage.streaming_cache import Counters, ShardCache, file_lock, sum_counters
+from shoal.storage.datasets import INDEX, DatasetIndex, parse_index, shard_key
+from shoal.storage.errors import ObjectNotFound, ShardCorrupt, StorageConfigError, translated
+from shoal.storage.streaming_cache import Counters, ShardCache, sum_counters
 
 DEFAULT_PREDOWNLOAD = 4096
-_CHUNK = 8 * 1024 * 1024
-_NOT_TRANSIENT = (ObjectNotFound, StorageAccessDenied, StorageConfigError, ShardCorrupt)
+#: ranged reads in flight at once in :meth:`StreamingDataset.read`
+REMOTE_PARALLEL = 8
+#: local shard copies a process keeps mapped. A copy evicted by another process stays on disk
+#: until this one next reads it or maps another shard (then it is unmapped), so the disk space
+#: in use can exceed ``cache_limit`` by at most this many shards per process that stopped reading.
+MAPPED_SHARDS = 8
+#: a packed shard's offsets table up to this many bytes is read whole by the first ranged read
+#: of the shard (and kept per process); beyond it each ranged read fetches its 16 bytes
+OFFSETS_TABLE_MAX = 64 * 1024
 
 
 class _Proc:
@@ -86,6 +91,9 @@ class _Proc:
         self.want: list[int] = []  # shards to prefetch, in order
         self.failed: set[int] = set()  # shards whose prefetch failed (demand reads raise)
         self.needs: dict[str, int] | None = None  # last needs written (skip rewriting them)
+        self.pool: Any = None  # threads for parallel ranged reads, made on first use
+        self.maps: dict[int, tuple[mmap.mmap, int, Path]] = {}  # shard -> mapped local copy (LRU order)
+        self.touched: dict[int, float] = {}  # shard -> when its copy's mtime was last set
         self.stop = False
 
 
@@ -105,27 +113,40 @@ class StreamingDataset:
     ) -> None:
         from shoal.storage.uri import open_store
 
+        if "://" not in uri and not uri.startswith("/"):
+            uri = str(Path(uri).absolute())  # a plain relative path: the directory it names now
         if uri.startswith("memory:"):
             raise StorageConfigError("a StreamingDataset needs file:// or s3:// (memory stores are per process)")
-        if predownload < 0:
-            raise StorageConfigError(f"predownload must be >= 0 samples, got {predownload}")
+        if not isinstance(predownload, int) or predownload < 0:
+            raise StorageConfigError(f"predownload must be an int >= 0 (samples), got {predownload!r}")
+        if cache_limit is not None and (not isinstance(cache_limit, int) or cache_limit <= 0):
+            raise StorageConfigError(f"cache_limit must be a positive int (bytes) or None, got {cache_limit!r}")
+        if decode is not None and not callable(decode):
+            raise StorageConfigError(f"decode must be a callable (a top-level function), got {type(decode).__name__}")
         self.uri = uri
         self.decode = decode
         self.cache_limit = cache_limit
         self.predownload = predownload
         self.index_key = check_key(index_key)
         self.retry_timeout_s = retry_timeout_s
+        if uri.startswith(("/", "file:")):
+            from urllib.parse import unquote, urlsplit
+
+            folder = Path(unquote(urlsplit(uri).path) if uri.startswith("file:") else uri)
+            if not folder.is_dir():  # open_store would create it
+                raise ObjectNotFound(f"dataset directory {folder} does not exist")
         store = open_store(uri)  # validates the URI and the S3 settings now
         self._local = store.local_path(index_key) is not None
         self._where = store.uri
         if cache_dir is None:
-            cache_dir = tempfile.mkdtemp(prefix="shoal-stream-")
+            cache_dir = _default_cache_dir()
             atexit.register(_remove_if_owner, cache_dir, os.getpid())
         self.cache_dir = Path(cache_dir).absolute()
         self._cache = ShardCache(self.cache_dir, cache_limit)
         self._cache.sweep()
         self._index: DatasetIndex | None = None
         self._cum: np.ndarray | None = None
+        self._starts: list[int] = []  # the same as a list (bisect in locate)
         self._proc_state: _Proc | None = _Proc(self.cache_dir)
         self._proc_state.store = store
 
@@ -165,6 +186,7 @@ class StreamingDataset:
                 if s.format == "webdataset" and s.offsets is None:
                     raise ShardCorrupt(f"{self._where}/{self.index_key}: webdataset shard {s.name} has no offsets")
             self._cum = np.concatenate([[0], np.cumsum([s.samples for s in index.shards], dtype=np.int64)])
+            self._starts = [int(x) for x in self._cum]
             self._index = index
         return self._index
 
@@ -189,14 +211,16 @@ class StreamingDataset:
 
     def locate(self, i: int) -> tuple[int, int]:
         """(shard number, position in the shard) of global sample ``i``; IndexError outside."""
-        n = len(self)
+        if self._index is None:
+            _ = self.index
+        starts = self._starts
+        n = starts[-1]
         if i < 0:
             i += n
         if not 0 <= i < n:
             raise IndexError(f"sample {i} out of range for a dataset of {n} samples")
-        assert self._cum is not None
-        shard = int(np.searchsorted(self._cum, i, side="right") - 1)
-        return shard, int(i - self._cum[shard])
+        shard = bisect.bisect_right(starts, i) - 1
+        return shard, i - starts[shard]
 
     def shard_of(self, ids: np.ndarray | Sequence[int]) -> np.ndarray:
         """Shard numbers of many sample ids at once (no range check beyond numpy's)."""
@@ -209,7 +233,7 @@ class StreamingDataset:
 
     # -- reading --------------------------------------------------------------------------
     def __getitem__(self, i: int) -> Any:
-        shard, pos = self.locate(int(i))
+        shard, pos = self.locate(operator.index(i))
         return self._finish(self._read_local(shard, pos))
 
     def get_remote(self, i: int) -> Any:
@@ -219,45 +243,114 @@ class StreamingDataset:
 
     def read(self, ids: Iterable[int], owned: set[int] | frozenset[int]) -> list[Any]:
         """The samples ``ids`` in order: whole-shard reads for shards in ``owned`` (and shards
-        that happen to be cached), ranged reads for the others."""
-        out = []
+        that happen to be cached), ranged reads for the others (up to :data:`REMOTE_PARALLEL`
+        at once). The first error raises (naming the shard)."""
+        out: list[Any] = []
+        remote: list[tuple[int, int, int]] = []  # (slot in out, shard, pos)
         for i in ids:
             shard, pos = self.locate(int(i))
             if shard in owned or self._local or self._cached_path(shard) is not None:
                 out.append(self._finish(self._read_local(shard, pos)))
             else:
-                out.append(self._finish(self._read_remote(shard, pos)))
+                remote.append((len(out), shard, pos))
+                out.append(None)
+        if len(remote) == 1:
+            slot, shard, pos = remote[0]
+            out[slot] = self._finish(self._read_remote(shard, pos))
+        elif remote:
+            pool = self._pool()
+            futures = [(slot, pool.submit(self._read_remote, shard, pos)) for slot, shard, pos in remote]
+            for slot, fut in futures:
+                out[slot] = self._finish(fut.result())
         return out
+
+    def _pool(self) -> Any:
+        proc = self._proc()
+        with proc.lock:
+            if proc.pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                proc.pool = ThreadPoolExecutor(REMOTE_PARALLEL, thread_name_prefix="shoal-stream-remote")
+            return proc.pool
+
+    def __repr__(self) -> str:
+        n = len(self._index.shards) if self._index is not None else "?"
+        return f"StreamingDataset({self._where!r}, shards={n}, cache_dir={str(self.cache_dir)!r}, cache_limit={self.cache_limit})"
 
     def _finish(self, sample: dict[str, Any]) -> Any:
         return self.decode(sample) if self.decode is not None else sample
 
-    def _suffix(self, entry: ShardEntry) -> str:
-        return PurePosixPath(entry.name).suffix
-
     def _cached_path(self, shard: int) -> Path | None:
         entry = self.index.shards[shard]
-        return self._cache.lookup(entry.sha256, self._suffix(entry), entry.size)
+        return self._cache.lookup(entry.sha256, fetch.suffix(entry), entry.size)
 
     def _read_local(self, shard: int, pos: int) -> dict[str, Any]:
         proc = self._proc()
-        path, hit = self._shard_file(shard, demand=True)
         entry = self.index.shards[shard]
-        try:
-            with open(path, "rb") as f:
-                fd = f.fileno()
+        for _ in range(3):  # evicted by another process between download and open: again
+            with proc.lock:
+                mapped = proc.maps.get(shard)
+                if mapped is not None and os.fstat(mapped[1]).st_nlink == 0:
+                    self._unmap(proc, shard)  # evicted since: do not keep its space alive
+                    mapped = None
+            hit = True
+            if mapped is None:
+                path, hit = self._shard_file(shard, demand=True)
+                try:
+                    mapped = self._map(proc, shard, path)
+                except FileNotFoundError:
+                    continue
+            with proc.lock:
+                mm = mapped[0]
                 if entry.format == "packed":
-                    start, end = packed.offset_pair(os.pread(fd, 16, packed.offsets_span(pos)[0]))
+                    start, end = packed.offset_pair(mm[packed.offsets_span(pos)[0] : packed.offsets_span(pos)[0] + 16])
                 else:
                     assert entry.offsets is not None
                     start, end = entry.offsets[pos], entry.offsets[pos + 1]
-                raw = os.pread(fd, end - start, start)
-        except FileNotFoundError:
-            return self._read_local(shard, pos)  # evicted between lookup and open: fetch again
-        except OSError as exc:
-            raise StorageError(f"read dataset shard {self._label(shard)}: {exc.strerror or exc}") from exc
-        proc.counters.add("cache_hits" if hit else "cache_misses")
-        return self._decode(shard, pos, raw)
+                if not 0 <= start <= end <= len(mm):
+                    raise ShardCorrupt(f"dataset shard {self._label(shard)}: sample {pos} lies outside the shard")
+                raw = mm[start:end]
+            proc.counters.add("cache_hits" if hit else "cache_misses")
+            self._touch(proc, shard, mapped[2])
+            return self._decode(shard, pos, raw)
+        # the cache is too small for what this worker's processes read at once: read this
+        # sample remotely rather than fail (counted in remote_reads)
+        return self._read_remote(shard, pos)
+
+    def _map(self, proc: _Proc, shard: int, path: Path) -> tuple[mmap.mmap, int, Path]:
+        """Map the shard file read-only (kept open, at most :data:`MAPPED_SHARDS` per process)."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        with proc.lock:
+            for other in [k for k, m in proc.maps.items() if k == shard or os.fstat(m[1]).st_nlink == 0]:
+                self._unmap(proc, other)  # evicted copies: free their space now
+            proc.maps[shard] = (mm, fd, path)
+            while len(proc.maps) > MAPPED_SHARDS:
+                self._unmap(proc, next(iter(proc.maps)))
+        return mm, fd, path
+
+    @staticmethod
+    def _unmap(proc: _Proc, shard: int) -> None:
+        mm, fd, _ = proc.maps.pop(shard)
+        mm.close()
+        os.close(fd)
+
+    def _touch(self, proc: _Proc, shard: int, path: Path) -> None:
+        """Mark the cached copy as used (its mtime: least-recently-used eviction), at most
+        once a second per shard and process."""
+        if self._local:
+            return
+        now = time.monotonic()
+        if now - proc.touched.get(shard, -10.0) > 1.0:
+            proc.touched[shard] = now
+            try:
+                os.utime(path)
+            except FileNotFoundError:
+                pass
 
     def _decode(self, shard: int, pos: int, raw: bytes) -> dict[str, Any]:
         fmt = self.index.shards[shard].format
@@ -270,10 +363,14 @@ class StreamingDataset:
         proc = self._proc()
         entry = self.index.shards[shard]
         key = shard_key(self.index_key, entry.name)
-        if entry.format == "packed":
+        n = int(entry.samples or 0)
+        if entry.format == "packed" and 8 * (n + 1) > OFFSETS_TABLE_MAX and shard not in proc.offsets:
+            # a large table: just this sample's two offsets (16 bytes) rather than the table
+            a, length = packed.offsets_span(pos)
+            start, end = packed.offset_pair(self._ranged(key, a, length, shard))
+        elif entry.format == "packed":
             table = proc.offsets.get(shard)
             if table is None:
-                n = int(entry.samples or 0)
                 raw = self._ranged(key, 0, packed.HEADER + 8 * (n + 1), shard)
                 try:
                     if packed.parse_header(raw) != n:
@@ -319,82 +416,20 @@ class StreamingDataset:
 
     def _ensure_cached(self, shard: int, *, demand: bool) -> tuple[Path, bool] | None:
         entry = self.index.shards[shard]
-        suffix = self._suffix(entry)
-        found = self._cache.lookup(entry.sha256, suffix, entry.size)
-        if found is not None:
-            return found, True
-        proc = self._proc()
-        with self._cache.downloading(entry.sha256):
-            found = self._cache.lookup(entry.sha256, suffix, entry.size)
-            if found is not None:
-                return found, not demand  # a sibling downloaded it while we waited
-            part = self._cache.reserve(entry.sha256, entry.size, demand=demand, counters=proc.counters,
-                                       label=self._label(shard))
-            if part is None:
-                return None
-            try:
-                data = self._retry(f"download {self._label(shard)}",
-                                   lambda: self._store().get_bytes(shard_key(self.index_key, entry.name)))
-                self._check(shard, len(data), hashlib.sha256(data).hexdigest())
-                with translated(f"write {part}"), open(part, "r+b") as f:
-                    f.write(data)
-                final = self._cache.commit(part, entry.sha256, suffix)
-            except BaseException:
-                self._cache.abort(part)
-                raise
-            proc.counters.add("bytes_downloaded", len(data))
-            proc.counters.add("downloads")
-            if not demand:
-                proc.counters.add("prefetched")
-            return final, False
-
-    def _check(self, shard: int, size: int, digest: str) -> None:
-        entry = self.index.shards[shard]
-        if size != entry.size:
-            raise ShardCorrupt(f"dataset shard {self._label(shard)}: size {size} bytes, index says {entry.size}")
-        if digest != entry.sha256:
-            raise ShardCorrupt(
-                f"dataset shard {self._label(shard)}: sha256 {digest[:12]}... does not match the index "
-                f"({entry.sha256[:12]}...)"
-            )
+        return fetch.fetch_to_cache(self._cache, self._store, shard_key(self.index_key, entry.name), entry,
+                                    self._label(shard), demand=demand, counters=self._proc().counters,
+                                    retry_timeout_s=self.retry_timeout_s)
 
     def _verify_in_place(self, shard: int, path: Path) -> None:
         proc = self._proc()
         if shard in proc.verified:
             return
-        entry = self.index.shards[shard]
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            raise ObjectNotFound(f"dataset shard {self._label(shard)}: no such file") from None
-        marker = self.cache_dir / f".ok-{entry.sha256}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
-        if not marker.exists():
-            with file_lock(self.cache_dir / f".dl-{entry.sha256}", self._cache.wait_s, f"hashing {path}"):
-                if not marker.exists():
-                    sha = hashlib.sha256()
-                    size = 0
-                    with translated(f"read {path}"), open(path, "rb") as f:
-                        while chunk := f.read(_CHUNK):
-                            sha.update(chunk)
-                            size += len(chunk)
-                    self._check(shard, size, sha.hexdigest())
-                    marker.touch()
+        fetch.verify_in_place(self._cache, path, self.index.shards[shard], self._label(shard))
         with proc.lock:
             proc.verified.add(shard)
 
     def _retry(self, what: str, fn: Callable[[], Any]) -> Any:
-        delay, deadline = 0.1, time.monotonic() + self.retry_timeout_s
-        while True:
-            try:
-                return fn()
-            except _NOT_TRANSIENT:
-                raise
-            except StorageError as exc:
-                if time.monotonic() + delay > deadline:
-                    raise StorageError(f"{what}: gave up after {self.retry_timeout_s:g} s of retries: {exc}") from exc
-                self._proc().counters.add("retries")
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        return fetch.retry(what, fn, self.retry_timeout_s, self._proc().counters)
 
     # -- planning ---------------------------------------------------------------------------
     def plan(self, upcoming_ids: Sequence[int] | np.ndarray, owned: set[int] | frozenset[int]) -> None:
@@ -403,10 +438,11 @@ class StreamingDataset:
         its first need for eviction. Returns at once; a prefetch error is not raised here (the
         read that needs the shard raises it). A no-op for a local directory.
 
-        Call it again as reading proceeds (the training worker: every step, with the ids from
-        the committed cursor on): eviction ranks are those of the last plan, so a plan that
-        is never renewed keeps ranking shards already read as needed soon. Only one process
-        of a worker plans (the training process); its loaders just read."""
+        Call it again as reading proceeds - at least whenever the set of shards ahead changes
+        (the training worker does exactly that, with the ids from the committed cursor on):
+        eviction follows the order of the last plan, so a plan never renewed keeps ranking
+        shards already read as needed soon. Only one process of a worker plans (the training
+        process); its loaders just read."""
         if self._local:
             return
         ids = np.asarray(upcoming_ids, dtype=np.int64)
@@ -459,12 +495,20 @@ class StreamingDataset:
         return False
 
     def close(self) -> None:
-        """Stop this process's prefetch thread (cached shards stay)."""
+        """Stop this process's prefetch thread and reading threads and unmap its shard copies
+        (cached shards stay; the dataset can still be read afterwards)."""
         proc = self._proc_state
         if proc is not None and proc.pid == os.getpid() and proc.thread is not None:
             proc.stop = True
             proc.wake.set()
             proc.thread.join(timeout=10)
+        if proc is not None and proc.pid == os.getpid() and proc.pool is not None:
+            proc.pool.shutdown(wait=True, cancel_futures=True)
+            proc.pool = None
+        if proc is not None and proc.pid == os.getpid():
+            with proc.lock:
+                for shard in list(proc.maps):
+                    self._unmap(proc, shard)
 
     # -- visibility -------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -475,6 +519,22 @@ class StreamingDataset:
         used, count = self._cache.usage()
         out.update(cached_bytes=used, shards_cached=count, cache_limit=self.cache_limit or 0)
         return out
+
+
+def _default_cache_dir() -> str:
+    """A fresh ``<pid>-<random>`` directory under ``$SHOAL_STREAM_CACHE_ROOT`` (default
+    ``<tmp>/shoal-stream-cache``), after removing the ones of processes that no longer run
+    (a worker killed with SIGKILL never runs its exit handler)."""
+    from shoal.storage.streaming_cache import _alive, _pid_of
+
+    root = Path(os.environ.get("SHOAL_STREAM_CACHE_ROOT") or Path(tempfile.gettempdir()) / "shoal-stream-cache")
+    with translated(f"create {root}"):
+        root.mkdir(parents=True, exist_ok=True)
+        for old in root.iterdir():
+            pid = _pid_of(old.name.split("-", 1)[0])
+            if old.is_dir() and pid is not None and not _alive(pid):
+                shutil.rmtree(old, ignore_errors=True)
+        return tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root)
 
 
 def _remove_if_owner(path: str, pid: int) -> None:

@@ -7,7 +7,8 @@ a file that exists is a verified copy of exactly that shard) and a few bookkeepi
 ``.dl-<sha256>``   per-shard lock: one process downloads a shard, the others wait for it
 ``.part-<sha256>-<pid>-<n>``  a download in progress; created at the shard's full size
                    *before* any byte is fetched (the reservation), renamed into place once
-                   the sha256 verified, removed on any failure
+                   the sha256 verified, removed on any failure (and by the next reservation
+                   when its process died)
 ``.needs``         JSON ``{sha256: first need}`` written by ``plan``: eviction order
 ``.stats-<pid>``   this process's counters (int64 slots, see :data:`COUNTERS`), single
                    writer; :meth:`ShardCache.stats` sums every process's file
@@ -160,6 +161,10 @@ class ShardCache:
             except FileNotFoundError:
                 continue
             if name.startswith(".part-"):
+                pid = _part_pid(name)
+                if pid is not None and not _alive(pid):  # a loader killed mid-download
+                    self.abort(p)
+                    continue
                 reserved += st.st_size
             elif not name.startswith("."):
                 cached.append((p, st.st_size, st.st_mtime))
@@ -251,13 +256,19 @@ class ShardCache:
     def sweep(self) -> None:
         """Remove what dead processes left: their ``.part`` files and ``.stats`` files."""
         for p in self.root.glob(".part-*"):
-            pid = _pid_of(p.name.split("-")[2] if p.name.count("-") >= 3 else "")
+            pid = _part_pid(p.name)
             if pid is not None and not _alive(pid):
                 self.abort(p)
         for p in self.root.glob(".stats-*"):
             pid = _pid_of(p.name[len(".stats-"):])
             if pid is not None and pid != os.getpid() and not _alive(pid):
                 p.unlink(missing_ok=True)
+
+
+def _part_pid(name: str) -> int | None:
+    """The downloading process of ``.part-<sha256>-<pid>-<n>``."""
+    parts = name.split("-")
+    return _pid_of(parts[2]) if len(parts) >= 4 else None
 
 
 def _pid_of(text: str) -> int | None:

@@ -30,6 +30,7 @@ itself, so a sample can be fetched with ranged reads; its crc32 is checked on ev
 
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 from collections.abc import Iterable, Mapping
@@ -169,7 +170,7 @@ def _decode_body(mv: memoryview) -> dict[str, Any]:
             pos += 1
             shape = tuple(_U64.unpack_from(mv, pos + 8 * k)[0] for k in range(ndim))
             pos += 8 * ndim
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            nbytes = math.prod(shape) * dtype.itemsize
             if pos + nbytes > len(mv):
                 raise FormatError(f"field {name!r} runs past the record")
             value = np.frombuffer(mv[pos : pos + nbytes], dtype=dtype).reshape(shape).copy()

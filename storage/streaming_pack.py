@@ -1,8 +1,10 @@
 """Write a streaming dataset: samples -> shards + index (``shoal dataset pack``), and index
 existing WebDataset tars (``shoal dataset index``).
 
+
+
 :func:`pack` cuts the samples into shards of at most ``shard_size`` bytes (a single larger
-sample gets a shard of its own), uploads each shard as it is complete, and writes the index
+sample gets a shard of its own) and/or ``shard_samples`` samples, uploads each shard as it is complete, and writes the index
 **last**: a dataset whose index exists is complete. When anything fails (a sample that cannot
 be stored, the source raising, the store failing) the shards written so far are deleted and
 no index is written. An output that already holds an index is refused. Every sample gets a
@@ -106,18 +108,29 @@ def pack(
     store: ObjectStore,
     *,
     format: str = "packed",
-    shard_size: int = DEFAULT_SHARD_SIZE,
+    shard_size: int | None = DEFAULT_SHARD_SIZE,
+    shard_samples: int | None = None,
     index_key: str = INDEX,
     progress: Callable[[int, int], None] | None = None,
 ) -> DatasetIndex:
-    """Write ``samples`` as a dataset into ``store`` (see the module docstring).
+    """Write ``samples`` as a dataset into ``store`` (see the module docstring). A shard is
+    cut before it would exceed ``shard_size`` bytes or hold more than ``shard_samples``
+    samples (either may be None, not both): with ``shard_samples`` alone, a packed and a
+    WebDataset copy of the same samples get the same shard boundaries, hence the same
+    shard-aware order.
     ``progress(samples, shards)`` is called after each shard. Raises PackError for bad input
     (naming the sample and field), StorageError when the store fails; either way the shards
     written are removed and no index exists."""
     if format not in FORMATS:
         raise PackError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
-    if shard_size <= 0:
+    if shard_size is not None and shard_size <= 0:
         raise PackError(f"shard size must be a positive number of bytes, got {shard_size}")
+    if shard_samples is not None and shard_samples <= 0:
+        raise PackError(f"samples per shard must be positive, got {shard_samples}")
+    if shard_size is None and shard_samples is None:
+        raise PackError("give a shard size in bytes, a number of samples per shard, or both")
+    max_bytes = shard_size if shard_size is not None else 2**63
+    max_count = shard_samples if shard_samples is not None else 2**63
     if store.exists(index_key):
         raise PackError(f"{store.uri}/{index_key} already exists: pack into an empty location")
     written: list[str] = []
@@ -132,7 +145,7 @@ def pack(
             except packed.FormatError as exc:
                 raise PackError(f"sample {i}: {exc}") from exc
             n = len(item) if format == "packed" else item[1]
-            if buf and size + n + (8 if format == "packed" else 0) > shard_size:
+            if buf and (size + n + (8 if format == "packed" else 0) > max_bytes or len(buf) >= max_count):
                 entries.append(_flush(store, format, buf, len(entries), index_key, written))
                 total += len(buf)
                 if progress:
@@ -212,3 +225,30 @@ def index_tars(store: ObjectStore, *, index_key: str = INDEX, names: list[str] |
 
 def read_index(store: ObjectStore, index_key: str = INDEX) -> DatasetIndex:
     return parse_index(store.get_bytes(index_key), f"{store.uri}/{index_key}")
+
+
+def verify_dataset(store: ObjectStore, index_key: str = INDEX) -> tuple[int, list[str]]:
+    """Hash every shard of the dataset (streamed, never whole in memory) against its index:
+    (shards checked, one problem per bad shard, naming it). Store failures other than a
+    missing shard raise."""
+    from shoal.storage.errors import ObjectNotFound
+
+    index = read_index(store, index_key)
+    problems = []
+    for entry in index.shards:
+        key = shard_key(index_key, entry.name)
+        sha = hashlib.sha256()
+        size = 0
+        try:
+            with translated(f"read {store.uri}/{key}"), store.open_read(key) as src:
+                while chunk := src.read(8 << 20):
+                    sha.update(chunk)
+                    size += len(chunk)
+        except ObjectNotFound:
+            problems.append(f"{entry.name}: missing")
+            continue
+        if size != entry.size:
+            problems.append(f"{entry.name}: {size} bytes, index says {entry.size}")
+        elif sha.hexdigest() != entry.sha256:
+            problems.append(f"{entry.name}: sha256 does not match the index")
+    return len(index.shards), problems

@@ -27,9 +27,11 @@ def _s3_settings(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(k, v)
 
 
-def _s3_dataset(n: int, *, fmt: str = "packed", shard_size: int = 8000, payload: int = 64):
+def _s3_dataset(n: int, *, fmt: str = "packed", shard_size: int | None = 8000, payload: int = 64,
+                shard_samples: int | None = None):
     store = make_s3_store("data/set")
-    index = pack(streaming_data.samples(n, payload), store, format=fmt, shard_size=shard_size)
+    index = pack(streaming_data.samples(n, payload), store, format=fmt, shard_size=shard_size,
+                 shard_samples=shard_samples)
     return store, index, f"s3://{store.bucket}/data/set"
 
 
@@ -49,6 +51,13 @@ def test_webdataset_and_packed_give_the_same_samples_for_the_same_ids(tmp_path: 
     for i in np.random.default_rng(0).permutation(400)[:120]:
         assert _equal(a[int(i)], b[int(i)]), i
         assert _equal(a.get_remote(int(i)), b.get_remote(int(i))), i
+    # cut by sample count, both formats get the same boundaries (so the same shard-aware order)
+    _, _, packed_even = _s3_dataset(400, fmt="packed", shard_size=None, shard_samples=37)
+    _, _, tar_even = _s3_dataset(400, fmt="webdataset", shard_size=None, shard_samples=37)
+    c = StreamingDataset(packed_even, cache_dir=tmp_path / "c")
+    d = StreamingDataset(tar_even, cache_dir=tmp_path / "d")
+    assert c.shard_samples == d.shard_samples == [37] * 10 + [30]
+    assert all(_equal(c[i], d[i]) for i in (0, 36, 37, 399))
 
 
 def test_locate_and_shard_of_follow_index_order(tmp_path: Path) -> None:
@@ -87,6 +96,25 @@ def test_ranged_reads_return_the_same_samples_and_count_bytes(tmp_path: Path) ->
     after = ds.stats()
     assert [o["cls"] for o in out] == [0, 9, 1]
     assert after["remote_reads"] - before["remote_reads"] == 1  # sample 199 (shard 0 is cached now)
+    # many remote samples: read in parallel, returned in the order asked
+    ids = [120, 61, 199, 0, 77, 140]
+    got = ds.read(ids, owned=set())
+    assert [g["__key__"] for g in got] == [f"{i:09d}" for i in ids]
+    assert all(_equal(g, ds.get_remote(i)) for g, i in zip(got, ids))
+    ds.close()
+
+
+def test_a_ranged_read_of_a_shard_with_a_large_table_fetches_only_its_offsets(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shoal.storage import streaming
+
+    _, index, uri = _s3_dataset(200, shard_size=40_000, payload=200)
+    monkeypatch.setattr(streaming, "OFFSETS_TABLE_MAX", 0)
+    ds = StreamingDataset(uri, cache_dir=tmp_path / "c")
+    got = ds.get_remote(33)
+    st = ds.stats()
+    assert _equal(got, ds[33]) and st["remote_reads"] == 1
+    assert 16 < st["remote_bytes"] < 16 + 400  # the two offsets, then the ~300-byte record
 
 
 def test_plan_prefetches_owned_shards_in_need_order(tmp_path: Path) -> None:
@@ -107,11 +135,29 @@ def test_plan_prefetches_owned_shards_in_need_order(tmp_path: Path) -> None:
     ds.close()
 
 
+def test_pickles_for_spawned_loaders(tmp_path: Path) -> None:
+    import pickle
+
+    _, _, uri = _s3_dataset(50)
+    ds = StreamingDataset(uri, cache_dir=tmp_path / "c", decode=_label)
+    assert ds[3] == 3
+    again = pickle.loads(pickle.dumps(ds))
+    assert again[13] == 3 and len(again) == 50
+    assert again.stats()["cache_hits"] + again.stats()["cache_misses"] == 2  # one cache dir, one set of counters
+
+
+def _label(sample: dict) -> int:
+    return sample["cls"]
+
+
 def test_local_directory_is_read_in_place(tmp_path: Path) -> None:
     from shoal.storage.local import LocalStore
 
     pack(streaming_data.samples(100), LocalStore(tmp_path / "ds"), shard_size=3000)
     ds = StreamingDataset(f"file://{tmp_path / 'ds'}", cache_dir=tmp_path / "c")
+    with pytest.raises(ObjectNotFound, match="does not exist"):
+        StreamingDataset(str(tmp_path / "nothing"), cache_dir=tmp_path / "c")
+    assert not (tmp_path / "nothing").exists()
     assert _equal(ds[42], {"__key__": f"{42:09d}", **streaming_data.sample(42)})
     ds.plan(list(range(100)), {0, 1})
     st = ds.stats()
@@ -148,9 +194,9 @@ def test_corrupt_shard_raises_naming_it_and_is_not_cached(tmp_path: Path) -> Non
         ds.get_remote(last)
 
 
-def _reader(uri: str, cache: str, limit: int, ids: list[int], done, out) -> None:
+def _reader(ds: StreamingDataset, ids: list[int], done, out) -> None:
+    """A forked loader: reads through the dataset object it inherited from its worker."""
     try:
-        ds = StreamingDataset(uri, cache_dir=cache, cache_limit=limit)
         for i in ids:
             assert ds[i]["cls"] == i % 10
             done.value += 1
@@ -192,7 +238,7 @@ def test_cache_limit_is_never_exceeded_by_two_forked_readers(tmp_path: Path) -> 
     out = ctx.Queue()
     done = [ctx.Value("l", 0, lock=False) for _ in range(2)]
     halves = [order[0::2].tolist(), order[1::2].tolist()]
-    kids = [ctx.Process(target=_reader, args=(uri, str(cache), limit, h, d, out)) for h, d in zip(halves, done)]
+    kids = [ctx.Process(target=_reader, args=(ds, h, d, out)) for h, d in zip(halves, done)]
     for k in kids:  # forked before this process has threads of its own, as the prefetcher's loaders
         k.start()
     watcher = threading.Thread(target=watch, daemon=True)
@@ -223,11 +269,13 @@ def test_cache_limit_is_never_exceeded_by_two_forked_readers(tmp_path: Path) -> 
 
 
 class _FlakyProxy:
-    """A TCP forwarder to ``target`` that resets the first ``fail`` connections."""
+    """A TCP forwarder to ``target`` that resets the first ``fail`` connections, or with
+    ``cut_after`` forwards them but drops each after that many response bytes."""
 
-    def __init__(self, target_port: int, fail: int) -> None:
+    def __init__(self, target_port: int, fail: int, cut_after: int | None = None) -> None:
         self.target = ("127.0.0.1", target_port)
         self.fail = fail
+        self.cut_after = cut_after
         self.accepted = 0
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -242,18 +290,24 @@ class _FlakyProxy:
             except OSError:
                 return
             self.accepted += 1
-            if self.accepted <= self.fail:
+            if self.accepted <= self.fail and self.cut_after is None:
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                 conn.close()
                 continue
             up = socket.create_connection(self.target, timeout=10)
-            for a, b in ((conn, up), (up, conn)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            cut = self.cut_after if self.accepted <= self.fail else None
+            threading.Thread(target=self._pipe, args=(conn, up), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(up, conn, cut), daemon=True).start()
 
     @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(src: socket.socket, dst: socket.socket, cut: int | None = None) -> None:
+        sent = 0
         try:
             while data := src.recv(65536):
+                if cut is not None and sent + len(data) >= cut:
+                    dst.sendall(data[: cut - sent])
+                    break
+                sent += len(data)
                 dst.sendall(data)
         except OSError:
             pass
@@ -284,6 +338,30 @@ def test_transient_s3_errors_are_retried_with_backoff(tmp_path: Path, monkeypatc
         proxy.close()
 
 
+def test_a_download_cut_mid_body_is_retried_and_verified(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, index, uri = _s3_dataset(200, shard_size=100_000, payload=2000)
+    assert index.shards[0].size > 60_000
+    moto_port = int(s3_env()["S3_ENDPOINT"].rsplit(":", 1)[1])
+    ds = StreamingDataset(uri, cache_dir=tmp_path / "c", retry_timeout_s=30)
+    len(ds)  # the index through the direct endpoint
+    proxy = _FlakyProxy(moto_port, fail=1000, cut_after=30_000)  # every body cut short
+    monkeypatch.setenv("S3_ENDPOINT", f"http://127.0.0.1:{proxy.port}")
+    try:
+        fresh = StreamingDataset(uri, cache_dir=tmp_path / "c2", retry_timeout_s=1)
+        with pytest.raises(Exception, match="gave up after 1 s of retries"):  # cut bodies are retried
+            fresh[0]
+        assert fresh.stats()["retries"] >= 1
+        assert not list((tmp_path / "c2").glob(".part-*")) and fresh.stats()["shards_cached"] == 0
+        proxy.fail = proxy.accepted + 2  # the next two connections are cut, then all is well
+        again = StreamingDataset(uri, cache_dir=tmp_path / "c3", retry_timeout_s=30)
+        assert _equal(again[1], {"__key__": f"{1:09d}", **streaming_data.sample(1, 2000)})
+        st = again.stats()
+        assert st["bytes_downloaded"] == index.shards[0].size and st["downloads"] == 1
+        assert proxy.accepted > proxy.fail  # it got through the cut connections
+    finally:
+        proxy.close()
+
+
 def test_gives_up_after_the_retry_budget_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _, _, uri = _s3_dataset(20)
     proxy = _FlakyProxy(1, fail=10**9)
@@ -296,3 +374,71 @@ def test_gives_up_after_the_retry_budget_with_one_line(tmp_path: Path, monkeypat
         assert "SECRET" not in str(info.value)
     finally:
         proxy.close()
+
+
+def test_a_copy_evicted_while_mapped_is_let_go_and_fetched_again(tmp_path: Path) -> None:
+    _, index, uri = _s3_dataset(100, shard_size=3000)
+    ds = StreamingDataset(uri, cache_dir=tmp_path / "c")
+    assert ds[0]["cls"] == 0 and ds.stats()["downloads"] == 1
+    copy = next(p for p in (tmp_path / "c").iterdir() if not p.name.startswith("."))
+    copy.unlink()  # what another process's eviction does
+    assert ds[1]["cls"] == 1
+    st = ds.stats()
+    assert st["downloads"] == 2 and st["cache_misses"] == 2 and st["cache_hits"] == 0
+    assert os.path.exists(copy)
+    ds.close()
+    assert ds[2]["cls"] == 2  # still readable after close
+
+
+def test_default_cache_dirs_of_killed_workers_are_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("SHOAL_STREAM_CACHE_ROOT", str(tmp_path / "caches"))
+    _, _, uri = _s3_dataset(30)
+    code = ("import os, sys; from shoal.storage.streaming import StreamingDataset; "
+            "d = StreamingDataset(sys.argv[1]); d[0]; print(d.cache_dir, flush=True); os.kill(os.getpid(), 9)")
+    res = subprocess.run([sys.executable, "-c", code, uri], capture_output=True, text=True, timeout=60)
+    left = Path(res.stdout.strip())
+    assert res.returncode == -9 and left.parent == tmp_path / "caches" and any(left.iterdir())
+    ds = StreamingDataset(uri)
+    assert not left.exists() and ds.cache_dir.parent == tmp_path / "caches" and ds[1]["cls"] == 1
+
+
+def test_a_dead_downloaders_reservation_is_reclaimed(tmp_path: Path) -> None:
+    """A loader killed mid-download leaves a ``.part`` reservation; the next reservation
+    removes it instead of waiting for space that never frees."""
+    import subprocess
+    import sys
+
+    _, index, uri = _s3_dataset(100, shard_size=3000)
+    limit = max(s.size for s in index.shards) + 10
+    cache = tmp_path / "c"
+    ds = StreamingDataset(uri, cache_dir=cache, cache_limit=limit)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = cache / f".part-{'0' * 64}-{int(dead.stdout)}-1"
+    stale.write_bytes(b"\0" * (limit - 5))
+    assert ds[0]["cls"] == 0  # needs the space the dead process had reserved
+    assert not stale.exists()
+    assert ds.stats()["cached_bytes"] <= limit
+
+
+@pytest.mark.parametrize("kind", ["memory", "local", "s3"])
+def test_get_range_on_every_backend(kind: str, tmp_path: Path) -> None:
+    from tests.storage.support import make_store
+
+    store = make_store(kind, tmp_path)
+    data = bytes(range(256)) * 4
+    store.put_bytes("a/obj", data)
+    with store.open_read("a/obj") as f:
+        assert f.read(100) + f.read(10_000) == data
+    with pytest.raises(ObjectNotFound):
+        with store.open_read("a/missing"):
+            pass
+    assert store.get_range("a/obj", 10, 20) == data[10:30]
+    assert store.get_range("a/obj", 1000, 100) == data[1000:]  # fewer only at the end
+    assert store.get_range("a/obj", 5, 0) == b""
+    with pytest.raises(ObjectNotFound):
+        store.get_range("a/missing", 0, 4)
+    with pytest.raises(ValueError):
+        store.get_range("a/obj", -1, 4)

@@ -57,10 +57,10 @@ def test_pack_a_python_iterable_to_s3(fmt: str, tmp_path: Path, monkeypatch: pyt
     bucket = make_s3_store("unused").bucket  # a fresh, existing bucket
     uri = f"s3://{bucket}/sets/small"
     res = run_cli(_env(), "dataset", "pack", "tests.storage.streaming_data:small", uri,
-                  "--format", fmt, "--shard-size", "10KB")
+                  "--format", fmt, "--shard-size", "10KB", "--shard-samples", "70")
     assert res.returncode == 0, res.stderr
     ds = StreamingDataset(uri, cache_dir=tmp_path / "cache")
-    assert len(ds) == 300 and len(ds.shard_samples) > 3
+    assert len(ds) == 300 and len(ds.shard_samples) > 3 and max(ds.shard_samples) <= 70
     for i in (0, 1, 150, 299):
         got, want = ds[i], streaming_data.sample(i)
         assert got["__key__"] == f"{i:09d}" and got["cls"] == want["cls"] and got["txt"] == want["txt"]
@@ -82,12 +82,15 @@ def test_bad_input_one_line_and_nothing_written(tmp_path: Path) -> None:
         (["dataset", "pack", "tests.storage.streaming_data:small", str(out), "--shard-size", "lots"],
          "--shard-size: expected a size"),
         (["dataset", "pack", "tests.storage.streaming_data:small", "ftp://x/y"], "unsupported storage URI"),
-        (["dataset", "info", str(tmp_path / "empty")], "no such file"),
+        (["dataset", "pack", "tests.storage.streaming_data:small", str(out), "--shard-samples", "0"],
+         "--shard-samples: expected a positive integer"),
+        (["dataset", "info", str(out)], f"no dataset directory {out}"),
+        (["dataset", "index", str(out)], f"no dataset directory {out}"),
     ]
     for argv, expected in cases:
         line = _one_line_error(run_cli(_env(), *argv))
         assert expected in line, (argv, line)
-        assert not out.exists() or not any(out.rglob("*")), (argv, sorted(out.rglob("*")))
+        assert not out.exists(), (argv, sorted(out.rglob("*")))
 
 
 def test_failed_pack_to_s3_leaves_no_object() -> None:
@@ -135,3 +138,17 @@ def test_index_existing_webdataset_tars(tmp_path: Path) -> None:
     (root / "junk.tar").write_bytes(b"this is not a tar" * 100)
     with pytest.raises(Exception, match="junk.tar"):
         index_tars(LocalStore(root))
+
+
+def test_verify_names_the_bad_shards(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "ds")
+    index = pack(streaming_data.samples(100), store, shard_size=2000)
+    ok = run_cli(_env(), "dataset", "verify", str(tmp_path / "ds"))
+    assert ok.returncode == 0 and f"{len(index.shards)} shards of" in ok.stdout, ok.stderr
+    bad, gone = index.shards[1].name, index.shards[4].name
+    data = bytearray(store.get_bytes(bad))
+    data[-1] ^= 1
+    store.put_bytes(bad, bytes(data))
+    store.delete(gone)
+    line = _one_line_error(run_cli(_env(), "dataset", "verify", str(tmp_path / "ds")))
+    assert f"2 of {len(index.shards)} shards" in line and f"{bad}: sha256" in line and f"{gone}: missing" in line
