@@ -16,8 +16,8 @@ from shoal.storage.backend import ObjectStore
 from shoal.storage.datasets import DatasetIndex
 from shoal.storage.streaming_pack import pack
 
-#: about 61 samples per shard: 82 shards for the 5000 glyphs
-SHARD_BYTES = 20000
+#: 61 samples per shard: 82 shards for the 5000 glyphs
+SHARD_SAMPLES = 61
 
 
 def digit_samples():
@@ -27,8 +27,9 @@ def digit_samples():
         yield {"x": x.numpy(), "y": int(y)}
 
 
-def pack_digits(store: ObjectStore, fmt: str = "packed", shard_size: int = SHARD_BYTES) -> DatasetIndex:
-    return pack(digit_samples(), store, format=fmt, shard_size=shard_size)
+def pack_digits(store: ObjectStore, fmt: str = "packed", shard_samples: int = SHARD_SAMPLES) -> DatasetIndex:
+    """Shards cut by sample count: a packed and a WebDataset copy share their boundaries."""
+    return pack(digit_samples(), store, format=fmt, shard_size=None, shard_samples=shard_samples)
 
 
 def _field(sample: dict, name: str):

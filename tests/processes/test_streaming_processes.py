@@ -55,8 +55,7 @@ def _s3_dataset(tmp: Path, fmt: str = "packed", store_out: list | None = None) -
 
     bucket = f"ds-{uuid.uuid4().hex[:12]}"
     store = S3Store(bucket, "digits", S3Config.from_env(s3_env()), create_bucket=True)
-    # WebDataset members take ~2 KiB a sample: the same 61 samples a shard as the packed copy
-    index = pack_digits(store, fmt, **({"shard_size": 61 * 2048 + 1024} if fmt == "webdataset" else {}))
+    index = pack_digits(store, fmt)
     if store_out is not None:
         store_out.append((store, index))
     return f"s3://{bucket}/digits", sum(s.size for s in index.shards)
