@@ -34,6 +34,7 @@ import json
 import statistics
 from dataclasses import dataclass, field, replace
 
+from shoal.coordinator.owners import plan_owners
 from shoal.coordinator.shards import plan_ranges
 from shoal.coordinator.states import (
     LIVE,
@@ -224,6 +225,12 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
         reason = f"{why}; paused: {len(ids)} < min_workers={spec.min_workers}"
     else:
         reason = f"{why}; generation {generation}: world size {len(ids)} ({', '.join(ids)})"
+    owners = None
+    if status.num_shards and not paused:
+        previous = json.loads(status.shard_owners) if status.shard_owners else None
+        owners, owned_why = plan_owners(previous, ids, status.num_shards)
+        reason = f"{reason}; {owned_why}"
+        status = replace(status, shard_owners=json.dumps(owners, separators=(",", ":")))
     table = ShardTable(
         job_id=spec.name,
         generation=generation,
@@ -236,6 +243,7 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
         epoch=epoch,
         planned_at_ms=now_ms,
         evicted=evicted,
+        shard_owners=owners,
     )
     # the formation clock runs from the first generation planned since one last formed
     unformed = 0 if paused else (status.unformed_since_ms or now_ms)
@@ -575,6 +583,8 @@ def _on_join(state: CoordState, ev: JoinRequest, now_ms: int, spec: JobSpec, epo
         reason="joined", changed_ms=now_ms,
     )
     status = replace(status, next_worker=status.next_worker + 1, pending_join_ms=now_ms)
+    if ev.num_shards and not status.num_shards:  # a streaming dataset: owners from the next plan on
+        status = replace(status, num_shards=ev.num_shards)
     state = replace(state, status=status, workers={**state.workers, wid: rec})
     why = f"{wid} joined from {ev.host or '?'} pid {ev.pid}"
     actions: list[Action] = [Watch(wid, now_ms), ReplyJoin(ev.event_id, JoinReply(accepted=True, worker_id=wid))]

@@ -219,6 +219,11 @@ class JobStatus:
     #: worker that came late), and the newest refusal's reason, for ``shoal status``.
     rejected_joins: int = 0
     last_rejection: str = ""
+    #: Shards of the job's streaming dataset as the first worker that reported it said (0: not
+    #: a streaming dataset), and the newest table's owners (JSON of ``ShardTable.shard_owners``;
+    #: "" : none yet): the next plan starts from them, so owners are sticky.
+    num_shards: int = 0
+    shard_owners: str = ""
 
     def to_hash(self) -> dict[str, str]:
         return {
@@ -245,6 +250,8 @@ class JobStatus:
             "eval": self.eval,
             "rejected_joins": str(self.rejected_joins),
             "last_rejection": self.last_rejection,
+            "num_shards": str(self.num_shards),
+            "shard_owners": self.shard_owners,
         }
 
     @classmethod
@@ -276,6 +283,8 @@ class JobStatus:
             eval=g.get("eval", ""),
             rejected_joins=int(g.get("rejected_joins", 0)),
             last_rejection=g.get("last_rejection", ""),
+            num_shards=int(g.get("num_shards", 0)),
+            shard_owners=g.get("shard_owners", ""),
         )
 
 

@@ -68,6 +68,10 @@ class JoinRequest(EventBase):
     #: rejoins after Redis lost the job asks the coordinator to number on above it, so a
     #: generation (and its rendezvous prefix) never repeats for a live process.
     last_generation: Annotated[int, Field(ge=0)] = 0
+    #: Shards of the job's streaming dataset, as this worker read its index (None: not a
+    #: streaming dataset, or a sender that predates the field). The coordinator, which never
+    #: reads storage, plans the tables' ``shard_owners`` over this many shards.
+    num_shards: Annotated[int, Field(ge=0)] | None = None
 
 
 class Ready(EventBase):
@@ -331,6 +335,11 @@ class ShardTable(_Wire):
     #: generation that still shares a group with one of them aborts that group's collectives
     #: at once instead of waiting for a peer that will not come (a hung NCCL or gloo peer).
     evicted: list[str] = Field(default_factory=list)
+    #: Streaming datasets only (None otherwise): which member caches which shards - worker id
+    #: -> half-open ``[start, stop]`` ranges of shard numbers; every shard has one owner. Each
+    #: rank reads its own shards' samples of a global batch locally (see
+    #: ``shoal.worker.stream_order``); planned by ``shoal.coordinator.owners.plan_owners``.
+    shard_owners: dict[str, list[tuple[int, int]]] | None = None
 
     def member(self, worker_id: str) -> Member | None:
         return next((m for m in self.members if m.worker_id == worker_id), None)
@@ -379,6 +388,15 @@ class Heartbeat(_Wire):
     #: Seconds its last committed step waited for its batches (the input pipeline did not
     #: keep ahead; part of ``compute_time``) (None: not reported).
     input_wait_time: float | None = None
+    #: Streaming datasets only (None otherwise, or not reported): bytes this worker downloaded
+    #: (whole shards and ranged reads), its cache hit rate (0..1), the shards it owns in its
+    #: table, samples it read remotely (ranged reads), and its last step's balance error (the
+    #: largest minus the smallest rank's sample count).
+    bytes_downloaded: int | None = None
+    cache_hit_rate: float | None = None
+    shards_owned: int | None = None
+    remote_reads: int | None = None
+    balance_error: int | None = None
 
 
 class WorkerDoc(_Wire):

@@ -144,6 +144,11 @@ def redis_lines(client: redis.Redis) -> list[str]:
                 if times:
                     series["shoal_job_step_part_seconds"].append(
                         f'shoal_job_step_part_seconds{{{label},part="{part}"}} {times[len(times) // 2]:.6g}')
+            for name, field in _STREAM_SERIES.items():  # a streaming dataset's input, per worker
+                for hb in hbs:
+                    value = getattr(hb, field)
+                    if value is not None:
+                        series[name].append(f'{name}{{{label},worker="{_label(hb.worker_id)}"}} {value:.6g}')
     for name, (kind, text) in _TRAINING.items():
         out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", *series[name]]
     out += ["# HELP shoal_job_eval Newest evaluation of each job (its eval_fn's metrics), one series per metric.",
@@ -168,7 +173,17 @@ _TRAINING = {
     "shoal_job_step_part_seconds": ("gauge", "Seconds of the last committed step of each job's median member, by "
                                              "part: compute (data, forward, backward), input_wait (waiting for its "
                                              "batches, within compute), exposed_comm (all-reduce not hidden by backward)."),
+    "shoal_stream_bytes_downloaded": ("counter", "Bytes a worker downloaded from its streaming dataset (whole "
+                                                 "shards and ranged reads), per job and worker."),
+    "shoal_stream_cache_hit_ratio": ("gauge", "Share of a worker's samples read from its shard cache."),
+    "shoal_stream_shards_owned": ("gauge", "Shards of the streaming dataset a worker owns in its job's table."),
+    "shoal_stream_remote_reads": ("counter", "Samples a worker read by ranged reads (shards it does not own)."),
+    "shoal_stream_balance_error": ("gauge", "Largest minus smallest rank's sample count in a worker's last step."),
 }
+#: streaming series -> the heartbeat field it is read from
+_STREAM_SERIES = {"shoal_stream_bytes_downloaded": "bytes_downloaded", "shoal_stream_cache_hit_ratio": "cache_hit_rate",
+                  "shoal_stream_shards_owned": "shards_owned", "shoal_stream_remote_reads": "remote_reads",
+                  "shoal_stream_balance_error": "balance_error"}
 #: ``part`` label -> the heartbeat field it is read from
 _STEP_PARTS = {"compute": "compute_time", "input_wait": "input_wait_time", "exposed_comm": "exposed_comm_time"}
 

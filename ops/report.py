@@ -60,6 +60,11 @@ class Point:
     compute: float | None = None
     input_wait: float | None = None
     exposed_comm: float | None = None
+    #: a streaming dataset's figures of rank 0 (None where the entry has none): bytes it had
+    #: downloaded so far, its cache hit rate (0..1), samples it had read remotely
+    downloaded: int | None = None
+    hit_rate: float | None = None
+    remote: int | None = None
 
 
 @dataclass(frozen=True)
@@ -146,6 +151,21 @@ def _seconds(v: str | None) -> float | None:
     return x if x is not None and math.isfinite(x) and x >= 0 else None
 
 
+def _count(v: str | None) -> int | None:
+    """A counter of a progress entry: None when absent or not an integer >= 0."""
+    try:
+        x = int(v) if v is not None else None
+    except ValueError:
+        return None
+    return x if x is not None and x >= 0 else None
+
+
+def _ratio(v: str | None) -> float | None:
+    """A rate of a progress entry: None when absent or not a number in 0..1."""
+    x = _seconds(v)
+    return x if x is not None and x <= 1 else None
+
+
 def read_progress(client: redis.Redis, key: str, *, after: str = "0-0",
                   limit: int | None = None) -> tuple[list[Point], list[EvalPoint], str, bool]:
     """The committed steps and evaluations of a job's ``progress`` stream (``key``) after entry
@@ -169,7 +189,9 @@ def read_progress(client: redis.Redis, key: str, *, after: str = "0-0",
                 points.append(Point(t_ms=int(sid.split("-")[0]), step=_int(f.get("step")), loss=_float(f.get("loss")),
                                     generation=_int(f.get("generation")), world_size=_int(f.get("world_size")),
                                     compute=_seconds(f.get("compute")), input_wait=_seconds(f.get("input_wait")),
-                                    exposed_comm=_seconds(f.get("exposed_comm"))))
+                                    exposed_comm=_seconds(f.get("exposed_comm")),
+                                    downloaded=_count(f.get("downloaded")), hit_rate=_ratio(f.get("hit_rate")),
+                                    remote=_count(f.get("remote"))))
         if entries:
             last = entries[-1][0].decode()
             start = "(" + last
@@ -365,7 +387,8 @@ MAX_EVAL_LINES = 8
 
 def render(history: History, marks: list[Marked], path: str | Path) -> Path:
     """Draw the four panels into ``path`` (PNG, 1400x900 px); with evaluations, two more
-    below them, and with rank 0's step time split two more (each row adds 350 px)."""
+    below them, with rank 0's step time split two more, and with a streaming dataset's input
+    two more (each row adds 350 px)."""
     # matplotlib's first import builds a font cache and says so at INFO: not news for the user
     logging.getLogger("matplotlib").setLevel(max(logging.WARNING, logging.getLogger("matplotlib").level))
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -382,7 +405,8 @@ def render(history: History, marks: list[Marked], path: str | Path) -> Path:
 
     evals = history.evals
     split = any(p.compute is not None for p in pts)
-    rows = 2 + bool(evals) + split
+    streaming = any(p.downloaded is not None for p in pts)
+    rows = 2 + bool(evals) + split + streaming
     fig = Figure(figsize=(14, 9 + 3.5 * (rows - 2)), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, 2, sharex="col")
@@ -402,7 +426,9 @@ def render(history: History, marks: list[Marked], path: str | Path) -> Path:
     if evals:
         panels.append(_draw_evals(evals, t0, axes[2]))
     if split:
-        panels.append(_draw_split(pts, t0, bottom))
+        panels.append(_draw_split(pts, t0, axes[2 + bool(evals)]))
+    if streaming:
+        panels.append(_draw_stream(pts, t0, bottom))
     loss_step.set_title("against step")
     loss_time.set_title("against time")
     if any(v > 0 for v in losses if not math.isnan(v)) and _spread(losses) > 20:
@@ -468,6 +494,32 @@ def _draw_evals(evals: list[EvalPoint], t0: int, axes) -> tuple:
     by_step.set_ylabel("evaluation (eval_fn)")
     if names:
         by_step.legend(fontsize=8, loc="best")
+    return by_step, by_time
+
+
+def _draw_stream(pts: list[Point], t0: int, axes) -> tuple:
+    """A streaming dataset's input on rank 0 against step and time: MB downloaded so far and
+    samples read remotely so far (left axis), cache hit rate in % (right axis)."""
+    by_step, by_time = axes
+    shown = [p for p in pts if p.downloaded is not None]
+    for ax, xs in ((by_step, [p.step for p in shown]), (by_time, [(p.t_ms - t0) / 1000.0 for p in shown])):
+        ax.plot(xs, [p.downloaded / 1e6 for p in shown], color="#2b8a3e", linewidth=1.2, label="MB downloaded")
+        remote = [(x, p.remote) for x, p in zip(xs, shown) if p.remote is not None]
+        if remote:
+            ax.plot([x for x, _ in remote], [v / 1000 for _, v in remote], color="#862e9c", linewidth=1.1,
+                    label="remote samples (thousands)")
+        ax.grid(True, alpha=0.3)
+        ax.set_ylim(bottom=0)
+        rate = [(x, p.hit_rate) for x, p in zip(xs, shown) if p.hit_rate is not None]
+        if rate:
+            twin = ax.twinx()
+            twin.plot([x for x, _ in rate], [v * 100 for _, v in rate], color="#e8590c", linewidth=1.0,
+                      linestyle="--", label="cache hit rate (%)")
+            twin.set_ylim(0, 105)
+            if ax is by_time:
+                twin.set_ylabel("cache hit rate (%)")
+    by_step.set_ylabel("rank 0 streaming input")
+    by_step.legend(fontsize=8, loc="upper left")
     return by_step, by_time
 
 

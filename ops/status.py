@@ -83,6 +83,9 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
             # its last committed step's own work, and the all-reduce time backward did not hide
             "compute_time": hb.compute_time if hb else None,
             "exposed_comm_time": hb.exposed_comm_time if hb else None,
+            # a streaming dataset's input: bytes downloaded, cache hit rate, shards owned,
+            # samples read remotely, the last step's balance error (None: not streaming)
+            **{f: getattr(hb, f) if hb else None for f in STREAM_FIELDS},
             "digest": hb.digest if hb else None,
             "heartbeat_age_ms": (now_ms - last_seen[wid]) if wid in last_seen and not ended else None,
             "straggler": rec.straggler,
@@ -213,6 +216,28 @@ def _progress(beats: list[Heartbeat], high_step: int, ended: bool, *, completed:
                     total=step if completed and step else None)
 
 
+#: Heartbeat fields of a streaming dataset's input, shown per worker (text and --json)
+STREAM_FIELDS = ("bytes_downloaded", "cache_hit_rate", "shards_owned", "remote_reads", "balance_error")
+
+
+def _bytes(n) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return "-"  # pragma: no cover
+
+
+def _rate(x) -> str:
+    return "-" if x is None else f"{x * 100:.0f}%"
+
+
+def _num(x) -> str:
+    return "-" if x is None else str(x)
+
+
 def format_status(s: dict) -> str:
     p = s["progress"]
     where = f"step {p['step']}" + (f"/{p['total_steps']} ({p['percent']:g} %)" if p["total_steps"] else "")
@@ -253,6 +278,12 @@ def format_status(s: dict) -> str:
         lines.append("last step, ms (compute incl. input wait / input wait / all-reduce not hidden): " + "  ".join(
             f"{w['worker_id']} {ms(w.get('compute_time'))} / {ms(w.get('input_wait_time'))} / "
             f"{ms(w.get('exposed_comm_time'))}" for w in parts))
+    streaming = [w for w in s["workers"] if w.get("shards_owned") is not None]
+    if streaming:  # a streaming dataset: where each worker's samples came from
+        lines.append("streaming input (downloaded / cache hits / shards owned / remote samples / balance error): "
+                     + "  ".join(f"{w['worker_id']} {_bytes(w.get('bytes_downloaded'))} / {_rate(w.get('cache_hit_rate'))}"
+                                 f" / {w['shards_owned']} / {_num(w.get('remote_reads'))} / {_num(w.get('balance_error'))}"
+                                 for w in streaming))
     lines.append(f"{'worker':<8} {'state':<9} {'rank':>4} {'step':>6} {'loss':>9} {'hb age':>8}  {'flags':<9} ranges")
     for w in s["workers"]:
         age = f"{w['heartbeat_age_ms'] / 1000:.1f}s" if w["heartbeat_age_ms"] is not None else "-"

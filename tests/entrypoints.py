@@ -53,3 +53,13 @@ def empty_dataset() -> TrainingSetup:
     setup = build_digits()
     setup.dataset = []
     return setup
+
+
+def stream_digits_store() -> TrainingSetup:
+    """The slow digits job reading the glyphs packed as a streaming dataset at
+    ``SHOAL_TEST_STREAM_URI`` (see ``tests.stream_data``)."""
+    from tests.stream_data import dataset_from_env
+
+    setup = slow_digits()
+    setup.dataset = dataset_from_env()
+    return setup

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shoal.worker.stream_order import DEFAULT_WINDOW, shard_aware_permutation
+
 Range = Sequence[int]
 
 
@@ -179,12 +181,22 @@ class DataOrder:
     """Caches the permutation of the current epoch; :meth:`batch` gives a step's global batch.
 
     ``num_samples`` is the dataset length, ``seed`` the job seed, ``global_batch`` the
-    configured global batch size (the last batch of an epoch is shorter).
+    configured global batch size (the last batch of an epoch is shorter). ``shard_samples``
+    (a streaming dataset's samples per shard; they must add up to ``num_samples``) selects
+    the shard-aware order with ``window`` shards per shuffle window
+    (:func:`shoal.worker.stream_order.shard_aware_permutation`); without it the plain
+    :func:`permutation`.
     """
 
-    def __init__(self, num_samples: int, seed: int, global_batch: int) -> None:
+    def __init__(self, num_samples: int, seed: int, global_batch: int, *,
+                 shard_samples: Sequence[int] | None = None, window: int = DEFAULT_WINDOW) -> None:
         if num_samples <= 0 or global_batch <= 0:
             raise ValueError(f"need num_samples > 0 and global_batch > 0, got {num_samples}, {global_batch}")
+        if shard_samples is not None and sum(int(c) for c in shard_samples) != num_samples:
+            raise ValueError(f"shard sample counts add up to {sum(int(c) for c in shard_samples)}, "
+                             f"not the dataset's {num_samples} samples")
+        self.shard_samples = None if shard_samples is None else [int(c) for c in shard_samples]
+        self.window = window
         self.num_samples = num_samples
         self.seed = seed
         self.global_batch = global_batch
@@ -202,7 +214,10 @@ class DataOrder:
 
     def perm(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch or self._perm is None:
-            self._perm = permutation(self.num_samples, self.seed, epoch)
+            if self.shard_samples is None:
+                self._perm = permutation(self.num_samples, self.seed, epoch)
+            else:
+                self._perm = shard_aware_permutation(self.shard_samples, self.seed, epoch, self.window)
             self._epoch = epoch
         return self._perm
 

@@ -56,6 +56,8 @@ class Membership:
         self.job_id = job_id
         self.node = node
         self.worker_id: str | None = None
+        #: shards of the job's streaming dataset, sent with every join (None: not streaming)
+        self.num_shards: int | None = None
         self._gen_cursor = "0-0"
 
     def send(self, event: EventBase) -> str:
@@ -68,7 +70,7 @@ class Membership:
         if not self.job_exists():
             raise MembershipError(f"job {self.job_id!r} does not exist (no spec in Redis)")
         req = JoinRequest(job_id=self.job_id, host=socket.gethostname(), pid=os.getpid(), node=self.node,
-                          last_generation=last_generation)
+                          last_generation=last_generation, num_shards=self.num_shards)
         # read the generation stream from "now": any table published after our join counts
         last = self.client.xrevrange(self.keys.generations, count=1)
         self._gen_cursor = last[0][0].decode() if last else "0-0"

@@ -97,13 +97,24 @@ import numpy as np
 import torch
 import torch.multiprocessing as torch_mp
 
-from shoal.worker.data import DataOrder, micro_batches
+from shoal.worker.data import DataOrder, StepBatch, micro_batches
 from shoal.worker.errors import raised_at
 
 log = logging.getLogger("shoal.worker.prefetch")
 
 Ranges = tuple[tuple[int, int, int], ...]
 RangesLike = Sequence[Sequence[int]]
+#: A rank's ranges as a function of a step's global batch (streaming datasets)
+RangesOf = Callable[[StepBatch], RangesLike]
+
+
+def read_samples(dataset: Any, indices: Sequence[int], owned: frozenset[int] | None) -> list[Any]:
+    """The samples of ``indices``: ``dataset[i]`` each, or, for a streaming dataset with this
+    rank's ``owned`` shards, ``dataset.read(indices, owned)`` (samples of shards it does not
+    own by ranged reads, the others from its cache)."""
+    if owned is None:
+        return [dataset[i] for i in indices]
+    return list(dataset.read(list(indices), owned))
 
 #: How often a blocked loader, result thread or waiting fetch looks up (a closed pipeline, a
 #: dead parent or child): the longest any of them sleeps without checking.
@@ -137,21 +148,26 @@ class ItemKey:
     micro: int
 
 
-def plan(order: DataOrder, cursor: int, ranges: RangesLike, steps: int, micro_batch: int | None, *,
+def plan(order: DataOrder, cursor: int, ranges: RangesLike | RangesOf, steps: int, micro_batch: int | None, *,
          first_ranges: RangesLike | None = None, end: int | None = None) -> list[tuple[ItemKey, tuple[int, ...]]]:
     """The items of ``steps`` steps from ``cursor`` on, in the order the training consumes
     them, each with its dataset indices: the step at ``cursor`` takes ``first_ranges`` (when
     given) and every later one ``ranges``; each slice is split as the engine splits it
     (:func:`shoal.worker.data.micro_batches`). A cursor advances by its batch's actual size
     (an epoch's short last batch included); nothing at or past ``end`` (the cursor at which
-    training ends) is planned. A pure function."""
+    training ends) is planned. ``ranges`` may be a function of the step's
+    :class:`~shoal.worker.data.StepBatch` (a streaming dataset's per-step assignment, which
+    depends on the batch's shards). A pure function (when ``ranges`` is one)."""
     items: list[tuple[ItemKey, tuple[int, ...]]] = []
     c = cursor
     for s in range(steps):
         if end is not None and c >= end:
             break
         batch = order.batch(c)
-        rr = normalize_ranges(first_ranges if s == 0 and first_ranges is not None else ranges)
+        if s == 0 and first_ranges is not None:
+            rr = normalize_ranges(first_ranges)
+        else:
+            rr = normalize_ranges(ranges(batch) if callable(ranges) else ranges)
         for k, chunk in enumerate(micro_batches(batch.for_rank(rr), micro_batch)):
             items.append((ItemKey(c, rr, k), tuple(int(i) for i in chunk)))
         c = batch.next_cursor
@@ -316,9 +332,9 @@ def _loader_main(dataset: Any, collate_fn: Callable[[list[Any]], Any], tasks: An
                 continue
             if task is None:
                 return
-            task_id, indices = task
+            task_id, indices, owned = task
             try:
-                batch = collate_fn([dataset[i] for i in indices])
+                batch = collate_fn(read_samples(dataset, indices, owned))
             except BaseException as exc:  # noqa: BLE001 - the user's code: raised in the training thread
                 try:
                     failure = _Failure.capture(exc)
@@ -388,8 +404,8 @@ class _Processes(_Pool):
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs if p.pid is not None]
 
-    def submit(self, task_id: int, indices: tuple[int, ...]) -> None:
-        self._tasks.put((task_id, indices))
+    def submit(self, task_id: int, indices: tuple[int, ...], owned: frozenset[int] | None = None) -> None:
+        self._tasks.put((task_id, indices, owned))
 
     def _receive(self) -> None:
         if self._pin_device is not None and self._pin_device.index is not None:
@@ -464,8 +480,8 @@ class _Thread(_Pool):
     def pids(self) -> list[int]:
         return []
 
-    def submit(self, task_id: int, indices: tuple[int, ...]) -> None:
-        self._tasks.put((task_id, indices))
+    def submit(self, task_id: int, indices: tuple[int, ...], owned: frozenset[int] | None = None) -> None:
+        self._tasks.put((task_id, indices, owned))
 
     def _run(self) -> None:
         if self._pin_device is not None and self._pin_device.index is not None:
@@ -477,10 +493,10 @@ class _Thread(_Pool):
                 continue
             if task is None:
                 return
-            task_id, indices = task
+            task_id, indices, owned = task
             try:
                 with self._lock:
-                    batch = self._collate([self._dataset[i] for i in indices])
+                    batch = self._collate(read_samples(self._dataset, indices, owned))
             except BaseException as exc:  # noqa: BLE001 - the user's code: raised in the training thread
                 try:
                     exc.shoal_raised_at = raised_at(exc)  # type: ignore[attr-defined]
@@ -526,7 +542,7 @@ class Prefetcher:
     def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any], *, num_samples: int, seed: int,
                  global_batch: int, micro_batch: int | None = None, workers: int = 1, steps: int = 2,
                  device: torch.device | str | None = None, end: int | None = None,
-                 start_method: str | None = None) -> None:
+                 start_method: str | None = None, order: DataOrder | None = None) -> None:
         if workers < 0 or steps < 0:
             raise ValueError(f"need workers >= 0 and steps >= 0, got {workers}, {steps}")
         self.dataset = dataset
@@ -534,7 +550,19 @@ class Prefetcher:
         self.micro_batch = micro_batch
         self.steps = steps
         self.end = end
-        self._order = DataOrder(num_samples, seed, global_batch)  # its own: the training thread's caches one epoch
+        # its own: the training thread's caches one epoch (``order``: a template, e.g. a
+        # streaming dataset's shard-aware order)
+        if order is not None:
+            self._order = DataOrder(order.num_samples, order.seed, order.global_batch,
+                                    shard_samples=order.shard_samples, window=order.window)
+        else:
+            self._order = DataOrder(num_samples, seed, global_batch)
+        #: a streaming dataset's shards this rank owns (None: a map-style dataset): samples of
+        #: other shards are read remotely (:func:`read_samples`)
+        self.owned: frozenset[int] | None = None
+        #: the same for the step at a cursor (the planned items: a step of the next epoch
+        #: reads that epoch's shards); None: :attr:`owned` for every item
+        self.owned_at: Callable[[int], frozenset[int]] | None = None
         self._cond = threading.Condition()
         self._dataset_lock = threading.Lock()
         self._items: dict[ItemKey, _Item] = {}  # the plan, in consumption order
@@ -585,14 +613,14 @@ class Prefetcher:
 
     # ---- the plan --------------------------------------------------------------------------
 
-    def start_step(self, cursor: int, ranges: RangesLike, later: RangesLike | None = None) -> None:
+    def start_step(self, cursor: int, ranges: RangesLike, later: RangesLike | RangesOf | None = None) -> None:
         """A step starts at ``cursor`` on exactly ``ranges`` (``later``: the ranges of the
         steps after it, default the same): make sure its items are planned, first, and start
         counting its input wait."""
         self.step_wait = 0.0
         self.aim(cursor, later if later is not None else ranges, first_ranges=ranges)
 
-    def aim(self, cursor: int, ranges: RangesLike, *, first_ranges: RangesLike | None = None) -> None:
+    def aim(self, cursor: int, ranges: RangesLike | RangesOf, *, first_ranges: RangesLike | None = None) -> None:
         """The next step is at ``cursor`` (on ``first_ranges`` when given, else ``ranges``),
         the ones after it on ``ranges``: plan their items (keeping those already planned,
         dropping the rest) and give loaders work. Cheap when nothing changed."""
@@ -624,7 +652,8 @@ class Prefetcher:
                 task_id, self._next_task = self._next_task, self._next_task + 1
                 item.state = _State.RUNNING
                 self._tasks[task_id] = item
-                self._pool.submit(task_id, item.indices)
+                owned = self.owned_at(item.key.cursor) if self.owned_at is not None else self.owned
+                self._pool.submit(task_id, item.indices, owned)
 
     def _deliver(self, task_id: int, state: _State, value: Any) -> None:
         """(A loader's thread.) The outcome of a task; dropped when its item is no longer planned."""
@@ -681,7 +710,7 @@ class Prefetcher:
             raise item.value
         self.misses += 1  # not planned (a changed plan), not yet started, or lost: inline
         with self._dataset_lock:
-            return self.collate_fn([self.dataset[i] for i in want])
+            return self.collate_fn(read_samples(self.dataset, want, self.owned))
 
     def close(self) -> None:
         """Stop the loaders and drop what was prefetched; logs what the pipeline did.

@@ -42,11 +42,14 @@ class ProgressRecorder:
 
     def record(self, step: int, loss: float | None, generation: int, world_size: int, t: float | None = None, *,
                input_wait: float | None = None, compute: float | None = None,
-               exposed_comm: float | None = None) -> bool:
+               exposed_comm: float | None = None, stream: dict | None = None) -> bool:
         """Append this committed step if due; True when an entry was written. Never raises.
         The step's time split, each left out when None: ``input_wait`` (seconds rank 0's step
         waited for its batches), ``compute`` (its data, forward and backward, input wait
-        included) and ``exposed_comm`` (waiting on the all-reduce after its backward)."""
+        included) and ``exposed_comm`` (waiting on the all-reduce after its backward).
+        ``stream``: a streaming dataset's figures of rank 0 (``bytes_downloaded``,
+        ``cache_hit_rate``, ``remote_reads``), written as ``downloaded``, ``hit_rate``,
+        ``remote``."""
         try:
             now = time.time() if t is None else float(t)
             new_generation = generation != self._last_generation
@@ -60,6 +63,10 @@ class ProgressRecorder:
             for name, value in (("input_wait", input_wait), ("compute", compute), ("exposed_comm", exposed_comm)):
                 if value is not None:
                     fields[name] = f"{float(value):.6f}"
+            for name, key in (("downloaded", "bytes_downloaded"), ("hit_rate", "cache_hit_rate"),
+                              ("remote", "remote_reads")):
+                if stream and stream.get(key) is not None:
+                    fields[name] = str(stream[key])
             self.client.xadd(self.keys.progress, fields, maxlen=PROGRESS_MAXLEN, approximate=True)
         except redis.RedisError as exc:
             self.dropped += 1

@@ -55,6 +55,8 @@ from shoal.worker import process_group as pg
 from shoal.worker.barrier import GenerationBarrier
 from shoal.worker.checkpoints import Checkpoints
 from shoal.worker.data import DataOrder
+from shoal.worker.stream_input import StreamInput, is_streaming
+from shoal.worker.stream_order import DEFAULT_WINDOW
 from shoal.worker.decide import (
     Aborted,
     Action,
@@ -136,6 +138,11 @@ class TrainingWorker(WorkerRunner):
         self.ckpt: Checkpoints | None = None
         #: the input pipeline: fetches the next steps' batches ahead (the engine's fetcher)
         self.prefetch: Prefetcher | None = None
+        #: a streaming dataset's per-step assignment by shard owner (None: map-style dataset)
+        self.stream: StreamInput | None = None
+        #: (generation, step, ranks behind) of the last group formed: in that step the ranks
+        #: behind take no samples (a streaming dataset's split leaves them out)
+        self._behind: tuple[int, int, frozenset[int]] = (0, -1, frozenset())
         # started by start()
         self.watcher: GenerationWatcher | None = None
         #: where the members of a generation meet (blocking waits; the watcher wakes them)
@@ -168,8 +175,17 @@ class TrainingWorker(WorkerRunner):
         self.engine = StepEngine.from_setup(setup, device=None, require_group=True, precision=self.spec.precision,
                                             max_grad_norm=self.spec.max_grad_norm,
                                             bucket_cap_mb=self.spec.bucket_cap_mb)
-        self.order = DataOrder(len(setup.dataset), self.spec.seed, self.spec.global_batch_size)
         n = len(setup.dataset)
+        if is_streaming(setup.dataset):  # shard-aware order; each rank reads the shards it owns
+            shard_samples = list(setup.dataset.shard_samples)
+            self.order = DataOrder(n, self.spec.seed, self.spec.global_batch_size, shard_samples=shard_samples,
+                                   window=int(getattr(setup.dataset, "shuffle_window", None) or DEFAULT_WINDOW))
+            self.stream = StreamInput(setup.dataset, self.order,
+                                      tolerance=int(getattr(setup.dataset, "balance_tolerance", None) or 0))
+            self.m.num_shards = len(shard_samples)
+            log.info("streaming dataset: %d shards, shuffle window %d shards", len(shard_samples), self.order.window)
+        else:
+            self.order = DataOrder(n, self.spec.seed, self.spec.global_batch_size)
         log.info("built %s: %d samples, %d steps/epoch", self.spec.entrypoint, n, self.order.steps_per_epoch())
         # here, before any thread or socket of the heartbeat, the watcher or a group exists: a
         # forked loader inherits none of them (see shoal.worker.prefetch)
@@ -178,7 +194,10 @@ class TrainingWorker(WorkerRunner):
             global_batch=self.spec.global_batch_size, micro_batch=self.engine.micro_batch, device=self.engine.device,
             workers=self.spec.loader_workers if setup.loader_workers is None else setup.loader_workers,
             steps=self.spec.prefetch_steps if setup.prefetch_steps is None else setup.prefetch_steps,
-            end=self.order.cursor_after(self._total_steps()))  # nothing past the last step is fetched
+            end=self.order.cursor_after(self._total_steps()),  # nothing past the last step is fetched
+            order=self.order)
+        if self.stream is not None:
+            self.prefetch.owned_at = self.stream.reading
         self.engine.fetcher = self.prefetch.fetch
         self.ckpt = Checkpoints.open(self.spec, self.m, self.faults) if self.spec.checkpoint_uri else None
         step, cursor = 0, 0
@@ -314,7 +333,8 @@ class TrainingWorker(WorkerRunner):
             case RecordProgress(step=step, loss=loss, generation=generation, world=world):
                 compute, exposed = self._step_parts
                 self.progress.record(step, loss, generation, world, input_wait=self.prefetch.step_wait,
-                                     compute=compute, exposed_comm=exposed)
+                                     compute=compute, exposed_comm=exposed,
+                                     stream=self.stream.last_figures if self.stream is not None else None)
                 if self.tensorboard is not None:
                     lrs = [group.get("lr", 0.0) for group in self.engine.optimizer.param_groups]
                     self.tensorboard.scalars(step, loss, generation, world, lrs)
@@ -370,8 +390,13 @@ class TrainingWorker(WorkerRunner):
             self.hb.busy(True, since=time.monotonic() - evaluated[2] if follows else None)
         self.faults.at(wid, act.step, "before_step")
         batch = self.order.batch(act.cursor)
-        local = batch.for_rank(act.ranges)
-        self.prefetch.start_step(act.cursor, act.ranges, self._steady_ranges(act.ranges))
+        ranges = act.ranges
+        if self.stream is not None:  # the split by shard owner replaces the table's ranges
+            active = self._active_ranks(act)
+            ranges = self.stream.ranges(batch, active)
+            self.stream.note_step(batch, active)
+        local = batch.for_rank(ranges)
+        self.prefetch.start_step(act.cursor, ranges, self._steady_ranges(ranges))
         started = time.monotonic()
         self.faults.at(wid, act.step, "mid_step")
         try:
@@ -386,18 +411,37 @@ class TrainingWorker(WorkerRunner):
         fp16 = {} if scaler is None else {"loss_scale": result.loss_scale, "skipped": result.skipped,
                                           "scale_after": scaler.state_dict()}
         self.ledger.commit(wid, act.step + 1, batch, act.base, local, act.world, fp16)
-        self.prefetch.aim(batch.next_cursor, self._steady_ranges(act.ranges))  # the next steps' batches
+        self.prefetch.aim(batch.next_cursor, self._steady_ranges(ranges))  # the next steps' batches
+        if self.stream is not None:
+            self.stream.plan_ahead(batch.next_cursor, self.prefetch.end)
         self._step_parts = (result.compute_seconds, result.comm_exposed_seconds)
         if self.hb is not None:  # published with the next beat
             self.hb.update(compute_time=round(result.compute_seconds, 4),
                            exposed_comm_time=round(result.comm_exposed_seconds, 4))
             self.hb.update(input_wait_time=round(self.prefetch.step_wait, 4))  # waited for its batches
+            if self.stream is not None:
+                # the dataset's counters (files shared with the loaders) at most twice a second
+                self.hb.update(**self.stream.figures(max_age=0.5))
         self.faults.at(wid, act.step + 1, "after_commit")
         return Committed(cursor=batch.next_cursor, max_generation=result.max_generation, loss=result.loss, started=started)
 
-    def _steady_ranges(self, fallback: tuple) -> tuple:
+    def _active_ranks(self, act: TrainStep) -> list[int] | None:
+        """The ranks that take samples in ``act`` (None: all): in the first step after a
+        catch-up, those that were not behind. Keeps the stream's table current."""
+        self.stream.use_table(self.state.table, self.m.worker_id)
+        self.prefetch.owned = self.stream.reading(act.cursor)
+        generation, step, behind = self._behind
+        if behind and generation == act.base and step == act.step:
+            return [r for r in range(act.world) if r not in behind]
+        return None
+
+    def _steady_ranges(self, fallback: tuple):
         """This member's ranges in its generation's table (the first step after a catch-up
-        may take others): what the prefetcher plans the coming steps with."""
+        may take others): what the prefetcher plans the coming steps with. A streaming
+        dataset's: a function of each step's batch (its split by shard owner)."""
+        if self.stream is not None:
+            stream = self.stream
+            return lambda batch: stream.ranges(batch)
         member = self.state.member
         return tuple(map(tuple, member.ranges)) if member is not None else fallback
 
@@ -466,6 +510,7 @@ class TrainingWorker(WorkerRunner):
             self.engine.load_state_extras(got)
         except (RendezvousFailed, CollectiveFailed, StateMismatch) as exc:
             return FormFailed(str(exc))
+        self._behind = (table.generation, int(got["step"]), frozenset(int(r) for r in behind))
         return Formed(int(got["step"]), int(got["cursor"]), src, tuple(behind), time.monotonic() - t0)
 
     def _announce(self, act: Announce) -> None:
@@ -478,6 +523,13 @@ class TrainingWorker(WorkerRunner):
         if self.hb is not None:
             self.hb.update(generation=act.generation, digest=None, step=act.step)
         first = self.state.first_ranges
+        if self.stream is not None:
+            self.stream.use_table(self.state.table, self.m.worker_id)
+            self.prefetch.owned = self.stream.reading(act.cursor)
+            active = [r for r in range(act.world) if r not in act.behind] if act.behind else None
+            end = self.prefetch.end
+            first = self.stream.ranges(self.order.batch(act.cursor), active) if end is None or act.cursor < end else None
+            self.stream.plan_ahead(act.cursor, self.prefetch.end)
         self.prefetch.aim(act.cursor, self._steady_ranges(first or ()), first_ranges=first)
         model = self.engine.model
         params = {name for name, _ in model.named_parameters(remove_duplicate=False)}

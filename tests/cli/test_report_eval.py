@@ -82,3 +82,29 @@ def test_report_draws_rank_0s_step_time_split(r, job_id, tmp_path) -> None:
     assert all(p.compute is None for p in load_history(r, job_id).points)
     write_report(r, job_id, plain)
     assert imread(plain).shape[:2] == (900, 1400)
+
+
+def test_report_draws_a_streaming_datasets_input(r, job_id, tmp_path) -> None:
+    rec = ProgressRecorder(r, job_keys(job_id + "-rec"))
+    assert rec.record(3, 1.5, 1, 2, t=1.0, stream={"bytes_downloaded": 12345, "cache_hit_rate": 0.5,
+                                                   "remote_reads": 7, "shards_owned": 4})
+    ((_id, fields),) = r.xrange(job_keys(job_id + "-rec").progress)
+    written = {k.decode(): v.decode() for k, v in fields.items()}
+    assert (written["downloaded"], written["hit_rate"], written["remote"]) == ("12345", "0.5", "7")
+
+    simulate_run(r, job_id)
+    progress = job_keys(job_id).progress
+    entries = [(sid.decode(), {k.decode(): v.decode() for k, v in f.items()}) for sid, f in r.xrange(progress)]
+    r.delete(progress)
+    for n, (sid, f) in enumerate(entries):
+        parts = {"downloaded": str(1000 * n), "hit_rate": "0.9", "remote": str(n)}
+        if n == 2:
+            parts["hit_rate"] = "7"  # out of range: left out
+        r.xadd(progress, {**f, **parts}, id=sid)
+    h = load_history(r, job_id)
+    assert [p.downloaded for p in h.points] == [1000 * n for n in range(len(entries))]
+    assert h.points[2].hit_rate is None and h.points[3].hit_rate == 0.9
+    out = tmp_path / "report.png"
+    write_report(r, job_id, out)
+    h_px, w_px, _ = imread(out).shape
+    assert (w_px, h_px) == (1400, 1250)  # a row for the streaming input

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from shoal.coordinator.decide import SETTLE_MS, EventInput, Forget, Publish, RecordFailure, ReplyJoin, Tick, decide
@@ -388,3 +390,26 @@ def test_a_worker_that_dies_before_joining_is_a_failure_and_its_agent_giving_up_
     assert d2.state.status.state == JobState.FAILED
     assert d2.state.status.reason.startswith("job failed: n1/slot0's slot gave up after 3 restarts")
     assert d2.state.status.reason.endswith("first failure: " + why)  # the root cause, not the last attempt
+
+
+def test_streaming_tables_carry_sticky_shard_owners_from_the_joins_shard_count() -> None:
+    from shoal.coordinator.owners import from_ranges
+    from shoal.coordinator.states import JobStatus
+
+    s = CoordState()
+    for i in range(3):
+        s = decide(s, _ev(JoinRequest(job_id="j", host="h", pid=1, num_shards=10), f"{i + 1}-0"), T0 + i, SPEC).state
+    first = decide(CoordState(), _ev(JoinRequest(job_id="j", host="h", pid=1)), T0, SPEC)
+    assert first.state.status.num_shards == 0  # a map-style dataset: no owners
+    assert s.status.num_shards == 10
+    owners = json_owners = json.loads(s.status.shard_owners)
+    assert sorted(x for r in owners.values() for x in from_ranges(r)) == list(range(10))
+    # the state survives its Redis hash (a coordinator taking the job over plans from it)
+    assert JobStatus.from_hash(s.status.to_hash()) == s.status
+    d = decide(s, _ev(LeaveRequest(job_id="j", worker_id="w2"), "9-0"), T0 + 5, SPEC)
+    table = tables(d)[0]
+    assert set(table.shard_owners) == {"w0", "w1"}
+    for w in ("w0", "w1"):  # survivors keep theirs and share the leaver's
+        assert set(from_ranges(json_owners[w])) <= set(from_ranges(table.shard_owners[w]))
+    assert sorted(len(from_ranges(r)) for r in table.shard_owners.values()) == [5, 5]
+    assert "10 shards over 2 members" in table.reason

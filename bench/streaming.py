@@ -1,0 +1,271 @@
+"""Streaming datasets: throughput against an in-memory copy, bytes per epoch, join latency.
+
+    python3 scripts/dev.py python bench/streaming.py --quick      # < 5 min on 2 cores
+
+Data: the digits glyphs (5000 samples, each with a 2 KiB payload standing in for an encoded
+image: 11.9 MB) packed into 46 shards of ~256 KiB in a bucket of a local S3 server (moto, the
+tests' server, on loopback). Every sample's decode burns
+``SHOAL_BENCH_ITEM_MS`` (default 1 ms) of CPU in both variants, so the jobs are data-bound.
+
+Figures (one line each):
+
+- ``throughput ratio=<x>``: steady steps/s of 2 workers streaming from S3 (prefetch, one
+  loader each, the split by shard owner) / the same job reading an in-memory copy of the same
+  samples (a map-style dataset, the plain order); A/B interleaved, the median of the pairs'
+  ratios. Steady: the first fifth of the steps is skipped.
+- ``bytes per epoch ratio=<y>``: bytes all workers downloaded in one epoch (whole shards and
+  ranged reads) / the dataset's bytes, 3 workers, no membership change; then the same with
+  one of the 3 leaving mid-epoch (``leave ratio=``).
+- ``join to first step s=<z>``: from starting a third worker (whose cache is empty) to its
+  first committed step.
+
+Target: throughput ratio >= 0.95, bytes per epoch <= 1.1 (with a leave <= 1.5). Say what else
+ran on the machine when quoting figures (2 shared cores here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import re
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+ITEM_COST_S = float(os.environ.get("SHOAL_BENCH_ITEM_MS", "1")) / 1000
+_BLOCK = bytes(range(256)) * 64
+ACCESS, SECRET = "bench-access", "bench-secret-not-printed"
+PAYLOAD = 2048
+SHARD_BYTES = 256 * 1024
+
+
+def _burn() -> None:
+    end = time.thread_time() + ITEM_COST_S
+    while time.thread_time() < end:
+        hashlib.sha256(_BLOCK).digest()
+
+
+def decode(sample: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed glyph -> (image, label), after the per-sample decode cost."""
+    _burn()
+    return torch.as_tensor(np.asarray(sample["x"], dtype=np.float32)), torch.tensor(int(sample["y"]))
+
+
+class InMemory(torch.utils.data.Dataset):
+    """The same samples, decoded from memory (the baseline)."""
+
+    def __init__(self, samples: list[dict]) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        return decode(self.samples[i])
+
+
+def _samples():
+    from shoal.examples.digits import DigitGlyphs
+
+    base = DigitGlyphs(train=True)
+    rng = np.random.default_rng(0)
+    for i in range(len(base)):
+        x, y = base[i]
+        # a 2 KiB payload stands in for an encoded image: samples of a realistic size, so a
+        # shard holds a few steps' worth and each request's cost is spread over them
+        yield {"x": x.numpy(), "y": int(y), "payload": rng.bytes(PAYLOAD)}
+
+
+def _setup(dataset):
+    from shoal.examples.digits import build
+
+    setup = build()
+    setup.dataset = dataset
+    return setup
+
+
+def build_stream():
+    """Workers import this: the digits job on the S3 dataset at ``SHOAL_BENCH_STREAM_URI``."""
+    from shoal.storage.streaming import StreamingDataset
+
+    root = os.environ.get("SHOAL_BENCH_CACHE_ROOT")
+    return _setup(StreamingDataset(os.environ["SHOAL_BENCH_STREAM_URI"], decode=decode, predownload=512,
+                                   cache_dir=Path(root) / str(os.getpid()) if root else None))
+
+
+def build_memory():
+    """Workers import this: the same job on an in-memory copy of the same samples."""
+    return _setup(InMemory(list(_samples())))
+
+
+# --- running jobs ------------------------------------------------------------------------------
+
+
+def _moto() -> str:
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False).start()
+    return f"http://127.0.0.1:{port}"
+
+
+def _pack(env: dict) -> tuple[str, int]:
+    from shoal.storage.s3 import S3Store
+    from shoal.storage.s3_config import S3Config
+    from shoal.storage.streaming_pack import pack
+
+    bucket = f"bench-{uuid.uuid4().hex[:10]}"
+    index = pack(_samples(), S3Store(bucket, "digits", S3Config.from_env(env), create_bucket=True),
+                 shard_size=SHARD_BYTES)
+    return f"s3://{bucket}/digits", sum(s.size for s in index.shards), len(index.shards)
+
+
+def _wait_done(client, job: str, timeout: float = 600) -> None:
+    from shoal.coordinator.states import JobState, JobStatus
+    from shoal.events.keys import job_keys
+
+    deadline = time.monotonic() + timeout
+    while True:
+        status = JobStatus.from_hash(client.hgetall(job_keys(job).state))
+        if status.state in (JobState.COMPLETED, JobState.FAILED, JobState.STOPPED):
+            if status.state != JobState.COMPLETED:
+                raise RuntimeError(f"job {job} {status.state.value}: {status.reason}")
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"job {job} still {status.state.value} after {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def _job(client, job: str, entrypoint: str, workers: int, **kw) -> None:
+    from shoal.core.jobspec import JobSpec
+    from shoal.core.registry import create_job
+
+    base = dict(name=job, entrypoint=entrypoint, global_batch_size=64, epochs=1, min_workers=workers,
+                max_workers=3, loader_workers=1, prefetch_steps=2, seed=1)
+    create_job(client, JobSpec(**(base | kw)))
+
+
+def _steady(tmp: Path, job: str, steps: int) -> float:
+    from shoal.worker import ledger
+
+    entries = ledger.read(tmp / f"ledger-{job}")
+    first = min(e["worker"] for e in entries)
+    t = sorted(e["t"] for e in entries if e["worker"] == first)[steps // 5:]
+    return (len(t) - 1) / (t[-1] - t[0])
+
+
+def _downloaded(root: Path) -> int:
+    from shoal.storage.streaming_cache import sum_counters
+
+    return sum(c["bytes_downloaded"] + c["remote_bytes"] for c in (sum_counters(d) for d in root.iterdir()))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="streaming datasets: throughput, bytes per epoch, join latency")
+    ap.add_argument("--quick", action="store_true", help="fewer steps and pairs (< 5 min)")
+    args = ap.parse_args()
+    pairs, steps = (2, 100) if args.quick else (3, 240)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.chdir(ROOT)
+    import redis
+
+    from shoal.ops.embedded import start_server
+    from shoal.ops.localproc import LocalProcs
+
+    s3 = {"S3_ENDPOINT": _moto(), "S3_ACCESS_KEY": ACCESS, "S3_SECRET_KEY": SECRET}
+    uri, size, shards = _pack(s3)
+    print(f"streaming: digits + {PAYLOAD} B payload a sample, {size} bytes in {shards} shards in S3 (moto on "
+          f"loopback), {ITEM_COST_S * 1000:.1f} ms decode per sample, "
+          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="shoal-bench-streaming-") as t:
+        tmp = Path(t)
+        server = start_server(tmp / "redis", appendonly=False)
+        client = redis.Redis.from_url(server.url)
+        try:
+            with LocalProcs(server.url, tmp / "logs") as procs:
+                procs.coordinator("coord")
+
+                def run(job: str, entrypoint: str, workers: int, script=None, **kw) -> list:
+                    procs.extra_env = {"SHOAL_LEDGER_DIR": str(tmp / f"ledger-{job}"), "SHOAL_BENCH_STREAM_URI": uri,
+                                       "SHOAL_BENCH_CACHE_ROOT": str(tmp / f"cache-{job}"), **s3}
+                    _job(client, job, entrypoint, workers, **kw)
+                    started = [procs.worker(job, f"{job}-{i}") for i in range(workers)]
+                    if script:
+                        started += script(job, started)
+                    _wait_done(client, job)
+                    for p in started:
+                        p.wait(60)
+                    return started
+
+                ratios = []
+                for k in range(pairs):  # A/B interleaved
+                    rates, waits = {}, {}
+                    for kind in (("stream", "memory") if k % 2 == 0 else ("memory", "stream")):
+                        job = f"tp-{kind}-{k}"
+                        ran = run(job, f"bench.streaming:build_{kind}", 2, max_steps=steps, epochs=10, max_workers=2)
+                        rates[kind] = _steady(tmp, job, steps)
+                        waits[kind] = [m for p in ran for m in re.findall(r"([0-9.]+) s waited for batches",
+                                                                          p.log_tail(400))]
+                    ratios.append(rates["stream"] / rates["memory"])
+                    print(f"  pair {k}: stream {rates['stream']:.2f} / memory {rates['memory']:.2f} steps/s; "
+                          f"input wait (s, per worker): stream {' '.join(waits['stream'])}, "
+                          f"memory {' '.join(waits['memory'])}", flush=True)
+                print(f"throughput ratio={statistics.median(ratios):.3f}  pairs {' '.join(f'{x:.3f}' for x in ratios)}"
+                      f"  (2 workers, {steps} steps, global batch 64)", flush=True)
+
+                run("bytes", "bench.streaming:build_stream", 3)
+                steady = _downloaded(tmp / "cache-bytes") / size
+
+                def leave(job, started):
+                    from shoal.worker import ledger
+
+                    while len(ledger.read(tmp / f"ledger-{job}")) < 3 * 25:
+                        time.sleep(0.05)
+                    started[2].signal(15)
+                    return []
+
+                run("leave", "bench.streaming:build_stream", 3, script=leave, min_workers=2)
+                left = _downloaded(tmp / "cache-leave") / size
+                print(f"bytes per epoch ratio={steady:.3f}  leave ratio={left:.3f}  (3 workers, one epoch; "
+                      f"then one of them leaving after 25 steps)", flush=True)
+
+                joined: dict = {}
+
+                def join(job, started):
+                    from shoal.worker import ledger
+
+                    while len(ledger.read(tmp / f"ledger-{job}")) < 2 * 20:
+                        time.sleep(0.05)
+                    joined["t"] = time.time()
+                    joined["pid"] = None
+                    p = procs.worker(job, f"{job}-joiner")
+                    joined["pid"] = p.pid
+                    return [p]
+
+                run("join", "bench.streaming:build_stream", 2, script=join)
+                from shoal.worker import ledger
+
+                firsts = [e["t"] for e in ledger.read(tmp / "ledger-join") if e["pid"] == joined["pid"]]
+                print(f"join to first step s={min(firsts) - joined['t']:.2f}  (a third worker, empty cache, "
+                      f"joining 2 after 20 steps)" if firsts else "join to first step: the joiner committed no step",
+                      flush=True)
+        finally:
+            server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""Streaming datasets with real workers (issue 15): the shard-aware order and the split of each
+global batch by shard owner, through joins, kills and leaves mid-epoch.
+
+Checked on the end state: the ledgers (every sample exactly once per epoch, each step's slices
+partitioning its batch), the global batches step by step against a run with another, fixed
+world size, and the shard owners in the tables (sticky: only a leaver's shards move).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from shoal.coordinator.owners import from_ranges
+from shoal.core.jobspec import JobSpec
+from shoal.core.registry import create_job
+from shoal.events.keys import job_keys
+from shoal.events.models import ShardTable
+from shoal.ops.localproc import LocalProcs
+from shoal.worker import ledger
+from tests.helpers import ControlWatcher, wait_until
+
+pytestmark = pytest.mark.slow
+
+NUM_SAMPLES = 5000
+
+
+def _spec(job: str, **kw) -> JobSpec:
+    base = dict(name=job, entrypoint="tests.entrypoints:stream_digits_store", min_workers=1, max_workers=3,
+                global_batch_size=64, epochs=2, heartbeat_interval=0.2, heartbeat_ttl=1.5, seed=11,
+                loader_workers=1, prefetch_steps=2)
+    return JobSpec(**(base | kw))
+
+
+def _tables(r, job: str) -> list[ShardTable]:
+    return [ShardTable.model_validate_json(f[b"data"]) for _id, f in r.xrange(job_keys(job).generations)]
+
+
+# ---- from the real S3 server -----------------------------------------------------------------
+
+
+def _s3_dataset(tmp: Path, fmt: str = "packed", store_out: list | None = None) -> tuple[str, int]:
+    """Pack the glyphs into a fresh bucket of the moto server: (uri, dataset bytes); the
+    store is appended to ``store_out`` when given."""
+    import uuid
+
+    from shoal.storage.s3 import S3Store
+    from shoal.storage.s3_config import S3Config
+    from tests.storage.support import s3_env
+    from tests.stream_data import pack_digits
+
+    bucket = f"ds-{uuid.uuid4().hex[:12]}"
+    store = S3Store(bucket, "digits", S3Config.from_env(s3_env()), create_bucket=True)
+    index = pack_digits(store, fmt)
+    if store_out is not None:
+        store_out.append((store, index))
+    return f"s3://{bucket}/digits", sum(s.size for s in index.shards)
+
+
+def _downloaded(cache_root: Path) -> dict[str, dict[str, int]]:
+    """Every worker's dataset counters (its cache directory's), by worker pid."""
+    from shoal.storage.streaming_cache import sum_counters
+
+    return {d.name: sum_counters(d) for d in cache_root.iterdir() if d.is_dir()}
+
+
+def _s3_run(r, redis_url, tmp: Path, spec: JobSpec, workers: int, uri: str, script=None, **env):
+    from tests.storage.support import s3_env
+
+    extra = {"SHOAL_LEDGER_DIR": str(tmp / "ledger"), "SHOAL_TEST_STEP_DELAY": "0.03",
+             "SHOAL_TEST_STREAM_URI": uri, "SHOAL_TEST_CACHE_ROOT": str(tmp / "cache"), **s3_env(), **env}
+    create_job(r, spec)
+    watch = ControlWatcher(r, spec.name)
+    with LocalProcs(redis_url, tmp / "logs", extra_env=extra) as procs:
+        procs.coordinator("coord")
+        ws = [procs.worker(spec.name, f"p{i}") for i in range(workers)]
+        try:
+            if script:
+                script(watch, procs, ws)
+            watch.wait_for(lambda d: d["job_state"] in ("completed", "failed"), 240)
+            codes = {p.name: p.wait(60) for p in procs.procs if p.name != "coord"}
+        except BaseException:
+            for p in procs.procs:
+                print(f"===== {p.name}\n{p.log_tail(30)}")
+            raise
+    return watch, procs, codes
+
+
+def test_s3_bytes_per_epoch_three_workers_and_after_a_leave(r, redis_url, tmp_path):
+    """Acceptance 2: one epoch with 3 workers and no membership change downloads at most 1.1x
+    the dataset's bytes (each shard once by its owner, a few samples by ranged reads); with a
+    worker leaving mid-epoch, at most 1.5x."""
+    uri, size = _s3_dataset(tmp_path)
+    job = "s3bytes-" + tmp_path.name[-8:]
+    spec = _spec(job, entrypoint="tests.entrypoints:stream_digits_store", epochs=1, min_workers=3)
+    shown: dict = {}
+
+    def visible(watch, procs, ws):  # shoal status (text, --json) and the metrics show the input
+        from shoal.ops.metrics import MetricsServer
+        from shoal.ops.status import format_status, job_status
+
+        def streaming() -> bool:
+            s = job_status(r, job)
+            live = [w for w in s["workers"] if w.get("bytes_downloaded")]
+            if len(live) == 3 and all(w["shards_owned"] for w in live):
+                shown.update(json=s, text=format_status(s), metrics=MetricsServer(r).render())
+                return True
+            return False
+
+        wait_until(streaming, 120, "3 workers' streaming figures in status")
+
+    _s3_run(r, redis_url, tmp_path / "steady", spec, 3, uri, visible)
+    assert "streaming input (downloaded / cache hits / shards owned" in shown["text"], shown["text"]
+    assert sum(w["shards_owned"] for w in shown["json"]["workers"]) == 82
+    assert 'shoal_stream_bytes_downloaded{job="' in shown["metrics"]
+    assert "shoal_stream_balance_error{" in shown["metrics"]
+    per = _downloaded(tmp_path / "steady" / "cache")
+    total = sum(c["bytes_downloaded"] + c["remote_bytes"] for c in per.values())
+    remote = sum(c["remote_reads"] for c in per.values())
+    print(f"3 workers: {total / size:.3f}x the dataset ({size} bytes), {remote} remote samples")
+    assert len(per) == 3 and all(c["bytes_downloaded"] > 0 for c in per.values())
+    assert total <= 1.1 * size
+    assert ledger.verify(ledger.read(tmp_path / "steady" / "ledger"), NUM_SAMPLES).ok
+
+    job2 = job + "-leave"
+
+    def leave(watch, procs, ws):
+        wait_until(lambda: len(ledger.read(tmp_path / "leave" / "ledger")) >= 3 * 25, 120, "25 steps")
+        ws[2].signal(signal.SIGTERM)
+        watch.wait_for(lambda d: " left" in d["reason"], 60)
+
+    _, _, codes = _s3_run(r, redis_url, tmp_path / "leave", _spec(job2, entrypoint=spec.entrypoint, epochs=1,
+                                                                   min_workers=2), 3, uri, leave)
+    assert codes["p2"] == 0
+    per = _downloaded(tmp_path / "leave" / "cache")
+    total = sum(c["bytes_downloaded"] + c["remote_bytes"] for c in per.values())
+    print(f"3 workers, one leaving mid-epoch: {total / size:.3f}x the dataset")
+    assert total <= 1.5 * size
+    verdict = ledger.verify(ledger.read(tmp_path / "leave" / "ledger"), NUM_SAMPLES)
+    assert verdict.ok and verdict.epochs_complete == 1, verdict.problem
+
+
+def test_kill_join_and_leave_mid_epoch_exactly_once_and_same_batches_as_a_fixed_world(r, redis_url, tmp_path):
+    """Acceptance 1, from the real S3 server."""
+    uri, _ = _s3_dataset(tmp_path)
+    job = "stream-" + tmp_path.name[-8:]
+
+    def script(watch, procs, ws):
+        watch.wait_for(lambda d: "world size 2" in d["reason"], 120)
+        joiner = procs.worker(job, "joiner")  # a join mid-epoch
+        watch.wait_for(lambda d: "world size 3" in d["reason"], 60)
+        watch.wait_for(lambda d: d["kind"] == "ready" and "w2 active" in d["reason"], 60)
+        wait_until(lambda: any(e["world"] == 3 for e in ledger.read(tmp_path / "elastic" / "ledger")), 60,
+                   "a step committed by three workers")
+        joiner.signal(signal.SIGKILL)  # a failure
+        watch.wait_for(lambda d: "w2 failed" in d["reason"], 60)
+        ws[0].signal(signal.SIGTERM)  # a graceful leave
+        watch.wait_for(lambda d: " left" in d["reason"], 60)
+
+    _, _, codes = _s3_run(r, redis_url, tmp_path / "elastic", _spec(job), 2, uri, script)
+    assert codes["p0"] == 0 and codes["p1"] == 0
+    entries = ledger.read(tmp_path / "elastic" / "ledger")
+    verdict = ledger.verify(entries, NUM_SAMPLES)
+    assert verdict.ok, verdict.problem
+    assert verdict.epochs_complete == 2 and verdict.steps == 2 * 79
+    assert {e["world"] for e in entries} >= {2, 3, 1}  # trained at three world sizes
+
+    # owners: every table covers each shard once, and membership changes move only what they must
+    tables = [t for t in _tables(r, job) if not t.paused]
+    assert all(t.shard_owners is not None for t in tables)
+    for t in tables:
+        shards = sorted(s for ranges in t.shard_owners.values() for s in from_ranges(ranges))
+        assert shards == list(range(82))
+    for before, after in zip(tables, tables[1:]):
+        left = set(before.shard_owners) - set(after.shard_owners)
+        joined = set(after.shard_owners) - set(before.shard_owners)
+        if left and not joined:  # survivors keep all theirs
+            for w in after.shard_owners:
+                assert set(from_ranges(before.shard_owners[w])) <= set(from_ranges(after.shard_owners[w]))
+
+    # the same job with one worker, no membership change: identical global batches step by step
+    fixed = job + "-w1"
+    _s3_run(r, redis_url, tmp_path / "fixed", _spec(fixed, max_workers=1), 1, uri, SHOAL_TEST_STEP_DELAY="0")
+    ref = {e["step"]: e["batch"] for e in ledger.read(tmp_path / "fixed" / "ledger")}
+    got = {e["step"]: e["batch"] for e in entries}
+    assert len(ref) == len(got) == 2 * 79
+    assert got == ref
+
+
+def test_corrupt_shard_fails_the_job_naming_it_and_keeps_the_latest_checkpoint(r, redis_url, tmp_path):
+    """Acceptance 5: a shard whose bytes no longer match the index (same size, other content)
+    fails the job with a one-line reason naming the shard; the checkpoints written before
+    stay, and LATEST still loads."""
+    from shoal.storage.checkpoint import load_latest
+    from shoal.storage.uri import open_store
+    from shoal.worker.stream_order import epoch_windows
+    from tests.storage.support import s3_env
+
+    got: list = []
+    uri, _ = _s3_dataset(tmp_path, store_out=got)
+    store, index = got[0]
+    # a shard of the epoch's last window: first read well after the first checkpoints
+    last = int(epoch_windows([s.samples for s in index.shards], 11, 0, 16)[-1][0])
+    name = index.shards[last].name
+    key = next(k for k in store.list() if k.endswith(name))
+    store.put_bytes(key, bytes(len(store.get_bytes(key))))
+    job = "corrupt-" + tmp_path.name[-8:]
+    ckpt = f"file://{tmp_path / 'ckpt'}"
+    spec = _spec(job, epochs=1, min_workers=2, max_workers=2, checkpoint_uri=ckpt, checkpoint_interval=10)
+    create_job(r, spec)
+    watch = ControlWatcher(r, job)
+    env = {"SHOAL_TEST_STEP_DELAY": "0.02", "SHOAL_TEST_STREAM_URI": uri, **s3_env()}
+    with LocalProcs(redis_url, tmp_path / "logs", extra_env=env) as procs:
+        procs.coordinator("coord")
+        agent = procs.start("agent", "agent", job, "--workers", "2", "--max-restarts", "0", "--backoff", "0.1",
+                            "--node", "n1", "--run-dir", str(tmp_path / "agent"))
+        try:
+            failed = watch.wait_for(lambda d: d["job_state"] == "failed", 180)
+            agent.wait(60)
+        except BaseException:
+            for p in procs.procs:
+                print(f"===== {p.name}\n{p.log_tail(30)}")
+            raise
+    status = r.hgetall(job_keys(job).state)
+    first = status[b"first_failure"].decode()
+    print(first)
+    assert name in first and "\n" not in first, first
+    assert failed["job_state"] == "failed"
+    state, _ = load_latest(open_store(ckpt))
+    assert state.step >= 10  # a checkpoint from before the corrupt shard, loadable
+
+
+def test_cache_limit_is_never_exceeded_and_training_completes(r, redis_url, tmp_path):
+    """Acceptance 3 (scaled: a cache of a quarter of the dataset): the bytes in each worker's
+    cache, sampled while it trains, never exceed the limit; the job completes exactly once."""
+    import threading
+
+    uri, size = _s3_dataset(tmp_path)
+    limit = size // 4
+    samples: list[int] = []
+    stop = threading.Event()
+    cache_root = tmp_path / "run" / "cache"
+
+    def sample() -> None:
+        while not stop.is_set():
+            if cache_root.exists():
+                for d in cache_root.iterdir():
+                    used = sum(f.stat().st_size for f in d.rglob("*") if f.is_file() and not f.name.startswith("."))
+                    samples.append(used)
+            stop.wait(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    job = "cache-" + tmp_path.name[-8:]
+    try:
+        _s3_run(r, redis_url, tmp_path / "run", _spec(job, epochs=2, min_workers=2, max_workers=2), 2, uri,
+                SHOAL_TEST_CACHE_LIMIT=str(limit))
+    finally:
+        stop.set()
+        sampler.join(5)
+    print(f"cache limit {limit} bytes; {len(samples)} samples, largest {max(samples)} bytes")
+    assert len(samples) > 50 and max(samples) > 0
+    assert max(samples) <= limit
+    verdict = ledger.verify(ledger.read(tmp_path / "run" / "ledger"), NUM_SAMPLES)
+    assert verdict.ok and verdict.epochs_complete == 2, verdict.problem
+
+
+def test_webdataset_and_packed_copies_train_the_same_loss_curve(r, redis_url, tmp_path):
+    """Acceptance 4: the same samples as WebDataset tars and as packed shards (same samples per
+    shard, so the same order) train the same model to the same losses, step by step."""
+    curves, finals, batches = {}, {}, {}
+    for fmt in ("packed", "webdataset"):
+        uri, _ = _s3_dataset(tmp_path / fmt, fmt)
+        job = f"{fmt[:4]}-" + tmp_path.name[-8:]
+        _s3_run(r, redis_url, tmp_path / fmt, _spec(job, epochs=1, max_steps=40, min_workers=2, max_workers=2), 2,
+                uri, SHOAL_TEST_STEP_DELAY="0", SHOAL_EXPORT_DIR=str(tmp_path / fmt / "final"))
+        # the progress history samples the losses; the final weights sum up every step
+        curves[fmt] = {int(f[b"step"]): float(f[b"loss"]) for _id, f in r.xrange(job_keys(job).progress)
+                       if b"loss" in f and f.get(b"kind", b"step") != b"eval"}
+        finals[fmt] = [torch.load(f, weights_only=True) for f in sorted((tmp_path / fmt / "final").glob("final-*.pt"))]
+        batches[fmt] = {e["step"]: e["batch"] for e in ledger.read(tmp_path / fmt / "ledger")}
+    assert batches["packed"] == batches["webdataset"] and len(batches["packed"]) == 40  # the same order
+    common = sorted(set(curves["packed"]) & set(curves["webdataset"]))
+    assert common and all(curves["packed"][s] == curves["webdataset"][s] for s in common), curves
+    assert len(finals["packed"]) == len(finals["webdataset"]) == 2
+    for name, value in finals["packed"][0].items():
+        assert torch.equal(value, finals["webdataset"][0][name]), name  # bit-identical training
+
+
+def test_full_restart_resumes_at_the_cursors_shard_and_position_without_replaying_the_epoch(r, redis_url, tmp_path):
+    """Every process killed mid-epoch, Redis wiped, one worker instead of two: the resumed run
+    starts at the checkpoint's cursor, together the runs use every sample of the epoch once,
+    and the restarted worker downloads only the shards of the windows still ahead (not the
+    epoch from its start)."""
+    from shoal.storage.checkpoint import load_latest
+    from shoal.storage.uri import open_store
+    from tests.storage.support import s3_env
+
+    uri, size = _s3_dataset(tmp_path)
+    job = "sresume-" + tmp_path.name[-8:]
+    ckpt = f"file://{tmp_path / 'ckpt'}"
+    spec = _spec(job, epochs=1, min_workers=2, max_workers=2, checkpoint_uri=ckpt, checkpoint_interval=20)
+    create_job(r, spec)
+    watch = ControlWatcher(r, job)
+    env = {"SHOAL_TEST_STEP_DELAY": "0.05", "SHOAL_TEST_STREAM_URI": uri, **s3_env()}
+    with LocalProcs(redis_url, tmp_path / "logs1", extra_env=env | {"SHOAL_LEDGER_DIR": str(tmp_path / "l1")}) as procs:
+        procs.coordinator("coord")
+        procs.worker(job, "a")
+        procs.worker(job, "b")
+        watch.wait_for(lambda d: "LATEST -> checkpoint of step 40" in d["reason"], 180)
+        for p in procs.procs:  # lose every process at once
+            p.signal(signal.SIGKILL)
+    state, _ = load_latest(open_store(ckpt))
+    assert 40 <= state.step < 79
+    r.flushdb()  # and the Redis data
+    create_job(r, spec.model_copy(update={"min_workers": 1}))
+    watch = ControlWatcher(r, job)
+    extra = env | {"SHOAL_LEDGER_DIR": str(tmp_path / "l2"), "SHOAL_TEST_CACHE_ROOT": str(tmp_path / "cache2")}
+    with LocalProcs(redis_url, tmp_path / "logs2", extra_env=extra) as procs:
+        procs.coordinator("coord")
+        w = procs.worker(job, "c")
+        watch.wait_for(lambda d: d["job_state"] == "completed", 180)
+        assert w.wait(60) == 0
+    second = sorted(ledger.read(tmp_path / "l2"), key=lambda e: e["step"])
+    assert second[0]["step"] == state.step + 1 and second[0]["cursor"] == int(state.data_cursor)
+    first = [e for e in ledger.read(tmp_path / "l1") if e["step"] <= state.step]
+    verdict = ledger.verify(first + second, NUM_SAMPLES)
+    assert verdict.ok and verdict.epochs_complete == 1, verdict.problem
+    downloaded = sum(c["bytes_downloaded"] + c["remote_bytes"] for c in _downloaded(tmp_path / "cache2").values())
+    ahead = 1 - int(state.data_cursor) / NUM_SAMPLES
+    print(f"resumed at step {state.step} ({ahead:.0%} of the epoch ahead): downloaded {downloaded / size:.2f}x")
+    assert downloaded < min(0.75, ahead + 0.3) * size

@@ -1,0 +1,91 @@
+"""The training worker's side of a streaming dataset (pure parts, no storage): every rank's
+ranges partition each batch, a rank predownloads only samples of shards it reads itself, and
+the figures come from the dataset's counters."""
+
+import numpy as np
+
+from shoal.coordinator.owners import plan_owners
+from shoal.events.models import Member, ShardTable
+from shoal.worker.data import DataOrder, validate_table
+from shoal.worker.stream_input import StreamInput, is_streaming
+from shoal.worker.stream_order import shard_of, shard_offsets
+
+SHARDS = [20] * 12
+
+
+class Planned:
+    """Records what the worker hands to ``plan`` (the dataset's interface, nothing stored)."""
+
+    shard_samples = SHARDS
+    predownload = 100
+
+    def __init__(self) -> None:
+        self.plans: list[tuple[list[int], set[int]]] = []
+
+    def __len__(self) -> int:
+        return sum(SHARDS)
+
+    def __getitem__(self, i):
+        return i
+
+    def read(self, ids, owned):
+        return list(ids)
+
+    def plan(self, ids, owned) -> None:
+        self.plans.append((list(ids), set(owned)))
+
+    def stats(self) -> dict:
+        return {"bytes_downloaded": 1000, "remote_bytes": 24, "remote_reads": 3, "cache_hits": 9, "cache_misses": 1}
+
+
+def _table(world: int, generation: int = 1) -> ShardTable:
+    ids = [f"w{i}" for i in range(world)]
+    owners, _ = plan_owners(None, ids, len(SHARDS))
+    return ShardTable(job_id="j", generation=generation, world_size=world, strategy="contiguous", num_samples=32,
+                      members=[Member(worker_id=w, rank=i, ranges=[]) for i, w in enumerate(ids)],
+                      shard_owners=owners)
+
+
+def test_every_ranks_ranges_partition_each_batch_and_plans_name_only_its_shards():
+    assert is_streaming(Planned()) and not is_streaming([1, 2])
+    order = DataOrder(sum(SHARDS), 3, 32, shard_samples=SHARDS, window=4)
+    offsets = shard_offsets(SHARDS)
+    inputs = []
+    for rank in range(3):
+        ds = Planned()
+        si = StreamInput(ds, order)
+        si.use_table(_table(3), f"w{rank}")
+        inputs.append((ds, si))
+    cursor = 0
+    while cursor < 2 * order.num_samples:  # two epochs: the owners are rebalanced per epoch
+        batch = order.batch(cursor)
+        table = [list(si.ranges(batch)) for _, si in inputs]
+        validate_table(table, batch.count)
+        for rank, (ds, si) in enumerate(inputs):
+            si.plan_ahead(cursor, None)
+            ids, owned = ds.plans[-1]
+            assert ids and set(shard_of(ids, offsets).tolist()) <= owned  # only samples it reads whole
+            ahead = [si.reading(cursor + k * order.num_samples) for k in range(3)]  # the plan spans epochs
+            assert owned <= ahead[0] | ahead[1] | ahead[2]
+        cursor = batch.next_cursor
+    readers = [si.reading(0) for _, si in inputs]
+    assert sorted(s for r in readers for s in r) == list(range(len(SHARDS)))  # each shard read whole once
+
+
+def test_first_step_leaves_out_the_ranks_behind_and_figures_come_from_the_counters():
+    order = DataOrder(sum(SHARDS), 3, 32, shard_samples=SHARDS, window=4)
+    si = StreamInput(Planned(), order)
+    si.use_table(_table(2), "w1")
+    batch = order.batch(64)
+    assert si.ranges(batch, active=[1]) == ((0, 32, 1),)  # rank 0 receives state: rank 1 takes all
+    si.note_step(batch, active=[1])
+    assert si.balance_error == 32 and si.step_remote > 0
+    fig = si.figures()
+    assert fig == {"shards_owned": 6, "balance_error": 32, "bytes_downloaded": 1024, "cache_hit_rate": 0.9,
+                   "remote_reads": 3}
+    assert si.last_figures == fig
+    si.use_table(_table(1, generation=2), "w1")  # a table without w1: it keeps its state
+    assert si.generation == 1 and si.world == 2
+    alone = StreamInput(Planned(), order)
+    alone.use_table(_table(1, generation=2), "w0")
+    assert alone.reading(0) == frozenset(range(len(SHARDS))) and np.all(alone.epoch_owner(1) == 0)

@@ -1,0 +1,153 @@
+"""Streaming datasets: the shard-aware order, shard owners and the per-step assignment (pure)."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shoal.coordinator.owners import from_ranges, plan_owners, to_ranges
+from shoal.worker.data import DataOrder, validate_table
+from shoal.worker.stream_order import (
+    assign_step,
+    owner_ranks,
+    shard_aware_permutation,
+    shard_of,
+    shard_offsets,
+)
+
+SHARDS = [50] * 30 + [17, 33]
+
+
+def test_order_is_a_permutation_and_a_pure_function():
+    perm = shard_aware_permutation(SHARDS, seed=3, epoch=1, window=4)
+    assert sorted(perm.tolist()) == list(range(sum(SHARDS)))
+    assert np.array_equal(perm, shard_aware_permutation(SHARDS, seed=3, epoch=1, window=4))
+    assert not np.array_equal(perm, shard_aware_permutation(SHARDS, seed=3, epoch=2, window=4))
+    assert not np.array_equal(perm, shard_aware_permutation(SHARDS, seed=4, epoch=1, window=4))
+
+
+def test_consecutive_batches_touch_few_shards():
+    offsets = shard_offsets(SHARDS)
+    order = DataOrder(sum(SHARDS), 7, 40, shard_samples=SHARDS, window=4)
+    cursor, worst = 0, 0
+    while cursor < order.num_samples:
+        b = order.batch(cursor)
+        worst = max(worst, len(set(shard_of(b.indices, offsets).tolist())))
+        cursor = b.next_cursor
+    assert worst <= 8  # one window, or two at a window's edge (a plain permutation: ~all 32)
+    plain = DataOrder(sum(SHARDS), 7, 40).batch(0)
+    assert len(set(shard_of(plain.indices, offsets).tolist())) > 15
+
+
+def test_global_batches_do_not_depend_on_the_world_size():
+    # the order has no world-size input at all; the split of any batch partitions it for any W
+    order = DataOrder(sum(SHARDS), 1, 64, shard_samples=SHARDS, window=4)
+    offsets = shard_offsets(SHARDS)
+    for world in (1, 2, 3, 5):
+        owners, _ = plan_owners(None, [f"w{i}" for i in range(world)], len(SHARDS))
+        owner = owner_ranks(owners, len(SHARDS), {f"w{i}": i for i in range(world)})
+        b = order.batch(64 * 3)
+        a = assign_step(shard_of(b.indices, offsets), owner, world)
+        validate_table([list(a.ranges(r)) for r in range(world)], b.count)
+        got = np.concatenate([b.for_rank(a.ranges(r)) for r in range(world)])
+        assert sorted(got.tolist()) == sorted(b.indices.tolist())
+
+
+def test_map_style_order_is_unchanged():
+    assert np.array_equal(DataOrder(100, 5, 10).perm(0), DataOrder(100, 5, 10, shard_samples=None).perm(0))
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="window"):
+        shard_aware_permutation([3], 0, 0, 0)
+    with pytest.raises(ValueError, match="add up"):
+        DataOrder(10, 0, 2, shard_samples=[3, 3])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 20), min_size=1, max_size=12), st.integers(1, 8), st.integers(0, 3))
+def test_assignment_partitions_and_balances(shards, world, tolerance):
+    shards = np.array(shards)
+    owners, _ = plan_owners(None, [f"w{i}" for i in range(world)], 21)
+    owner = owner_ranks(owners, 21, {f"w{i}": i for i in range(world)})
+    a = assign_step(shards, owner, world, tolerance=tolerance)
+    validate_table([list(a.ranges(r)) for r in range(world)], len(shards))
+    assert a.balance_error <= tolerance + 1
+    for r in range(world):  # remote exactly where the reader does not own the shard
+        assert all(a.remote[p] == (owner[shards[p]] != r) for p in a.positions[r])
+
+
+def test_assignment_prefers_owners_and_skips_inactive_ranks():
+    owner = np.array([0, 0, 1, 1])
+    shards = np.array([0, 2, 1, 3, 0, 2])
+    a = assign_step(shards, owner, 2)
+    assert a.remote_count() == 0 and a.balance_error == 0
+    a = assign_step(shards, owner, 2, active=[1])  # rank 0 receives state: takes nothing
+    assert len(a.positions[0]) == 0 and len(a.positions[1]) == 6 and a.remote_count() == 3
+
+
+def _load(plan):
+    return {w: len(from_ranges(r)) for w, r in plan.items()}
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 60), st.lists(st.sets(st.integers(0, 7), min_size=1), min_size=1, max_size=6))
+def test_owners_are_complete_balanced_and_sticky(num_shards, memberships):
+    previous = None
+    for members in memberships:
+        ids = [f"w{i}" for i in sorted(members)]
+        plan, _ = plan_owners(previous, ids, num_shards)
+        every = sorted(s for r in plan.values() for s in from_ranges(r))
+        assert every == list(range(num_shards))  # one owner each
+        loads = _load(plan).values()
+        assert max(loads) - min(loads) <= 1
+        if previous:
+            stayed = [w for w in ids if w in previous]
+            joined = [w for w in ids if w not in previous]
+            left = [w for w in previous if w not in plan]
+            for w in stayed:
+                before, after = set(from_ranges(previous[w])), set(from_ranges(plan[w]))
+                if joined and not left:  # a stayer only loses shards (to joiners), gains none
+                    assert after <= before
+                if not joined:  # only leavers' shards move: a stayer loses nothing
+                    assert before <= after
+        previous = plan
+
+
+def test_owner_ranges_are_compact():
+    assert to_ranges([5, 1, 2, 3, 7]) == [(1, 4), (5, 6), (7, 8)]
+    plan, why = plan_owners(None, ["w0", "w1"], 4)
+    assert plan == {"w0": [(0, 1), (2, 3)], "w1": [(1, 2), (3, 4)]} and "4 shards" in why
+
+
+def test_stratified_window_keeps_remote_reads_rare():
+    """Owners rebalanced per window + the stratified shuffle: over an epoch with 3 ranks, few
+    samples are read remotely (a uniform shuffle inside windows of static owners: ~17 %)."""
+    from shoal.worker.stream_order import epoch_windows, window_owners
+
+    shards = [61] * 81 + [59]
+    for world in (2, 3, 4):
+        owners, _ = plan_owners(None, [f"w{i}" for i in range(world)], len(shards))
+        owner = owner_ranks(owners, len(shards), {f"w{i}": i for i in range(world)})
+        order = DataOrder(sum(shards), 1, 64, shard_samples=shards, window=16)
+        offsets = shard_offsets(shards)
+        eff = window_owners(shards, epoch_windows(shards, 1, 0, 16), owner, world)
+        assert sorted(set(eff.tolist())) == list(range(world))
+        cursor, remote = 0, 0
+        while cursor < order.num_samples:
+            b = order.batch(cursor)
+            a = assign_step(shard_of(b.indices, offsets), eff, world)
+            assert a.balance_error <= 1
+            remote += a.remote_count()
+            cursor = b.next_cursor
+        assert remote / order.num_samples < 0.05, (world, remote)
+
+
+def test_window_owners_move_only_what_balances():
+    from shoal.worker.stream_order import window_owners
+
+    owner = np.array([0, 0, 0, 0, 1, 1])
+    eff = window_owners([10] * 6, [np.array([0, 1, 2, 3, 4, 5])], owner, 2)
+    assert (eff == 0).sum() == 3 and (eff == 1).sum() == 3 and eff[4] == 1 and eff[5] == 1
+    eff = window_owners([10] * 4, [np.array([0, 1]), np.array([2, 3])], np.array([-1, -1, 0, 1]), 2)
+    assert eff.tolist() == [0, 1, 0, 1]
