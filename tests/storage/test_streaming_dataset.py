@@ -258,6 +258,9 @@ def test_cache_limit_is_never_exceeded_by_two_forked_readers(tmp_path: Path) -> 
     stop.set()
     watcher.join(5)
     ds.close()
+    import json as _j, time as _t
+    with open("/tmp/cl_runs.jsonl", "a") as _f:
+        _f.write(_j.dumps(dict(peak=peak[0], limit=limit, total=total, samples=samples_taken[0], results=[r[0] for r in results], **ds.stats())) + "\n")
     assert all(r[0] == "ok" for r in results), results
     assert samples_taken[0] > 50
     assert 0 < peak[0] <= limit, (peak[0], limit)
