@@ -14,11 +14,14 @@ a file that exists is a verified copy of exactly that shard) and a few bookkeepi
                    writer; :meth:`ShardCache.stats` sums every process's file
 
 The limit: the sum of the sizes of the cached shards and the reservations never exceeds
-``limit`` bytes, because space is reserved under ``.lock`` after evicting, and a download
-only writes into its reservation. Eviction takes first the shards nobody needs (oldest use
-first), then the ones needed last. A prefetch reservation never evicts a shard needed
-before its own; a demand reservation (a read that needs the shard now) may evict anything
-cached; when reservations in flight fill the cache, it waits (up to ``wait_s``).
+``limit`` bytes, because space is reserved under ``.lock`` after evicting, a download only
+writes into its reservation, and it is renamed into place under ``.lock`` too (so the
+listing a reservation counts never misses a shard whose ``.part`` was renamed between its
+listing and its stat). Eviction takes first the shards nobody needs (oldest use first),
+then the ones needed last. A prefetch reservation never evicts a shard needed before its
+own, and is refused for a shard the last plan no longer needs (a prefetch thread working
+from an older plan); a demand reservation (a read that needs the shard now) may evict
+anything cached; when reservations in flight fill the cache, it waits (up to ``wait_s``).
 
 All processes of one worker (the training process and its forked loaders) may share one
 directory; a directory must not be shared by different workers (their counters would mix).
@@ -207,11 +210,15 @@ class ShardCache:
             time.sleep(0.02)
 
     def _try_reserve(self, sha256: str, size: int, demand: bool, counters: Counters) -> Path | None | bool:
+        needs = self.needs() if not demand else None
+        if needs and sha256 not in needs:
+            return None  # a prefetch from an older plan: the reads it was for are done
         if self.limit is not None:
             cached, reserved = self._entries()
             used = sum(s for _, s, _ in cached) + reserved
             if used + size > self.limit:
-                needs = self.needs()
+                if needs is None:
+                    needs = self.needs()
                 mine = needs.get(sha256, 2**62)
                 never = 2**63
 
@@ -240,9 +247,11 @@ class ShardCache:
         return part
 
     def commit(self, part: Path, sha256: str, suffix: str) -> Path:
-        """Move a verified download into place (atomic rename)."""
+        """Move a verified download into place (atomic rename), under ``.lock``: a reservation
+        lists the directory, then stats each entry, and would count neither the ``.part`` nor
+        the shard if the rename fell in between (then reserve past the limit)."""
         final = self.path(sha256, suffix)
-        with translated(f"rename {part}"):
+        with file_lock(self.root / ".lock", self.wait_s, "the shard cache lock"), translated(f"rename {part}"):
             os.replace(part, final)
         return final
 
