@@ -357,7 +357,8 @@ def test_a_50_mib_cache_on_a_200_mib_dataset_is_never_exceeded_and_training_comp
     in 4 MiB shards, from the real S3 server) with a 50 MiB cache each. Each worker reads
     about half the dataset whole, twice its cache, so it must evict; the bytes in each cache
     (shards and reservations, sampled every 20 ms) never exceed the limit, the counters show
-    the evictions, and the job completes with every sample exactly once."""
+    the evictions, the job completes with every sample exactly once, and the bytes downloaded
+    stay within acceptance 2's 1.1x the dataset."""
     import uuid
 
     from shoal.storage.s3 import S3Store
@@ -404,11 +405,16 @@ def test_a_50_mib_cache_on_a_200_mib_dataset_is_never_exceeded_and_training_comp
     assert len(counters) == 2 and set(cw.peak) == set(counters)
     assert gaps[len(gaps) // 2] <= 0.05
     for pid, c in counters.items():
-        assert cw.samples[pid] > 100 and cw.peak[pid] > CACHE_LIMIT // 2, (pid, cw.samples[pid], cw.peak[pid])
+        assert cw.samples[pid] > 50 and cw.peak[pid] > CACHE_LIMIT // 2, (pid, cw.samples[pid], cw.peak[pid])
         assert cw.peak[pid] <= CACHE_LIMIT, (pid, cw.peak[pid])
         # more than the cache downloaded: at least the excess was evicted, shard by shard
         assert c["bytes_downloaded"] > 1.5 * CACHE_LIMIT
         assert c["evictions"] * largest >= c["bytes_downloaded"] - CACHE_LIMIT, c
+    # and the limit costs no extra downloads: each shard once, by its owner (a loader reading
+    # ahead of the plan once evicted what it had just downloaded: 1.7x)
+    total = sum(c["bytes_downloaded"] + c["remote_bytes"] for c in counters.values())
+    print(f"downloaded {total / size:.3f}x the dataset")
+    assert total <= 1.1 * size
 
 
 def test_webdataset_and_packed_copies_train_the_same_loss_curve(r, redis_url, tmp_path):
