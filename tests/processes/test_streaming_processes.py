@@ -388,7 +388,8 @@ def test_a_50_mib_cache_on_a_200_mib_dataset_is_never_exceeded_and_training_comp
     with _CacheWatch(cache_root) as cw:
         watch, _, codes = _s3_run(r, redis_url, tmp_path / "run", spec, 2, f"s3://{bucket}/blobs",
                                   until_the_workers_exit, SHOAL_TEST_CACHE_LIMIT=str(CACHE_LIMIT))
-    assert watch.seen[-1]["job_state"] == "completed", watch.seen[-1]
+    states = {d["job_state"] for d in watch.seen}
+    assert "completed" in states and "failed" not in states, watch.seen[-3:]
     assert set(codes.values()) == {0}, codes
     verdict = ledger.verify(ledger.read(tmp_path / "run" / "ledger"), BLOB_SAMPLES)
     assert verdict.ok and verdict.epochs_complete == 1, verdict.problem
