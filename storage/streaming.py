@@ -90,7 +90,7 @@ class _Proc:
         self.wake = threading.Event()
         self.want: list[int] = []  # shards to prefetch, in order
         self.failed: set[int] = set()  # shards whose prefetch failed (demand reads raise)
-        self.needs: dict[str, int] | None = None  # last needs written (skip rewriting them)
+        self.needs: dict[str, tuple[int, int]] | None = None  # last needs written (skip rewriting them)
         self.pool: Any = None  # threads for parallel ranged reads, made on first use
         self.maps: dict[int, tuple[mmap.mmap, int, Path]] = {}  # shard -> mapped local copy (LRU order)
         self.touched: dict[int, float] = {}  # shard -> when its copy's mtime was last set
@@ -435,7 +435,7 @@ class StreamingDataset:
     def plan(self, upcoming_ids: Sequence[int] | np.ndarray, owned: set[int] | frozenset[int]) -> None:
         """This worker reads ``upcoming_ids`` next, in this order: prefetch the owned shards
         of the first ``predownload`` of them in the background, and rank every owned shard by
-        its first need for eviction. Returns at once; a prefetch error is not raised here (the
+        its first and last need for eviction. Returns at once; a prefetch error is not raised here (the
         read that needs the shard raises it). A no-op for a local directory.
 
         Call it again as reading proceeds - at least whenever the set of shards ahead changes
@@ -448,8 +448,10 @@ class StreamingDataset:
         ids = np.asarray(upcoming_ids, dtype=np.int64)
         shards = self.shard_of(ids) if len(ids) else np.zeros(0, dtype=np.int64)
         uniq, first = np.unique(shards, return_index=True)
+        last = len(shards) - 1 - np.unique(shards[::-1], return_index=True)[1]  # same uniq order
         order = np.argsort(first, kind="stable")
-        needs = {self.index.shards[int(uniq[k])].sha256: int(first[k]) for k in order if int(uniq[k]) in owned}
+        needs = {self.index.shards[int(uniq[k])].sha256: (int(first[k]), int(last[k])) for k in order
+                 if int(uniq[k]) in owned}
         proc = self._proc()
         if needs != proc.needs:
             self._cache.write_needs(needs)

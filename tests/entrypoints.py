@@ -63,3 +63,11 @@ def stream_digits_store() -> TrainingSetup:
     setup = slow_digits()
     setup.dataset = dataset_from_env()
     return setup
+
+
+def stream_blobs_store() -> TrainingSetup:
+    """A tiny model reading the large blob dataset streamed from ``SHOAL_TEST_STREAM_URI``
+    (``tests.stream_data.pack_blobs``): the cache limit test."""
+    from tests.stream_data import blob_setup
+
+    return blob_setup()

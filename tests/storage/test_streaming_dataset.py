@@ -394,6 +394,28 @@ def test_gives_up_after_the_retry_budget_with_one_line(tmp_path: Path, monkeypat
         proxy.close()
 
 
+def test_a_demand_read_evicts_the_shards_its_plan_has_finished_not_the_next_ones(tmp_path: Path) -> None:
+    """The plan (renewed from the committed cursor) still lists shards a loader reading ahead
+    has finished: a demand read at a shard's first need evicts the shards last needed before
+    it, not the shard needed right after it (which it would fetch again a moment later). A
+    prefetch does not trust a stale plan that far: it still never evicts a listed shard."""
+    from shoal.storage.streaming_cache import Counters, ShardCache
+
+    cache = ShardCache(tmp_path / "c", 300)
+    counters = Counters(cache.root)
+    for sha in ("a1", "a2", "b1"):  # the cache full: two shards of the old window, one of the new
+        cache.commit(cache.reserve(sha, 100, demand=True, counters=counters, label=sha), sha, ".shoal")
+    os.utime(cache.path("a2", ".shoal"), (1, 1))  # a2 used longest ago
+    cache.write_needs({"a1": (0, 5), "a2": (1, 6), "b1": (7, 9), "b2": (8, 10)})
+    assert cache.reserve("b2", 100, demand=False, counters=counters, label="b2") is None
+    part = cache.reserve("b2", 100, demand=True, counters=counters, label="b2")
+    assert part is not None
+    held = {p.name for p in cache.root.iterdir() if not p.name.startswith(".")}
+    assert held == {"a1.shoal", "b1.shoal"}  # a2: finished, and used longest ago
+    cache.commit(part, "b2", ".shoal")
+    assert cache.usage() == (300, 3)
+
+
 def test_a_copy_evicted_while_mapped_is_let_go_and_fetched_again(tmp_path: Path) -> None:
     _, index, uri = _s3_dataset(100, shard_size=3000)
     ds = StreamingDataset(uri, cache_dir=tmp_path / "c")
