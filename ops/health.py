@@ -40,6 +40,7 @@ import redis
 from shoal.coordinator.balance import STALE_LEASES, parse_registry
 from shoal.core.errors import ShoalError
 from shoal.events.keys import COORDINATORS, LAUNCH_QUEUE
+from shoal.core.procs import pid_runs
 
 
 class Unhealthy(ShoalError):
@@ -88,23 +89,6 @@ def judge_coordinator(registry: dict, now_ms: int, instance_id: str, lease_ms: i
                           f"or not run with --id {instance_id})")
 
 
-def _pid_runs(pid: int) -> bool:
-    """Whether ``pid`` is a process of this host (pid namespace) that has not exited; a
-    zombie (exited, not yet reaped) counts as exited."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0] != b"Z"
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _heartbeat_time(raw: str) -> _dt.datetime | None:
@@ -119,7 +103,7 @@ def _heartbeat_time(raw: str) -> _dt.datetime | None:
 
 
 def judge_agent(workers: dict[str, dict], now: _dt.datetime, *, host: str, name: str | None, max_age_s: float,
-                pid_runs=_pid_runs) -> Verdict:
+                pid_runs=pid_runs) -> Verdict:
     """Pure but for ``pid_runs``: is an agent of this host (or the one named ``name``) live?
 
     ``workers`` maps RQ worker names to their hashes (decoded ``str`` fields). Entries of

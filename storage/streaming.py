@@ -527,14 +527,15 @@ def _default_cache_dir() -> str:
     """A fresh ``<pid>-<random>`` directory under ``$SHOAL_STREAM_CACHE_ROOT`` (default
     ``<tmp>/shoal-stream-cache``), after removing the ones of processes that no longer run
     (a worker killed with SIGKILL never runs its exit handler)."""
-    from shoal.storage.streaming_cache import _alive, _pid_of
+    from shoal.core.procs import pid_runs
+    from shoal.storage.streaming_cache import _pid_of
 
     root = Path(os.environ.get("SHOAL_STREAM_CACHE_ROOT") or Path(tempfile.gettempdir()) / "shoal-stream-cache")
     with translated(f"create {root}"):
         root.mkdir(parents=True, exist_ok=True)
         for old in root.iterdir():
             pid = _pid_of(old.name.split("-", 1)[0])
-            if old.is_dir() and pid is not None and not _alive(pid):
+            if old.is_dir() and pid is not None and not pid_runs(pid):
                 shutil.rmtree(old, ignore_errors=True)
         return tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root)
 

@@ -50,6 +50,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from shoal.storage.errors import StorageConfigError, StorageError, translated
+from shoal.core.procs import pid_runs
 
 COUNTERS = (
     "bytes_downloaded",  # whole-shard downloads (verified)
@@ -176,7 +177,7 @@ class ShardCache:
                 continue
             if name.startswith(".part-"):
                 pid = _part_pid(name)
-                if pid is not None and not _alive(pid):  # a loader killed mid-download
+                if pid is not None and not pid_runs(pid):  # a loader killed mid-download
                     self.abort(p)
                     continue
                 reserved += st.st_size
@@ -289,11 +290,11 @@ class ShardCache:
         """Remove what dead processes left: their ``.part`` files and ``.stats`` files."""
         for p in self.root.glob(".part-*"):
             pid = _part_pid(p.name)
-            if pid is not None and not _alive(pid):
+            if pid is not None and not pid_runs(pid):
                 self.abort(p)
         for p in self.root.glob(".stats-*"):
             pid = _pid_of(p.name[len(".stats-"):])
-            if pid is not None and pid != os.getpid() and not _alive(pid):
+            if pid is not None and pid != os.getpid() and not pid_runs(pid):
                 p.unlink(missing_ok=True)
 
 
@@ -307,11 +308,3 @@ def _pid_of(text: str) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

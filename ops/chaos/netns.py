@@ -50,6 +50,7 @@ import redis
 
 from shoal.ops.embedded import server_binary
 from shoal.ops.localproc import LocalProcs, Proc
+from shoal.core.procs import pid_runs
 
 PREFIX = "shn"
 _NAME = re.compile(rf"^{PREFIX}(\d+)-[a-z0-9]+$")
@@ -109,14 +110,6 @@ def namespaces() -> list[str]:
     return [n for n in names if _NAME.match(n)]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 #: ``ip netns exec NAME`` bind-mounts the files of ``/etc/netns/NAME`` over ``/etc``
@@ -146,7 +139,7 @@ def sweep(*, own: bool = False) -> list[str]:
     gone = []
     for name in namespaces():
         pid = int(_NAME.match(name).group(1))
-        if (own and pid == os.getpid()) or (pid != os.getpid() and not _alive(pid)):
+        if (own and pid == os.getpid()) or (pid != os.getpid() and not pid_runs(pid)):
             delete_namespace(name)
             gone.append(name)
     return gone

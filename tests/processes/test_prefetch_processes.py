@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from shoal.core.jobspec import JobSpec
+from shoal.core.procs import pid_runs
 from shoal.core.registry import create_job
 from shoal.ops.localproc import LocalProcs
 from shoal.worker import ledger
@@ -32,13 +33,6 @@ def micro_digits() -> TrainingSetup:
     setup = slow_digits()
     setup.micro_batch = 8
     return setup
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_prefetching_workers_survive_a_join_and_a_kill_exactly_once(r, redis_url, tmp_path: Path) -> None:
@@ -63,8 +57,8 @@ def test_prefetching_workers_survive_a_join_and_a_kill_exactly_once(r, redis_url
             assert len(loaders) == 2, loaders  # its two loader processes
             joiner.signal(signal.SIGKILL)  # a failure: the loaders must not outlive their worker
             watch.wait_for(lambda d: "w2 failed" in d["reason"], 60)
-            wait_until(lambda: not any(_alive(pid) for pid in loaders), 30,
-                       lambda: f"the killed worker's loaders to exit: {[p for p in loaders if _alive(p)]} alive")
+            wait_until(lambda: not any(pid_runs(pid) for pid in loaders), 30,
+                       lambda: f"the killed worker's loaders to exit: {[p for p in loaders if pid_runs(p)]} alive")
             watch.wait_for(lambda d: d["job_state"] == "completed", 240)
             codes = {p.name: p.wait(60) for p in procs.procs if p.name != "coord"}
         except BaseException:
