@@ -18,6 +18,12 @@ Figures (one line each):
   one of the 3 leaving mid-epoch (``leave ratio=``).
 - ``join to first step s=<z>``: from starting a third worker (whose cache is empty) to its
   first committed step.
+- ``mosaicml throughput ratio=<x>``: shoal's streaming steps/s / MosaicML ``mosaicml-streaming``'s
+  on the same samples (MDS shards of the same size in the same S3 server, 2 torchrun nodes of
+  one process, one loader each, global batch 64), run as a third variant of each interleaved
+  pair; ``mosaicml bytes per epoch ratio=<y>``: bytes its 3 nodes' caches hold after one epoch /
+  the MDS dataset's bytes. See ``bench/streaming_mosaic.py`` (installed on demand into
+  ``.bench-deps/`` with ``--no-deps``; when it cannot be, one line says why and the rest runs).
 
 Target: throughput ratio >= 0.95, bytes per epoch <= 1.1 (with a leave <= 1.5). Say what else
 ran on the machine when quoting figures (2 shared cores here).
@@ -187,6 +193,18 @@ def main() -> int:
 
     s3 = {"S3_ENDPOINT": _moto(), "S3_ACCESS_KEY": ACCESS, "S3_SECRET_KEY": SECRET}
     uri, size, shards = _pack(s3)
+    import streaming_mosaic as mosaic  # the sibling module (this script's folder is sys.path[0])
+
+    mosaic_env = mosaic.s3_env(s3["S3_ENDPOINT"], ACCESS, SECRET)
+    mosaic_uri = f"s3://mds-{uuid.uuid4().hex[:10]}/digits"
+    why_not = mosaic.ensure_installed()
+    if why_not is None:
+        try:
+            mosaic_size = mosaic.write_mds(mosaic_uri, mosaic_env, SHARD_BYTES)
+        except RuntimeError as e:
+            why_not = str(e)
+    if why_not:
+        print(f"mosaicml: not compared ({why_not})", flush=True)
     print(f"streaming: digits + {PAYLOAD} B payload a sample, {size} bytes in {shards} shards in S3 (moto on "
           f"loopback), {ITEM_COST_S * 1000:.1f} ms decode per sample, "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}", flush=True)
@@ -210,17 +228,29 @@ def main() -> int:
                         p.wait(60)
                     return started
 
-                ratios = []
+                def run_mosaic(name: str, workers: int, steps: int, epochs: int) -> dict:
+                    return mosaic.run_job(mosaic_uri, mosaic_env, tmp / f"mosaic-{name}", workers, steps, epochs)
+
+                ratios, mosaic_ratios = [], []
                 for k in range(pairs):  # A/B interleaved
                     rates, waits = {}, {}
-                    for kind in (("stream", "memory") if k % 2 == 0 else ("memory", "stream")):
+                    kinds = ("stream", "memory", "mosaic") if k % 2 == 0 else ("mosaic", "memory", "stream")
+                    for kind in kinds:
+                        if kind == "mosaic":
+                            if not why_not:
+                                t = run_mosaic(f"tp-{k}", 2, steps, 10)["times"][steps // 5:]
+                                rates["mosaic"] = (len(t) - 1) / (t[-1] - t[0])
+                            continue
                         job = f"tp-{kind}-{k}"
                         ran = run(job, f"bench.streaming:build_{kind}", 2, max_steps=steps, epochs=10, max_workers=2)
                         rates[kind] = _steady(tmp, job, steps)
                         waits[kind] = [m for p in ran for m in re.findall(r"([0-9.]+) s waited for batches",
                                                                           p.log_tail(400))]
                     ratios.append(rates["stream"] / rates["memory"])
-                    print(f"  pair {k}: stream {rates['stream']:.2f} / memory {rates['memory']:.2f} steps/s; "
+                    if "mosaic" in rates:
+                        mosaic_ratios.append(rates["stream"] / rates["mosaic"])
+                    print(f"  pair {k}: stream {rates['stream']:.2f} / memory {rates['memory']:.2f} steps/s"
+                          + (f" (mosaicml {rates['mosaic']:.2f})" if "mosaic" in rates else "") + "; "
                           f"input wait (s, per worker): stream {' '.join(waits['stream'])}, "
                           f"memory {' '.join(waits['memory'])}", flush=True)
                 print(f"throughput ratio={statistics.median(ratios):.3f}  pairs {' '.join(f'{x:.3f}' for x in ratios)}"
@@ -241,6 +271,13 @@ def main() -> int:
                 left = _downloaded(tmp / "cache-leave") / size
                 print(f"bytes per epoch ratio={steady:.3f}  leave ratio={left:.3f}  (3 workers, one epoch; "
                       f"then one of them leaving after 25 steps)", flush=True)
+                if mosaic_ratios:
+                    print(f"mosaicml throughput ratio={statistics.median(mosaic_ratios):.3f}  pairs "
+                          f"{' '.join(f'{x:.3f}' for x in mosaic_ratios)}  (shoal streaming / mosaicml-streaming "
+                          f"{mosaic.VERSION} steps/s, 2 workers, {steps} steps, global batch 64)", flush=True)
+                    mosaic_bytes = run_mosaic("bytes", 3, 10**9, 1)["bytes"] / mosaic_size
+                    print(f"mosaicml bytes per epoch ratio={mosaic_bytes:.3f}  (shoal {steady:.3f}; 3 nodes of "
+                          f"one process, one epoch, each node its own cache; no resize)", flush=True)
 
                 joined: dict = {}
 
