@@ -100,6 +100,18 @@ def shard_key(index_key: str, name: str) -> str:
     return _shard_key(index_key, name)
 
 
+def file_digest(path: Path) -> tuple[int, str]:
+    """``(size, sha256 hex)`` of a local file, read in chunks; StorageError (translated) when
+    it cannot be read."""
+    sha = hashlib.sha256()
+    size = 0
+    with translated(f"read {path}"), open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            sha.update(chunk)
+            size += len(chunk)
+    return size, sha.hexdigest()
+
+
 def _shard_key(index_key: str, name: str) -> str:
     base = posixpath.dirname(index_key)
     return f"{base}/{name}" if base else name
@@ -171,13 +183,8 @@ class ShardReader:
         with self._lock:
             if entry.name in self._verified_local:
                 return path
-        sha = hashlib.sha256()
-        size = 0
-        with translated(f"read {path}"), open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                sha.update(chunk)
-                size += len(chunk)
-        _check(size, sha.hexdigest(), entry, str(path))
+        size, digest = file_digest(path)
+        _check(size, digest, entry, str(path))
         with self._lock:
             self._verified_local.add(entry.name)
         return path

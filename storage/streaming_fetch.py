@@ -18,7 +18,7 @@ from pathlib import Path, PurePosixPath
 from typing import TypeVar
 
 from shoal.storage.backend import ObjectStore
-from shoal.storage.datasets import ShardEntry
+from shoal.storage.datasets import ShardEntry, file_digest
 from shoal.storage.errors import (
     ObjectNotFound,
     ShardCorrupt,
@@ -127,13 +127,8 @@ def verify_in_place(cache: ShardCache, path: Path, entry: ShardEntry, label: str
     with file_lock(cache.root / f".dl-{entry.sha256}", cache.wait_s, f"hashing {path}"):
         if marker.exists():
             return
-        sha = hashlib.sha256()
-        size = 0
-        with translated(f"read {path}"), open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                sha.update(chunk)
-                size += len(chunk)
-        check(entry, size, sha.hexdigest(), label)
+        size, digest = file_digest(path)
+        check(entry, size, digest, label)
         marker.touch()
 
 

@@ -9,6 +9,7 @@ world size, and the shard owners in the tables (sticky: only a leaver's shards m
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from shoal.core.registry import create_job
 from shoal.events.keys import job_keys
 from shoal.events.models import ShardTable
 from shoal.ops.localproc import LocalProcs
+from shoal.storage.errors import StorageError
+from shoal.storage.streaming_cache import file_lock
 from shoal.worker import ledger
 from tests.helpers import ControlWatcher, wait_until
 
@@ -284,7 +287,7 @@ class _CacheWatch:
             for d in dirs:
                 try:
                     used = self._held(d)
-                except (FileNotFoundError, TimeoutError):
+                except (FileNotFoundError, StorageError):
                     continue
                 mapped = used + self._mapped_evicted(d)
                 self.peak[d.name] = max(self.peak.get(d.name, 0), used)
@@ -294,38 +297,23 @@ class _CacheWatch:
 
     @staticmethod
     def _held(d: Path) -> int:
-        import fcntl
-        import os
-        import time
-
-        fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            deadline = time.monotonic() + 1.0
-            while True:
+        """Bytes of the shards and reservations in ``d``, listed under the cache's own lock
+        (a listing racing an eviction and its reservation would count both)."""
+        per_shard: dict[str, int] = {}
+        with file_lock(d / ".lock", 1.0, f"the cache lock of {d}"), os.scandir(d) as entries:
+            for e in entries:
+                if e.name.startswith(".part-"):
+                    sha = e.name.split("-")[1]
+                elif e.name.startswith("."):
+                    continue  # bookkeeping: locks, counters, the plan
+                else:
+                    sha = e.name.split(".")[0]
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(d) from None
-                    time.sleep(0.001)
-            per_shard: dict[str, int] = {}
-            with os.scandir(d) as entries:
-                for e in entries:
-                    if e.name.startswith(".part-"):
-                        sha = e.name.split("-")[1]
-                    elif e.name.startswith("."):
-                        continue  # bookkeeping: locks, counters, the plan
-                    else:
-                        sha = e.name.split(".")[0]
-                    try:
-                        size = e.stat().st_size
-                    except FileNotFoundError:
-                        continue
-                    per_shard[sha] = max(per_shard.get(sha, 0), size)
-            return sum(per_shard.values())
-        finally:
-            os.close(fd)  # releases the lock
+                    size = e.stat().st_size
+                except FileNotFoundError:
+                    continue
+                per_shard[sha] = max(per_shard.get(sha, 0), size)
+        return sum(per_shard.values())
 
     @staticmethod
     def _mapped_evicted(d: Path) -> int:
