@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -117,14 +118,17 @@ class History:
 # ---- reading -----------------------------------------------------------------------------------
 
 
-def _xrange_all(client: redis.Redis, key: str, chunk: int = 10_000) -> list[tuple[str, dict[str, str]]]:
-    out, start = [], "-"
+def _xrange_from(client: redis.Redis, key: str, after: str = "0-0",
+                 chunk: int = 10_000) -> Iterator[tuple[str, dict[str, str]]]:
+    """The entries of stream ``key`` after id ``after`` (all: ``0-0``), decoded, read in
+    chunks of ``chunk`` as the caller goes."""
+    start = "(" + after if after != "0-0" else "-"
     while True:
         entries = client.xrange(key, min=start, count=chunk)
         for sid, f in entries:
-            out.append((sid.decode(), {k.decode(): v.decode(errors="replace") for k, v in f.items()}))
+            yield sid.decode(), {k.decode(): v.decode(errors="replace") for k, v in f.items()}
         if len(entries) < chunk:
-            return out
+            return
         start = "(" + entries[-1][0].decode()
 
 
@@ -175,30 +179,23 @@ def read_progress(client: redis.Redis, key: str, *, after: str = "0-0",
     know, and evaluations that do not parse, are skipped."""
     points: list[Point] = []
     evals: list[EvalPoint] = []
-    start, last, chunk = ("(" + after if after != "0-0" else "-"), after, min(limit or 10_000, 10_000)
-    while True:
-        entries = client.xrange(key, min=start, count=chunk)
-        for raw_sid, raw in entries:
-            sid = raw_sid.decode()
-            f = {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
-            if f.get("kind") == "eval":
-                ev = _eval_point(sid, f)
-                if ev is not None:
-                    evals.append(ev)
-            elif "kind" not in f:  # a committed step
-                points.append(Point(t_ms=int(sid.split("-")[0]), step=_int(f.get("step")), loss=_float(f.get("loss")),
-                                    generation=_int(f.get("generation")), world_size=_int(f.get("world_size")),
-                                    compute=_seconds(f.get("compute")), input_wait=_seconds(f.get("input_wait")),
-                                    exposed_comm=_seconds(f.get("exposed_comm")),
-                                    downloaded=_count(f.get("downloaded")), hit_rate=_ratio(f.get("hit_rate")),
-                                    remote=_count(f.get("remote"))))
-        if entries:
-            last = entries[-1][0].decode()
-            start = "(" + last
-        if len(entries) < chunk:
-            return points, evals, last, False
-        if limit is not None and len(points) + len(evals) >= limit:
+    last, read = after, 0
+    for sid, f in _xrange_from(client, key, after, chunk=min(limit or 10_000, 10_000)):
+        if limit is not None and read >= limit:
             return points, evals, last, True
+        last, read = sid, read + 1
+        if f.get("kind") == "eval":
+            ev = _eval_point(sid, f)
+            if ev is not None:
+                evals.append(ev)
+        elif "kind" not in f:  # a committed step
+            points.append(Point(t_ms=int(sid.split("-")[0]), step=_int(f.get("step")), loss=_float(f.get("loss")),
+                                generation=_int(f.get("generation")), world_size=_int(f.get("world_size")),
+                                compute=_seconds(f.get("compute")), input_wait=_seconds(f.get("input_wait")),
+                                exposed_comm=_seconds(f.get("exposed_comm")),
+                                downloaded=_count(f.get("downloaded")), hit_rate=_ratio(f.get("hit_rate")),
+                                remote=_count(f.get("remote"))))
+    return points, evals, last, False
 
 
 def load_history(client: redis.Redis, job_id: str) -> History:
@@ -221,7 +218,7 @@ def load_history(client: redis.Redis, job_id: str) -> History:
                          f"rank 0 records committed steps once training runs)")
     h = History(job_id=job_id, state=state.decode() if state else "")
     h.points, h.evals, _last, _more = read_progress(client, keys.progress)
-    for _sid, f in _xrange_all(client, keys.control):
+    for _sid, f in _xrange_from(client, keys.control):
         h.control.append(f)
     if not h.state and h.control:
         h.state = h.control[-1].get("job_state", "")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from matplotlib.image import imread
 
 from shoal.events.keys import job_keys
-from shoal.ops.report import analyse, load_history, write_report
+from shoal.ops.report import analyse, load_history, read_progress, write_report
 from shoal.worker.progress import ProgressRecorder
 from tests.cli.test_report import T0, simulate_run
 
@@ -108,3 +108,27 @@ def test_report_draws_a_streaming_datasets_input(r, job_id, tmp_path) -> None:
     write_report(r, job_id, out)
     h_px, w_px, _ = imread(out).shape
     assert (w_px, h_px) == (1400, 1250)  # a row for the streaming input
+
+
+def test_progress_is_read_in_pages_after_an_id(r, job_id) -> None:
+    """The dashboard's charts follow a job with ``read_progress(after=..., limit=...)``: each
+    page holds at most ``limit`` entries, says whether the stream goes on, and the pages
+    together are the whole stream once, evaluations and unknown kinds included in the count."""
+    key = job_keys(job_id).progress
+    for step in range(1, 24):
+        r.xadd(key, {"step": str(step), "loss": "1.0", "generation": "1", "world_size": "2", "t": "0"})
+        if step % 10 == 0:
+            r.xadd(key, {"kind": "eval", "step": str(step), "epoch": "0", "generation": "1",
+                         "metrics": '{"acc": 0.5}', "t": "0"})
+    r.xadd(key, {"kind": "future-kind", "step": "24"})
+    pages, after = [], "0-0"
+    while True:
+        points, evals, after, more = read_progress(r, key, after=after, limit=10)
+        pages.append(([p.step for p in points], [e.step for e in evals]))
+        if not more:
+            break
+    assert len(pages) == 3  # 26 entries: 10 + 10 + 6
+    assert [s for p, _ in pages for s in p] == list(range(1, 24))
+    assert [s for _, e in pages for s in e] == [10, 20]
+    assert sum(len(p) + len(e) for p, e in pages[:2]) == 20
+    assert read_progress(r, key, after=after, limit=10)[:2] == ([], []) and after == r.xrevrange(key, count=1)[0][0].decode()
