@@ -592,12 +592,17 @@ class TrainingWorker(WorkerRunner):
         if fresh:
             self._eval_took = (act.generation, act.step, time.monotonic() - started)
         if act.report:
-            self.m.evaluated(act.step, act.epoch, act.generation, metrics)
-            self.progress.record_eval(act.step, act.epoch, act.generation, metrics)
-            if self.tensorboard is not None:
-                self.tensorboard.metrics(act.step, metrics)
+            self._report_eval(act.step, act.epoch, act.generation, metrics)
         log.info("evaluated step %d (epoch %d) in %.3f s%s: %s", act.step, act.epoch, time.monotonic() - started,
                  ", reported" if act.report else "", json.dumps(metrics))
+
+    def _report_eval(self, step: int, epoch: int, generation: int, metrics: dict, final: bool = False) -> None:
+        """Rank 0's evaluation, where people look: the coordinator (job record, status,
+        events), the progress stream (the report, the dashboard) and TensorBoard."""
+        self.m.evaluated(step, epoch, generation, metrics, final=final)
+        self.progress.record_eval(step, epoch, generation, metrics)
+        if self.tensorboard is not None:
+            self.tensorboard.metrics(step, metrics)
 
     def _finish(self, act: Finish) -> None:
         summary = {"step": act.step, "cursor": act.cursor, "digest": state_digest(self.engine.model)}
@@ -607,10 +612,7 @@ class TrainingWorker(WorkerRunner):
             summary.update({k: v for k, v in metrics.items() if k not in summary})
             if act.report:  # before the completion: the job's last evaluation is this one
                 epoch = act.cursor // self.order.num_samples
-                self.m.evaluated(act.step, epoch, self._group[0], metrics, final=True)
-                self.progress.record_eval(act.step, epoch, self._group[0], metrics)
-                if self.tensorboard is not None:
-                    self.tensorboard.metrics(act.step, metrics)
+                self._report_eval(act.step, epoch, self._group[0], metrics, final=True)
         if act.checkpoint is not None:
             self._save(act.checkpoint)
         export = os.environ.get("SHOAL_EXPORT_DIR")
