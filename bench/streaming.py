@@ -3,8 +3,8 @@
     python3 scripts/dev.py python bench/streaming.py --quick      # < 5 min on 2 cores
 
 Data: the digits glyphs (5000 samples, each with a 2 KiB payload standing in for an encoded
-image: 11.9 MB) packed into 46 shards of ~256 KiB in a bucket of a local S3 server (moto, the
-tests' server, on loopback). Every sample's decode burns
+image: 11.9 MB) packed into 46 shards of ~256 KiB in a bucket of a local S3 server (moto serving
+S3 only, the tests' server, on loopback). Every sample's decode burns
 ``SHOAL_BENCH_ITEM_MS`` (default 1 ms) of CPU in both variants, so the jobs are data-bound.
 
 Figures (one line each):
@@ -12,7 +12,10 @@ Figures (one line each):
 - ``throughput ratio=<x>``: steady steps/s of 2 workers streaming from S3 (prefetch, one
   loader each, the split by shard owner) / the same job reading an in-memory copy of the same
   samples (a map-style dataset, the plain order); A/B interleaved, the median of the pairs'
-  ratios. Steady: the first fifth of the steps is skipped.
+  ratios. Steady: the first fifth of the steps is skipped. Each pair's line also gives the CPU
+  milliseconds a step over that steady window of the workers with their loaders and of this
+  process (which runs the S3 server): on 2 shared cores every CPU millisecond the streaming
+  spends (downloads, ranged reads, the server answering them) is taken from the loaders.
 - ``bytes per epoch ratio=<y>``: bytes all workers downloaded in one epoch (whole shards and
   ranged reads) / the dataset's bytes, 3 workers, no membership change; then the same with
   one of the 3 leaving mid-epoch (``leave ratio=``).
@@ -36,10 +39,11 @@ import hashlib
 import logging
 import os
 import re
-import socket
+import resource
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -118,14 +122,12 @@ def build_memory():
 
 
 def _moto() -> str:
-    from moto.server import ThreadedMotoServer
+    """The local S3 server: moto serving S3 only (``tests.storage.support.start_moto_s3``)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # run as a script: the repository root is not on the path
+    from tests.storage.support import start_moto_s3
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False).start()
-    return f"http://127.0.0.1:{port}"
+    return start_moto_s3()[0]
 
 
 def _pack(env: dict) -> tuple[str, int]:
@@ -164,13 +166,72 @@ def _job(client, job: str, entrypoint: str, workers: int, **kw) -> None:
     create_job(client, JobSpec(**(base | kw)))
 
 
-def _steady(tmp: Path, job: str, steps: int) -> float:
+def _steady_times(tmp: Path, job: str, steps: int) -> list[float]:
+    """Commit times of one worker's steps, the first fifth (start-up) skipped."""
     from shoal.worker import ledger
 
     entries = ledger.read(tmp / f"ledger-{job}")
     first = min(e["worker"] for e in entries)
-    t = sorted(e["t"] for e in entries if e["worker"] == first)[steps // 5:]
-    return (len(t) - 1) / (t[-1] - t[0])
+    return sorted(e["t"] for e in entries if e["worker"] == first)[steps // 5:]
+
+
+class CpuSampler:
+    """CPU seconds of this process (the S3 server and the bench's Redis polling) and of the
+    given worker processes with their children (the loaders), sampled every 0.1 s from
+    ``/proc`` on a thread, so that :meth:`per_step` can take the difference over the steady
+    window alone (start-up excluded)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.snaps: list[tuple[float, float, float]] = []  # (time, this process, workers)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="cpu-sampler")
+        self._thread.start()
+
+    @staticmethod
+    def _tree_seconds(pid: int) -> float:
+        total, todo = 0.0, [pid]
+        while todo:
+            p = todo.pop()
+            try:
+                stat = Path(f"/proc/{p}/stat").read_text()
+                fields = stat[stat.rfind(")") + 2 :].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                for children in Path(f"/proc/{p}/task").glob("*/children"):
+                    todo += [int(c) for c in children.read_text().split()]
+            except (OSError, ValueError):
+                continue
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            me = resource.getrusage(resource.RUSAGE_SELF)
+            self.snaps.append((time.time(), me.ru_utime + me.ru_stime, sum(self._tree_seconds(p) for p in self.pids)))
+            self._stop.wait(0.1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def per_step(self, t0: float, t1: float, steps: int) -> tuple[float, float]:
+        """(this process, workers) CPU milliseconds per step between wall times t0 and t1."""
+        a = min(self.snaps, key=lambda s: abs(s[0] - t0))
+        b = min(self.snaps, key=lambda s: abs(s[0] - t1))
+        return (b[1] - a[1]) / steps * 1000, (b[2] - a[2]) / steps * 1000
+
+
+def _logged_at(log: str, text: str) -> float | None:
+    """The wall time of the first log line containing ``text`` (the workers' log format:
+    ``2026-11-24 10:20:18,106 logger LEVEL message``, local time)."""
+    import datetime
+
+    for line in log.splitlines():
+        if text in line:
+            try:
+                return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            except ValueError:
+                return None
+    return None
 
 
 def _downloaded(root: Path) -> int:
@@ -216,14 +277,20 @@ def main() -> int:
             with LocalProcs(server.url, tmp / "logs") as procs:
                 procs.coordinator("coord")
 
-                def run(job: str, entrypoint: str, workers: int, script=None, **kw) -> list:
+                def run(job: str, entrypoint: str, workers: int, script=None, sampler=None, **kw) -> list:
                     procs.extra_env = {"SHOAL_LEDGER_DIR": str(tmp / f"ledger-{job}"), "SHOAL_BENCH_STREAM_URI": uri,
                                        "SHOAL_BENCH_CACHE_ROOT": str(tmp / f"cache-{job}"), **s3}
                     _job(client, job, entrypoint, workers, **kw)
                     started = [procs.worker(job, f"{job}-{i}") for i in range(workers)]
+                    if sampler is not None:
+                        sampler.append(CpuSampler([p.pid for p in started]))
                     if script:
                         started += script(job, started)
-                    _wait_done(client, job)
+                    try:
+                        _wait_done(client, job)
+                    finally:
+                        if sampler:
+                            sampler[-1].stop()
                     for p in started:
                         p.wait(60)
                     return started
@@ -233,7 +300,7 @@ def main() -> int:
 
                 ratios, mosaic_ratios = [], []
                 for k in range(pairs):  # A/B interleaved
-                    rates, waits = {}, {}
+                    rates, waits, cpu = {}, {}, {}
                     kinds = ("stream", "memory", "mosaic") if k % 2 == 0 else ("mosaic", "memory", "stream")
                     for kind in kinds:
                         if kind == "mosaic":
@@ -242,8 +309,12 @@ def main() -> int:
                                 rates["mosaic"] = (len(t) - 1) / (t[-1] - t[0])
                             continue
                         job = f"tp-{kind}-{k}"
-                        ran = run(job, f"bench.streaming:build_{kind}", 2, max_steps=steps, epochs=10, max_workers=2)
-                        rates[kind] = _steady(tmp, job, steps)
+                        sampler: list[CpuSampler] = []
+                        ran = run(job, f"bench.streaming:build_{kind}", 2, sampler=sampler, max_steps=steps,
+                                  epochs=10, max_workers=2)
+                        t = _steady_times(tmp, job, steps)
+                        rates[kind] = (len(t) - 1) / (t[-1] - t[0])
+                        cpu[kind] = sampler[0].per_step(t[0], t[-1], len(t) - 1)
                         waits[kind] = [m for p in ran for m in re.findall(r"([0-9.]+) s waited for batches",
                                                                           p.log_tail(400))]
                     ratios.append(rates["stream"] / rates["memory"])
@@ -252,7 +323,9 @@ def main() -> int:
                     print(f"  pair {k}: stream {rates['stream']:.2f} / memory {rates['memory']:.2f} steps/s"
                           + (f" (mosaicml {rates['mosaic']:.2f})" if "mosaic" in rates else "") + "; "
                           f"input wait (s, per worker): stream {' '.join(waits['stream'])}, "
-                          f"memory {' '.join(waits['memory'])}", flush=True)
+                          f"memory {' '.join(waits['memory'])}; steady CPU ms a step: workers and loaders stream "
+                          f"{cpu['stream'][1]:.1f} memory {cpu['memory'][1]:.1f}, this process (the S3 server) "
+                          f"stream {cpu['stream'][0]:.1f} memory {cpu['memory'][0]:.1f}", flush=True)
                 print(f"throughput ratio={statistics.median(ratios):.3f}  pairs {' '.join(f'{x:.3f}' for x in ratios)}"
                       f"  (2 workers, {steps} steps, global batch 64)", flush=True)
 
@@ -289,16 +362,20 @@ def main() -> int:
                     joined["t"] = time.time()
                     joined["pid"] = None
                     p = procs.worker(job, f"{job}-joiner")
-                    joined["pid"] = p.pid
+                    joined["pid"], joined["proc"] = p.pid, p
                     return [p]
 
-                run("join", "bench.streaming:build_stream", 2, script=join)
+                run("join", "bench.streaming:build_stream", 2, script=join, epochs=3)  # runs past the join
                 from shoal.worker import ledger
 
                 firsts = [e["t"] for e in ledger.read(tmp / "ledger-join") if e["pid"] == joined["pid"]]
+                joined_at = _logged_at(joined["proc"].log_tail(400), "joined job")
+                after = (f"; {min(firsts) - joined_at:.2f} s of it from the join (its membership) on, the rest "
+                         "is the process starting (imports, the dataset's index) on the 2 busy cores"
+                         if firsts and joined_at else "")
                 print(f"join to first step s={min(firsts) - joined['t']:.2f}  (a third worker, empty cache, "
-                      f"joining 2 after 20 steps)" if firsts else "join to first step: the joiner committed no step",
-                      flush=True)
+                      f"joining 2 after 20 steps: from starting its process{after})" if firsts
+                      else "join to first step: the joiner committed no step", flush=True)
         finally:
             server.stop()
     return 0

@@ -67,10 +67,14 @@ from shoal.storage.streaming_cache import Counters, ShardCache, sum_counters
 DEFAULT_PREDOWNLOAD = 4096
 #: ranged reads in flight at once in :meth:`StreamingDataset.read`
 REMOTE_PARALLEL = 8
-#: local shard copies a process keeps mapped. A copy evicted by another process stays on disk
-#: until this one next reads it or maps another shard (then it is unmapped), so the disk space
-#: in use can exceed ``cache_limit`` by at most this many shards per process that stopped reading.
-MAPPED_SHARDS = 8
+#: local shard copies a process keeps mapped (least recently mapped dropped first). A rank
+#: reads the shards of one shuffle window at a time (16 in the default order, all of them in a
+#: one-worker job) and of two across a window's end: fewer maps than that remap a shard on
+#: almost every sample (about 5x the per-sample cost, measured). A copy evicted by another
+#: process stays on disk until this one next reads it or maps another shard (then it is
+#: unmapped), so the disk space in use can exceed ``cache_limit`` by the evicted shards a
+#: process that stopped reading still maps.
+MAPPED_SHARDS = 40
 #: a packed shard's offsets table up to this many bytes is read whole by the first ranged read
 #: of the shard (and kept per process); beyond it each ranged read fetches its 16 bytes
 OFFSETS_TABLE_MAX = 64 * 1024
@@ -244,24 +248,23 @@ class StreamingDataset:
     def read(self, ids: Iterable[int], owned: set[int] | frozenset[int]) -> list[Any]:
         """The samples ``ids`` in order: whole-shard reads for shards in ``owned`` (and shards
         that happen to be cached), ranged reads for the others (up to :data:`REMOTE_PARALLEL`
-        at once). The first error raises (naming the shard)."""
-        out: list[Any] = []
-        remote: list[tuple[int, int, int]] = []  # (slot in out, shard, pos)
-        for i in ids:
-            shard, pos = self.locate(int(i))
-            if shard in owned or self._local or self._cached_path(shard) is not None:
-                out.append(self._finish(self._read_local(shard, pos)))
-            else:
-                remote.append((len(out), shard, pos))
-                out.append(None)
-        if len(remote) == 1:
-            slot, shard, pos = remote[0]
-            out[slot] = self._finish(self._read_remote(shard, pos))
-        elif remote:
+        at once, started before the local samples are read and decoded, so their round trips
+        overlap that work). The first error raises (naming the shard)."""
+        located = [self.locate(int(i)) for i in ids]
+        remote = {slot: (shard, pos) for slot, (shard, pos) in enumerate(located)
+                  if not (shard in owned or self._local or self._cached_path(shard) is not None)}
+        futures = {}
+        if remote:
             pool = self._pool()
-            futures = [(slot, pool.submit(self._read_remote, shard, pos)) for slot, shard, pos in remote]
-            for slot, fut in futures:
+            futures = {slot: pool.submit(self._read_remote, shard, pos) for slot, (shard, pos) in remote.items()}
+        try:
+            out: list[Any] = [None if slot in futures else self._finish(self._read_local(shard, pos))
+                              for slot, (shard, pos) in enumerate(located)]
+            for slot, fut in futures.items():
                 out[slot] = self._finish(fut.result())
+        finally:
+            for fut in futures.values():
+                fut.cancel()  # an error raised: reads not started yet are not needed
         return out
 
     def _pool(self) -> Any:

@@ -33,6 +33,7 @@ Shard tables
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,6 +42,9 @@ import numpy as np
 from shoal.worker.stream_order import DEFAULT_WINDOW, shard_aware_permutation
 
 Range = Sequence[int]
+
+#: epochs whose permutation :class:`DataOrder` keeps
+PERMS_KEPT = 3
 
 
 def _epoch_seed(seed: int, epoch: int) -> list[int]:
@@ -200,8 +204,10 @@ class DataOrder:
         self.num_samples = num_samples
         self.seed = seed
         self.global_batch = global_batch
-        self._epoch = -1
-        self._perm: np.ndarray | None = None
+        #: epoch -> its permutation, the last :data:`PERMS_KEPT` used (a look-ahead that
+        #: crosses an epoch's end alternates between two epochs: both stay cached)
+        self._perms: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
 
     def steps_per_epoch(self) -> int:
         return -(-self.num_samples // self.global_batch)
@@ -213,13 +219,17 @@ class DataOrder:
         return epochs * self.num_samples + within * self.global_batch
 
     def perm(self, epoch: int) -> np.ndarray:
-        if epoch != self._epoch or self._perm is None:
-            if self.shard_samples is None:
-                self._perm = permutation(self.num_samples, self.seed, epoch)
-            else:
-                self._perm = shard_aware_permutation(self.shard_samples, self.seed, epoch, self.window)
-            self._epoch = epoch
-        return self._perm
+        with self._lock:  # the prefetcher's threads ask too
+            got = self._perms.pop(epoch, None)
+            if got is None:
+                if self.shard_samples is None:
+                    got = permutation(self.num_samples, self.seed, epoch)
+                else:
+                    got = shard_aware_permutation(self.shard_samples, self.seed, epoch, self.window)
+                while len(self._perms) >= PERMS_KEPT:
+                    self._perms.pop(next(iter(self._perms)))
+            self._perms[epoch] = got  # most recently used last
+            return got
 
     def batch(self, cursor: int) -> StepBatch:
         """The global batch at ``cursor`` (which must be a committed cursor: 0 or a previous

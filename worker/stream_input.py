@@ -70,6 +70,8 @@ class StreamInput:
         self.owned: frozenset[int] = frozenset()
         #: epoch -> who reads each shard in it (the table's owners rebalanced per window)
         self._epoch_owner: dict[int, np.ndarray] = {}
+        #: epoch -> the shards this rank reads whole in it (:meth:`reading`)
+        self._reading: dict[int, frozenset[int]] = {}
         self._lock = threading.Lock()
         self._cache: dict[tuple[int, tuple[int, ...] | None], StepAssignment] = {}
         #: the last trained step's balance error and this rank's remote samples in it
@@ -93,6 +95,7 @@ class StreamInput:
         self.generation, self.rank, self.world = table.generation, me.rank, table.world_size
         self.owned = frozenset(np.flatnonzero(self._owner == me.rank).tolist())
         self._cache.clear()
+        self._reading.clear()
         with self._lock:
             self._epoch_owner.clear()
         if table.shard_owners is None:
@@ -115,7 +118,13 @@ class StreamInput:
         """The shards this rank reads whole (from its cache) in the epoch of ``cursor``
         (samples of the others it is given: ranged reads)."""
         epoch = cursor // self.order.num_samples
-        return frozenset(np.flatnonzero(self.epoch_owner(epoch) == self.rank).tolist())
+        got = self._reading.get(epoch)
+        if got is None:
+            got = frozenset(np.flatnonzero(self.epoch_owner(epoch) == self.rank).tolist())
+            while len(self._reading) >= 3:
+                self._reading.pop(min(self._reading))
+            self._reading[epoch] = got
+        return got
 
     def assignment(self, batch: StepBatch, active: Sequence[int] | None = None) -> StepAssignment:
         """The split of ``batch`` among the table's ranks (``active``: the ranks that take part)."""
@@ -147,19 +156,22 @@ class StreamInput:
         plan = getattr(self.dataset, "plan", None)
         if plan is None or self.generation < 0:
             return
-        ids: list[int] = []
+        chunks: list[np.ndarray] = []
+        count = 0
         owned: set[int] = set()
         c = cursor
         for _ in range(MAX_PLAN_STEPS):
-            if len(ids) >= self.predownload or (end is not None and c >= end):
+            if count >= self.predownload or (end is not None and c >= end):
                 break
             batch = self.order.batch(c)
             a = self.assignment(batch)
             mine = a.positions[self.rank]
             local = mine[~a.remote[mine]]  # the samples it reads from its own shards (of that epoch)
-            ids.extend(int(i) for i in batch.indices[local])
+            chunks.append(batch.indices[local])
+            count += len(local)
             owned |= self.reading(c)
             c = batch.next_cursor
+        ids = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
         # the dataset re-ranks its cache and wakes its downloader on every plan: only when the
         # set of shards ahead changed, not on every step (their order of need moves a little
         # each step; the next change re-ranks)

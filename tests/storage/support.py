@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -31,26 +30,36 @@ BACKENDS = ["memory", "local", "s3"]
 ACCESS_KEY = "shoal-test-access"
 SECRET_KEY = "shoal-test-SECRET-do-not-print"
 
-_server = None
+_server: str | None = None
 _server_lock = threading.Lock()
 
 
+def start_moto_s3(host: str = "127.0.0.1") -> tuple[str, Callable[[], None]]:
+    """Start a moto server that serves S3 only on a free port of ``host``, on a thread:
+    (its ``http://host:port``, a function that stops it).
+
+    Not ``ThreadedMotoServer``: its multi-service dispatcher lists moto's package directory
+    on every request to find the service (about 40 % of the server's CPU per GET, measured on
+    a 256 KiB object), a cost no real S3 endpoint has; on a 2-core machine that CPU is taken
+    from the workers under test (``bench/streaming.py``)."""
+    from moto.moto_server.werkzeug_app import MotoRequestHandler, create_backend_app
+    from werkzeug.serving import make_server
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = make_server(host, 0, create_backend_app("s3"), threaded=True, request_handler=MotoRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True, name="moto-s3").start()
+    return f"http://{host}:{server.server_port}", server.shutdown
+
+
 def moto_endpoint() -> str:
-    """``http://127.0.0.1:PORT`` of a moto S3 server running in this process (started once)."""
+    """``http://127.0.0.1:PORT`` of a moto S3 server running in this process (started once,
+    stopped at exit; :func:`start_moto_s3`)."""
     global _server
     with _server_lock:
         if _server is None:
-            from moto.server import ThreadedMotoServer
-
-            logging.getLogger("werkzeug").setLevel(logging.ERROR)
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            _server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-            _server.start()
-            _server.port = port  # type: ignore[attr-defined]
-            atexit.register(_server.stop)
-        return f"http://127.0.0.1:{_server.port}"  # type: ignore[attr-defined]
+            _server, stop = start_moto_s3()
+            atexit.register(stop)
+        return _server
 
 
 def s3_env() -> dict[str, str]:
