@@ -430,6 +430,27 @@ def test_a_copy_evicted_while_mapped_is_let_go_and_fetched_again(tmp_path: Path)
     assert ds[2]["cls"] == 2  # still readable after close
 
 
+def test_reading_a_shuffle_windows_shards_round_robin_maps_each_shard_once(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shard-aware order interleaves the shards of a window (16) sample by sample, and a
+    one-worker job reads them all: each stays mapped (mapping again per sample cost about 5x
+    the per-sample read)."""
+    import shoal.storage.streaming as streaming_mod
+    from shoal.worker.stream_order import DEFAULT_WINDOW
+
+    _, index, uri = _s3_dataset(32 * DEFAULT_WINDOW, shard_samples=32)
+    assert len(index.shards) == DEFAULT_WINDOW and streaming_mod.MAPPED_SHARDS >= 2 * DEFAULT_WINDOW
+    ds = StreamingDataset(uri, cache_dir=tmp_path / "c")
+    mapped = []
+    real = StreamingDataset._map
+    monkeypatch.setattr(StreamingDataset, "_map", lambda self, proc, shard, path: mapped.append(shard) or
+                        real(self, proc, shard, path))
+    ids = [shard * 32 + k for k in range(32) for shard in range(DEFAULT_WINDOW)]  # round robin
+    got = ds.read(ids, set(range(DEFAULT_WINDOW)))
+    assert [s["cls"] for s in got] == [streaming_data.sample(i)["cls"] for i in ids]
+    assert sorted(mapped) == list(range(DEFAULT_WINDOW))
+
+
 def test_default_cache_dirs_of_killed_workers_are_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import subprocess
     import sys

@@ -162,3 +162,27 @@ def test_cursor_after_steps_matches_walking_the_batches():
         for steps in range(3 * order.steps_per_epoch() + 1):
             assert order.cursor_after(steps) == cursor, (n, g, steps)
             cursor = order.batch(cursor).next_cursor
+
+
+def test_a_look_ahead_across_an_epochs_end_computes_each_epochs_order_once(monkeypatch):
+    """The training worker's predownload plan reads batches of the next epoch every step near
+    an epoch's end, between the current epoch's: both orders stay cached (recomputing the
+    shard-aware order each time cost the training process a few % of a data-bound step)."""
+    import shoal.worker.data as data_mod
+
+    calls = []
+    real = data_mod.shard_aware_permutation
+
+    def counting(*args):
+        calls.append(args[2])
+        return real(*args)
+
+    monkeypatch.setattr(data_mod, "shard_aware_permutation", counting)
+    order = DataOrder(100, seed=3, global_batch=16, shard_samples=[25, 25, 25, 25], window=2)
+    last = order.batch(96)  # epoch 0's short last batch
+    for _ in range(5):
+        assert np.array_equal(order.batch(96).indices, last.indices)
+        nxt = order.batch(last.next_cursor)  # epoch 1
+        assert nxt.epoch == 1
+    assert sorted(calls) == [0, 1]
+    assert np.array_equal(order.batch(0).indices, real([25] * 4, 3, 0, 2)[:16])
