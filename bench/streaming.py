@@ -122,10 +122,8 @@ def build_memory():
 
 
 def _moto() -> str:
-    """The local S3 server: moto serving S3 only (``tests.storage.support.start_moto_s3``)."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))  # run as a script: the repository root is not on the path
-    from tests.storage.support import start_moto_s3
+    """The local S3 server: moto serving S3 only (``bench/s3_server.py``)."""
+    from s3_server import start_moto_s3  # the sibling module (this script's folder is sys.path[0])
 
     return start_moto_s3()[0]
 

@@ -249,23 +249,28 @@ class StreamingDataset:
         """The samples ``ids`` in order: whole-shard reads for shards in ``owned`` (and shards
         that happen to be cached), ranged reads for the others (up to :data:`REMOTE_PARALLEL`
         at once, started before the local samples are read and decoded, so their round trips
-        overlap that work). The first error raises (naming the shard)."""
+        overlap that work). Local samples are taken shard by shard (one mapping check and one
+        count per shard and call); ``decode`` runs in the order of ``ids``. The first error
+        raises (naming the shard)."""
         located = [self.locate(int(i)) for i in ids]
-        remote = {slot: (shard, pos) for slot, (shard, pos) in enumerate(located)
-                  if not (shard in owned or self._local or self._cached_path(shard) is not None)}
         futures = {}
-        if remote:
-            pool = self._pool()
-            futures = {slot: pool.submit(self._read_remote, shard, pos) for slot, (shard, pos) in remote.items()}
+        local: dict[int, list[int]] = {}  # shard -> slots read from its local copy
+        for slot, (shard, pos) in enumerate(located):
+            if shard in owned or self._local or self._cached_path(shard) is not None:
+                local.setdefault(shard, []).append(slot)
+            else:
+                futures[slot] = self._pool().submit(self._read_remote, shard, pos)
         try:
-            out: list[Any] = [None if slot in futures else self._finish(self._read_local(shard, pos))
-                              for slot, (shard, pos) in enumerate(located)]
+            raw: list[Any] = [None] * len(located)
+            for shard, slots in local.items():
+                for slot, sample in zip(slots, self._read_locals(shard, [located[k][1] for k in slots])):
+                    raw[slot] = sample
             for slot, fut in futures.items():
-                out[slot] = self._finish(fut.result())
+                raw[slot] = fut.result()
         finally:
             for fut in futures.values():
                 fut.cancel()  # an error raised: reads not started yet are not needed
-        return out
+        return [self._finish(sample) for sample in raw]
 
     def _pool(self) -> Any:
         proc = self._proc()
@@ -288,6 +293,11 @@ class StreamingDataset:
         return self._cache.lookup(entry.sha256, fetch.suffix(entry), entry.size)
 
     def _read_local(self, shard: int, pos: int) -> dict[str, Any]:
+        return self._read_locals(shard, [pos])[0]
+
+    def _read_locals(self, shard: int, positions: Sequence[int]) -> list[dict[str, Any]]:
+        """The samples at ``positions`` of ``shard`` from its local copy (downloaded first
+        when not cached; the first of them then counts as a miss)."""
         proc = self._proc()
         entry = self.index.shards[shard]
         for _ in range(3):  # evicted by another process between download and open: again
@@ -305,20 +315,29 @@ class StreamingDataset:
                     continue
             with proc.lock:
                 mm = mapped[0]
-                if entry.format == "packed":
-                    start, end = packed.offset_pair(mm[packed.offsets_span(pos)[0] : packed.offsets_span(pos)[0] + 16])
-                else:
-                    assert entry.offsets is not None
-                    start, end = entry.offsets[pos], entry.offsets[pos + 1]
-                if not 0 <= start <= end <= len(mm):
-                    raise ShardCorrupt(f"dataset shard {self._label(shard)}: sample {pos} lies outside the shard")
-                raw = mm[start:end]
-            proc.counters.add("cache_hits" if hit else "cache_misses")
+                records = [self._record(mm, entry, shard, pos) for pos in positions]
+            if hit:
+                proc.counters.add("cache_hits", len(positions))
+            else:
+                proc.counters.add("cache_misses")
+                if len(positions) > 1:
+                    proc.counters.add("cache_hits", len(positions) - 1)
             self._touch(proc, shard, mapped[2])
-            return self._decode(shard, pos, raw)
-        # the cache is too small for what this worker's processes read at once: read this
-        # sample remotely rather than fail (counted in remote_reads)
-        return self._read_remote(shard, pos)
+            return [self._decode(shard, pos, rec) for pos, rec in zip(positions, records)]
+        # the cache is too small for what this worker's processes read at once: read these
+        # samples remotely rather than fail (counted in remote_reads)
+        return [self._read_remote(shard, pos) for pos in positions]
+
+    def _record(self, mm: mmap.mmap, entry: Any, shard: int, pos: int) -> bytes:
+        """Record ``pos``'s bytes from a mapped copy of ``shard``."""
+        if entry.format == "packed":
+            at = packed.offsets_span(pos)[0]
+            start, end = packed.offset_pair(mm[at : at + 16])
+        else:
+            start, end = entry.offsets[pos], entry.offsets[pos + 1]
+        if not 0 <= start <= end <= len(mm):
+            raise ShardCorrupt(f"dataset shard {self._label(shard)}: sample {pos} lies outside the shard")
+        return mm[start:end]
 
     def _map(self, proc: _Proc, shard: int, path: Path) -> tuple[mmap.mmap, int, Path]:
         """Map the shard file read-only (kept open, at most :data:`MAPPED_SHARDS` per process)."""

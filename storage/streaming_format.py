@@ -130,56 +130,83 @@ def decode_record(buf: bytes | memoryview) -> dict[str, Any]:
         raise FormatError(f"malformed record: {exc}") from exc
 
 
+#: field names and array dtypes seen in records, by their encoded bytes: a shard's records
+#: share a schema, so each is decoded once per process (bounded: a hostile shard cannot grow them)
+_NAMES: dict[bytes, str] = {}
+_DTYPES: dict[bytes, np.dtype] = {}
+_SHAPES = [struct.Struct(f"<{k}Q") for k in range(256)]
+_CACHED_MAX = 1024
+
+
+def _name(raw: bytes) -> str:
+    name = _NAMES.get(raw)
+    if name is None:
+        name = raw.decode()
+        if len(_NAMES) < _CACHED_MAX:
+            _NAMES[raw] = name
+    return name
+
+
+def _dtype(raw: bytes, name: str) -> np.dtype:
+    dtype = _DTYPES.get(raw)
+    if dtype is None:
+        dtype = np.dtype(raw.decode("ascii"))
+        if dtype.hasobject:
+            raise FormatError(f"field {name!r}: object dtype refused")
+        if len(_DTYPES) < _CACHED_MAX:
+            _DTYPES[raw] = dtype
+    return dtype
+
+
 def _decode_body(mv: memoryview) -> dict[str, Any]:
     (count,) = _U16.unpack_from(mv, 0)
     pos = 2
+    size = len(mv)
     out: dict[str, Any] = {}
     for _ in range(count):
         (nlen,) = _U16.unpack_from(mv, pos)
         pos += 2
-        name = bytes(mv[pos : pos + nlen]).decode()
+        name = _name(mv[pos : pos + nlen].tobytes())
         pos += nlen
         kind = mv[pos]
         pos += 1
-        if kind == _NONE:
-            value: Any = None
-        elif kind == _BOOL:
-            value = bool(mv[pos])
+        if kind == _ARRAY:
+            dlen = mv[pos]
+            dtype = _dtype(mv[pos + 1 : pos + 1 + dlen].tobytes(), name)
+            pos += 1 + dlen
+            ndim = mv[pos]
             pos += 1
+            shape = _SHAPES[ndim].unpack_from(mv, pos)
+            pos += 8 * ndim
+            nbytes = math.prod(shape) * dtype.itemsize
+            if pos + nbytes > size:
+                raise FormatError(f"field {name!r} runs past the record")
+            value: Any = np.frombuffer(mv[pos : pos + nbytes], dtype=dtype).reshape(shape).copy()
+            pos += nbytes
+        elif kind in (_BYTES, _STR):
+            (n,) = _U64.unpack_from(mv, pos)
+            pos += 8
+            if pos + n > size:
+                raise FormatError(f"field {name!r} runs past the record")
+            raw = mv[pos : pos + n].tobytes()
+            pos += n
+            value = raw.decode() if kind == _STR else raw
         elif kind == _INT:
             (value,) = _I64.unpack_from(mv, pos)
             pos += 8
         elif kind == _FLOAT:
             (value,) = _F64.unpack_from(mv, pos)
             pos += 8
-        elif kind in (_BYTES, _STR):
-            (n,) = _U64.unpack_from(mv, pos)
-            pos += 8
-            if pos + n > len(mv):
-                raise FormatError(f"field {name!r} runs past the record")
-            raw = bytes(mv[pos : pos + n])
-            pos += n
-            value = raw.decode() if kind == _STR else raw
-        elif kind == _ARRAY:
-            dlen = mv[pos]
-            dtype = np.dtype(bytes(mv[pos + 1 : pos + 1 + dlen]).decode("ascii"))
-            if dtype.hasobject:
-                raise FormatError(f"field {name!r}: object dtype refused")
-            pos += 1 + dlen
-            ndim = mv[pos]
+        elif kind == _BOOL:
+            value = bool(mv[pos])
             pos += 1
-            shape = tuple(_U64.unpack_from(mv, pos + 8 * k)[0] for k in range(ndim))
-            pos += 8 * ndim
-            nbytes = math.prod(shape) * dtype.itemsize
-            if pos + nbytes > len(mv):
-                raise FormatError(f"field {name!r} runs past the record")
-            value = np.frombuffer(mv[pos : pos + nbytes], dtype=dtype).reshape(shape).copy()
-            pos += nbytes
+        elif kind == _NONE:
+            value = None
         else:
             raise FormatError(f"field {name!r}: unknown type code {kind}")
         out[name] = value
-    if pos != len(mv):
-        raise FormatError(f"{len(mv) - pos} trailing bytes in record")
+    if pos != size:
+        raise FormatError(f"{size - pos} trailing bytes in record")
     return out
 
 

@@ -139,6 +139,11 @@ class TrainerState:
     exit_code: int | None = None
     #: the last committed step this worker evaluated (0: none): never twice in a row
     evaluated: int = 0
+    #: (generation, world size) of the group in which this worker was rank 0 when its step
+    #: aborted: its weights are still that group's last committed state, so if the job is
+    #: stopped before any newer generation, it writes the final checkpoint (a peer that saw
+    #: the stop one step earlier exits, and rank 0's next step aborts for want of it)
+    aborted_rank0: tuple[int, int] | None = None
 
     @property
     def group(self) -> int:
@@ -495,6 +500,9 @@ def _tick(s: TrainerState, t: Tick, now: float) -> Decision:
     if t.job_state in TERMINAL:
         if t.job_state == "stopped" and s.rank0:
             actions.append(_checkpoint(s, final=True))  # a graceful stop keeps the progress
+        elif t.job_state == "stopped" and s.aborted_rank0 is not None and s.aborted_rank0[0] >= s.seen:
+            g, world = s.aborted_rank0  # ... also when rank 0's last step aborted as its peer exited
+            actions.append(SaveCheckpoint(s.step, s.cursor, g, world, final=True))
         said.append(f"the job is {t.job_state}")
         return Decision(_exit(s, 0), tuple(actions), "; ".join(said), level)
     if s.phase is Phase.TRAINING and s.switch_to <= s.group:
@@ -588,7 +596,8 @@ def _formed(s: TrainerState, f: Formed, now: float) -> Decision:
         mine = [] if rank in f.behind else contiguous_table(table.num_samples, len(ready))[ready.index(rank)]
         first = tuple(tuple(r) for r in mine)
     g = table.generation
-    s = replace(s, phase=Phase.TRAINING, step=f.step, cursor=f.cursor, switch_to=g, first_ranges=first)
+    s = replace(s, phase=Phase.TRAINING, step=f.step, cursor=f.cursor, switch_to=g, first_ranges=first,
+                aborted_rank0=None)
     return Decision(s, (Announce(g, rank, table.world_size, f.step, f.cursor, f.took, f.src, f.behind),),
                     f"formed generation {g} as rank {rank}/{table.world_size} at step {f.step}")
 
@@ -630,7 +639,7 @@ def _aborted(s: TrainerState, a: Aborted, now: float) -> Decision:
     g, step = s.group, s.step
     # the cursor stays: the same global batch is redone in the next generation
     failed = (LeaveGroup(), ReportFailure(g, step, a.error))
-    s, wait = _wait(s, g, now)
+    s, wait = _wait(replace(s, aborted_rank0=(g, s.table.world_size) if s.rank0 else None), g, now)
     return Decision(s, failed + wait, f"step {step} aborted in generation {g}: {a.error}", logging.WARNING)
 
 

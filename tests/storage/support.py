@@ -34,26 +34,11 @@ _server: str | None = None
 _server_lock = threading.Lock()
 
 
-def start_moto_s3(host: str = "127.0.0.1") -> tuple[str, Callable[[], None]]:
-    """Start a moto server that serves S3 only on a free port of ``host``, on a thread:
-    (its ``http://host:port``, a function that stops it).
-
-    Not ``ThreadedMotoServer``: its multi-service dispatcher lists moto's package directory
-    on every request to find the service (about 40 % of the server's CPU per GET, measured on
-    a 256 KiB object), a cost no real S3 endpoint has; on a 2-core machine that CPU is taken
-    from the workers under test (``bench/streaming.py``)."""
-    from moto.moto_server.werkzeug_app import MotoRequestHandler, create_backend_app
-    from werkzeug.serving import make_server
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = make_server(host, 0, create_backend_app("s3"), threaded=True, request_handler=MotoRequestHandler)
-    threading.Thread(target=server.serve_forever, daemon=True, name="moto-s3").start()
-    return f"http://{host}:{server.server_port}", server.shutdown
-
-
 def moto_endpoint() -> str:
     """``http://127.0.0.1:PORT`` of a moto S3 server running in this process (started once,
-    stopped at exit; :func:`start_moto_s3`)."""
+    stopped at exit; ``bench.s3_server``: it serves S3 only)."""
+    from bench.s3_server import start_moto_s3
+
     global _server
     with _server_lock:
         if _server is None:

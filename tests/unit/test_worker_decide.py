@@ -250,6 +250,29 @@ def test_a_failed_step_keeps_the_cursor_leaves_at_once_reports_and_waits_for_a_n
     assert one(decide(decide(s, Formed(9, 576), T0 + 2).state, Tick(latest=3), T0 + 2), TrainStep).cursor == 576  # redone
 
 
+def test_rank0_whose_last_step_aborted_as_the_stop_came_still_saves_the_final_checkpoint() -> None:
+    """A peer that read "stopped" one tick earlier exits at the step boundary; rank 0, which
+    began the next step, aborts it (nothing applied) and must still keep the progress: its
+    weights are the group's last committed state (seen in a full run of the suite:
+    tests/processes/test_stop_checkpoint.py waited for a checkpoint that never came)."""
+    s = decide(training(1, step=19, cursor=1216), Tick(latest=1), T0).state
+    s = decide(s, Aborted("step aborted, nothing applied: connection closed by peer"), T0 + 1).state
+    assert s.phase is Phase.IDLE and s.aborted_rank0 == (1, 2)
+    d = decide(s, Tick(latest=1, job_state="stopped"), T0 + 2)
+    assert d.actions == (SaveCheckpoint(19, 1216, 1, 2, final=True),) and d.state.exit_code == 0
+    # not rank 0: nothing to save
+    w1 = decide(decide(training(1, wid="w1", step=19), Tick(latest=1), T0).state, Aborted("peer closed"), T0 + 1).state
+    assert w1.aborted_rank0 is None and decide(w1, Tick(latest=1, job_state="stopped"), T0 + 2).actions == ()
+    # a newer generation came after the abort (others trained on): its rank 0 saves, not this stale copy
+    assert decide(s, Tick(latest=2, job_state="stopped"), T0 + 2).actions == ()
+    # a new group clears it
+    s = decide(s, TableWaited(table(2, "w0")), T0 + 2).state
+    s = decide(s, Tick(latest=2), T0 + 2).state
+    s = decide(s, TableFetched(table(2, "w0")), T0 + 2).state
+    s = decide(s, BarrierPolled(arrived=1, newest=2), T0 + 2).state
+    assert decide(s, Formed(19, 1216), T0 + 2).state.aborted_rank0 is None
+
+
 def test_a_generation_already_used_is_never_joined_again() -> None:
     s = decide(training(2), Tick(latest=2), T0).state
     s = decide(s, Aborted("peer died"), T0).state
