@@ -68,3 +68,45 @@ def test_stop_writes_a_final_checkpoint_latest_follows_and_purge_leaves_no_key(
     assert res.returncode == 0 and "purged" in res.stdout, res.stderr
     assert list(r.scan_iter(match=f"shoal:{{{job_id}}}:*", count=1000)) == []
     assert load_latest(store)[0].step == stopped_at  # checkpoints are not the keys' to delete
+
+
+def test_a_peer_that_sees_the_stop_one_step_before_rank_0_does_not_cost_the_final_checkpoint(
+        r, redis_url, subprocess_env, tmp_path, job_id) -> None:
+    """The race behind a flaky run of the test above, made certain: rank 1 sleeps right after
+    committing step 10, rank 0 (which read "running") begins step 11 and waits for it in the
+    all-reduce; the operator stops the job meanwhile, so rank 1 wakes, reads "stopped" and
+    exits, and rank 0's step 11 aborts (nothing applied). Rank 0 still holds the group's last
+    committed state (step 10): it writes the final checkpoint and LATEST follows."""
+    ckpt = f"file://{tmp_path / 'ckpt'}"
+    spec = JobSpec(name=job_id, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, epochs=5,
+                   min_workers=2, max_workers=2, heartbeat_interval=0.2, heartbeat_ttl=1.5,
+                   checkpoint_uri=ckpt, checkpoint_interval=0)
+    create_job(r, spec)
+    watch = ControlWatcher(r, job_id)
+    env = {"SHOAL_TEST_STEP_DELAY": "0.05", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger"),
+           "SHOAL_FAULTS": "w1@10:after_commit:sleep=4"}
+    with LocalProcs(redis_url, tmp_path / "logs", extra_env=env) as procs:
+        procs.coordinator("coord")
+        workers = [procs.worker(job_id, "a"), procs.worker(job_id, "b")]
+        watch.wait_for(lambda d: "world size 2" in d["reason"], 90)
+        assert {m.worker_id: m.rank for m in watch.table().members} == {"w0": 0, "w1": 1}
+        sleeper = wait_until(lambda: next((p for p in workers if "fault injected: sleep=4 at w1@10" in
+                                           p.log_tail(50)), None), 60,
+                             lambda: f"w1 sleeping after step 10; logs: {[p.log_tail() for p in workers]}",
+                             interval=0.05)
+        res = run_cli(subprocess_env, "stop", job_id, "--wait", "60", timeout=90)
+        assert res.returncode == 0, res.stderr
+        for w in workers:
+            assert w.wait(60) == 0, w.log_tail()
+        rank0 = next(p for p in workers if p is not sleeper)
+        assert "step 10 aborted" in rank0.log_tail(80), rank0.log_tail(80)  # the race did happen (its 11th step)
+        moved = watch.wait_for(lambda d: d["kind"] == "checkpoint", 30)
+
+    last = {}
+    for e in ledger.read(tmp_path / "ledger"):
+        last[e["worker"]] = max(last.get(e["worker"], 0), e["step"])
+    assert set(last.values()) == {10}, last
+    assert moved["reason"].startswith("LATEST -> checkpoint of step 10 ")
+    state, _ = load_latest(open_store(ckpt))
+    assert state.step == 10 and int(state.data_cursor) == 10 * 64
+    assert LatestPointer.from_json(r.get(job_keys(job_id).latest)).step == 10
