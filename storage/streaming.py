@@ -250,8 +250,8 @@ class StreamingDataset:
         that happen to be cached), ranged reads for the others (up to :data:`REMOTE_PARALLEL`
         at once, started before the local samples are read and decoded, so their round trips
         overlap that work). Local samples are taken shard by shard (one mapping check and one
-        count per shard and call); ``decode`` runs in the order of ``ids``. The first error
-        raises (naming the shard)."""
+        count per shard and call) and decoded in the order of ``ids``, then the ranged ones.
+        The first error raises (naming the shard)."""
         located = [self.locate(int(i)) for i in ids]
         futures = {}
         local: dict[int, list[int]] = {}  # shard -> slots read from its local copy
@@ -261,16 +261,19 @@ class StreamingDataset:
             else:
                 futures[slot] = self._pool().submit(self._read_remote, shard, pos)
         try:
-            raw: list[Any] = [None] * len(located)
+            out: list[Any] = [None] * len(located)
             for shard, slots in local.items():
                 for slot, sample in zip(slots, self._read_locals(shard, [located[k][1] for k in slots])):
-                    raw[slot] = sample
+                    out[slot] = sample
+            for slot in range(len(out)):  # the local samples' decode overlaps the ranged reads
+                if slot not in futures:
+                    out[slot] = self._finish(out[slot])
             for slot, fut in futures.items():
-                raw[slot] = fut.result()
+                out[slot] = self._finish(fut.result())
         finally:
             for fut in futures.values():
                 fut.cancel()  # an error raised: reads not started yet are not needed
-        return [self._finish(sample) for sample in raw]
+        return out
 
     def _pool(self) -> Any:
         proc = self._proc()
