@@ -84,6 +84,11 @@ class StepProgress(_Entry):
     compute: NumberText | None = None
     #: Seconds waiting on the gradient all-reduce after backward returned.
     exposed_comm: NumberText | None = None
+    #: Streaming datasets only: bytes rank 0 had downloaded so far (whole shards and ranged
+    #: reads), its cache hit rate (0..1), samples it had read remotely.
+    downloaded: IntText | None = None
+    hit_rate: NumberText | None = None
+    remote: IntText | None = None
 
 
 class EvalProgress(_Entry):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from matplotlib.image import imread
 
 from shoal.events.keys import job_keys
+from shoal.events.streams import StepProgress
 from shoal.ops.report import analyse, load_history, read_progress, write_report
 from shoal.worker.progress import ProgressRecorder
 from tests.cli.test_report import T0, simulate_run
@@ -91,6 +92,9 @@ def test_report_draws_a_streaming_datasets_input(r, job_id, tmp_path) -> None:
     ((_id, fields),) = r.xrange(job_keys(job_id + "-rec").progress)
     written = {k.decode(): v.decode() for k, v in fields.items()}
     assert (written["downloaded"], written["hit_rate"], written["remote"]) == ("12345", "0.5", "7")
+    # the published schema of the progress stream describes every field rank 0 writes
+    entry = StepProgress.model_validate(written)
+    assert set(written) <= set(entry.model_dump(exclude_none=True))
 
     simulate_run(r, job_id)
     progress = job_keys(job_id).progress
