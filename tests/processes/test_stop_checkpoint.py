@@ -72,8 +72,8 @@ def test_stop_writes_a_final_checkpoint_latest_follows_and_purge_leaves_no_key(
 
 def test_a_peer_that_sees_the_stop_one_step_before_rank_0_does_not_cost_the_final_checkpoint(
         r, redis_url, subprocess_env, tmp_path, job_id) -> None:
-    """The race behind a flaky run of the test above, made certain: rank 1 sleeps right after
-    committing step 10, rank 0 (which read "running") begins step 11 and waits for it in the
+    """The race behind a flaky run of the test above, made certain: rank 1 sleeps (10 s: the
+    ``shoal stop`` below, a new process, must land within it) right after committing step 10, rank 0 (which read "running") begins step 11 and waits for it in the
     all-reduce; the operator stops the job meanwhile, so rank 1 wakes, reads "stopped" and
     exits, and rank 0's step 11 aborts (nothing applied). Rank 0 still holds the group's last
     committed state (step 10): it writes the final checkpoint and LATEST follows."""
@@ -84,13 +84,13 @@ def test_a_peer_that_sees_the_stop_one_step_before_rank_0_does_not_cost_the_fina
     create_job(r, spec)
     watch = ControlWatcher(r, job_id)
     env = {"SHOAL_TEST_STEP_DELAY": "0.05", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger"),
-           "SHOAL_FAULTS": "w1@10:after_commit:sleep=4"}
+           "SHOAL_FAULTS": "w1@10:after_commit:sleep=10"}
     with LocalProcs(redis_url, tmp_path / "logs", extra_env=env) as procs:
         procs.coordinator("coord")
         workers = [procs.worker(job_id, "a"), procs.worker(job_id, "b")]
         watch.wait_for(lambda d: "world size 2" in d["reason"], 90)
         assert {m.worker_id: m.rank for m in watch.table().members} == {"w0": 0, "w1": 1}
-        sleeper = wait_until(lambda: next((p for p in workers if "fault injected: sleep=4 at w1@10" in
+        sleeper = wait_until(lambda: next((p for p in workers if "fault injected: sleep=10 at w1@10" in
                                            p.log_tail(50)), None), 60,
                              lambda: f"w1 sleeping after step 10; logs: {[p.log_tail() for p in workers]}",
                              interval=0.05)
