@@ -3,7 +3,10 @@
 Write order of :func:`save_checkpoint` (each object is written atomically by the store):
 
 1. delete an existing ``manifest.json`` at this step (re-saving a step makes it invisible
-   first, so old manifest + new files can never be mistaken for a checkpoint);
+   first, so old manifest + new files can never be mistaken for a checkpoint). The step
+   LATEST names is never unpublished: while its checkpoint verifies, a re-save of it writes
+   nothing and returns the manifest that is there (a step's state is the same on every
+   replica; re-writing it would leave LATEST naming no checkpoint for the time of the write);
 2. every state file (``torch.save``, size and sha256 computed while writing; files are
    written concurrently, all have ended before the next step);
 3. ``manifest.json`` -- from this moment the checkpoint exists;
@@ -30,7 +33,7 @@ from typing import Any
 import torch
 
 from shoal.storage.backend import ObjectStore
-from shoal.storage.errors import CheckpointCorrupt, LatestRegression, NoCheckpoint, StorageError
+from shoal.storage.errors import CheckpointCorrupt, LatestRegression, NoCheckpoint, StorageError, UnsafeCheckpoint
 from shoal.storage.latest_object import read_latest_step, write_latest
 from shoal.storage.layout import file_key, manifest_key
 from shoal.storage.manifest import FROM_ENV, FileEntry, HmacKey, Manifest, resolve_hmac_key
@@ -114,6 +117,17 @@ def _write_state_files(store: ObjectStore, step: int, parts: dict[str, Any], on_
     return {name: f.result() for name, f in futures.items()}
 
 
+def _published(store: ObjectStore, step: int, key: HmacKey) -> Manifest | None:
+    """The manifest of the checkpoint LATEST names at ``step`` when it verifies, else None
+    (then a re-save repairs it)."""
+    try:
+        manifest = read_manifest(store, step, hmac_key=key, on_warning=ignore_warning)
+        read_verified_files(store, manifest)
+    except (CheckpointCorrupt, UnsafeCheckpoint):  # damaged, or signed with another key
+        return None
+    return manifest
+
+
 def save_checkpoint(
     store: ObjectStore,
     state: TrainState,
@@ -144,6 +158,10 @@ def save_checkpoint(
     current = read_latest_step(store)
     if current is not None and current > step:
         raise LatestRegression(f"{store.uri}/LATEST is at step {current}; refusing to save step {step}")
+    if current == step:
+        published = _published(store, step, key)
+        if published is not None:
+            return published
 
     store.delete(manifest_key(step))
     files = _write_state_files(store, step, parts, on_phase)

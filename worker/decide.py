@@ -619,7 +619,7 @@ def _committed(s: TrainerState, c: Committed, now: float) -> Decision:
     if rank0:  # the history `shoal report` draws
         actions.append(RecordProgress(s.step, c.loss, g, world))
     interval = s.limits.checkpoint_interval
-    if rank0 and interval and s.step % interval == 0:
+    if rank0 and interval and s.step % interval == 0 and not s.done:  # the last step: Finish saves it
         actions.append(_checkpoint(s, final=False))
     actions.append(Beat(s.step, g, c.loss, c.started, digest=s.step % DIGEST_EVERY == 0))
     if s.done:  # Finish evaluates (and rank 0 reports it) whether or not one was due

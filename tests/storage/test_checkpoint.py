@@ -93,11 +93,33 @@ def test_write_order_files_then_manifest_then_latest() -> None:
     puts = [k for op, k in hooked.ops if op == "put"]
     assert puts[-2:] == [manifest_key(5), LATEST]
     assert set(puts[:-2]) == {file_key(5, "model.pt"), file_key(5, "optimizer.pt")}
-    # re-saving a step first makes the old checkpoint invisible
+    # re-saving a step LATEST does not name first makes the old checkpoint invisible
+    hooked.inner.delete(LATEST)
     hooked.ops.clear()
     save_checkpoint(hooked, tiny_state(5))
     writes = [(op, k) for op, k in hooked.ops if op != "get"]
     assert writes[0] == ("delete", manifest_key(5))
+
+
+def test_resaving_the_published_step_never_unpublishes_it() -> None:
+    """A job's final save can land on the step its periodic save just published: LATEST
+    must name a complete checkpoint throughout (no delete, no rewrite)."""
+    hooked = HookedStore(MemoryStore())
+    first = save_checkpoint(hooked, tiny_state(5))
+    hooked.ops.clear()
+    again = save_checkpoint(hooked, tiny_state(5))
+    assert [(op, k) for op, k in hooked.ops if op != "get"] == []
+    assert again == first
+    assert load_latest(hooked)[0].step == 5
+
+
+def test_resaving_a_damaged_published_step_repairs_it() -> None:
+    hooked = HookedStore(MemoryStore())
+    save_checkpoint(hooked, tiny_state(5))
+    key = file_key(5, "model.pt")
+    hooked.inner.put_bytes(key, hooked.inner.get_bytes(key)[:-1])
+    save_checkpoint(hooked, tiny_state(5))
+    assert load_latest(hooked)[0].step == 5
 
 
 def test_flipped_byte_falls_back_to_previous_and_says_why(store: ObjectStore) -> None:
