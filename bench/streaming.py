@@ -187,35 +187,44 @@ class CpuSampler:
         self._thread.start()
 
     @staticmethod
-    def _tree_seconds(pid: int) -> float:
-        total, todo = 0.0, [pid]
+    def _tree_seconds(pid: int) -> tuple[float, float]:
+        """CPU seconds of ``pid`` itself and of its descendants (the loaders)."""
+        own = children_s = 0.0
+        todo = [pid]
         while todo:
             p = todo.pop()
             try:
                 stat = Path(f"/proc/{p}/stat").read_text()
                 fields = stat[stat.rfind(")") + 2 :].split()
-                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                if p == pid:
+                    own += seconds
+                else:
+                    children_s += seconds
                 for children in Path(f"/proc/{p}/task").glob("*/children"):
                     todo += [int(c) for c in children.read_text().split()]
             except (OSError, ValueError):
                 continue
-        return total
+        return own, children_s
 
     def _run(self) -> None:
         while not self._stop.is_set():
             me = resource.getrusage(resource.RUSAGE_SELF)
-            self.snaps.append((time.time(), me.ru_utime + me.ru_stime, sum(self._tree_seconds(p) for p in self.pids)))
+            trees = [self._tree_seconds(p) for p in self.pids]
+            self.snaps.append((time.time(), me.ru_utime + me.ru_stime, sum(t[0] for t in trees),
+                               sum(t[1] for t in trees)))
             self._stop.wait(0.1)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
 
-    def per_step(self, t0: float, t1: float, steps: int) -> tuple[float, float]:
-        """(this process, workers) CPU milliseconds per step between wall times t0 and t1."""
+    def per_step(self, t0: float, t1: float, steps: int) -> tuple[float, float, float]:
+        """(this process, the training processes, their loaders) CPU milliseconds per step
+        between wall times t0 and t1."""
         a = min(self.snaps, key=lambda s: abs(s[0] - t0))
         b = min(self.snaps, key=lambda s: abs(s[0] - t1))
-        return (b[1] - a[1]) / steps * 1000, (b[2] - a[2]) / steps * 1000
+        return tuple((b[k] - a[k]) / steps * 1000 for k in (1, 2, 3))
 
 
 def _logged_at(log: str, text: str) -> float | None:
@@ -232,10 +241,20 @@ def _logged_at(log: str, text: str) -> float | None:
     return None
 
 
-def _downloaded(root: Path) -> int:
+def _counters(root: Path) -> dict[str, int]:
+    """The streaming counters of every worker's cache under ``root``, summed."""
     from shoal.storage.streaming_cache import sum_counters
 
-    return sum(c["bytes_downloaded"] + c["remote_bytes"] for c in (sum_counters(d) for d in root.iterdir()))
+    total: dict[str, int] = {}
+    for d in root.iterdir():
+        for name, n in sum_counters(d).items():
+            total[name] = total.get(name, 0) + n
+    return total
+
+
+def _downloaded(root: Path) -> int:
+    c = _counters(root)
+    return c["bytes_downloaded"] + c["remote_bytes"]
 
 
 def main() -> int:
@@ -315,15 +334,21 @@ def main() -> int:
                         cpu[kind] = sampler[0].per_step(t[0], t[-1], len(t) - 1)
                         waits[kind] = [m for p in ran for m in re.findall(r"([0-9.]+) s waited for batches",
                                                                           p.log_tail(400))]
+                        if kind == "stream":
+                            counts = _counters(tmp / f"cache-{job}")
+                            reads = f"{counts['remote_reads'] / steps:.2f} remote samples and " \
+                                    f"{counts['downloads']} shard downloads"
                     ratios.append(rates["stream"] / rates["memory"])
                     if "mosaic" in rates:
                         mosaic_ratios.append(rates["stream"] / rates["mosaic"])
                     print(f"  pair {k}: stream {rates['stream']:.2f} / memory {rates['memory']:.2f} steps/s"
                           + (f" (mosaicml {rates['mosaic']:.2f})" if "mosaic" in rates else "") + "; "
                           f"input wait (s, per worker): stream {' '.join(waits['stream'])}, "
-                          f"memory {' '.join(waits['memory'])}; steady CPU ms a step: workers and loaders stream "
-                          f"{cpu['stream'][1]:.1f} memory {cpu['memory'][1]:.1f}, this process (the S3 server) "
-                          f"stream {cpu['stream'][0]:.1f} memory {cpu['memory'][0]:.1f}", flush=True)
+                          f"memory {' '.join(waits['memory'])}; steady CPU ms a step: training processes + loaders "
+                          f"stream {cpu['stream'][1]:.1f} + {cpu['stream'][2]:.1f} memory {cpu['memory'][1]:.1f} + "
+                          f"{cpu['memory'][2]:.1f}, this process (the S3 server) "
+                          f"stream {cpu['stream'][0]:.1f} memory {cpu['memory'][0]:.1f}; stream read {reads} "
+                          f"over {steps} steps", flush=True)
                 print(f"throughput ratio={statistics.median(ratios):.3f}  pairs {' '.join(f'{x:.3f}' for x in ratios)}"
                       f"  (2 workers, {steps} steps, global batch 64)", flush=True)
 

@@ -74,6 +74,11 @@ class StreamInput:
         self._reading: dict[int, frozenset[int]] = {}
         self._lock = threading.Lock()
         self._cache: dict[tuple[int, tuple[int, ...] | None], StepAssignment] = {}
+        #: (cursor, active) -> this rank's ranges of that step (what the prefetcher asks twice a step)
+        self._ranges: dict[tuple[int, tuple[int, ...] | None], tuple[tuple[int, int, int], ...]] = {}
+        #: cursor -> (the next step's cursor, the ids this rank reads from its own shards in the
+        #: step, their shards): :meth:`plan_ahead`'s per-step part, computed once per generation
+        self._ahead: dict[int, tuple[int, np.ndarray, frozenset[int]]] = {}
         #: the last trained step's balance error and this rank's remote samples in it
         self.balance_error = 0
         self.step_remote = 0
@@ -95,6 +100,8 @@ class StreamInput:
         self.generation, self.rank, self.world = table.generation, me.rank, table.world_size
         self.owned = frozenset(np.flatnonzero(self._owner == me.rank).tolist())
         self._cache.clear()
+        self._ranges.clear()
+        self._ahead.clear()
         self._reading.clear()
         with self._lock:
             self._epoch_owner.clear()
@@ -140,7 +147,14 @@ class StreamInput:
 
     def ranges(self, batch: StepBatch, active: Sequence[int] | None = None) -> tuple[tuple[int, int, int], ...]:
         """This rank's ranges of ``batch``."""
-        return self.assignment(batch, active).ranges(self.rank)
+        key = (batch.cursor, None if active is None else tuple(sorted(active)))
+        got = self._ranges.get(key)
+        if got is None:
+            got = self.assignment(batch, active).ranges(self.rank)
+            if len(self._ranges) >= CACHE_STEPS:
+                self._ranges.pop(next(iter(self._ranges)))
+            self._ranges[key] = got
+        return got
 
     def note_step(self, batch: StepBatch, active: Sequence[int] | None = None) -> None:
         """Record the figures of the step about to train (balance error, remote samples)."""
@@ -148,42 +162,56 @@ class StreamInput:
         self.balance_error = a.balance_error
         self.step_remote = a.remote_count(self.rank)
 
+    def _step_ahead(self, cursor: int) -> tuple[int, np.ndarray, frozenset[int]]:
+        """The step at ``cursor`` as the predownload plan sees it: (the next step's cursor, the
+        ids this rank reads from the shards it reads whole in that epoch, their shards)."""
+        got = self._ahead.get(cursor)
+        if got is None:
+            batch = self.order.batch(cursor)
+            a = self.assignment(batch)
+            mine = a.positions[self.rank]
+            ids = batch.indices[mine[~a.remote[mine]]]  # the samples it reads from its own shards
+            got = (batch.next_cursor, ids, frozenset(np.unique(shard_of(ids, self.offsets)).tolist()))
+            if len(self._ahead) >= CACHE_STEPS:
+                for old in [c for c in self._ahead if c < cursor] or [next(iter(self._ahead))]:
+                    del self._ahead[old]
+            self._ahead[cursor] = got
+        return got
+
     def plan_ahead(self, cursor: int, end: int | None) -> None:
         """Hand this rank's next samples (about ``predownload`` of them, from ``cursor`` on, in
         order) to ``dataset.plan`` with its owned shards: it downloads their owned shards in the
         background and evicts what is needed last. Never raises for the dataset's sake: a
-        failing plan is logged, the reads themselves then fail or succeed as they will."""
+        failing plan is logged, the reads themselves then fail or succeed as they will.
+
+        Called every step: each step's part is computed once (:meth:`_step_ahead`), and the
+        dataset re-ranks its cache and wakes its downloader only when the set of shards ahead
+        changed (their order of need moves a little each step; the next change re-ranks)."""
         plan = getattr(self.dataset, "plan", None)
         if plan is None or self.generation < 0:
             return
-        chunks: list[np.ndarray] = []
+        steps: list[np.ndarray] = []
         count = 0
-        owned: set[int] = set()
+        shards: set[int] = set()
+        epochs: set[int] = set()
         c = cursor
         for _ in range(MAX_PLAN_STEPS):
             if count >= self.predownload or (end is not None and c >= end):
                 break
-            batch = self.order.batch(c)
-            a = self.assignment(batch)
-            mine = a.positions[self.rank]
-            local = mine[~a.remote[mine]]  # the samples it reads from its own shards (of that epoch)
-            chunks.append(batch.indices[local])
-            count += len(local)
-            owned |= self.reading(c)
-            c = batch.next_cursor
-        ids = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
-        # the dataset re-ranks its cache and wakes its downloader on every plan: only when the
-        # set of shards ahead changed, not on every step (their order of need moves a little
-        # each step; the next change re-ranks)
-        if len(ids):
-            shards = shard_of(ids, self.offsets)
-            _, first = np.unique(shards, return_index=True)
-            ahead = (self.generation, frozenset(shards[first].tolist()))
-        else:
-            ahead = (self.generation, frozenset())
+            epochs.add(c // self.order.num_samples)
+            nxt, ids, of_step = self._step_ahead(c)
+            steps.append(ids)
+            count += len(ids)
+            shards |= of_step
+            c = nxt
+        ahead = (self.generation, frozenset(shards))
         if ahead == self._planned:
             return
         self._planned = ahead
+        owned: set[int] = set()
+        for epoch in epochs:
+            owned |= self.reading(epoch * self.order.num_samples)
+        ids = np.concatenate(steps) if steps else np.zeros(0, dtype=np.int64)
         try:
             plan(ids, owned)
         except Exception as exc:  # noqa: BLE001 - the reads report a real failure with its shard

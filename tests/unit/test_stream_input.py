@@ -89,3 +89,32 @@ def test_first_step_leaves_out_the_ranks_behind_and_figures_come_from_the_counte
     alone = StreamInput(Planned(), order)
     alone.use_table(_table(1, generation=2), "w0")
     assert alone.reading(0) == frozenset(range(len(SHARDS))) and np.all(alone.epoch_owner(1) == 0)
+
+
+def test_the_plan_of_each_step_is_computed_once_and_handed_on_only_when_its_shards_change(monkeypatch) -> None:
+    """plan_ahead runs after every step and looks up to ``predownload`` samples ahead: each
+    step's part (its ids' shards) is computed once, not again by every later plan that still
+    sees it, and the dataset hears of a plan only when the shards ahead changed."""
+    import shoal.worker.stream_input as stream_input
+
+    located: list[int] = []
+
+    def counting(ids, offsets):
+        located.append(len(ids))
+        return shard_of(ids, offsets)
+
+    monkeypatch.setattr(stream_input, "shard_of", counting)
+    order = DataOrder(sum(SHARDS), 3, 32, shard_samples=SHARDS, window=4)
+    ds = Planned()
+    si = StreamInput(ds, order)
+    si.use_table(_table(2), "w0")
+    steps, cursor, shards_ahead = 0, 0, []
+    while cursor < 2 * order.num_samples:
+        si.plan_ahead(cursor, None)
+        shards_ahead.append(frozenset(shard_of(ds.plans[-1][0], shard_offsets(SHARDS)).tolist()))
+        cursor = order.batch(cursor).next_cursor
+        steps += 1
+    lookahead = -(-ds.predownload // 16) + 1  # steps of 16 samples a rank reads in one plan, and one more
+    assert sum(located) <= 2 * 32 * (steps + lookahead)  # each step located once (the split and the plan)
+    changes = sum(1 for a, b in zip(shards_ahead, shards_ahead[1:]) if a != b)
+    assert len(ds.plans) == changes + 1 < steps  # handed on at the start and at each change only
