@@ -47,6 +47,7 @@ import mmap
 import operator
 import os
 import shutil
+import struct
 import tempfile
 import threading
 import time
@@ -78,6 +79,8 @@ MAPPED_SHARDS = 40
 #: a packed shard's offsets table up to this many bytes is read whole by the first ranged read
 #: of the shard (and kept per process); beyond it each ranged read fetches its 16 bytes
 OFFSETS_TABLE_MAX = 64 * 1024
+#: a packed record's (start, end): two little-endian u64 offsets
+_OFFSET_PAIR = struct.Struct("<QQ")
 
 
 class _Proc:
@@ -318,7 +321,10 @@ class StreamingDataset:
                     continue
             with proc.lock:
                 mm = mapped[0]
-                records = [self._record(mm, entry, shard, pos) for pos in positions]
+                if entry.format == "packed":
+                    records = [self._packed_record(mm, shard, pos) for pos in positions]
+                else:
+                    records = [self._record(mm, entry, shard, pos) for pos in positions]
             if hit:
                 proc.counters.add("cache_hits", len(positions))
             else:
@@ -326,10 +332,17 @@ class StreamingDataset:
                 if len(positions) > 1:
                     proc.counters.add("cache_hits", len(positions) - 1)
             self._touch(proc, shard, mapped[2])
-            return [self._decode(shard, pos, rec) for pos, rec in zip(positions, records)]
+            return [self._decode(shard, pos, rec, entry.format) for pos, rec in zip(positions, records)]
         # the cache is too small for what this worker's processes read at once: read these
         # samples remotely rather than fail (counted in remote_reads)
         return [self._read_remote(shard, pos) for pos in positions]
+
+    def _packed_record(self, mm: mmap.mmap, shard: int, pos: int) -> bytes:
+        """Record ``pos``'s bytes from a mapped copy of packed ``shard``."""
+        start, end = _OFFSET_PAIR.unpack_from(mm, packed.HEADER + 8 * pos)
+        if not 0 <= start <= end <= len(mm):
+            raise ShardCorrupt(f"dataset shard {self._label(shard)}: sample {pos} lies outside the shard")
+        return mm[start:end]
 
     def _record(self, mm: mmap.mmap, entry: Any, shard: int, pos: int) -> bytes:
         """Record ``pos``'s bytes from a mapped copy of ``shard``."""
@@ -377,8 +390,8 @@ class StreamingDataset:
             except FileNotFoundError:
                 pass
 
-    def _decode(self, shard: int, pos: int, raw: bytes) -> dict[str, Any]:
-        fmt = self.index.shards[shard].format
+    def _decode(self, shard: int, pos: int, raw: bytes, fmt: str | None = None) -> dict[str, Any]:
+        fmt = fmt or self.index.shards[shard].format
         try:
             return packed.decode_record(raw) if fmt == "packed" else wds.decode_range(raw)
         except packed.FormatError as exc:

@@ -125,9 +125,80 @@ def decode_record(buf: bytes | memoryview) -> dict[str, Any]:
     if zlib.crc32(body) != crc:
         raise FormatError("record crc32 mismatch")
     try:
+        if isinstance(buf, bytes):
+            out = _decode_known(buf)
+            if out is not None:
+                return out
+            global _WALKED
+            _WALKED += 1  # records of varying sizes match no layout: learn from 1 in 16 of them
+            return _decode_body(body, learn=_WALKED % 16 == 1)
         return _decode_body(body)
     except (struct.error, IndexError, UnicodeDecodeError, TypeError) as exc:
         raise FormatError(f"malformed record: {exc}") from exc
+
+
+class _Layout:
+    """Where everything is in records of one fixed layout (a shard's records mostly share
+    one: the same fields, dtypes, shapes and byte lengths). ``checks``: (offset, bytes) of
+    every field's header - name, type, dtype, shape, length - and of the field count; a
+    record of ``size`` bytes whose headers all match parses exactly as the one it was
+    learned from, so its values are read at the learned offsets without walking it."""
+
+    __slots__ = ("size", "checks", "fields")
+
+    def __init__(self, size: int, checks: tuple[tuple[int, bytes], ...],
+                 fields: tuple[tuple[str, int, int, int, Any, tuple[int, ...]], ...]) -> None:
+        self.size = size
+        self.checks = checks
+        self.fields = fields
+
+
+#: the layouts learned last, newest first (a few: records of another layout are walked)
+_LAYOUTS: tuple[_Layout, ...] = ()
+_LAYOUTS_KEPT = 4
+_WALKED = 0
+
+
+def _decode_known(buf: bytes) -> dict[str, Any] | None:
+    """The record's values by a learned layout (offsets relative to the body at byte 4), or
+    None when none matches."""
+    size = len(buf) - 4
+    for lay in _LAYOUTS:
+        if lay.size != size:
+            continue
+        for off, head in lay.checks:
+            if not buf.startswith(head, 4 + off):
+                break
+        else:
+            return _values(buf, lay)
+    return None
+
+
+def _values(buf: bytes, lay: _Layout) -> dict[str, Any]:
+    """The values of a record that matches ``lay``."""
+    out: dict[str, Any] = {}
+    for name, kind, off, n, dtype, shape in lay.fields:
+        at = 4 + off
+        if kind == _ARRAY:
+            out[name] = np.frombuffer(buf, dtype=dtype, count=n, offset=at).reshape(shape).copy()
+        elif kind == _BYTES:
+            out[name] = buf[at : at + n]
+        elif kind == _STR:
+            out[name] = buf[at : at + n].decode()
+        elif kind == _INT:
+            out[name] = _I64.unpack_from(buf, at)[0]
+        elif kind == _FLOAT:
+            out[name] = _F64.unpack_from(buf, at)[0]
+        elif kind == _BOOL:
+            out[name] = bool(buf[at])
+        else:
+            out[name] = None
+    return out
+
+
+def _learn(lay: _Layout) -> None:
+    global _LAYOUTS
+    _LAYOUTS = (lay, *_LAYOUTS[: _LAYOUTS_KEPT - 1])
 
 
 #: field names and array dtypes seen in records, by their encoded bytes: a shard's records
@@ -158,18 +229,25 @@ def _dtype(raw: bytes, name: str) -> np.dtype:
     return dtype
 
 
-def _decode_body(mv: memoryview) -> dict[str, Any]:
+def _decode_body(mv: memoryview, *, learn: bool = False) -> dict[str, Any]:
+    """Walk a record's body field by field; with ``learn``, remember its layout for
+    :func:`_decode_known`."""
     (count,) = _U16.unpack_from(mv, 0)
     pos = 2
     size = len(mv)
     out: dict[str, Any] = {}
+    checks: list[tuple[int, bytes]] = [(0, mv[0:2].tobytes())]
+    fields: list[tuple[str, int, int, int, Any, tuple[int, ...]]] = []
     for _ in range(count):
+        start = pos
         (nlen,) = _U16.unpack_from(mv, pos)
         pos += 2
         name = _name(mv[pos : pos + nlen].tobytes())
         pos += nlen
         kind = mv[pos]
         pos += 1
+        dtype: Any = None
+        shape: tuple[int, ...] = ()
         if kind == _ARRAY:
             dlen = mv[pos]
             dtype = _dtype(mv[pos + 1 : pos + 1 + dlen].tobytes(), name)
@@ -178,35 +256,42 @@ def _decode_body(mv: memoryview) -> dict[str, Any]:
             pos += 1
             shape = _SHAPES[ndim].unpack_from(mv, pos)
             pos += 8 * ndim
-            nbytes = math.prod(shape) * dtype.itemsize
+            n = math.prod(shape)
+            nbytes = n * dtype.itemsize
             if pos + nbytes > size:
                 raise FormatError(f"field {name!r} runs past the record")
             value: Any = np.frombuffer(mv[pos : pos + nbytes], dtype=dtype).reshape(shape).copy()
-            pos += nbytes
         elif kind in (_BYTES, _STR):
             (n,) = _U64.unpack_from(mv, pos)
             pos += 8
+            nbytes = n
             if pos + n > size:
                 raise FormatError(f"field {name!r} runs past the record")
             raw = mv[pos : pos + n].tobytes()
-            pos += n
             value = raw.decode() if kind == _STR else raw
         elif kind == _INT:
             (value,) = _I64.unpack_from(mv, pos)
-            pos += 8
+            n = nbytes = 8
         elif kind == _FLOAT:
             (value,) = _F64.unpack_from(mv, pos)
-            pos += 8
+            n = nbytes = 8
         elif kind == _BOOL:
             value = bool(mv[pos])
-            pos += 1
+            n = nbytes = 1
         elif kind == _NONE:
             value = None
+            n = nbytes = 0
         else:
             raise FormatError(f"field {name!r}: unknown type code {kind}")
+        if learn:
+            checks.append((start, mv[start:pos].tobytes()))
+            fields.append((name, kind, pos, n, dtype, shape))
+        pos += nbytes
         out[name] = value
     if pos != size:
         raise FormatError(f"{size - pos} trailing bytes in record")
+    if learn:
+        _learn(_Layout(size, tuple(checks), tuple(fields)))
     return out
 
 

@@ -77,11 +77,14 @@ def shard_aware_permutation(shard_samples: Sequence[int], seed: int, epoch: int,
     Shards are shuffled and cut into consecutive windows of ``window`` shards
     (:func:`epoch_windows`); inside a window, each shard's samples are shuffled and the shards
     are interleaved in rounds - round ``j`` takes the ``j``-th sample of every shard that has
-    one, the shards in a fresh random order each round - so any run of consecutive samples
-    draws from every shard of the window in proportion (a stratified shuffle: a rank's share
-    of a batch then follows its share of the window's shards, with no sampling noise to even
-    out by remote reads). A pure function of its arguments (numpy PCG64 seeded from
-    ``(seed, epoch)``). ValueError on an empty dataset, a negative epoch or window < 1."""
+    one, always in the window's one random cycle of its shards - so any run of consecutive
+    samples draws from every shard of the window in proportion, and a run of as many samples
+    as the window has shards (while they all have samples left) holds one of each: a
+    stratified shuffle. A rank's share of a batch then follows its share of the window's
+    shards with no sampling noise to even out by remote reads (a fresh shard order in every
+    round would leave each batch's partial rounds at its two ends uneven). A pure function of
+    its arguments (numpy PCG64 seeded from ``(seed, epoch)``). ValueError on an empty dataset,
+    a negative epoch or window < 1."""
     offsets = shard_offsets(shard_samples)
     total = int(offsets[-1])
     if total <= 0:
@@ -91,16 +94,17 @@ def shard_aware_permutation(shard_samples: Sequence[int], seed: int, epoch: int,
     out = np.empty(total, dtype=np.int64)
     at = 0
     for shards in windows:
-        ids, rounds, ties = [], [], []
-        for sh in shards:
+        cycle = rng.permutation(len(shards))  # the shards' places in every round
+        ids, rounds, places = [], [], []
+        for place, sh in zip(cycle.tolist(), shards.tolist()):
             count = int(offsets[sh + 1] - offsets[sh])
             ids.append(offsets[sh] + rng.permutation(count))
             rounds.append(np.arange(count))
-            ties.append(rng.random(count))
+            places.append(np.full(count, place))
         if not ids:
             continue
-        ids_a, rounds_a, ties_a = np.concatenate(ids), np.concatenate(rounds), np.concatenate(ties)
-        ordered = ids_a[np.lexsort((ties_a, rounds_a))]
+        ids_a, rounds_a, places_a = np.concatenate(ids), np.concatenate(rounds), np.concatenate(places)
+        ordered = ids_a[np.lexsort((places_a, rounds_a))]
         out[at : at + len(ordered)] = ordered
         at += len(ordered)
     return out
@@ -218,6 +222,19 @@ def assign_step(shards: np.ndarray, owner: np.ndarray, world: int, active: Seque
     is_active[active] = True
     mine = (owned_by >= 0) & is_active[np.clip(owned_by, 0, world - 1)]
     take[mine] = owned_by[mine]
+    if mine.all():  # the common case: every sample's owner takes part and the counts are even
+        counts = np.bincount(take, minlength=world)[active]
+        if int(counts.max()) - int(counts.min()) <= tolerance + 1:
+            return StepAssignment(positions=tuple(np.flatnonzero(take == r) for r in range(world)),
+                                  remote=np.zeros(n, dtype=bool))
+    return _balanced(take, owned_by, world, active, tolerance)
+
+
+def _balanced(take: np.ndarray, owned_by: np.ndarray, world: int, active: list[int], tolerance: int) -> StepAssignment:
+    """The split of :func:`assign_step` from ``take`` (each position's owner when active,
+    else -1): unowned positions go to the emptiest ranks, then samples move until the counts
+    are within ``tolerance + 1``."""
+    n = len(take)
     # per rank, ascending: the positions of its own shards, and the others it was given
     own: dict[int, list[int]] = {r: np.flatnonzero(take == r).tolist() for r in active}
     given: dict[int, list[int]] = {r: [] for r in active}

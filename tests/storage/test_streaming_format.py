@@ -45,6 +45,44 @@ def test_every_field_type_round_trips() -> None:
     assert out["f32"].flags.writeable
 
 
+def test_every_field_type_round_trips_again_by_its_learned_layout() -> None:
+    """The second record of a layout is read at the learned offsets, not walked: same values."""
+    rec = fmt.encode_sample(EVERY_TYPE)
+    first = fmt.decode_record(rec)
+    assert fmt._decode_known(rec) is not None  # learned
+    again = fmt.decode_record(rec)
+    assert list(again) == list(first)
+    for name in first:
+        assert _same(first[name], again[name]), name
+    assert again["f32"].flags.writeable and not np.shares_memory(again["f32"], first["f32"])
+
+
+def test_a_record_of_the_same_size_and_another_layout_is_walked_not_misread() -> None:
+    """Same byte size, same field names: a dtype, a shape, a field's type or a name that
+    differs must never be read with the learned offsets."""
+    base = {"x": np.arange(4, dtype=np.float32), "y": 3, "tag": b"abcd"}
+    twins = [
+        {"x": np.arange(4, dtype=np.int32), "y": 3, "tag": b"abcd"},  # dtype
+        {"x": np.arange(4, dtype=np.float32).reshape(2, 2), "y": 3, "tag": b"abcdefgh"[:4]},  # shape
+        {"x": np.arange(4, dtype=np.float32), "y": 3.0, "tag": b"abcd"},  # int -> float
+        {"x": np.arange(4, dtype=np.float32), "y": 3, "tag": "abcd"},  # bytes -> str
+        {"x": np.arange(4, dtype=np.float32), "z": 3, "tag": b"abcd"},  # a name
+        {"x": np.arange(4, dtype=np.float32), "y": 3, "tag": b"abc", "t": None},  # lengths shift
+    ]
+    fmt.decode_record(fmt.encode_sample(base))
+    for twin in twins:
+        rec = fmt.encode_sample(twin)
+        out = fmt.decode_record(rec)
+        assert list(out) == list(twin)
+        for name, value in twin.items():
+            want = value if not isinstance(value, np.ndarray) else value
+            assert _same(want, out[name]), (twin, name)
+        for _ in range(20):  # and again, whatever was learned meanwhile
+            again = fmt.decode_record(rec)
+            assert all(_same(out[k], again[k]) for k in out)
+        fmt.decode_record(fmt.encode_sample(base))
+
+
 def test_shard_layout_offsets_and_header() -> None:
     samples = [{"i": i, "s": "x" * i} for i in range(5)]
     records = [fmt.encode_sample(s) for s in samples]

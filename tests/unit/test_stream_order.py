@@ -8,7 +8,9 @@ from hypothesis import strategies as st
 from shoal.coordinator.owners import from_ranges, plan_owners, to_ranges
 from shoal.worker.data import DataOrder, validate_table
 from shoal.worker.stream_order import (
+    _balanced,
     assign_step,
+    epoch_windows,
     owner_ranks,
     shard_aware_permutation,
     shard_of,
@@ -24,6 +26,25 @@ def test_order_is_a_permutation_and_a_pure_function():
     assert np.array_equal(perm, shard_aware_permutation(SHARDS, seed=3, epoch=1, window=4))
     assert not np.array_equal(perm, shard_aware_permutation(SHARDS, seed=3, epoch=2, window=4))
     assert not np.array_equal(perm, shard_aware_permutation(SHARDS, seed=4, epoch=1, window=4))
+
+
+def test_every_round_of_a_window_takes_its_shards_in_one_cycle():
+    """Inside a window, while all its shards have samples left, sample p and sample p + m
+    (m: the window's shards) come from the same shard: any m consecutive samples hold one of
+    each, so a batch's share of each shard (and of each rank's shards) is even wherever the
+    batch starts - a fresh shard order per round left the partial rounds at a batch's two
+    ends uneven, and the balancing read those samples remotely."""
+    shards = [12] * 9 + [7] * 3
+    offsets = shard_offsets(shards)
+    for epoch in range(3):
+        perm = shard_aware_permutation(shards, seed=5, epoch=epoch, window=4)
+        from_shard = shard_of(perm, offsets)
+        at = 0
+        for win in epoch_windows(shards, 5, epoch, 4):
+            m, full = len(win), min(shards[s] for s in win.tolist())
+            rounds = from_shard[at : at + m * full].reshape(full, m)
+            assert (rounds == rounds[0]).all() and sorted(rounds[0].tolist()) == sorted(win.tolist())
+            at += sum(shards[s] for s in win.tolist())
 
 
 def test_consecutive_batches_touch_few_shards():
@@ -75,6 +96,23 @@ def test_assignment_partitions_and_balances(shards, world, tolerance):
     assert a.balance_error <= tolerance + 1
     for r in range(world):  # remote exactly where the reader does not own the shard
         assert all(a.remote[p] == (owner[shards[p]] != r) for p in a.positions[r])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 9), max_size=40), st.integers(1, 4), st.integers(0, 2), st.data())
+def test_the_even_case_shortcut_splits_exactly_as_the_balancing_does(shards, world, tolerance, data):
+    """assign_step returns at once when every owner takes part and the counts are even: the
+    split must be the one the general balancing computes (every rank computes the same)."""
+    shards = np.array(shards, dtype=np.int64)
+    owner = np.array(data.draw(st.lists(st.integers(-1, world - 1), min_size=10, max_size=10)), dtype=np.int64)
+    active = data.draw(st.one_of(st.none(), st.sets(st.integers(0, world - 1), min_size=1).map(sorted)))
+    a = assign_step(shards, owner, world, active, tolerance)
+    ranks = list(range(world)) if active is None else active
+    owned_by = owner[shards]
+    live = np.isin(owned_by, ranks)
+    b = _balanced(np.where(live, owned_by, -1), owned_by, world, ranks, tolerance)
+    assert [p.tolist() for p in a.positions] == [p.tolist() for p in b.positions]
+    assert a.remote.tolist() == b.remote.tolist()
 
 
 def test_assignment_prefers_owners_and_skips_inactive_ranks():
