@@ -171,7 +171,7 @@ class StreamInput:
             a = self.assignment(batch)
             mine = a.positions[self.rank]
             ids = batch.indices[mine[~a.remote[mine]]]  # the samples it reads from its own shards
-            got = (batch.next_cursor, ids, frozenset(np.unique(shard_of(ids, self.offsets)).tolist()))
+            got = (batch.next_cursor, ids, frozenset(shard_of(ids, self.offsets).tolist()))
             if len(self._ahead) >= CACHE_STEPS:
                 for old in [c for c in self._ahead if c < cursor] or [next(iter(self._ahead))]:
                     del self._ahead[old]

@@ -420,8 +420,8 @@ class TrainingWorker(WorkerRunner):
                            exposed_comm_time=round(result.comm_exposed_seconds, 4))
             self.hb.update(input_wait_time=round(self.prefetch.step_wait, 4))  # waited for its batches
             if self.stream is not None:
-                # the dataset's counters (files shared with the loaders) at most twice a second
-                self.hb.update(**self.stream.figures(max_age=0.5))
+                # the dataset's counters (files shared with the loaders, a directory scan) once a second at most
+                self.hb.update(**self.stream.figures(max_age=1.0))
         self.faults.at(wid, act.step + 1, "after_commit")
         return Committed(cursor=batch.next_cursor, max_generation=result.max_generation, loss=result.loss, started=started)
 
