@@ -3,8 +3,8 @@
     python3 scripts/dev.py python bench/streaming.py --quick      # < 5 min on 2 cores
 
 Data: the digits glyphs (5000 samples, each with a 2 KiB payload standing in for an encoded
-image: 11.9 MB) packed into 46 shards of ~256 KiB in a bucket of a local S3 server (moto serving
-S3 only, the tests' server, on loopback). Every sample's decode burns
+image: 11.9 MB) packed into 46 shards of ~256 KiB in a bucket of a local S3 server (moto's S3 in
+waitress with keep-alive, the tests' server, on loopback: ``bench/s3_server.py``). Every sample's decode burns
 ``SHOAL_BENCH_ITEM_MS`` (default 1 ms) of CPU in both variants, so the jobs are data-bound.
 
 Figures (one line each):
@@ -12,10 +12,13 @@ Figures (one line each):
 - ``throughput ratio=<x>``: steady steps/s of 2 workers streaming from S3 (prefetch, one
   loader each, the split by shard owner) / the same job reading an in-memory copy of the same
   samples (a map-style dataset, the plain order); A/B interleaved, the median of the pairs'
-  ratios. Steady: the first fifth of the steps is skipped. Each pair's line also gives the CPU
-  milliseconds a step over that steady window of the workers with their loaders and of this
-  process (which runs the S3 server): on 2 shared cores every CPU millisecond the streaming
-  spends (downloads, ranged reads, the server answering them) is taken from the loaders.
+  ratios. Steady: the first fifth of the steps is skipped (with ``--quick`` the window then
+  lies mostly in the first epoch, the one that downloads every shard; the full run's spans
+  three epochs). Each pair's line also gives the CPU milliseconds a step over that steady
+  window of the training processes, of their loaders and of this process (which runs the S3
+  server), and the stream side's remote samples a step and shard downloads: on 2 shared
+  cores every CPU millisecond the streaming spends (downloads, ranged reads, the server
+  answering them) is taken from the loaders.
 - ``bytes per epoch ratio=<y>``: bytes all workers downloaded in one epoch (whole shards and
   ranged reads) / the dataset's bytes, 3 workers, no membership change; then the same with
   one of the 3 leaving mid-epoch (``leave ratio=``).
@@ -122,7 +125,7 @@ def build_memory():
 
 
 def _moto() -> str:
-    """The local S3 server: moto serving S3 only (``bench/s3_server.py``)."""
+    """The local S3 server: moto's S3 in waitress (``bench/s3_server.py``)."""
     from s3_server import start_moto_s3  # the sibling module (this script's folder is sys.path[0])
 
     return start_moto_s3()[0]

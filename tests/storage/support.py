@@ -36,7 +36,7 @@ _server_lock = threading.Lock()
 
 def moto_endpoint() -> str:
     """``http://127.0.0.1:PORT`` of a moto S3 server running in this process (started once,
-    stopped at exit; ``bench.s3_server``: it serves S3 only)."""
+    stopped at exit; ``bench.s3_server``: moto's S3 in waitress, keep-alive like a real endpoint)."""
     from bench.s3_server import start_moto_s3
 
     global _server
