@@ -4,8 +4,9 @@ Write order of :func:`save_checkpoint` (each object is written atomically by the
 
 1. delete an existing ``manifest.json`` at this step (re-saving a step makes it invisible
    first, so old manifest + new files can never be mistaken for a checkpoint). The step
-   LATEST names is never unpublished: while its checkpoint verifies, a re-save of it writes
-   nothing and returns the manifest that is there (a step's state is the same on every
+   LATEST names is never unpublished: while its checkpoint is whole (manifest verifies,
+   files of the recorded sizes), a re-save of it writes nothing and returns the manifest
+   that is there (a step's state is the same on every
    replica; re-writing it would leave LATEST naming no checkpoint for the time of the write);
 2. every state file (``torch.save``, size and sha256 computed while writing; files are
    written concurrently, all have ended before the next step);
@@ -33,7 +34,14 @@ from typing import Any
 import torch
 
 from shoal.storage.backend import ObjectStore
-from shoal.storage.errors import CheckpointCorrupt, LatestRegression, NoCheckpoint, StorageError, UnsafeCheckpoint
+from shoal.storage.errors import (
+    CheckpointCorrupt,
+    LatestRegression,
+    NoCheckpoint,
+    ObjectNotFound,
+    StorageError,
+    UnsafeCheckpoint,
+)
 from shoal.storage.latest_object import read_latest_step, write_latest
 from shoal.storage.layout import file_key, manifest_key
 from shoal.storage.manifest import FROM_ENV, FileEntry, HmacKey, Manifest, resolve_hmac_key
@@ -118,12 +126,16 @@ def _write_state_files(store: ObjectStore, step: int, parts: dict[str, Any], on_
 
 
 def _published(store: ObjectStore, step: int, key: HmacKey) -> Manifest | None:
-    """The manifest of the checkpoint LATEST names at ``step`` when it verifies, else None
+    """The manifest of the checkpoint LATEST names at ``step`` when it is whole - the
+    manifest verifies and every file it lists has its size (not read back: a re-save comes
+    right after the save of the same step, and a model's files can be large) - else None
     (then a re-save repairs it)."""
     try:
         manifest = read_manifest(store, step, hmac_key=key, on_warning=ignore_warning)
-        read_verified_files(store, manifest)
-    except (CheckpointCorrupt, UnsafeCheckpoint):  # damaged, or signed with another key
+        for name, entry in manifest.files.items():
+            if store.size(file_key(step, name)) != entry.size:
+                return None
+    except (CheckpointCorrupt, UnsafeCheckpoint, ObjectNotFound):  # damaged, or signed with another key
         return None
     return manifest
 
