@@ -130,8 +130,11 @@ def decode_record(buf: bytes | memoryview) -> dict[str, Any]:
             if out is not None:
                 return out
             global _WALKED
-            _WALKED += 1  # records of varying sizes match no layout: learn from 1 in 16 of them
-            return _decode_body(body, learn=_WALKED % 16 == 1)
+            # learn a layout when two walked records in a row have one size (or none is known
+            # yet): records of varying sizes would match no layout, and learning costs ~35 %
+            learn = not _LAYOUTS or len(buf) == _WALKED
+            _WALKED = len(buf)
+            return _decode_body(body, learn=learn)
         return _decode_body(body)
     except (struct.error, IndexError, UnicodeDecodeError, TypeError) as exc:
         raise FormatError(f"malformed record: {exc}") from exc
@@ -156,7 +159,7 @@ class _Layout:
 #: the layouts learned last, newest first (a few: records of another layout are walked)
 _LAYOUTS: tuple[_Layout, ...] = ()
 _LAYOUTS_KEPT = 4
-_WALKED = 0
+_WALKED = 0  # the size of the last record walked
 
 
 def _decode_known(buf: bytes) -> dict[str, Any] | None:
