@@ -4,8 +4,9 @@
 
 Data: the digits glyphs (5000 samples, each with a 2 KiB payload standing in for an encoded
 image: 11.9 MB) packed into 46 shards of ~256 KiB in a bucket of a local S3 server (moto's S3 in
-waitress with keep-alive, the tests' server, on loopback: ``bench/s3_server.py``). Every sample's decode burns
-``SHOAL_BENCH_ITEM_MS`` (default 1 ms) of CPU in both variants, so the jobs are data-bound.
+waitress with keep-alive, the tests' server, on loopback: ``bench/s3_server.py``). Every
+sample's decode burns ``SHOAL_BENCH_ITEM_MS`` (default 1 ms) of CPU in both variants, so the
+jobs are data-bound.
 
 Figures (one line each):
 
@@ -17,9 +18,8 @@ Figures (one line each):
   epoch, which downloads every shard - warm-up, not the steady state.) Each pair's line also
   gives the CPU milliseconds a step over that steady window of the training processes, of
   their loaders and of this process (which runs the S3 server), and the stream side's remote
-  samples a step and shard downloads: on 2 shared
-  cores every CPU millisecond the streaming spends (downloads, ranged reads, the server
-  answering them) is taken from the loaders.
+  samples a step and shard downloads: on 2 shared cores every CPU millisecond the streaming
+  spends (downloads, ranged reads, the server answering them) is taken from the loaders.
 - ``first epoch throughput ratio=<x>``: the same runs over the first epoch alone (its first
   fifth skipped): the cold cache's epoch, every shard downloaded during it.
 - ``bytes per epoch ratio=<y>``: bytes all workers downloaded in one epoch (whole shards and
@@ -63,6 +63,7 @@ _BLOCK = bytes(range(256)) * 64
 ACCESS, SECRET = "bench-access", "bench-secret-not-printed"
 PAYLOAD = 2048
 SHARD_BYTES = 256 * 1024
+GLOBAL_BATCH = 64
 
 
 def _burn() -> None:
@@ -166,7 +167,7 @@ def _job(client, job: str, entrypoint: str, workers: int, **kw) -> None:
     from shoal.core.jobspec import JobSpec
     from shoal.core.registry import create_job
 
-    base = dict(name=job, entrypoint=entrypoint, global_batch_size=64, epochs=1, min_workers=workers,
+    base = dict(name=job, entrypoint=entrypoint, global_batch_size=GLOBAL_BATCH, epochs=1, min_workers=workers,
                 max_workers=3, loader_workers=1, prefetch_steps=2, seed=1)
     create_job(client, JobSpec(**(base | kw)))
 
@@ -287,7 +288,7 @@ def main() -> int:
 
     s3 = {"S3_ENDPOINT": _moto(), "S3_ACCESS_KEY": ACCESS, "S3_SECRET_KEY": SECRET}
     uri, size, shards, samples = _pack(s3)
-    epoch_steps = -(-samples // 64)
+    epoch_steps = -(-samples // GLOBAL_BATCH)
     import streaming_mosaic as mosaic  # the sibling module (this script's folder is sys.path[0])
 
     mosaic_env = mosaic.s3_env(s3["S3_ENDPOINT"], ACCESS, SECRET)
@@ -330,7 +331,8 @@ def main() -> int:
                     return started
 
                 def run_mosaic(name: str, workers: int, steps: int, epochs: int) -> dict:
-                    return mosaic.run_job(mosaic_uri, mosaic_env, tmp / f"mosaic-{name}", workers, steps, epochs)
+                    return mosaic.run_job(mosaic_uri, mosaic_env, tmp / f"mosaic-{name}", workers, steps, epochs,
+                                          global_batch=GLOBAL_BATCH)
 
                 ratios, mosaic_ratios, cold_ratios = [], [], []
                 for k in range(pairs):  # A/B interleaved
@@ -369,7 +371,7 @@ def main() -> int:
                           f"stream {cpu['stream'][0]:.1f} memory {cpu['memory'][0]:.1f}; stream read {reads} "
                           f"over {steps} steps; first epoch alone {cold_ratios[-1]:.3f}", flush=True)
                 print(f"throughput ratio={statistics.median(ratios):.3f}  pairs {' '.join(f'{x:.3f}' for x in ratios)}"
-                      f"  (2 workers, {steps} steps, global batch 64)", flush=True)
+                      f"  (2 workers, {steps} steps, global batch {GLOBAL_BATCH})", flush=True)
                 print(f"first epoch throughput ratio={statistics.median(cold_ratios):.3f}  pairs "
                       f"{' '.join(f'{x:.3f}' for x in cold_ratios)}  (the same runs' steps {epoch_steps // 5}-"
                       f"{epoch_steps}: the cold cache's epoch, every shard downloaded during it)", flush=True)
@@ -392,7 +394,7 @@ def main() -> int:
                 if mosaic_ratios:
                     print(f"mosaicml throughput ratio={statistics.median(mosaic_ratios):.3f}  pairs "
                           f"{' '.join(f'{x:.3f}' for x in mosaic_ratios)}  (shoal streaming / mosaicml-streaming "
-                          f"{mosaic.VERSION} steps/s, 2 workers, {steps} steps, global batch 64)", flush=True)
+                          f"{mosaic.VERSION} steps/s, 2 workers, {steps} steps, global batch {GLOBAL_BATCH})", flush=True)
                     mosaic_bytes = run_mosaic("bytes", 3, 10**9, 1)["bytes"] / mosaic_size
                     print(f"mosaicml bytes per epoch ratio={mosaic_bytes:.3f}  (shoal {steady:.3f}; 3 nodes of "
                           f"one process, one epoch, each node its own cache; no resize)", flush=True)

@@ -321,10 +321,7 @@ class StreamingDataset:
                     continue
             with proc.lock:
                 mm = mapped[0]
-                if entry.format == "packed":
-                    records = [self._packed_record(mm, shard, pos) for pos in positions]
-                else:
-                    records = [self._record(mm, entry, shard, pos) for pos in positions]
+                records = [self._record(mm, entry, shard, pos) for pos in positions]
             if hit:
                 proc.counters.add("cache_hits", len(positions))
             else:
@@ -337,18 +334,10 @@ class StreamingDataset:
         # samples remotely rather than fail (counted in remote_reads)
         return [self._read_remote(shard, pos) for pos in positions]
 
-    def _packed_record(self, mm: mmap.mmap, shard: int, pos: int) -> bytes:
-        """Record ``pos``'s bytes from a mapped copy of packed ``shard``."""
-        start, end = _OFFSET_PAIR.unpack_from(mm, packed.HEADER + 8 * pos)
-        if not 0 <= start <= end <= len(mm):
-            raise ShardCorrupt(f"dataset shard {self._label(shard)}: sample {pos} lies outside the shard")
-        return mm[start:end]
-
     def _record(self, mm: mmap.mmap, entry: Any, shard: int, pos: int) -> bytes:
         """Record ``pos``'s bytes from a mapped copy of ``shard``."""
         if entry.format == "packed":
-            at = packed.offsets_span(pos)[0]
-            start, end = packed.offset_pair(mm[at : at + 16])
+            start, end = _OFFSET_PAIR.unpack_from(mm, packed.offsets_span(pos)[0])
         else:
             start, end = entry.offsets[pos], entry.offsets[pos + 1]
         if not 0 <= start <= end <= len(mm):
@@ -390,8 +379,7 @@ class StreamingDataset:
             except FileNotFoundError:
                 pass
 
-    def _decode(self, shard: int, pos: int, raw: bytes, fmt: str | None = None) -> dict[str, Any]:
-        fmt = fmt or self.index.shards[shard].format
+    def _decode(self, shard: int, pos: int, raw: bytes, fmt: str) -> dict[str, Any]:
         try:
             return packed.decode_record(raw) if fmt == "packed" else wds.decode_range(raw)
         except packed.FormatError as exc:
@@ -427,7 +415,7 @@ class StreamingDataset:
             raise ShardCorrupt(f"dataset shard {self._label(shard)}: sample {pos} lies outside the shard")
         raw = self._ranged(key, start, end - start, shard)
         proc.counters.add("remote_reads")
-        return self._decode(shard, pos, raw)
+        return self._decode(shard, pos, raw, entry.format)
 
     def _ranged(self, key: str, start: int, length: int, shard: int) -> bytes:
         raw = self._retry(f"ranged read of {self._label(shard)}",

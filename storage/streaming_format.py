@@ -179,24 +179,25 @@ def _decode_known(buf: bytes) -> dict[str, Any] | None:
 
 def _values(buf: bytes, lay: _Layout) -> dict[str, Any]:
     """The values of a record that matches ``lay``."""
-    out: dict[str, Any] = {}
-    for name, kind, off, n, dtype, shape in lay.fields:
-        at = 4 + off
-        if kind == _ARRAY:
-            out[name] = np.frombuffer(buf, dtype=dtype, count=n, offset=at).reshape(shape).copy()
-        elif kind == _BYTES:
-            out[name] = buf[at : at + n]
-        elif kind == _STR:
-            out[name] = buf[at : at + n].decode()
-        elif kind == _INT:
-            out[name] = _I64.unpack_from(buf, at)[0]
-        elif kind == _FLOAT:
-            out[name] = _F64.unpack_from(buf, at)[0]
-        elif kind == _BOOL:
-            out[name] = bool(buf[at])
-        else:
-            out[name] = None
-    return out
+    return {name: _value(buf, kind, 4 + off, n, dtype, shape) for name, kind, off, n, dtype, shape in lay.fields}
+
+
+def _value(src: bytes | memoryview, kind: int, at: int, n: int, dtype: Any, shape: tuple[int, ...]) -> Any:
+    """One field's value from its data at ``at`` (``n``: elements of an array, bytes of a
+    bytes or str field); the caller checked that the data lies inside the record."""
+    if kind == _ARRAY:
+        return np.frombuffer(src, dtype=dtype, count=n, offset=at).reshape(shape).copy()
+    if kind == _BYTES:
+        return bytes(src[at : at + n])
+    if kind == _STR:
+        return bytes(src[at : at + n]).decode()
+    if kind == _INT:
+        return _I64.unpack_from(src, at)[0]
+    if kind == _FLOAT:
+        return _F64.unpack_from(src, at)[0]
+    if kind == _BOOL:
+        return bool(src[at])
+    return None
 
 
 def _learn(lay: _Layout) -> None:
@@ -261,36 +262,25 @@ def _decode_body(mv: memoryview, *, learn: bool = False) -> dict[str, Any]:
             pos += 8 * ndim
             n = math.prod(shape)
             nbytes = n * dtype.itemsize
-            if pos + nbytes > size:
-                raise FormatError(f"field {name!r} runs past the record")
-            value: Any = np.frombuffer(mv[pos : pos + nbytes], dtype=dtype).reshape(shape).copy()
         elif kind in (_BYTES, _STR):
             (n,) = _U64.unpack_from(mv, pos)
             pos += 8
             nbytes = n
-            if pos + n > size:
-                raise FormatError(f"field {name!r} runs past the record")
-            raw = mv[pos : pos + n].tobytes()
-            value = raw.decode() if kind == _STR else raw
-        elif kind == _INT:
-            (value,) = _I64.unpack_from(mv, pos)
-            n = nbytes = 8
-        elif kind == _FLOAT:
-            (value,) = _F64.unpack_from(mv, pos)
+        elif kind in (_INT, _FLOAT):
             n = nbytes = 8
         elif kind == _BOOL:
-            value = bool(mv[pos])
             n = nbytes = 1
         elif kind == _NONE:
-            value = None
             n = nbytes = 0
         else:
             raise FormatError(f"field {name!r}: unknown type code {kind}")
+        if pos + nbytes > size:
+            raise FormatError(f"field {name!r} runs past the record")
+        out[name] = _value(mv, kind, pos, n, dtype, shape)
         if learn:
             checks.append((start, mv[start:pos].tobytes()))
             fields.append((name, kind, pos, n, dtype, shape))
         pos += nbytes
-        out[name] = value
     if pos != size:
         raise FormatError(f"{size - pos} trailing bytes in record")
     if learn:

@@ -73,9 +73,10 @@ def test_stop_writes_a_final_checkpoint_latest_follows_and_purge_leaves_no_key(
 def test_a_peer_that_sees_the_stop_one_step_before_rank_0_does_not_cost_the_final_checkpoint(
         r, redis_url, subprocess_env, tmp_path, job_id) -> None:
     """The race behind a flaky run of the test above, made certain: rank 1 sleeps (10 s: the
-    ``shoal stop`` below, a new process, must land within it) right after committing step 10, rank 0 (which read "running") begins step 11 and waits for it in the
-    all-reduce; the operator stops the job meanwhile, so rank 1 wakes, reads "stopped" and
-    exits, and rank 0's step 11 aborts (nothing applied). Rank 0 still holds the group's last
+    ``shoal stop`` below, a new process, must land within it) right after committing step
+    10, rank 0 (which read "running") begins step 11 and waits for it in the all-reduce;
+    the operator stops the job meanwhile, so rank 1 wakes, reads "stopped" and exits, and
+    rank 0's step 11 aborts (nothing applied). Rank 0 still holds the group's last
     committed state (step 10): it writes the final checkpoint and LATEST follows."""
     ckpt = f"file://{tmp_path / 'ckpt'}"
     spec = JobSpec(name=job_id, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, epochs=5,

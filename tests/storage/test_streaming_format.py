@@ -59,28 +59,27 @@ def test_every_field_type_round_trips_again_by_its_learned_layout() -> None:
 
 
 def test_a_record_of_the_same_size_and_another_layout_is_walked_not_misread() -> None:
-    """Same byte size, same field names: a dtype, a shape, a field's type or a name that
-    differs must never be read with the learned offsets."""
-    base = {"x": np.arange(4, dtype=np.float32), "y": 3, "tag": b"abcd"}
+    """Same byte size: a dtype, a shape, a field's type, a name or two lengths that differ
+    must never be read with the learned offsets."""
+    base = {"x": np.arange(4, dtype=np.float32).reshape(2, 2), "y": 3, "tag": b"abcd", "note": b"xy"}
     twins = [
-        {"x": np.arange(4, dtype=np.int32), "y": 3, "tag": b"abcd"},  # dtype
-        {"x": np.arange(4, dtype=np.float32).reshape(2, 2), "y": 3, "tag": b"abcdefgh"[:4]},  # shape
-        {"x": np.arange(4, dtype=np.float32), "y": 3.0, "tag": b"abcd"},  # int -> float
-        {"x": np.arange(4, dtype=np.float32), "y": 3, "tag": "abcd"},  # bytes -> str
-        {"x": np.arange(4, dtype=np.float32), "z": 3, "tag": b"abcd"},  # a name
-        {"x": np.arange(4, dtype=np.float32), "y": 3, "tag": b"abc", "t": None},  # lengths shift
+        dict(base, x=np.arange(4, dtype=np.int32).reshape(2, 2)),  # dtype
+        dict(base, x=np.arange(4, dtype=np.float32).reshape(1, 4)),  # shape
+        dict(base, y=3.0),  # int -> float
+        dict(base, tag="abcd"),  # bytes -> str
+        {"x": base["x"], "z": 3, "tag": b"abcd", "note": b"xy"},  # a name
+        dict(base, tag=b"abcde", note=b"x"),  # lengths shift, total the same
     ]
-    fmt.decode_record(fmt.encode_sample(base))
+    size = len(fmt.encode_sample(base))
+    for _ in range(2):  # two in a row: the base layout is learned
+        fmt.decode_record(fmt.encode_sample(base))
     for twin in twins:
         rec = fmt.encode_sample(twin)
-        out = fmt.decode_record(rec)
-        assert list(out) == list(twin)
-        for name, value in twin.items():
-            want = value if not isinstance(value, np.ndarray) else value
-            assert _same(want, out[name]), (twin, name)
-        for _ in range(20):  # and again, whatever was learned meanwhile
-            again = fmt.decode_record(rec)
-            assert all(_same(out[k], again[k]) for k in out)
+        assert len(rec) == size, twin
+        for _ in range(3):  # walked, then perhaps learned: the same values each time
+            out = fmt.decode_record(rec)
+            assert list(out) == list(twin)
+            assert all(_same(value, out[name]) for name, value in twin.items()), twin
         fmt.decode_record(fmt.encode_sample(base))
 
 
