@@ -47,7 +47,6 @@ import mmap
 import operator
 import os
 import shutil
-import struct
 import tempfile
 import threading
 import time
@@ -79,8 +78,6 @@ MAPPED_SHARDS = 40
 #: a packed shard's offsets table up to this many bytes is read whole by the first ranged read
 #: of the shard (and kept per process); beyond it each ranged read fetches its 16 bytes
 OFFSETS_TABLE_MAX = 64 * 1024
-#: a packed record's (start, end): two little-endian u64 offsets
-_OFFSET_PAIR = struct.Struct("<QQ")
 
 
 class _Proc:
@@ -99,7 +96,8 @@ class _Proc:
         self.failed: set[int] = set()  # shards whose prefetch failed (demand reads raise)
         self.needs: dict[str, tuple[int, int]] | None = None  # last needs written (skip rewriting them)
         self.pool: Any = None  # threads for parallel ranged reads, made on first use
-        self.maps: dict[int, tuple[mmap.mmap, int, Path]] = {}  # shard -> mapped local copy (LRU order)
+        #: shard -> mapped local copy (LRU order): the map, its fd, its path, its records' offsets
+        self.maps: dict[int, tuple[mmap.mmap, int, Path, list[int]]] = {}
         self.touched: dict[int, float] = {}  # shard -> when its copy's mtime was last set
         self.stop = False
 
@@ -229,6 +227,21 @@ class StreamingDataset:
         shard = bisect.bisect_right(starts, i) - 1
         return shard, i - starts[shard]
 
+    def _locate_many(self, ids: Iterable[int]) -> list[tuple[int, int]]:
+        """:meth:`locate` of every id (vectorised: a step's worth at once)."""
+        arr = np.asarray(ids if isinstance(ids, (list, tuple, np.ndarray)) else list(ids), dtype=np.int64)
+        if not len(arr):
+            return []
+        _ = self.index
+        assert self._cum is not None
+        n = int(self._cum[-1])
+        arr = np.where(arr < 0, arr + n, arr)
+        bad = (arr < 0) | (arr >= n)
+        if bad.any():
+            raise IndexError(f"sample {int(arr[np.argmax(bad)])} out of range for a dataset of {n} samples")
+        shards = np.searchsorted(self._cum, arr, side="right") - 1
+        return list(zip(shards.tolist(), (arr - self._cum[shards]).tolist()))
+
     def shard_of(self, ids: np.ndarray | Sequence[int]) -> np.ndarray:
         """Shard numbers of many sample ids at once (no range check beyond numpy's)."""
         _ = self.index
@@ -255,11 +268,15 @@ class StreamingDataset:
         overlap that work). Local samples are taken shard by shard (one mapping check and one
         count per shard and call) and decoded in the order of ``ids``, then the ranged ones.
         The first error raises (naming the shard)."""
-        located = [self.locate(int(i)) for i in ids]
+        located = self._locate_many(ids)
         futures = {}
         local: dict[int, list[int]] = {}  # shard -> slots read from its local copy
+        whole: dict[int, bool] = {}  # shard -> read from a local copy (owned, local or cached anyway)
         for slot, (shard, pos) in enumerate(located):
-            if shard in owned or self._local or self._cached_path(shard) is not None:
+            here = whole.get(shard)
+            if here is None:
+                here = whole[shard] = shard in owned or self._local or self._cached_path(shard) is not None
+            if here:
                 local.setdefault(shard, []).append(slot)
             else:
                 futures[slot] = self._pool().submit(self._read_remote, shard, pos)
@@ -316,12 +333,18 @@ class StreamingDataset:
             if mapped is None:
                 path, hit = self._shard_file(shard, demand=True)
                 try:
-                    mapped = self._map(proc, shard, path)
+                    mapped = self._map(proc, shard, path, entry)
                 except FileNotFoundError:
                     continue
             with proc.lock:
-                mm = mapped[0]
-                records = [self._record(mm, entry, shard, pos) for pos in positions]
+                mm, table = mapped[0], mapped[3]
+                size = len(mm)
+                records = []
+                for pos in positions:
+                    start, end = table[pos], table[pos + 1]
+                    if not 0 <= start <= end <= size:
+                        raise ShardCorrupt(f"dataset shard {self._label(shard)}: sample {pos} lies outside the shard")
+                    records.append(mm[start:end])
             if hit:
                 proc.counters.add("cache_hits", len(positions))
             else:
@@ -329,22 +352,29 @@ class StreamingDataset:
                 if len(positions) > 1:
                     proc.counters.add("cache_hits", len(positions) - 1)
             self._touch(proc, shard, mapped[2])
-            return [self._decode(shard, pos, rec, entry.format) for pos, rec in zip(positions, records)]
+            # a whole local copy was verified against the index's sha256 (downloaded, or hashed
+            # in place): that covers every record, so their crc32s are not checked again
+            return [self._decode(shard, pos, rec, entry.format, verified=True) for pos, rec in zip(positions, records)]
         # the cache is too small for what this worker's processes read at once: read these
         # samples remotely rather than fail (counted in remote_reads)
         return [self._read_remote(shard, pos) for pos in positions]
 
-    def _record(self, mm: mmap.mmap, entry: Any, shard: int, pos: int) -> bytes:
-        """Record ``pos``'s bytes from a mapped copy of ``shard``."""
-        if entry.format == "packed":
-            start, end = _OFFSET_PAIR.unpack_from(mm, packed.offsets_span(pos)[0])
-        else:
-            start, end = entry.offsets[pos], entry.offsets[pos + 1]
-        if not 0 <= start <= end <= len(mm):
-            raise ShardCorrupt(f"dataset shard {self._label(shard)}: sample {pos} lies outside the shard")
-        return mm[start:end]
+    def _offsets(self, mm: mmap.mmap, entry: Any, shard: int) -> list[int]:
+        """Where each record of a mapped copy starts (and the last ends): a packed shard's
+        own table (its header checked against the index), a tar shard's from the index."""
+        if entry.format != "packed":
+            return list(entry.offsets)
+        n = int(entry.samples or 0)
+        try:
+            if len(mm) < packed.shard_overhead(n):
+                raise packed.FormatError(f"{len(mm)} bytes cannot hold the offsets of {n} samples")
+            if packed.parse_header(mm[: packed.HEADER]) != n:
+                raise packed.FormatError(f"header says {packed.parse_header(mm[: packed.HEADER])} samples, index says {n}")
+            return packed.offsets_table(mm[packed.HEADER : packed.HEADER + 8 * (n + 1)], n).tolist()
+        except packed.FormatError as exc:
+            raise ShardCorrupt(f"dataset shard {self._label(shard)}: {exc}") from exc
 
-    def _map(self, proc: _Proc, shard: int, path: Path) -> tuple[mmap.mmap, int, Path]:
+    def _map(self, proc: _Proc, shard: int, path: Path, entry: Any) -> tuple[mmap.mmap, int, Path, list[int]]:
         """Map the shard file read-only (kept open, at most :data:`MAPPED_SHARDS` per process)."""
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -352,17 +382,23 @@ class StreamingDataset:
         except BaseException:
             os.close(fd)
             raise
+        try:
+            table = self._offsets(mm, entry, shard)
+        except BaseException:
+            mm.close()
+            os.close(fd)
+            raise
         with proc.lock:
             for other in [k for k, m in proc.maps.items() if k == shard or os.fstat(m[1]).st_nlink == 0]:
                 self._unmap(proc, other)  # evicted copies: free their space now
-            proc.maps[shard] = (mm, fd, path)
+            proc.maps[shard] = (mm, fd, path, table)
             while len(proc.maps) > MAPPED_SHARDS:
                 self._unmap(proc, next(iter(proc.maps)))
-        return mm, fd, path
+        return mm, fd, path, table
 
     @staticmethod
     def _unmap(proc: _Proc, shard: int) -> None:
-        mm, fd, _ = proc.maps.pop(shard)
+        mm, fd, _, _ = proc.maps.pop(shard)
         mm.close()
         os.close(fd)
 
@@ -379,9 +415,11 @@ class StreamingDataset:
             except FileNotFoundError:
                 pass
 
-    def _decode(self, shard: int, pos: int, raw: bytes, fmt: str) -> dict[str, Any]:
+    def _decode(self, shard: int, pos: int, raw: bytes, fmt: str, *, verified: bool = False) -> dict[str, Any]:
+        """The sample in record ``raw``; ``verified``: from a copy of the shard whose sha256
+        was checked (a packed record's crc32 is then not checked again)."""
         try:
-            return packed.decode_record(raw) if fmt == "packed" else wds.decode_range(raw)
+            return packed.decode_record(raw, check_crc=not verified) if fmt == "packed" else wds.decode_range(raw)
         except packed.FormatError as exc:
             raise ShardCorrupt(f"dataset shard {self._label(shard)}: sample {pos}: {exc}") from exc
 

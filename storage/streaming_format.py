@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import struct
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -114,15 +114,15 @@ def _encode_value(name: str, value: Any) -> bytes:
     )
 
 
-def decode_record(buf: bytes | memoryview) -> dict[str, Any]:
-    """The sample in one record (crc32 + body). FormatError when the crc or layout is wrong.
+def decode_record(buf: bytes | memoryview, *, check_crc: bool = True) -> dict[str, Any]:
+    """The sample in one record (crc32 + body). FormatError when the crc or layout is wrong;
+    ``check_crc`` False: the caller verified the bytes otherwise (a whole shard's sha256).
     Arrays are writable copies."""
     mv = memoryview(buf)
     if len(mv) < 6:
         raise FormatError(f"record of {len(mv)} bytes is truncated")
-    (crc,) = _U32.unpack_from(mv, 0)
     body = mv[4:]
-    if zlib.crc32(body) != crc:
+    if check_crc and zlib.crc32(body) != _U32.unpack_from(mv, 0)[0]:
         raise FormatError("record crc32 mismatch")
     try:
         if isinstance(buf, bytes):
@@ -150,9 +150,10 @@ class _Layout:
     __slots__ = ("size", "checks", "fields")
 
     def __init__(self, size: int, checks: tuple[tuple[int, bytes], ...],
-                 fields: tuple[tuple[str, int, int, int, Any, tuple[int, ...]], ...]) -> None:
+                 fields: tuple[tuple[str, Callable[[bytes | memoryview], Any]], ...]) -> None:
         self.size = size
         self.checks = checks
+        #: (name, the reader of its value from the whole record: :func:`_reader` at 4 + offset)
         self.fields = fields
 
 
@@ -179,25 +180,30 @@ def _decode_known(buf: bytes) -> dict[str, Any] | None:
 
 def _values(buf: bytes, lay: _Layout) -> dict[str, Any]:
     """The values of a record that matches ``lay``."""
-    return {name: _value(buf, kind, 4 + off, n, dtype, shape) for name, kind, off, n, dtype, shape in lay.fields}
+    return {name: read(buf) for name, read in lay.fields}
 
 
-def _value(src: bytes | memoryview, kind: int, at: int, n: int, dtype: Any, shape: tuple[int, ...]) -> Any:
-    """One field's value from its data at ``at`` (``n``: elements of an array, bytes of a
-    bytes or str field); the caller checked that the data lies inside the record."""
-    if kind == _ARRAY:
-        return np.frombuffer(src, dtype=dtype, count=n, offset=at).reshape(shape).copy()
+def _reader(kind: int, at: int, n: int, dtype: Any, shape: tuple[int, ...]) -> Callable[[bytes | memoryview], Any]:
+    """The function reading one field's value from its data at ``at`` (``n``: elements of an
+    array, bytes of a bytes or str field); the caller checked that the data lies inside the
+    record. A learned layout keeps one per field, so a record of it costs no dispatch."""
+    end = at + n
+    if kind == _ARRAY:  # a writable copy (a bytearray's: the cheapest way to one)
+        end = at + n * dtype.itemsize
+        if shape == (n,):
+            return lambda b: np.frombuffer(bytearray(b[at:end]), dtype=dtype)
+        return lambda b: np.frombuffer(bytearray(b[at:end]), dtype=dtype).reshape(shape)
     if kind == _BYTES:
-        return bytes(src[at : at + n])
+        return lambda b: bytes(b[at:end])
     if kind == _STR:
-        return bytes(src[at : at + n]).decode()
+        return lambda b: bytes(b[at:end]).decode()
     if kind == _INT:
-        return _I64.unpack_from(src, at)[0]
+        return lambda b: _I64.unpack_from(b, at)[0]
     if kind == _FLOAT:
-        return _F64.unpack_from(src, at)[0]
+        return lambda b: _F64.unpack_from(b, at)[0]
     if kind == _BOOL:
-        return bool(src[at])
-    return None
+        return lambda b: bool(b[at])
+    return lambda b: None
 
 
 def _learn(lay: _Layout) -> None:
@@ -241,7 +247,7 @@ def _decode_body(mv: memoryview, *, learn: bool = False) -> dict[str, Any]:
     size = len(mv)
     out: dict[str, Any] = {}
     checks: list[tuple[int, bytes]] = [(0, mv[0:2].tobytes())]
-    fields: list[tuple[str, int, int, int, Any, tuple[int, ...]]] = []
+    fields: list[tuple[str, Callable[[bytes | memoryview], Any]]] = []
     for _ in range(count):
         start = pos
         (nlen,) = _U16.unpack_from(mv, pos)
@@ -276,10 +282,10 @@ def _decode_body(mv: memoryview, *, learn: bool = False) -> dict[str, Any]:
             raise FormatError(f"field {name!r}: unknown type code {kind}")
         if pos + nbytes > size:
             raise FormatError(f"field {name!r} runs past the record")
-        out[name] = _value(mv, kind, pos, n, dtype, shape)
+        out[name] = _reader(kind, pos, n, dtype, shape)(mv)
         if learn:
             checks.append((start, mv[start:pos].tobytes()))
-            fields.append((name, kind, pos, n, dtype, shape))
+            fields.append((name, _reader(kind, 4 + pos, n, dtype, shape)))
         pos += nbytes
     if pos != size:
         raise FormatError(f"{size - pos} trailing bytes in record")

@@ -88,6 +88,15 @@ def batch_indices(perm: np.ndarray, cursor: int, global_batch: int) -> np.ndarra
     return perm[offset : min(offset + global_batch, n)]
 
 
+class NormalRanges(tuple):
+    """Ranges already in :func:`shoal.worker.prefetch.normalize_ranges`' form (a tuple of
+    ``(start, stop, step)`` int triples): what a streaming dataset's per-step assignment
+    returns, so that planning the same step again does not convert them again. Equal to (and
+    hashes as) the plain tuple."""
+
+    __slots__ = ()
+
+
 def rank_slice(batch: np.ndarray | Sequence[int], ranges: Sequence[Range]) -> np.ndarray:
     """This rank's samples of ``batch``: the concatenation of ``batch[start:stop:step]`` for
     each ``[start, stop, step]`` in ``ranges`` (positions beyond a short batch are absent)."""
@@ -96,7 +105,7 @@ def rank_slice(batch: np.ndarray | Sequence[int], ranges: Sequence[Range]) -> np
     for r in ranges:
         if len(r) != 3:
             raise ValueError(f"a shard range is [start, stop, step], got {list(r)!r}")
-        start, stop, step = (int(x) for x in r)
+        start, stop, step = int(r[0]), int(r[1]), int(r[2])
         if start < 0 or stop < 0 or step <= 0:
             raise ValueError(f"invalid shard range {list(r)!r}: need start, stop >= 0 and step > 0")
         parts.append(arr[start:stop:step])

@@ -97,7 +97,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as torch_mp
 
-from shoal.worker.data import DataOrder, StepBatch, micro_batches
+from shoal.worker.data import DataOrder, NormalRanges, StepBatch, micro_batches
 from shoal.worker.errors import raised_at
 
 log = logging.getLogger("shoal.worker.prefetch")
@@ -131,10 +131,14 @@ IN_FLIGHT_PER_LOADER = 2
 #: the training thread needs between its operators (on 2 cores, 2 workers: the MLP of
 #: bench/real_models.py went from 0.88x to 0.96x DDP's steps/s, median of 4 pairs each).
 INLINE_TENSOR_BYTES = 1 << 20
+#: Steps whose planned items a :class:`Prefetcher` keeps (:func:`plan`'s ``memo``).
+PLAN_MEMO_STEPS = 16
 
 
 def normalize_ranges(ranges: RangesLike) -> Ranges:
     """Shard-table ranges as a hashable tuple of ``(start, stop, step)`` int triples."""
+    if type(ranges) is NormalRanges:
+        return ranges
     return tuple((int(r[0]), int(r[1]), int(r[2])) for r in ranges)
 
 
@@ -149,7 +153,9 @@ class ItemKey:
 
 
 def plan(order: DataOrder, cursor: int, ranges: RangesLike | RangesOf, steps: int, micro_batch: int | None, *,
-         first_ranges: RangesLike | None = None, end: int | None = None) -> list[tuple[ItemKey, tuple[int, ...]]]:
+         first_ranges: RangesLike | None = None, end: int | None = None,
+         memo: dict[tuple[int, Ranges], list[tuple[ItemKey, tuple[int, ...]]]] | None = None
+         ) -> list[tuple[ItemKey, tuple[int, ...]]]:
     """The items of ``steps`` steps from ``cursor`` on, in the order the training consumes
     them, each with its dataset indices: the step at ``cursor`` takes ``first_ranges`` (when
     given) and every later one ``ranges``; each slice is split as the engine splits it
@@ -157,7 +163,9 @@ def plan(order: DataOrder, cursor: int, ranges: RangesLike | RangesOf, steps: in
     (an epoch's short last batch included); nothing at or past ``end`` (the cursor at which
     training ends) is planned. ``ranges`` may be a function of the step's
     :class:`~shoal.worker.data.StepBatch` (a streaming dataset's per-step assignment, which
-    depends on the batch's shards). A pure function (when ``ranges`` is one)."""
+    depends on the batch's shards). A pure function (when ``ranges`` is one); ``memo`` keeps
+    each step's items by (cursor, ranges) across calls (a step is planned again every step
+    until it trains: its slice is cut once)."""
     items: list[tuple[ItemKey, tuple[int, ...]]] = []
     c = cursor
     for s in range(steps):
@@ -168,8 +176,15 @@ def plan(order: DataOrder, cursor: int, ranges: RangesLike | RangesOf, steps: in
             rr = normalize_ranges(first_ranges)
         else:
             rr = normalize_ranges(ranges(batch) if callable(ranges) else ranges)
-        for k, chunk in enumerate(micro_batches(batch.for_rank(rr), micro_batch)):
-            items.append((ItemKey(c, rr, k), tuple(int(i) for i in chunk)))
+        got = memo.get((c, rr)) if memo is not None else None
+        if got is None:
+            got = [(ItemKey(c, rr, k), tuple(chunk.tolist()))
+                   for k, chunk in enumerate(micro_batches(batch.for_rank(rr), micro_batch))]
+            if memo is not None:
+                while len(memo) >= PLAN_MEMO_STEPS:
+                    del memo[next(iter(memo))]
+                memo[(c, rr)] = got
+        items += got
         c = batch.next_cursor
     return items
 
@@ -566,6 +581,7 @@ class Prefetcher:
         self._cond = threading.Condition()
         self._dataset_lock = threading.Lock()
         self._items: dict[ItemKey, _Item] = {}  # the plan, in consumption order
+        self._plan_memo: dict[tuple[int, Ranges], list[tuple[ItemKey, tuple[int, ...]]]] = {}  # see plan()
         self._by_indices: dict[tuple[int, ...], list[_Item]] = {}
         self._tasks: dict[int, _Item] = {}  # in flight: task id -> item (dropped or not)
         self._next_task = 0
@@ -627,7 +643,7 @@ class Prefetcher:
         if self._pool is None or self._broken is not None or self._closed:
             return
         wanted = plan(self._order, cursor, ranges, self.steps, self.micro_batch, first_ranges=first_ranges,
-                      end=self.end)
+                      end=self.end, memo=self._plan_memo)
         with self._cond:
             old = self._items
             self._items = {}

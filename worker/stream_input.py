@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from shoal.events.models import ShardTable
-from shoal.worker.data import DataOrder, StepBatch
+from shoal.worker.data import DataOrder, NormalRanges, StepBatch
 from shoal.worker.stream_order import (
     StepAssignment,
     assign_step,
@@ -75,10 +75,12 @@ class StreamInput:
         self._lock = threading.Lock()
         self._cache: dict[tuple[int, tuple[int, ...] | None], StepAssignment] = {}
         #: (cursor, active) -> this rank's ranges of that step (what the prefetcher asks twice a step)
-        self._ranges: dict[tuple[int, tuple[int, ...] | None], tuple[tuple[int, int, int], ...]] = {}
+        self._ranges: dict[tuple[int, tuple[int, ...] | None], NormalRanges] = {}
         #: cursor -> (the next step's cursor, the ids this rank reads from its own shards in the
         #: step, their shards): :meth:`plan_ahead`'s per-step part, computed once per generation
         self._ahead: dict[int, tuple[int, np.ndarray, frozenset[int]]] = {}
+        #: the steps of the last plan's horizon: (cursor, next cursor, ids, shards) each
+        self._horizon: list[tuple[int, int, np.ndarray, frozenset[int]]] = []
         #: the last trained step's balance error and this rank's remote samples in it
         self.balance_error = 0
         self.step_remote = 0
@@ -102,6 +104,7 @@ class StreamInput:
         self._cache.clear()
         self._ranges.clear()
         self._ahead.clear()
+        self._horizon = []
         self._reading.clear()
         with self._lock:
             self._epoch_owner.clear()
@@ -145,12 +148,12 @@ class StreamInput:
             self._cache[key] = got
         return got
 
-    def ranges(self, batch: StepBatch, active: Sequence[int] | None = None) -> tuple[tuple[int, int, int], ...]:
+    def ranges(self, batch: StepBatch, active: Sequence[int] | None = None) -> NormalRanges:
         """This rank's ranges of ``batch``."""
         key = (batch.cursor, None if active is None else tuple(sorted(active)))
         got = self._ranges.get(key)
         if got is None:
-            got = self.assignment(batch, active).ranges(self.rank)
+            got = NormalRanges(self.assignment(batch, active).ranges(self.rank))
             if len(self._ranges) >= CACHE_STEPS:
                 self._ranges.pop(next(iter(self._ranges)))
             self._ranges[key] = got
@@ -190,21 +193,23 @@ class StreamInput:
         plan = getattr(self.dataset, "plan", None)
         if plan is None or self.generation < 0:
             return
-        steps: list[np.ndarray] = []
-        count = 0
-        shards: set[int] = set()
-        epochs: set[int] = set()
-        c = cursor
-        for _ in range(MAX_PLAN_STEPS):
-            if count >= self.predownload or (end is not None and c >= end):
-                break
-            epochs.add(c // self.order.num_samples)
+        # the last call's steps from ``cursor`` on (the committed cursor moves a step at a
+        # time), then more until the horizon holds ``predownload`` samples
+        h = self._horizon
+        at = next((k for k, step in enumerate(h) if step[0] == cursor), None)
+        h = [step for step in h[at:] if end is None or step[0] < end] if at is not None else []
+        count = sum(len(step[2]) for step in h)
+        c = h[-1][1] if h else cursor
+        while len(h) < MAX_PLAN_STEPS and count < self.predownload and (end is None or c < end):
             nxt, ids, of_step = self._step_ahead(c)
-            steps.append(ids)
+            h.append((c, nxt, ids, of_step))
             count += len(ids)
-            shards |= of_step
             c = nxt
-        ahead = (self.generation, frozenset(shards))
+        self._horizon = h
+        shards = frozenset().union(*(step[3] for step in h))
+        epochs = {step[0] // self.order.num_samples for step in h}
+        steps = [step[2] for step in h]
+        ahead = (self.generation, shards)
         if ahead == self._planned:
             return
         self._planned = ahead

@@ -193,13 +193,17 @@ class StepAssignment:
 
 def positions_to_ranges(positions: np.ndarray) -> tuple[tuple[int, int, int], ...]:
     """Ascending positions as the shortest list of ``(start, stop, 1)`` runs."""
-    pos = np.asarray(positions, dtype=np.int64)
-    if len(pos) == 0:
-        return ()
-    breaks = np.flatnonzero(np.diff(pos) != 1) + 1
-    starts = np.concatenate([[0], breaks])
-    stops = np.concatenate([breaks, [len(pos)]])
-    return tuple((int(pos[a]), int(pos[b - 1]) + 1, 1) for a, b in zip(starts, stops))
+    out: list[tuple[int, int, int]] = []
+    start = prev = None
+    for p in np.asarray(positions, dtype=np.int64).tolist():  # a batch's few dozen: plain ints beat numpy calls
+        if prev is None or p != prev + 1:
+            if start is not None:
+                out.append((start, prev + 1, 1))
+            start = p
+        prev = p
+    if start is not None:
+        out.append((start, prev + 1, 1))
+    return tuple(out)
 
 
 def assign_step(shards: np.ndarray, owner: np.ndarray, world: int, active: Sequence[int] | None = None,
@@ -214,15 +218,22 @@ def assign_step(shards: np.ndarray, owner: np.ndarray, world: int, active: Seque
     active = list(range(world)) if active is None else sorted(set(active))
     shards = np.asarray(shards, dtype=np.int64)
     n = len(shards)
-    take = np.full(n, -1, dtype=np.int64)
     if not active:
         raise ValueError("no rank takes part in the step")
     owned_by = owner[shards] if n else np.empty(0, dtype=np.int64)
+    if active == list(range(world)) and (n == 0 or int(owned_by.min()) >= 0):
+        # the common case, in few numpy calls (a step's split is computed every step): every
+        # rank takes part, every sample's shard has an owner, and the counts come out even
+        positions = tuple(np.flatnonzero(owned_by == r) for r in range(world))
+        counts = [len(p) for p in positions]
+        if max(counts) - min(counts) <= tolerance + 1:
+            return StepAssignment(positions=positions, remote=np.zeros(n, dtype=bool))
+    take = np.full(n, -1, dtype=np.int64)
     is_active = np.zeros(world, dtype=bool)
     is_active[active] = True
     mine = (owned_by >= 0) & is_active[np.clip(owned_by, 0, world - 1)]
     take[mine] = owned_by[mine]
-    if mine.all():  # the common case: every sample's owner takes part and the counts are even
+    if mine.all():  # every sample's owner takes part and the counts are even
         counts = np.bincount(take, minlength=world)[active]
         if int(counts.max()) - int(counts.min()) <= tolerance + 1:
             return StepAssignment(positions=tuple(np.flatnonzero(take == r) for r in range(world)),

@@ -195,6 +195,25 @@ def test_corrupt_shard_raises_naming_it_and_is_not_cached(tmp_path: Path) -> Non
         ds.get_remote(last)
 
 
+def test_a_ranged_read_checks_its_records_crc32_and_names_the_shard(tmp_path: Path) -> None:
+    """A whole copy is verified against the index's sha256, which covers its records (their
+    crc32s are not checked again when read from it); a ranged read has only the record's
+    crc32: a flipped byte in the record fails it with one line naming the shard."""
+    store, index, uri = _s3_dataset(120, shard_size=3000)
+    name = index.shards[2].name
+    data = bytearray(store.get_bytes(name))
+    data[len(data) - 10] ^= 0xFF  # inside the shard's last record
+    store.put_bytes(name, bytes(data))
+    ds = StreamingDataset(uri, cache_dir=tmp_path / "c")
+    ids = np.flatnonzero(ds.shard_of(np.arange(120)) == 2).tolist()
+    with pytest.raises(ShardCorrupt, match="crc32") as info:
+        ds.get_remote(ids[-1])
+    assert name in str(info.value) and "\n" not in str(info.value)
+    assert ds.get_remote(ids[0])["cls"] == ids[0] % 10  # the shard's other records read
+    with pytest.raises(ShardCorrupt, match="sha256"):
+        ds[ids[0]]  # the whole shard does not match the index
+
+
 def _reader(ds: StreamingDataset, ids: list[int], done, out, half: int = 0, planned=None, ahead: int = 0) -> None:
     """A forked loader: reads through the dataset object it inherited from its worker. With
     ``planned``, the k-th id (position ``2 k + half`` of the order) waits until the worker's
@@ -443,8 +462,8 @@ def test_reading_a_shuffle_windows_shards_round_robin_maps_each_shard_once(tmp_p
     ds = StreamingDataset(uri, cache_dir=tmp_path / "c")
     mapped = []
     real = StreamingDataset._map
-    monkeypatch.setattr(StreamingDataset, "_map", lambda self, proc, shard, path: mapped.append(shard) or
-                        real(self, proc, shard, path))
+    monkeypatch.setattr(StreamingDataset, "_map", lambda self, proc, shard, *rest: mapped.append(shard) or
+                        real(self, proc, shard, *rest))
     ids = [shard * 32 + k for k in range(32) for shard in range(DEFAULT_WINDOW)]  # round robin
     got = ds.read(ids, set(range(DEFAULT_WINDOW)))
     assert [s["cls"] for s in got] == [streaming_data.sample(i)["cls"] for i in ids]

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
-from shoal.worker.data import DataOrder, micro_batches
+from shoal.worker.data import DataOrder, NormalRanges, micro_batches
 from shoal.worker.engine import StepEngine
 from shoal.worker.errors import UserCodeError
-from shoal.worker.prefetch import INLINE_TENSOR_BYTES, ItemKey, Prefetcher, _BatchPickler, plan
+from shoal.worker.prefetch import INLINE_TENSOR_BYTES, PLAN_MEMO_STEPS, ItemKey, Prefetcher, _BatchPickler, plan
 from tests.helpers import wait_until
 
 N, B, SEED = 50, 8, 7
@@ -106,6 +106,32 @@ def test_the_plan_follows_the_cursor_across_an_epochs_short_last_batch() -> None
     assert len(items[1][1]) == 2  # this rank's part of the short batch: the 2 positions that exist
     assert [k.cursor for k, _ in plan(order, 40, [[0, 4, 1]], 4, None, end=50)] == [40, 48]  # not past the end
     assert plan(order, 48, [[4, 8, 1]], 1, None) == []  # a short batch can leave a rank nothing
+
+
+def test_a_memo_cuts_each_steps_slice_once_and_plans_the_same_items(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefetcher plans the next steps again after every commit: with its memo each step's
+    slice is cut once (a streaming dataset's per-step ranges made that a visible cost), and
+    the items are those planned without it - whatever the ranges, an epoch's end included."""
+    import shoal.worker.data as data_mod
+
+    order = DataOrder(N, SEED, B)
+    cuts: list[int] = []
+    real = data_mod.rank_slice
+    monkeypatch.setattr(data_mod, "rank_slice", lambda batch, ranges: cuts.append(1) or real(batch, ranges))
+    per_step = lambda batch: NormalRanges((((batch.cursor // B) % 3, 8, 2),))  # noqa: E731 - changes per step
+    memo: dict = {}
+    cursor, steps = 0, 0
+    while cursor < 3 * N:
+        first = [[0, 5, 1]] if steps % 4 == 0 else None
+        for ranges in (per_step, [[1, 7, 1]]):
+            with_memo = plan(order, cursor, ranges, 3, 2, first_ranges=first, memo=memo)
+            assert with_memo == plan(order, cursor, ranges, 3, 2, first_ranges=first)
+        cursor, steps = order.batch(cursor).next_cursor, steps + 1
+    assert len(memo) <= PLAN_MEMO_STEPS
+    cuts.clear()
+    plan(order, 0, [[1, 7, 1]], 3, 2, memo=memo)
+    plan(order, 0, [[1, 7, 1]], 3, 2, memo=memo)
+    assert len(cuts) == 3  # the first call cut the 3 steps (the memo had moved on); the second none
 
 
 def test_the_first_step_of_a_generation_has_its_own_ranges() -> None:

@@ -118,3 +118,33 @@ def test_the_plan_of_each_step_is_computed_once_and_handed_on_only_when_its_shar
     assert sum(located) <= 2 * 32 * (steps + lookahead)  # each step located once (the split and the plan)
     changes = sum(1 for a, b in zip(shards_ahead, shards_ahead[1:]) if a != b)
     assert len(ds.plans) == changes + 1 < steps  # handed on at the start and at each change only
+
+
+def test_a_plan_carried_from_step_to_step_is_the_plan_computed_afresh() -> None:
+    """plan_ahead keeps the steps of its last horizon and adds the new ones: whenever it hands
+    a plan on, it is the plan a fresh worker computes at that cursor - through epoch ends, an
+    end cursor that cuts the horizon short, and a jump (a catch-up) to a cursor not in it."""
+    order = DataOrder(sum(SHARDS), 3, 32, shard_samples=SHARDS, window=4)
+    ds = Planned()
+    si = StreamInput(ds, order)
+    si.use_table(_table(2), "w1")
+    cursors = []
+    cursor = 0
+    while cursor < 3 * order.num_samples:
+        cursors.append(cursor)
+        cursor = order.batch(cursor).next_cursor
+    visits = cursors[:40] + cursors[60:]  # a jump forward
+    end = cursors[-5]
+    for c in visits:
+        before = len(ds.plans)
+        si.plan_ahead(c, end)
+        fresh_ds = Planned()
+        fresh = StreamInput(fresh_ds, order)
+        fresh.use_table(_table(2), "w1")
+        fresh.plan_ahead(c, end)
+        if len(ds.plans) > before:
+            assert ds.plans[-1] == fresh_ds.plans[-1], c
+        else:  # not handed on: the shards ahead did not change
+            assert set(shard_of(fresh_ds.plans[-1][0], shard_offsets(SHARDS)).tolist()) == \
+                set(shard_of(ds.plans[-1][0], shard_offsets(SHARDS)).tolist())
+    assert len(ds.plans) > 3
