@@ -118,15 +118,20 @@ def decode_record(buf: bytes | memoryview, *, check_crc: bool = True) -> dict[st
     """The sample in one record (crc32 + body). FormatError when the crc or layout is wrong;
     ``check_crc`` False: the caller verified the bytes otherwise (a whole shard's sha256).
     Arrays are writable copies."""
-    mv = memoryview(buf)
-    if len(mv) < 6:
-        raise FormatError(f"record of {len(mv)} bytes is truncated")
-    body = mv[4:]
-    if check_crc and zlib.crc32(body) != _U32.unpack_from(mv, 0)[0]:
-        raise FormatError("record crc32 mismatch")
+    tried = not check_crc and type(buf) is bytes  # a verified copy's record: a learned layout first
     try:
-        if isinstance(buf, bytes):
+        if tried:
             out = _decode_known(buf)
+            if out is not None:
+                return out
+        mv = memoryview(buf)
+        if len(mv) < 6:
+            raise FormatError(f"record of {len(mv)} bytes is truncated")
+        body = mv[4:]
+        if check_crc and zlib.crc32(body) != _U32.unpack_from(mv, 0)[0]:
+            raise FormatError("record crc32 mismatch")
+        if isinstance(buf, bytes):
+            out = None if tried else _decode_known(buf)
             if out is not None:
                 return out
             global _WALKED
@@ -142,10 +147,10 @@ def decode_record(buf: bytes | memoryview, *, check_crc: bool = True) -> dict[st
 
 class _Layout:
     """Where everything is in records of one fixed layout (a shard's records mostly share
-    one: the same fields, dtypes, shapes and byte lengths). ``checks``: (offset, bytes) of
-    every field's header - name, type, dtype, shape, length - and of the field count; a
-    record of ``size`` bytes whose headers all match parses exactly as the one it was
-    learned from, so its values are read at the learned offsets without walking it."""
+    one: the same fields, dtypes, shapes and byte lengths). ``checks``: (offset in the
+    record, bytes) of every field's header - name, type, dtype, shape, length - and of the
+    field count; a record of ``size`` bytes whose headers all match parses exactly as the one
+    it was learned from, so its values are read at the learned offsets without walking it."""
 
     __slots__ = ("size", "checks", "fields")
 
@@ -164,14 +169,13 @@ _WALKED = 0  # the size of the last record walked
 
 
 def _decode_known(buf: bytes) -> dict[str, Any] | None:
-    """The record's values by a learned layout (offsets relative to the body at byte 4), or
-    None when none matches."""
+    """The record's values by a learned layout, or None when none matches."""
     size = len(buf) - 4
     for lay in _LAYOUTS:
         if lay.size != size:
             continue
-        for off, head in lay.checks:
-            if not buf.startswith(head, 4 + off):
+        for at, head in lay.checks:
+            if not buf.startswith(head, at):
                 break
         else:
             return _values(buf, lay)
@@ -246,7 +250,7 @@ def _decode_body(mv: memoryview, *, learn: bool = False) -> dict[str, Any]:
     pos = 2
     size = len(mv)
     out: dict[str, Any] = {}
-    checks: list[tuple[int, bytes]] = [(0, mv[0:2].tobytes())]
+    checks: list[tuple[int, bytes]] = [(4, mv[0:2].tobytes())]
     fields: list[tuple[str, Callable[[bytes | memoryview], Any]]] = []
     for _ in range(count):
         start = pos
@@ -284,7 +288,7 @@ def _decode_body(mv: memoryview, *, learn: bool = False) -> dict[str, Any]:
             raise FormatError(f"field {name!r} runs past the record")
         out[name] = _reader(kind, pos, n, dtype, shape)(mv)
         if learn:
-            checks.append((start, mv[start:pos].tobytes()))
+            checks.append((4 + start, mv[start:pos].tobytes()))
             fields.append((name, _reader(kind, 4 + pos, n, dtype, shape)))
         pos += nbytes
     if pos != size:
