@@ -50,6 +50,9 @@ class ShardEntry(BaseModel):
     samples: int | None = Field(default=None, ge=0)
     format: Literal["packed", "webdataset"] | None = None
     offsets: list[int] | None = None
+    #: every record of a packed shard has this many bytes (fixed-size samples): sample ``i``
+    #: lies at ``16 + 8 (samples + 1) + i * record_size``, so a ranged read needs no offsets
+    record_size: int | None = Field(default=None, ge=1)
 
     @field_validator("name")
     @classmethod
@@ -65,6 +68,12 @@ class ShardEntry(BaseModel):
                 self.offsets and (self.offsets[0] < 0 or self.offsets[-1] > self.size)
             ):
                 raise ValueError(f"shard {self.name}: offsets must be ascending within the shard")
+        if self.record_size is not None:
+            # the packed layout: 16 header bytes, samples + 1 offsets, the records
+            if self.format != "packed" or self.samples is None or \
+                    self.size != 16 + 8 * (self.samples + 1) + self.samples * self.record_size:
+                raise ValueError(f"shard {self.name}: record_size {self.record_size} does not fit a packed shard "
+                                 f"of {self.samples} samples and {self.size} bytes")
         return self
 
 

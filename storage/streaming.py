@@ -423,7 +423,10 @@ class StreamingDataset:
         entry = self.index.shards[shard]
         key = shard_key(self.index_key, entry.name)
         n = int(entry.samples or 0)
-        if entry.format == "packed" and 8 * (n + 1) > OFFSETS_TABLE_MAX and shard not in proc.offsets:
+        if entry.record_size is not None:  # fixed-size records (the index says): no offsets to read
+            start = packed.shard_overhead(n) + pos * entry.record_size
+            end = start + entry.record_size
+        elif entry.format == "packed" and 8 * (n + 1) > OFFSETS_TABLE_MAX and shard not in proc.offsets:
             # a large table: just this sample's two offsets (16 bytes) rather than the table
             a, length = packed.offsets_span(pos)
             start, end = packed.offset_pair(self._ranged(key, a, length, shard))

@@ -182,8 +182,11 @@ def _flush(store: ObjectStore, format: str, items: list[Any], number: int, index
            written: list[str]) -> ShardEntry:
     name = f"shard-{number:05d}{SUFFIX[format]}"
     offsets: list[int] | None = None
+    record_size: int | None = None
     if format == "packed":
         data = packed.build_shard(items)
+        if len({len(rec) for rec in items}) == 1:  # fixed-size samples: ranged reads need no offsets
+            record_size = len(items[0])
     else:
         try:
             data, offsets = wds.write_tar(items)
@@ -193,7 +196,7 @@ def _flush(store: ObjectStore, format: str, items: list[Any], number: int, index
     written.append(key)
     store.put_bytes(key, data)
     return ShardEntry(name=name, size=len(data), sha256=hashlib.sha256(data).hexdigest(),
-                      samples=len(items), format=format, offsets=offsets)
+                      samples=len(items), format=format, offsets=offsets, record_size=record_size)
 
 
 def index_tars(store: ObjectStore, *, index_key: str = INDEX, names: list[str] | None = None) -> DatasetIndex:

@@ -118,6 +118,39 @@ def test_a_ranged_read_of_a_shard_with_a_large_table_fetches_only_its_offsets(
     assert 16 < st["remote_bytes"] < 16 + 400  # the two offsets, then the ~300-byte record
 
 
+def test_fixed_size_records_are_read_remotely_with_one_request_each(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pack notes a shard's record size when all its records have one (fixed-size samples:
+    tensors, tokenised text of one length); a ranged read then computes where its record lies:
+    one GET a sample, no offsets table and no offset pair read first. An index whose
+    record_size does not fit the shard's size is refused."""
+    from pydantic import ValidationError
+
+    from shoal.storage.datasets import ShardEntry
+    from shoal.storage.s3 import S3Store
+
+    store = make_s3_store("data/fixed")
+    index = pack(({"x": np.full(16, i, np.float32), "y": i} for i in range(300)), store, shard_size=4000)
+    varied = pack(streaming_data.samples(60), make_s3_store("data/varied"), shard_size=4000)
+    assert len(index.shards) > 2 and all(s.record_size for s in index.shards)
+    assert all(s.record_size is None for s in varied.shards)
+    ds = StreamingDataset(f"s3://{store.bucket}/data/fixed", cache_dir=tmp_path / "c")
+    asked: list[tuple[int, int]] = []
+    real = S3Store.get_range
+    monkeypatch.setattr(S3Store, "get_range",
+                        lambda self, key, start, length: asked.append((start, length)) or real(self, key, start, length))
+    ids = [5, 250, 6, 299]
+    got = [ds.get_remote(i) for i in ids]
+    assert len(asked) == len(ids) and {n for _, n in asked} == {index.shards[0].record_size}
+    assert [g["y"] for g in got] == ids and np.array_equal(got[1]["x"], np.full(16, 250, np.float32))
+    assert all(_equal(g, ds[i]) for g, i in zip(got, ids))  # as from the whole shard
+    entry = index.shards[0].model_dump()
+    with pytest.raises(ValidationError, match="record_size"):
+        ShardEntry(**(entry | {"record_size": entry["record_size"] + 1}))
+    with pytest.raises(ValidationError, match="record_size"):
+        ShardEntry(**(entry | {"format": "webdataset"}))
+
+
 def test_plan_prefetches_owned_shards_in_need_order(tmp_path: Path) -> None:
     _, index, uri = _s3_dataset(300, shard_size=3000)
     ds = StreamingDataset(uri, cache_dir=tmp_path / "c", predownload=100)
