@@ -47,6 +47,7 @@ import mmap
 import operator
 import os
 import shutil
+import struct
 import tempfile
 import threading
 import time
@@ -78,6 +79,8 @@ MAPPED_SHARDS = 40
 #: a packed shard's offsets table up to this many bytes is read whole by the first ranged read
 #: of the shard (and kept per process); beyond it each ranged read fetches its 16 bytes
 OFFSETS_TABLE_MAX = 64 * 1024
+#: a packed record's (start, end): two little-endian u64 offsets
+_OFFSET_PAIR = struct.Struct("<QQ")
 
 
 class _Proc:
@@ -96,8 +99,9 @@ class _Proc:
         self.failed: set[int] = set()  # shards whose prefetch failed (demand reads raise)
         self.needs: dict[str, tuple[int, int]] | None = None  # last needs written (skip rewriting them)
         self.pool: Any = None  # threads for parallel ranged reads, made on first use
-        #: shard -> mapped local copy (LRU order): the map, its fd, its path, its records' offsets
-        self.maps: dict[int, tuple[mmap.mmap, int, Path, list[int]]] = {}
+        #: shard -> mapped local copy (LRU order): the map, its fd, its path, its records'
+        #: offsets (None for a packed table over OFFSETS_TABLE_MAX: read from the map per record)
+        self.maps: dict[int, tuple[mmap.mmap, int, Path, list[int] | None]] = {}
         self.touched: dict[int, float] = {}  # shard -> when its copy's mtime was last set
         self.stop = False
 
@@ -336,7 +340,8 @@ class StreamingDataset:
                 size = len(mm)
                 records = []
                 for pos in positions:
-                    start, end = table[pos], table[pos + 1]
+                    start, end = (table[pos], table[pos + 1]) if table is not None else \
+                        _OFFSET_PAIR.unpack_from(mm, packed.offsets_span(pos)[0])
                     if not 0 <= start <= end <= size:
                         raise ShardCorrupt(f"dataset shard {self._label(shard)}: sample {pos} lies outside the shard")
                     records.append(mm[start:end])
@@ -354,9 +359,11 @@ class StreamingDataset:
         # samples remotely rather than fail (counted in remote_reads)
         return [self._read_remote(shard, pos) for pos in positions]
 
-    def _offsets(self, mm: mmap.mmap, entry: Any, shard: int) -> list[int]:
+    def _offsets(self, mm: mmap.mmap, entry: Any, shard: int) -> list[int] | None:
         """Where each record of a mapped copy starts (and the last ends): a packed shard's
-        own table (its header checked against the index), a tar shard's from the index."""
+        own table (its header checked against the index; None when the table is larger than
+        :data:`OFFSETS_TABLE_MAX`: a list of ints costs ~36 bytes an entry, in every process
+        and for every mapped shard), a tar shard's from the index."""
         if entry.format != "packed":
             return list(entry.offsets)
         n = int(entry.samples or 0)
@@ -365,11 +372,13 @@ class StreamingDataset:
                 raise packed.FormatError(f"{len(mm)} bytes cannot hold the offsets of {n} samples")
             if packed.parse_header(mm[: packed.HEADER]) != n:
                 raise packed.FormatError(f"header says {packed.parse_header(mm[: packed.HEADER])} samples, index says {n}")
+            if 8 * (n + 1) > OFFSETS_TABLE_MAX:
+                return None
             return packed.offsets_table(mm[packed.HEADER : packed.HEADER + 8 * (n + 1)], n).tolist()
         except packed.FormatError as exc:
             raise ShardCorrupt(f"dataset shard {self._label(shard)}: {exc}") from exc
 
-    def _map(self, proc: _Proc, shard: int, path: Path, entry: Any) -> tuple[mmap.mmap, int, Path, list[int]]:
+    def _map(self, proc: _Proc, shard: int, path: Path, entry: Any) -> tuple[mmap.mmap, int, Path, list[int] | None]:
         """Map the shard file read-only (kept open, at most :data:`MAPPED_SHARDS` per process)."""
         fd = os.open(path, os.O_RDONLY)
         try:

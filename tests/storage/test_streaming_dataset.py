@@ -116,6 +116,12 @@ def test_a_ranged_read_of_a_shard_with_a_large_table_fetches_only_its_offsets(
     st = ds.stats()
     assert _equal(got, ds[33]) and st["remote_reads"] == 1
     assert 16 < st["remote_bytes"] < 16 + 400  # the two offsets, then the ~300-byte record
+    # a whole copy of such a shard is read through its own table in the map (not kept as a list)
+    ids = [0, 33, 199, 100, 34]
+    local = ds.read(ids, owned=set(range(len(index.shards))))
+    assert [g["__key__"] for g in local] == [f"{i:09d}" for i in ids]
+    assert all(_equal(g, ds.get_remote(i)) for g, i in zip(local, ids))
+    assert all(m[3] is None for m in ds._proc().maps.values())
 
 
 def test_fixed_size_records_are_read_remotely_with_one_request_each(
