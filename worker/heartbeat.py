@@ -21,13 +21,27 @@ from shoal.core.connection import without_retries
 
 log = logging.getLogger("shoal.worker.heartbeat")
 
-# KEYS: heartbeat key, last_seen zset, busy zset. ARGV: worker_id, value, ttl_ms, busy_ms (how
-# long the current step has been busy; -1: not busy). Returns 1 if watched.
+# KEYS: heartbeat key, last_seen zset, busy zset, workers hash. ARGV: worker_id, value, ttl_ms,
+# busy_ms (how long the current step has been busy; -1: not busy), pid (0: not checked).
+# Returns 1 if watched as this process: the id is in last_seen and its record names this pid.
+# Worker ids restart after Redis lost its data, so a process whose record was lost can find
+# its old id watched again as another process's (that one learnt of the loss first and joined
+# anew); it must not take that membership for its own (it would beat for the other, never
+# rejoin, and the job would wait for it: measured, a fresh-clone run's Redis-loss test).
 _BEAT = """
 local t = redis.call('TIME')
 local ms = t[1] * 1000 + math.floor(t[2] / 1000)
 local watched = redis.call('ZSCORE', KEYS[2], ARGV[1])
 if not watched then return 0 end
+local pid = tonumber(ARGV[5])
+if pid > 0 then
+  local doc = redis.call('HGET', KEYS[4], ARGV[1])
+  if doc then
+    local ok, rec = pcall(cjson.decode, doc)
+    local theirs = ok and type(rec) == 'table' and tonumber(rec['pid']) or 0
+    if theirs > 0 and theirs ~= pid then return 0 end
+  end
+end
 redis.call('ZADD', KEYS[2], 'XX', ms, ARGV[1])
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 local busy = tonumber(ARGV[4])
@@ -86,6 +100,7 @@ class Heartbeater:
         self.interval = interval
         self.worker_id = worker_id
         self._value = Heartbeat(worker_id=worker_id, pid=pid)
+        self._pid = pid  # the process its record must name (0: any)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -117,8 +132,9 @@ class Heartbeater:
         sent = time.monotonic()
         since = self._busy_since
         busy_ms = int((sent - since) * 1000) if since is not None else -1
-        ok = bool(self._script(keys=[self._keys.heartbeat(self.worker_id), self._keys.last_seen, self._keys.busy],
-                               args=[self.worker_id, value, self._ttl_ms, busy_ms], client=client))
+        ok = bool(self._script(keys=[self._keys.heartbeat(self.worker_id), self._keys.last_seen, self._keys.busy,
+                                     self._keys.workers],
+                               args=[self.worker_id, value, self._ttl_ms, busy_ms, self._pid], client=client))
         if ok:
             self.confirmed_at = max(self.confirmed_at, sent)
         elif not self.evicted:

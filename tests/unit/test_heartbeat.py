@@ -113,3 +113,25 @@ def test_a_blackholed_redis_holds_the_fence_for_its_own_short_timeout_not_the_so
         took = time.monotonic() - started
         hb.stop()
     assert took < 3.0, f"the fence held the step {took:.1f} s"
+
+
+def test_a_beat_for_an_id_now_recorded_as_another_process_finds_it_evicted() -> None:
+    """Worker ids restart after Redis lost its data: a process whose record was lost can find
+    its old id watched again as another process's (which learnt of the loss first and joined
+    anew). Its beat must find it evicted - so it rejoins - not keep that membership alive.
+    The fresh-clone suite caught it once: the job then waited for a worker that never came."""
+    from shoal.events.models import WorkerDoc
+
+    client, keys = fakeredis.FakeRedis(), job_keys("hb")
+    client.zadd(keys.last_seen, {"w0": 0})
+    client.hset(keys.workers, "w0", WorkerDoc(worker_id="w0", state="Active", pid=4242).model_dump_json())
+    mine = Heartbeater(client, keys, "w0", interval=0.2, ttl=1.5, pid=4242)
+    assert mine.beat() and not mine.evicted
+    before = client.zscore(keys.last_seen, "w0")
+    lost = Heartbeater(client, keys, "w0", interval=0.2, ttl=1.5, pid=5151)  # the id's old process
+    assert not lost.beat() and lost.evicted
+    assert client.zscore(keys.last_seen, "w0") == before  # nothing written for the other process
+    unchecked = Heartbeater(client, keys, "w0", interval=0.2, ttl=1.5)  # pid 0: any process
+    assert unchecked.beat()
+    client.hset(keys.workers, "w0", WorkerDoc(worker_id="w0", state="Active").model_dump_json())  # no pid recorded
+    assert Heartbeater(client, keys, "w0", interval=0.2, ttl=1.5, pid=5151).beat()
