@@ -15,12 +15,13 @@ Figures (one line each):
   samples (a map-style dataset, the plain order); A/B interleaved, the median of the pairs'
   ratios. Steady: 240 steps (3 epochs), the first fifth skipped; ``--quick`` runs 3 pairs,
   the full run 5 (a pair's ratio moves by +-0.02 from run to run on 2 shared cores: the
-  median of more pairs moves less). (``--quick`` once ran 100 steps: its window then lay mostly in the first
-  epoch, which downloads every shard - warm-up, not the steady state.) Each pair's line also
-  gives the CPU milliseconds a step over that steady window of the training processes, of
-  their loaders and of this process (which runs the S3 server), and the stream side's remote
-  samples a step and shard downloads: on 2 shared cores every CPU millisecond the streaming
-  spends (downloads, ranged reads, the server answering them) is taken from the loaders.
+  median of more pairs moves less). (``--quick`` once ran 100 steps: its window then lay
+  mostly in the first epoch, which downloads every shard - warm-up, not the steady state.)
+  Each pair's line also gives the CPU milliseconds a step over that steady window of the
+  training processes, of their loaders and of this process (which runs the S3 server), and
+  the stream side's remote samples a step and shard downloads: on 2 shared cores every CPU
+  millisecond the streaming spends (downloads, ranged reads, the server answering them) is
+  taken from the loaders.
 - ``first epoch throughput ratio=<x>``: the same runs over the first epoch alone (its first
   fifth skipped): the cold cache's epoch, every shard downloaded during it.
 - ``bytes per epoch ratio=<y>``: bytes all workers downloaded in one epoch (whole shards and

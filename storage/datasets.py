@@ -36,6 +36,7 @@ from shoal.storage.backend import ObjectStore, check_key
 from shoal.storage.errors import ShardCorrupt, translated
 from shoal.storage.local import LocalStore
 from shoal.storage.manifest import HexDigest
+from shoal.storage.streaming_format import shard_overhead
 
 INDEX = "index.json"
 _CHUNK = 8 * 1024 * 1024
@@ -69,9 +70,8 @@ class ShardEntry(BaseModel):
             ):
                 raise ValueError(f"shard {self.name}: offsets must be ascending within the shard")
         if self.record_size is not None:
-            # the packed layout: 16 header bytes, samples + 1 offsets, the records
             if self.format != "packed" or self.samples is None or \
-                    self.size != 16 + 8 * (self.samples + 1) + self.samples * self.record_size:
+                    self.size != shard_overhead(self.samples) + self.samples * self.record_size:
                 raise ValueError(f"shard {self.name}: record_size {self.record_size} does not fit a packed shard "
                                  f"of {self.samples} samples and {self.size} bytes")
         return self

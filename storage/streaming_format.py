@@ -118,20 +118,13 @@ def decode_record(buf: bytes | memoryview, *, check_crc: bool = True) -> dict[st
     """The sample in one record (crc32 + body). FormatError when the crc or layout is wrong;
     ``check_crc`` False: the caller verified the bytes otherwise (a whole shard's sha256).
     Arrays are writable copies."""
-    tried = not check_crc and type(buf) is bytes  # a verified copy's record: a learned layout first
     try:
-        if tried:
-            out = _decode_known(buf)
-            if out is not None:
-                return out
-        mv = memoryview(buf)
-        if len(mv) < 6:
-            raise FormatError(f"record of {len(mv)} bytes is truncated")
-        body = mv[4:]
-        if check_crc and zlib.crc32(body) != _U32.unpack_from(mv, 0)[0]:
+        if len(buf) < 6:
+            raise FormatError(f"record of {len(buf)} bytes is truncated")
+        if check_crc and zlib.crc32(memoryview(buf)[4:]) != _U32.unpack_from(buf, 0)[0]:
             raise FormatError("record crc32 mismatch")
         if isinstance(buf, bytes):
-            out = None if tried else _decode_known(buf)
+            out = _decode_known(buf)
             if out is not None:
                 return out
             global _WALKED
@@ -139,8 +132,8 @@ def decode_record(buf: bytes | memoryview, *, check_crc: bool = True) -> dict[st
             # yet): records of varying sizes would match no layout, and learning costs ~35 %
             learn = not _LAYOUTS or len(buf) == _WALKED
             _WALKED = len(buf)
-            return _decode_body(body, learn=learn)
-        return _decode_body(body)
+            return _decode_body(memoryview(buf)[4:], learn=learn)
+        return _decode_body(memoryview(buf)[4:])
     except (struct.error, IndexError, UnicodeDecodeError, TypeError) as exc:
         raise FormatError(f"malformed record: {exc}") from exc
 

@@ -99,8 +99,7 @@ class Heartbeater:
         self._ttl_ms = int(ttl * 1000)
         self.interval = interval
         self.worker_id = worker_id
-        self._value = Heartbeat(worker_id=worker_id, pid=pid)
-        self._pid = pid  # the process its record must name (0: any)
+        self._value = Heartbeat(worker_id=worker_id, pid=pid)  # its pid: the process its record must name (0: any)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -128,13 +127,13 @@ class Heartbeater:
     def beat(self, *, client: redis.Redis | None = None) -> bool:
         """One beat now; False once this worker is evicted. Raises redis.RedisError."""
         with self._lock:
-            value = self._value.model_dump_json()
+            value, pid = self._value.model_dump_json(), self._value.pid
         sent = time.monotonic()
         since = self._busy_since
         busy_ms = int((sent - since) * 1000) if since is not None else -1
         ok = bool(self._script(keys=[self._keys.heartbeat(self.worker_id), self._keys.last_seen, self._keys.busy,
                                      self._keys.workers],
-                               args=[self.worker_id, value, self._ttl_ms, busy_ms, self._pid], client=client))
+                               args=[self.worker_id, value, self._ttl_ms, busy_ms, pid], client=client))
         if ok:
             self.confirmed_at = max(self.confirmed_at, sent)
         elif not self.evicted:

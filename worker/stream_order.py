@@ -221,19 +221,12 @@ def assign_step(shards: np.ndarray, owner: np.ndarray, world: int, active: Seque
     if not active:
         raise ValueError("no rank takes part in the step")
     owned_by = owner[shards] if n else np.empty(0, dtype=np.int64)
-    if active == list(range(world)) and (n == 0 or int(owned_by.min()) >= 0):
-        # the common case, in few numpy calls (a step's split is computed every step): every
-        # rank takes part, every sample's shard has an owner, and the counts come out even
-        positions = tuple(np.flatnonzero(owned_by == r) for r in range(world))
-        counts = [len(p) for p in positions]
-        if max(counts) - min(counts) <= tolerance + 1:
-            return StepAssignment(positions=positions, remote=np.zeros(n, dtype=bool))
     take = np.full(n, -1, dtype=np.int64)
     is_active = np.zeros(world, dtype=bool)
     is_active[active] = True
     mine = (owned_by >= 0) & is_active[np.clip(owned_by, 0, world - 1)]
     take[mine] = owned_by[mine]
-    if mine.all():  # every sample's owner takes part and the counts are even
+    if mine.all():  # the common case: every sample's owner takes part and the counts are even
         counts = np.bincount(take, minlength=world)[active]
         if int(counts.max()) - int(counts.min()) <= tolerance + 1:
             return StepAssignment(positions=tuple(np.flatnonzero(take == r) for r in range(world)),
