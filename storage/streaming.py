@@ -96,6 +96,9 @@ class _Proc:
         self.thread: threading.Thread | None = None
         self.wake = threading.Event()
         self.want: list[int] = []  # shards to prefetch, in order
+        #: shard -> its cached copy, as the prefetch thread last found or made it: a later
+        #: plan re-checks it with one stat (an eviction unlinks it), not a lookup
+        self.prefetched: dict[int, str] = {}
         self.failed: set[int] = set()  # shards whose prefetch failed (demand reads raise)
         self.needs: dict[str, tuple[int, int]] | None = None  # last needs written (skip rewriting them)
         self.pool: Any = None  # threads for parallel ranged reads, made on first use
@@ -549,11 +552,19 @@ class StreamingDataset:
                     break  # a newer plan: start over from its first shard
                 if shard in proc.failed:
                     continue
+                known = proc.prefetched.get(shard)
+                if known is not None and os.path.exists(known):
+                    continue
                 try:
-                    if self._ensure_cached(shard, demand=False) is None:
-                        break  # the cache is full of shards needed sooner
+                    got = self._ensure_cached(shard, demand=False)
                 except Exception:  # noqa: BLE001 - the demand read raises it, naming the shard
                     proc.failed.add(shard)
+                    continue
+                if got is None:
+                    break  # the cache is full of shards needed sooner
+                if len(proc.prefetched) >= MAPPED_SHARDS * 64:
+                    proc.prefetched.clear()
+                proc.prefetched[shard] = os.fspath(got[0])
 
     def wait_prefetched(self, timeout_s: float) -> bool:
         """Wait until every shard of the last plan's horizon is cached (tests, benches)."""

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,12 +24,13 @@ import numpy as np
 from shoal.events.models import ShardTable
 from shoal.worker.data import DataOrder, NormalRanges, StepBatch
 from shoal.worker.stream_order import (
-    StepAssignment,
     assign_step,
     epoch_windows,
     owner_ranks,
+    positions_to_ranges,
     shard_of,
     shard_offsets,
+    split_by_owner,
     window_owners,
 )
 
@@ -39,8 +41,25 @@ log = logging.getLogger("shoal.worker.stream")
 DEFAULT_PREDOWNLOAD = 512
 #: Steps looked ahead at most for the predownload plan.
 MAX_PLAN_STEPS = 64
-#: Assignments kept (by cursor) so a step's split is computed once per generation.
+#: Steps' splits kept (by cursor) so a step's split is computed once per generation.
 CACHE_STEPS = 2 * MAX_PLAN_STEPS
+#: Epochs whose per-position shards and readers are kept (a plan that crosses an epoch's end
+#: looks at two)
+EPOCHS_KEPT = 3
+
+
+@dataclass(frozen=True, slots=True)
+class StepSplit:
+    """What one rank needs of one step's split (:func:`~shoal.worker.stream_order.assign_step`):
+    its ranges, the step's balance error, its remote samples, the next step's cursor, and the
+    ids it reads from the shards it reads whole (with those shards: the predownload plan)."""
+
+    ranges: NormalRanges
+    balance_error: int
+    remote: int
+    next_cursor: int
+    ids: np.ndarray
+    shards: frozenset[int]
 
 
 def is_streaming(dataset: Any) -> bool:
@@ -73,12 +92,14 @@ class StreamInput:
         #: epoch -> the shards this rank reads whole in it (:meth:`reading`)
         self._reading: dict[int, frozenset[int]] = {}
         self._lock = threading.Lock()
-        self._cache: dict[tuple[int, tuple[int, ...] | None], StepAssignment] = {}
-        #: (cursor, active) -> this rank's ranges of that step (what the prefetcher asks twice a step)
-        self._ranges: dict[tuple[int, tuple[int, ...] | None], NormalRanges] = {}
-        #: cursor -> (the next step's cursor, the ids this rank reads from its own shards in the
-        #: step, their shards): :meth:`plan_ahead`'s per-step part, computed once per generation
-        self._ahead: dict[int, tuple[int, np.ndarray, frozenset[int]]] = {}
+        #: (cursor, active) -> this rank's part of that step's split, computed once per
+        #: generation (the prefetcher asks for a step's ranges twice a step, the plan once)
+        self._steps: dict[tuple[int, tuple[int, ...] | None], StepSplit] = {}
+        #: epoch -> the shard of each position of its order (any generation)
+        self._shard_seq: dict[int, np.ndarray] = {}
+        #: epoch -> who reads each position's shard in it (this generation): a step's split
+        #: starts from a slice of it, not from locating the batch's ids again
+        self._reader_seq: dict[int, np.ndarray] = {}
         #: the steps of the last plan's horizon: (cursor, next cursor, ids, shards) each
         self._horizon: list[tuple[int, int, np.ndarray, frozenset[int]]] = []
         #: the last trained step's balance error and this rank's remote samples in it
@@ -101,9 +122,8 @@ class StreamInput:
         self._owner = owner_ranks(table.shard_owners, self.num_shards, rank_of)
         self.generation, self.rank, self.world = table.generation, me.rank, table.world_size
         self.owned = frozenset(np.flatnonzero(self._owner == me.rank).tolist())
-        self._cache.clear()
-        self._ranges.clear()
-        self._ahead.clear()
+        self._steps.clear()
+        self._reader_seq.clear()
         self._horizon = []
         self._reading.clear()
         with self._lock:
@@ -136,50 +156,73 @@ class StreamInput:
             self._reading[epoch] = got
         return got
 
-    def assignment(self, batch: StepBatch, active: Sequence[int] | None = None) -> StepAssignment:
-        """The split of ``batch`` among the table's ranks (``active``: the ranks that take part)."""
-        key = (batch.cursor, None if active is None else tuple(sorted(active)))
-        got = self._cache.get(key)
+    def _shards_of_epoch(self, epoch: int) -> np.ndarray:
+        """The shard of each position of ``epoch``'s order (int32)."""
+        got = self._shard_seq.get(epoch)
         if got is None:
-            got = assign_step(shard_of(batch.indices, self.offsets), self.epoch_owner(batch.epoch), self.world, active,
-                              self.tolerance)
-            if len(self._cache) >= CACHE_STEPS:
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[key] = got
+            got = shard_of(self.order.perm(epoch), self.offsets).astype(np.int32)
+            while len(self._shard_seq) >= EPOCHS_KEPT:
+                self._shard_seq.pop(min(self._shard_seq))
+            self._shard_seq[epoch] = got
         return got
+
+    def _readers_of_epoch(self, epoch: int) -> np.ndarray:
+        """Who reads each position's shard in ``epoch`` (:meth:`epoch_owner` by position, int32)."""
+        got = self._reader_seq.get(epoch)
+        if got is None:
+            got = self.epoch_owner(epoch).astype(np.int32)[self._shards_of_epoch(epoch)]
+            while len(self._reader_seq) >= EPOCHS_KEPT:
+                self._reader_seq.pop(min(self._reader_seq))
+            self._reader_seq[epoch] = got
+        return got
+
+    def split(self, batch: StepBatch, active: Sequence[int] | None = None) -> StepSplit:
+        """This rank's part of the split of ``batch`` among the table's ranks (``active``: the
+        ranks that take part; default all). The common case - every reader takes part and
+        the counts are even - is read off the epoch's readers by position
+        (:func:`~shoal.worker.stream_order.split_by_owner`, plain ints: a step's few dozen
+        positions cost less than numpy's calls); otherwise :func:`assign_step` balances."""
+        key = (batch.cursor, None if active is None else tuple(sorted(active)))
+        got = self._steps.get(key)
+        if got is None:
+            got = self._split(batch, active)
+            if len(self._steps) >= CACHE_STEPS:
+                self._steps.pop(next(iter(self._steps)))
+            self._steps[key] = got
+        return got
+
+    def _split(self, batch: StepBatch, active: Sequence[int] | None) -> StepSplit:
+        lo, hi = batch.offset, batch.offset + batch.count
+        shards = self._shards_of_epoch(batch.epoch)[lo:hi].tolist()
+        parts = split_by_owner(self._readers_of_epoch(batch.epoch)[lo:hi].tolist(), self.world, active,
+                               self.tolerance)
+        if parts is not None:
+            mine = local = parts[self.rank]
+            error, remote = max(map(len, parts)) - min(map(len, parts)), 0
+        else:
+            a = assign_step(np.asarray(shards, dtype=np.int64), self.epoch_owner(batch.epoch), self.world, active,
+                            self.tolerance)
+            mine = a.positions[self.rank].tolist()
+            local = [p for p in mine if not a.remote[p]]  # the samples it reads from its own shards
+            error, remote = a.balance_error, a.remote_count(self.rank)
+        return StepSplit(ranges=NormalRanges(positions_to_ranges(mine)), balance_error=error, remote=remote,
+                         next_cursor=batch.next_cursor, ids=batch.indices[local],
+                         shards=frozenset(shards[p] for p in local))
 
     def ranges(self, batch: StepBatch, active: Sequence[int] | None = None) -> NormalRanges:
         """This rank's ranges of ``batch``."""
-        key = (batch.cursor, None if active is None else tuple(sorted(active)))
-        got = self._ranges.get(key)
-        if got is None:
-            got = NormalRanges(self.assignment(batch, active).ranges(self.rank))
-            if len(self._ranges) >= CACHE_STEPS:
-                self._ranges.pop(next(iter(self._ranges)))
-            self._ranges[key] = got
-        return got
+        return self.split(batch, active).ranges
 
     def note_step(self, batch: StepBatch, active: Sequence[int] | None = None) -> None:
         """Record the figures of the step about to train (balance error, remote samples)."""
-        a = self.assignment(batch, active)
-        self.balance_error = a.balance_error
-        self.step_remote = a.remote_count(self.rank)
+        got = self.split(batch, active)
+        self.balance_error = got.balance_error
+        self.step_remote = got.remote
 
-    def _step_ahead(self, cursor: int) -> tuple[int, np.ndarray, frozenset[int]]:
-        """The step at ``cursor`` as the predownload plan sees it: (the next step's cursor, the
-        ids this rank reads from the shards it reads whole in that epoch, their shards)."""
-        got = self._ahead.get(cursor)
-        if got is None:
-            batch = self.order.batch(cursor)
-            a = self.assignment(batch)
-            mine = a.positions[self.rank]
-            ids = batch.indices[mine[~a.remote[mine]]]  # the samples it reads from its own shards
-            got = (batch.next_cursor, ids, frozenset(shard_of(ids, self.offsets).tolist()))
-            if len(self._ahead) >= CACHE_STEPS:
-                for old in [c for c in self._ahead if c < cursor] or [next(iter(self._ahead))]:
-                    del self._ahead[old]
-            self._ahead[cursor] = got
-        return got
+    def _step_ahead(self, cursor: int) -> StepSplit:
+        """The step at ``cursor`` as the predownload plan sees it (every rank taking part)."""
+        got = self._steps.get((cursor, None))
+        return got if got is not None else self.split(self.order.batch(cursor))
 
     def plan_ahead(self, cursor: int, end: int | None) -> None:
         """Hand this rank's next samples (about ``predownload`` of them, from ``cursor`` on, in
@@ -201,10 +244,10 @@ class StreamInput:
         count = sum(len(step[2]) for step in h)
         c = h[-1][1] if h else cursor
         while len(h) < MAX_PLAN_STEPS and count < self.predownload and (end is None or c < end):
-            nxt, ids, of_step = self._step_ahead(c)
-            h.append((c, nxt, ids, of_step))
-            count += len(ids)
-            c = nxt
+            step = self._step_ahead(c)
+            h.append((c, step.next_cursor, step.ids, step.shards))
+            count += len(step.ids)
+            c = step.next_cursor
         self._horizon = h
         shards = frozenset().union(*(step[3] for step in h))
         epochs = {step[0] // self.order.num_samples for step in h}

@@ -191,11 +191,12 @@ class StepAssignment:
         return int(self.remote[self.positions[rank]].sum())
 
 
-def positions_to_ranges(positions: np.ndarray) -> tuple[tuple[int, int, int], ...]:
+def positions_to_ranges(positions: np.ndarray | Sequence[int]) -> tuple[tuple[int, int, int], ...]:
     """Ascending positions as the shortest list of ``(start, stop, 1)`` runs."""
     out: list[tuple[int, int, int]] = []
     start = prev = None
-    for p in np.asarray(positions, dtype=np.int64).tolist():  # a batch's few dozen: plain ints beat numpy calls
+    # a batch's few dozen: plain ints beat numpy calls
+    for p in positions.tolist() if isinstance(positions, np.ndarray) else positions:
         if prev is None or p != prev + 1:
             if start is not None:
                 out.append((start, prev + 1, 1))
@@ -204,6 +205,28 @@ def positions_to_ranges(positions: np.ndarray) -> tuple[tuple[int, int, int], ..
     if start is not None:
         out.append((start, prev + 1, 1))
     return tuple(out)
+
+
+def split_by_owner(readers: Sequence[int], world: int, active: Sequence[int] | None = None,
+                   tolerance: int = 0) -> list[list[int]] | None:
+    """:func:`assign_step`'s common case in plain ints: ``readers[p]``, the rank reading
+    position ``p``'s shard. When every reader takes part (is in ``active``, default all)
+    and no rank's count exceeds another's by more than ``tolerance + 1``, each rank's
+    positions (ascending): nothing moves, nothing is read remotely. Otherwise None (the
+    counts need balancing, or some samples have no reader taking part)."""
+    parts: list[list[int]] = [[] for _ in range(world)]
+    taking = [active is None] * world
+    if active is not None:
+        for r in active:
+            taking[r] = True
+    for p, r in enumerate(readers):
+        if not (0 <= r < world and taking[r]):
+            return None
+        parts[r].append(p)
+    counts = [len(parts[r]) for r in range(world) if taking[r]]
+    if not counts or max(counts) - min(counts) > tolerance + 1:
+        return None
+    return parts
 
 
 def assign_step(shards: np.ndarray, owner: np.ndarray, world: int, active: Sequence[int] | None = None,
@@ -221,16 +244,15 @@ def assign_step(shards: np.ndarray, owner: np.ndarray, world: int, active: Seque
     if not active:
         raise ValueError("no rank takes part in the step")
     owned_by = owner[shards] if n else np.empty(0, dtype=np.int64)
+    parts = split_by_owner(owned_by.tolist(), world, active, tolerance)
+    if parts is not None:  # the common case: every sample's owner takes part and the counts are even
+        return StepAssignment(positions=tuple(np.asarray(p, dtype=np.int64) for p in parts),
+                              remote=np.zeros(n, dtype=bool))
     take = np.full(n, -1, dtype=np.int64)
     is_active = np.zeros(world, dtype=bool)
     is_active[active] = True
     mine = (owned_by >= 0) & is_active[np.clip(owned_by, 0, world - 1)]
     take[mine] = owned_by[mine]
-    if mine.all():  # the common case: every sample's owner takes part and the counts are even
-        counts = np.bincount(take, minlength=world)[active]
-        if int(counts.max()) - int(counts.min()) <= tolerance + 1:
-            return StepAssignment(positions=tuple(np.flatnonzero(take == r) for r in range(world)),
-                                  remote=np.zeros(n, dtype=bool))
     return _balanced(take, owned_by, world, active, tolerance)
 
 

@@ -148,3 +148,39 @@ def test_a_plan_carried_from_step_to_step_is_the_plan_computed_afresh() -> None:
             assert set(shard_of(fresh_ds.plans[-1][0], shard_offsets(SHARDS)).tolist()) == \
                 set(shard_of(ds.plans[-1][0], shard_offsets(SHARDS)).tolist())
     assert len(ds.plans) > 3
+
+
+def test_a_steps_split_read_off_the_epochs_readers_is_assign_steps_split() -> None:
+    """StreamInput.split slices the epoch's readers by position and takes the plain-int
+    shortcut when nothing needs balancing: every field must be what assign_step computes from
+    the batch's ids, for every rank, with all ranks and with some left out, across epochs."""
+    from shoal.worker.stream_order import assign_step
+
+    offsets = shard_offsets(SHARDS)
+    order = DataOrder(sum(SHARDS), 3, 28, shard_samples=SHARDS, window=6)  # 28: partial rounds too
+    for world in (1, 2, 3):
+        inputs = []
+        for rank in range(world):
+            si = StreamInput(Planned(), order)
+            si.use_table(_table(world), f"w{rank}")
+            inputs.append(si)
+        fast = slow = 0
+        cursor = 0
+        while cursor < 2 * order.num_samples:
+            batch = order.batch(cursor)
+            for active in (None, [world - 1]):
+                a = assign_step(shard_of(batch.indices, offsets), inputs[0].epoch_owner(batch.epoch), world, active)
+                for rank, si in enumerate(inputs):
+                    got = si.split(batch, active)
+                    local = [p for p in a.positions[rank].tolist() if not a.remote[p]]
+                    assert got.ranges == a.ranges(rank)
+                    assert (got.balance_error, got.remote) == (a.balance_error, a.remote_count(rank))
+                    assert got.ids.tolist() == batch.indices[local].tolist()
+                    assert got.shards == frozenset(shard_of(batch.indices[local], offsets).tolist())
+                    assert got.next_cursor == batch.next_cursor
+                if a.remote_count() == 0 and active is None:
+                    fast += 1
+                elif a.remote_count():
+                    slow += 1
+            cursor = batch.next_cursor
+        assert fast and (world == 1 or slow)  # both paths ran
