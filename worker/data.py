@@ -45,6 +45,9 @@ Range = Sequence[int]
 
 #: epochs whose permutation :class:`DataOrder` keeps
 PERMS_KEPT = 3
+#: global batches :class:`DataOrder` keeps by cursor (a step's batch is asked for by the
+#: training thread, the prefetcher's plan and the streaming split, each step again)
+BATCHES_KEPT = 16
 
 
 def _epoch_seed(seed: int, epoch: int) -> list[int]:
@@ -218,6 +221,7 @@ class DataOrder:
         #: epoch -> its permutation, the last :data:`PERMS_KEPT` used (a look-ahead that
         #: crosses an epoch's end alternates between two epochs: both stay cached)
         self._perms: dict[int, np.ndarray] = {}
+        self._batches: dict[int, StepBatch] = {}
         self._lock = threading.Lock()
 
     def steps_per_epoch(self) -> int:
@@ -237,6 +241,7 @@ class DataOrder:
                     got = permutation(self.num_samples, self.seed, epoch)
                 else:
                     got = shard_aware_permutation(self.shard_samples, self.seed, epoch, self.window)
+                got.flags.writeable = False  # its batches are views of it, shared by every caller
                 while len(self._perms) >= PERMS_KEPT:
                     self._perms.pop(next(iter(self._perms)))
             self._perms[epoch] = got  # most recently used last
@@ -244,7 +249,16 @@ class DataOrder:
 
     def batch(self, cursor: int) -> StepBatch:
         """The global batch at ``cursor`` (which must be a committed cursor: 0 or a previous
-        batch's ``next_cursor``)."""
+        batch's ``next_cursor``). The same object for a cursor asked for again soon: its
+        ``indices`` are a view of the epoch's permutation, never to be written."""
+        got = self._batches.get(cursor)
+        if got is not None:
+            return got
         epoch, offset = locate(cursor, self.num_samples)
         idx = batch_indices(self.perm(epoch), cursor, self.global_batch)
-        return StepBatch(cursor=cursor, epoch=epoch, offset=offset, num_samples=self.num_samples, indices=idx)
+        got = StepBatch(cursor=cursor, epoch=epoch, offset=offset, num_samples=self.num_samples, indices=idx)
+        with self._lock:
+            while len(self._batches) >= BATCHES_KEPT:
+                self._batches.pop(next(iter(self._batches)))
+            self._batches[cursor] = got
+        return got

@@ -200,8 +200,11 @@ class StreamInput:
             mine = local = parts[self.rank]
             error, remote = max(map(len, parts)) - min(map(len, parts)), 0
         else:
+            # a sample that must move goes preferably to the rank that read its shard whole in
+            # the epoch before (in its cache unless evicted since: no ranged read)
+            held = self.epoch_owner(batch.epoch - 1) if batch.epoch > 0 else None
             a = assign_step(np.asarray(shards, dtype=np.int64), self.epoch_owner(batch.epoch), self.world, active,
-                            self.tolerance)
+                            self.tolerance, held)
             mine = a.positions[self.rank].tolist()
             local = [p for p in mine if not a.remote[p]]  # the samples it reads from its own shards
             error, remote = a.balance_error, a.remote_count(self.rank)

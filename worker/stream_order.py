@@ -25,8 +25,10 @@ The assignment (:func:`assign_step`)
     Every rank computes, from the step's global batch, each sample's shard and these owners,
     the same split of the batch's *positions* among
     the ranks: a rank takes the samples of the shards it owns (read from its cache), then the
-    counts are balanced to within a tolerance by moving samples - the highest positions of
-    the fullest rank first - to the emptiest one, which reads them remotely (ranged reads).
+    counts are balanced to within a tolerance by moving samples of the fullest rank to the
+    emptiest one, which reads them remotely (ranged reads) - unless it read their shard whole
+    in the epoch before: samples of such shards move first (the highest position among them,
+    else the highest), and the receiver reads them from its cache while it still holds them.
     Samples of shards nobody in the step owns (an owner that left, a member still catching up)
     go to the emptiest ranks. The split is returned as ordinary shard-table ranges
     (``[start, stop, 1]`` runs of positions), so the slices of all ranks partition the batch
@@ -230,7 +232,7 @@ def split_by_owner(readers: Sequence[int], world: int, active: Sequence[int] | N
 
 
 def assign_step(shards: np.ndarray, owner: np.ndarray, world: int, active: Sequence[int] | None = None,
-                tolerance: int = 0) -> StepAssignment:
+                tolerance: int = 0, held: np.ndarray | None = None) -> StepAssignment:
     """Split a global batch among ``world`` ranks by locality (see the module docstring).
 
     ``shards[p]``: the shard of the sample at position ``p``; ``owner[s]``: the rank owning
@@ -253,32 +255,44 @@ def assign_step(shards: np.ndarray, owner: np.ndarray, world: int, active: Seque
     is_active[active] = True
     mine = (owned_by >= 0) & is_active[np.clip(owned_by, 0, world - 1)]
     take[mine] = owned_by[mine]
-    return _balanced(take, owned_by, world, active, tolerance)
+    return _balanced(take, owned_by, world, active, tolerance, None if held is None or not n else held[shards])
 
 
-def _balanced(take: np.ndarray, owned_by: np.ndarray, world: int, active: list[int], tolerance: int) -> StepAssignment:
+def _balanced(take: np.ndarray, owned_by: np.ndarray, world: int, active: list[int], tolerance: int,
+              held_by: np.ndarray | None = None) -> StepAssignment:
     """The split of :func:`assign_step` from ``take`` (each position's owner when active,
     else -1): unowned positions go to the emptiest ranks, then samples move until the counts
-    are within ``tolerance + 1``."""
+    are within ``tolerance + 1``; ``held_by[p]``: the rank holding position ``p``'s shard
+    besides its owner (-1: none)."""
     n = len(take)
     # per rank, ascending: the positions of its own shards, and the others it was given
     own: dict[int, list[int]] = {r: np.flatnonzero(take == r).tolist() for r in active}
     given: dict[int, list[int]] = {r: [] for r in active}
+    holder = held_by.tolist() if held_by is not None else None
 
     def count(a: int) -> int:
         return len(own[a]) + len(given[a])
 
+    def pick(ps: list[int], to: int) -> int:
+        """The highest of ``ps`` whose shard ``to`` holds, else the highest (removed)."""
+        if holder is not None:
+            for k in range(len(ps) - 1, -1, -1):
+                if holder[ps[k]] == to:
+                    return ps.pop(k)
+        return ps.pop()
+
     # samples nobody active owns: to the emptiest rank, position by position
     for p in np.flatnonzero(take < 0).tolist():
         given[min(active, key=lambda a: (count(a), a))].append(p)
-    # balance: the highest position of the fullest rank to the emptiest, until within
-    # tolerance; a sample the fullest reads remotely anyway moves first (no extra remote read)
+    # balance: a sample of the fullest rank to the emptiest, until within tolerance; one the
+    # fullest reads remotely anyway moves first (no extra remote read), then one whose shard
+    # the emptiest holds (read from its cache), else the highest position
     while True:
         hi = max(active, key=lambda a: (count(a), -a))
         lo = min(active, key=lambda a: (count(a), a))
         if count(hi) - count(lo) <= tolerance + 1:
             break
-        p = given[hi].pop() if given[hi] else own[hi].pop()
+        p = pick(given[hi], lo) if given[hi] else pick(own[hi], lo)
         bisect.insort(own[lo] if owned_by[p] == lo else given[lo], p)
     buckets = {r: own[r] + given[r] for r in active}
     positions = tuple(np.sort(np.asarray(buckets.get(r, []), dtype=np.int64)) for r in range(world))

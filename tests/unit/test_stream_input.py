@@ -153,7 +153,8 @@ def test_a_plan_carried_from_step_to_step_is_the_plan_computed_afresh() -> None:
 def test_a_steps_split_read_off_the_epochs_readers_is_assign_steps_split() -> None:
     """StreamInput.split slices the epoch's readers by position and takes the plain-int
     shortcut when nothing needs balancing: every field must be what assign_step computes from
-    the batch's ids, for every rank, with all ranks and with some left out, across epochs."""
+    the batch's ids (moves preferring the epoch before's readers), for every rank, with all
+    ranks and with some left out, across epochs."""
     from shoal.worker.stream_order import assign_step
 
     offsets = shard_offsets(SHARDS)
@@ -169,7 +170,9 @@ def test_a_steps_split_read_off_the_epochs_readers_is_assign_steps_split() -> No
         while cursor < 2 * order.num_samples:
             batch = order.batch(cursor)
             for active in (None, [world - 1]):
-                a = assign_step(shard_of(batch.indices, offsets), inputs[0].epoch_owner(batch.epoch), world, active)
+                held = inputs[0].epoch_owner(batch.epoch - 1) if batch.epoch else None  # the epoch before's readers
+                a = assign_step(shard_of(batch.indices, offsets), inputs[0].epoch_owner(batch.epoch), world, active,
+                                held=held)
                 for rank, si in enumerate(inputs):
                     got = si.split(batch, active)
                     local = [p for p in a.positions[rank].tolist() if not a.remote[p]]

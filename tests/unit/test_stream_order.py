@@ -86,16 +86,38 @@ def test_bad_input():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 20), min_size=1, max_size=12), st.integers(1, 8), st.integers(0, 3))
-def test_assignment_partitions_and_balances(shards, world, tolerance):
+@given(st.lists(st.integers(0, 20), min_size=1, max_size=12), st.integers(1, 8), st.integers(0, 3), st.data())
+def test_assignment_partitions_and_balances(shards, world, tolerance, data):
     shards = np.array(shards)
     owners, _ = plan_owners(None, [f"w{i}" for i in range(world)], 21)
     owner = owner_ranks(owners, 21, {f"w{i}": i for i in range(world)})
-    a = assign_step(shards, owner, world, tolerance=tolerance)
+    held = data.draw(st.one_of(st.none(), st.lists(st.integers(-1, world - 1), min_size=21, max_size=21).map(np.array)))
+    a = assign_step(shards, owner, world, tolerance=tolerance, held=held)
     validate_table([list(a.ranges(r)) for r in range(world)], len(shards))
     assert a.balance_error <= tolerance + 1
     for r in range(world):  # remote exactly where the reader does not own the shard
         assert all(a.remote[p] == (owner[shards[p]] != r) for p in a.positions[r])
+    if held is not None:  # the same counts as without a preference: only which samples move differs
+        b = assign_step(shards, owner, world, tolerance=tolerance)
+        assert [len(p) for p in a.positions] == [len(p) for p in b.positions]
+        assert a.remote_count() == b.remote_count()
+
+
+def test_a_sample_that_must_move_goes_to_the_rank_holding_its_shard():
+    """Balancing moves samples of the fullest rank; among them, one whose shard the receiver
+    read whole in the epoch before (``held``) moves first - it is in the receiver's cache."""
+    owner = np.array([0, 0, 0, 1])
+    shards = np.array([0, 1, 2, 0, 1, 2, 3, 3])  # rank 0 owns 6 samples, rank 1 two
+    plain = assign_step(shards, owner, 2)
+    assert plain.positions[1].tolist() == [4, 5, 6, 7]  # the highest positions of rank 0
+    held = np.array([-1, -1, -1, -1])
+    held[0] = 1  # rank 1 read shard 0 whole before
+    a = assign_step(shards, owner, 2, held=held)
+    assert a.positions[1].tolist() == [0, 3, 6, 7]  # both samples of shard 0 move
+    assert a.remote_count(1) == 2 and a.balance_error == 0
+    held[0], held[2] = 1, 1
+    a = assign_step(shards, owner, 2, held=held)
+    assert a.positions[1].tolist() == [3, 5, 6, 7]  # the highest of the held ones first
 
 
 @settings(max_examples=150, deadline=None)
