@@ -72,9 +72,9 @@ REMOTE_PARALLEL = 8
 #: reads the shards of one shuffle window at a time (16 in the default order, all of them in a
 #: one-worker job) and of two across a window's end: fewer maps than that remap a shard on
 #: almost every sample (about 5x the per-sample cost, measured). A copy evicted by another
-#: process stays on disk until this one next reads it or maps another shard (then it is
-#: unmapped), so the disk space in use can exceed ``cache_limit`` by the evicted shards a
-#: process that stopped reading still maps.
+#: process stays on disk until this one reads it again a second or more after it last
+#: checked, or maps another shard (then it is unmapped), so the disk space in use can exceed
+#: ``cache_limit`` by the evicted shards a process still maps.
 MAPPED_SHARDS = 40
 #: a packed shard's offsets table up to this many bytes is read whole by the first ranged read
 #: of the shard (and kept per process); beyond it each ranged read fetches its 16 bytes
@@ -328,7 +328,7 @@ class StreamingDataset:
         for _ in range(3):  # evicted by another process between download and open: again
             with proc.lock:
                 mapped = proc.maps.get(shard)
-                if mapped is not None and os.fstat(mapped[1]).st_nlink == 0:
+                if mapped is not None and self._evicted(proc, shard, mapped):
                     self._unmap(proc, shard)  # evicted since: do not keep its space alive
                     mapped = None
             hit = True
@@ -354,13 +354,35 @@ class StreamingDataset:
                 proc.counters.add("cache_misses")
                 if len(positions) > 1:
                     proc.counters.add("cache_hits", len(positions) - 1)
-            self._touch(proc, shard, mapped[2])
             # a whole local copy was verified against the index's sha256 (downloaded, or hashed
             # in place): that covers every record, so their crc32s are not checked again
+            if entry.format == "packed":
+                try:
+                    return [packed.decode_record(rec, check_crc=False) for rec in records]
+                except packed.FormatError:
+                    pass  # decoded again one by one below: the error names the sample
             return [self._decode(shard, pos, rec, entry.format, verified=True) for pos, rec in zip(positions, records)]
         # the cache is too small for what this worker's processes read at once: read these
         # samples remotely rather than fail (counted in remote_reads)
         return [self._read_remote(shard, pos) for pos in positions]
+
+    def _evicted(self, proc: _Proc, shard: int, mapped: tuple[mmap.mmap, int, Path, list[int] | None]) -> bool:
+        """(Under ``proc.lock``.) Whether the mapped copy was evicted since it was mapped (its
+        file unlinked); also marks a copy still there as used (its mtime: least-recently-used
+        eviction). Both at most once a second per shard and process: a syscall each, on
+        every read of a few samples, showed in the loaders' profile."""
+        now = time.monotonic()
+        if now - proc.touched.get(shard, -10.0) <= 1.0:
+            return False
+        proc.touched[shard] = now
+        if os.fstat(mapped[1]).st_nlink == 0:
+            return True
+        if not self._local:
+            try:
+                os.utime(mapped[2])
+            except FileNotFoundError:
+                return True
+        return False
 
     def _offsets(self, mm: mmap.mmap, entry: Any, shard: int) -> list[int] | None:
         """Where each record of a mapped copy starts (and the last ends): a packed shard's
@@ -408,19 +430,6 @@ class StreamingDataset:
         mm, fd, _, _ = proc.maps.pop(shard)
         mm.close()
         os.close(fd)
-
-    def _touch(self, proc: _Proc, shard: int, path: Path) -> None:
-        """Mark the cached copy as used (its mtime: least-recently-used eviction), at most
-        once a second per shard and process."""
-        if self._local:
-            return
-        now = time.monotonic()
-        if now - proc.touched.get(shard, -10.0) > 1.0:
-            proc.touched[shard] = now
-            try:
-                os.utime(path)
-            except FileNotFoundError:
-                pass
 
     def _decode(self, shard: int, pos: int, raw: bytes, fmt: str, *, verified: bool = False) -> dict[str, Any]:
         """The sample in record ``raw``; ``verified``: from a copy of the shard whose sha256

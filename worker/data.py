@@ -46,8 +46,9 @@ Range = Sequence[int]
 #: epochs whose permutation :class:`DataOrder` keeps
 PERMS_KEPT = 3
 #: global batches :class:`DataOrder` keeps by cursor (a step's batch is asked for by the
-#: training thread, the prefetcher's plan and the streaming split, each step again)
-BATCHES_KEPT = 16
+#: training thread, the prefetcher's plan and the streaming split, each step again; the
+#: streaming plan looks ~20 steps ahead)
+BATCHES_KEPT = 64
 
 
 def _epoch_seed(seed: int, epoch: int) -> list[int]:

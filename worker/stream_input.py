@@ -43,6 +43,8 @@ DEFAULT_PREDOWNLOAD = 512
 MAX_PLAN_STEPS = 64
 #: Steps' splits kept (by cursor) so a step's split is computed once per generation.
 CACHE_STEPS = 2 * MAX_PLAN_STEPS
+#: Steps split at once when the plan meets one not split yet (:meth:`StreamInput._step_ahead`)
+AHEAD_CHUNK = 8
 #: Epochs whose per-position shards and readers are kept (a plan that crosses an epoch's end
 #: looks at two)
 EPOCHS_KEPT = 3
@@ -210,7 +212,7 @@ class StreamInput:
             error, remote = a.balance_error, a.remote_count(self.rank)
         return StepSplit(ranges=NormalRanges(positions_to_ranges(mine)), balance_error=error, remote=remote,
                          next_cursor=batch.next_cursor, ids=batch.indices[local],
-                         shards=frozenset(shards[p] for p in local))
+                         shards=frozenset(map(shards.__getitem__, local)))
 
     def ranges(self, batch: StepBatch, active: Sequence[int] | None = None) -> NormalRanges:
         """This rank's ranges of ``batch``."""
@@ -223,9 +225,17 @@ class StreamInput:
         self.step_remote = got.remote
 
     def _step_ahead(self, cursor: int) -> StepSplit:
-        """The step at ``cursor`` as the predownload plan sees it (every rank taking part)."""
+        """The step at ``cursor`` as the predownload plan sees it (every rank taking part).
+        A step not split yet is split with the :data:`AHEAD_CHUNK` - 1 steps after it: the plan
+        needs one new step per step, and a run of them costs less than as many single ones
+        (the code and the epoch's arrays are then in the CPU's caches, not evicted by a
+        training step in between)."""
         got = self._steps.get((cursor, None))
-        return got if got is not None else self.split(self.order.batch(cursor))
+        if got is None:
+            got = step = self.split(self.order.batch(cursor))
+            for _ in range(AHEAD_CHUNK - 1):
+                step = self.split(self.order.batch(step.next_cursor))
+        return got
 
     def plan_ahead(self, cursor: int, end: int | None) -> None:
         """Hand this rank's next samples (about ``predownload`` of them, from ``cursor`` on, in

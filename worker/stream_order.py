@@ -216,17 +216,15 @@ def split_by_owner(readers: Sequence[int], world: int, active: Sequence[int] | N
     and no rank's count exceeds another's by more than ``tolerance + 1``, each rank's
     positions (ascending): nothing moves, nothing is read remotely. Otherwise None (the
     counts need balancing, or some samples have no reader taking part)."""
-    parts: list[list[int]] = [[] for _ in range(world)]
-    taking = [active is None] * world
-    if active is not None:
-        for r in active:
-            taking[r] = True
-    for p, r in enumerate(readers):
-        if not (0 <= r < world and taking[r]):
-            return None
-        parts[r].append(p)
-    counts = [len(parts[r]) for r in range(world) if taking[r]]
-    if not counts or max(counts) - min(counts) > tolerance + 1:
+    ranks = range(world) if active is None else sorted(set(active))
+    if not ranks:
+        return None
+    if readers and (min(readers) < 0 or max(readers) >= world
+                    or (active is not None and not set(ranks).issuperset(readers))):
+        return None
+    parts = [[p for p, x in enumerate(readers) if x == r] for r in range(world)]  # comprehensions: the fastest plain loop
+    counts = [len(parts[r]) for r in ranks]
+    if max(counts) - min(counts) > tolerance + 1:
         return None
     return parts
 

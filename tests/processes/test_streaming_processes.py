@@ -164,7 +164,10 @@ def test_kill_join_and_leave_mid_epoch_exactly_once_and_same_batches_as_a_fixed_
         ws[0].signal(signal.SIGTERM)  # a graceful leave
         watch.wait_for(lambda d: " left" in d["reason"], 60)
 
-    _, _, codes = _s3_run(r, redis_url, tmp_path / "elastic", _spec(job), 2, uri, script)
+    # 0.1 s a step: the script's join, kill and leave must all land before the 158 steps end;
+    # on 2 busy cores the joiner alone takes 5-10 s to start (0.03 s a step: the job finished
+    # first, once, under the parallel suite)
+    _, _, codes = _s3_run(r, redis_url, tmp_path / "elastic", _spec(job), 2, uri, script, SHOAL_TEST_STEP_DELAY="0.1")
     assert codes["p0"] == 0 and codes["p1"] == 0
     entries = ledger.read(tmp_path / "elastic" / "ledger")
     verdict = ledger.verify(entries, NUM_SAMPLES)

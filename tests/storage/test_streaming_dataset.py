@@ -474,7 +474,14 @@ def test_a_demand_read_evicts_the_shards_its_plan_has_finished_not_the_next_ones
     assert cache.usage() == (300, 3)
 
 
-def test_a_copy_evicted_while_mapped_is_let_go_and_fetched_again(tmp_path: Path) -> None:
+def test_a_copy_evicted_while_mapped_is_let_go_and_fetched_again(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy another process evicted stays mapped (and readable) until this process checks
+    it again - at most once a second per shard, a syscall each - then is let go and fetched."""
+    import shoal.storage.streaming as streaming_mod
+
+    now = [1000.0]
+    monkeypatch.setattr(streaming_mod.time, "monotonic", lambda: now[0])
     _, index, uri = _s3_dataset(100, shard_size=3000)
     ds = StreamingDataset(uri, cache_dir=tmp_path / "c")
     assert ds[0]["cls"] == 0 and ds.stats()["downloads"] == 1
@@ -484,8 +491,12 @@ def test_a_copy_evicted_while_mapped_is_let_go_and_fetched_again(tmp_path: Path)
     st = ds.stats()
     assert st["downloads"] == 2 and st["cache_misses"] == 2 and st["cache_hits"] == 0
     assert os.path.exists(copy)
+    copy.unlink()  # evicted again: within the second, read from the map still
+    assert ds[2]["cls"] == 2 and ds.stats()["downloads"] == 2 and not os.path.exists(copy)
+    now[0] += 1.5
+    assert ds[3]["cls"] == 3 and ds.stats()["downloads"] == 3 and os.path.exists(copy)
     ds.close()
-    assert ds[2]["cls"] == 2  # still readable after close
+    assert ds[4]["cls"] == 4  # still readable after close
 
 
 def test_reading_a_shuffle_windows_shards_round_robin_maps_each_shard_once(tmp_path: Path,
