@@ -76,6 +76,8 @@ REMOTE_PARALLEL = 8
 #: checked, or maps another shard (then it is unmapped), so the disk space in use can exceed
 #: ``cache_limit`` by the evicted shards a process still maps.
 MAPPED_SHARDS = 40
+#: cached copies the prefetch thread remembers (re-checked with a stat; beyond: forgotten, looked up again)
+PREFETCHED_KEPT = 4096
 #: a packed shard's offsets table up to this many bytes is read whole by the first ranged read
 #: of the shard (and kept per process); beyond it each ranged read fetches its 16 bytes
 OFFSETS_TABLE_MAX = 64 * 1024
@@ -571,7 +573,7 @@ class StreamingDataset:
                     continue
                 if got is None:
                     break  # the cache is full of shards needed sooner
-                if len(proc.prefetched) >= MAPPED_SHARDS * 64:
+                if len(proc.prefetched) >= PREFETCHED_KEPT:
                     proc.prefetched.clear()
                 proc.prefetched[shard] = os.fspath(got[0])
 

@@ -45,9 +45,9 @@ MAX_PLAN_STEPS = 64
 CACHE_STEPS = 2 * MAX_PLAN_STEPS
 #: Steps split at once when the plan meets one not split yet (:meth:`StreamInput._step_ahead`)
 AHEAD_CHUNK = 8
-#: Epochs whose per-position shards and readers are kept (a plan that crosses an epoch's end
-#: looks at two)
-EPOCHS_KEPT = 3
+#: Epochs whose per-position shards and readers are kept: 8 bytes a sample each (a plan that
+#: crosses an epoch's end looks at two; DataOrder keeps 3 permutations of 8 bytes a sample)
+EPOCHS_KEPT = 2
 
 
 @dataclass(frozen=True, slots=True)
