@@ -38,7 +38,14 @@ def test_survivors_abort_their_collective_with_a_frozen_peer_at_once(r, redis_ur
     seen: dict[str, float | int] = {}
 
     def freeze_w1(watch: ControlWatcher) -> None:
-        wait_until(lambda: len(ledger.read(tmp_path / "ledger")) >= 30, 60, "30 committed steps")
+        # every one of the three has committed in their generation: the plan naming all three is
+        # not enough, a slow starter (busy CI cores) may not have switched to it yet, and one that
+        # never shared a collective with w1 has nothing to abort
+        def three_committed_together():
+            entries = ledger.read(tmp_path / "ledger")
+            return len(entries) >= 30 and {e["worker"] for e in entries if e["world"] == 3} == {"w0", "w1", "w2"}
+
+        wait_until(three_committed_together, 60, "30 committed steps, the three workers' among them")
         pid = watch.workers()["w1"]["pid"]
         seen["stopped"] = time.time()
         os.kill(pid, signal.SIGSTOP)
