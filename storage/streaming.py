@@ -286,18 +286,63 @@ class StreamingDataset:
                 futures[slot] = self._pool().submit(self._read_remote, shard, pos)
         try:
             out: list[Any] = [None] * len(located)
-            for shard, slots in local.items():
+            for shard in self._read_mapped(local, located, out):
+                slots = local[shard]
                 for slot, sample in zip(slots, self._read_locals(shard, [located[k][1] for k in slots])):
                     out[slot] = sample
-            for slot in range(len(out)):  # the local samples' decode overlaps the ranged reads
-                if slot not in futures:
-                    out[slot] = self._finish(out[slot])
+            decode = self.decode
+            if decode is not None:  # the local samples' decode overlaps the ranged reads
+                if futures:
+                    out = [s if slot in futures else decode(s) for slot, s in enumerate(out)]
+                else:
+                    out = [decode(s) for s in out]
             for slot, fut in futures.items():
                 out[slot] = self._finish(fut.result())
         finally:
             for fut in futures.values():
                 fut.cancel()  # an error raised: reads not started yet are not needed
         return out
+
+    def _read_mapped(self, local: dict[int, list[int]], located: list[tuple[int, int]], out: list[Any]) -> list[int]:
+        """Fill ``out`` (undecoded samples) for the shards of ``local`` (shard -> slots) whose
+        copy this process has mapped and checked for eviction within the last second: their
+        records are sliced under one lock (the offsets table was checked when mapped) and
+        decoded shard by shard, the hits counted once. Returns the shards left for
+        :meth:`_read_locals`: not mapped, due for the eviction check, or without a table.
+        A step's samples come from a dozen shards or more, two or three of each: a call per
+        shard (its lock, clock, counter and checks) cost as much as decoding its records."""
+        proc = self._proc()
+        left: list[int] = []
+        got: list[tuple[int, list[int], list[bytes]]] = []
+        now = time.monotonic()
+        touched = proc.touched
+        with proc.lock:
+            maps = proc.maps
+            for shard, slots in local.items():
+                mapped = maps.get(shard)
+                if mapped is None or mapped[3] is None or now - touched.get(shard, -10.0) > 1.0:
+                    left.append(shard)
+                    continue
+                mm, table = mapped[0], mapped[3]
+                got.append((shard, slots, [mm[table[p] : table[p + 1]] for p in (located[k][1] for k in slots)]))
+        if got:
+            proc.counters.add("cache_hits", sum(len(g[1]) for g in got))
+        shards = self.index.shards
+        for shard, slots, records in got:
+            # a whole local copy was verified against the index's sha256: that covers every
+            # record, so their crc32s are not checked again
+            samples = None
+            if shards[shard].format == "packed":
+                try:
+                    samples = [packed.decode_record(rec, check_crc=False) for rec in records]
+                except packed.FormatError:
+                    pass  # decoded again one by one below: the error names the sample
+            if samples is None:
+                samples = [self._decode(shard, located[k][1], rec, shards[shard].format, verified=True)
+                           for k, rec in zip(slots, records)]
+            for k, sample in zip(slots, samples):
+                out[k] = sample
+        return left
 
     def _pool(self) -> Any:
         proc = self._proc()
@@ -390,20 +435,28 @@ class StreamingDataset:
         """Where each record of a mapped copy starts (and the last ends): a packed shard's
         own table (its header checked against the index; None when the table is larger than
         :data:`OFFSETS_TABLE_MAX`: a list of ints costs ~36 bytes an entry, in every process
-        and for every mapped shard), a tar shard's from the index."""
+        and for every mapped shard), a tar shard's from the index. A table is checked here,
+        once: ascending and inside the copy (so a read slices records without checking each)."""
         if entry.format != "packed":
-            return list(entry.offsets)
-        n = int(entry.samples or 0)
-        try:
-            if len(mm) < packed.shard_overhead(n):
-                raise packed.FormatError(f"{len(mm)} bytes cannot hold the offsets of {n} samples")
-            if packed.parse_header(mm[: packed.HEADER]) != n:
-                raise packed.FormatError(f"header says {packed.parse_header(mm[: packed.HEADER])} samples, index says {n}")
+            table = np.asarray(entry.offsets, dtype=np.int64)
+            first = 0
+        else:
+            n = int(entry.samples or 0)
+            first = packed.shard_overhead(n)
+            try:
+                if len(mm) < first:
+                    raise packed.FormatError(f"{len(mm)} bytes cannot hold the offsets of {n} samples")
+                if packed.parse_header(mm[: packed.HEADER]) != n:
+                    raise packed.FormatError(f"header says {packed.parse_header(mm[: packed.HEADER])} samples, index says {n}")
+            except packed.FormatError as exc:
+                raise ShardCorrupt(f"dataset shard {self._label(shard)}: {exc}") from exc
             if 8 * (n + 1) > OFFSETS_TABLE_MAX:
                 return None
-            return packed.offsets_table(mm[packed.HEADER : packed.HEADER + 8 * (n + 1)], n).tolist()
-        except packed.FormatError as exc:
-            raise ShardCorrupt(f"dataset shard {self._label(shard)}: {exc}") from exc
+            table = packed.offsets_table(mm[packed.HEADER : first], n)
+        if len(table) and (table[0] < first or table[-1] > len(mm) or bool((np.diff(table) < 0).any())):
+            raise ShardCorrupt(f"dataset shard {self._label(shard)}: its records' offsets are not ascending "
+                               f"inside the shard's {len(mm)} bytes")
+        return table.tolist()
 
     def _map(self, proc: _Proc, shard: int, path: Path, entry: Any) -> tuple[mmap.mmap, int, Path, list[int] | None]:
         """Map the shard file read-only (kept open, at most :data:`MAPPED_SHARDS` per process)."""

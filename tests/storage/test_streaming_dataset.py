@@ -572,3 +572,35 @@ def test_get_range_on_every_backend(kind: str, tmp_path: Path) -> None:
         store.get_range("a/missing", 0, 4)
     with pytest.raises(ValueError):
         store.get_range("a/obj", -1, 4)
+
+
+def test_a_shard_whose_offsets_table_is_out_of_order_fails_naming_it(tmp_path: Path) -> None:
+    """A packed shard's record offsets are checked once, when its copy is mapped (reads then
+    slice records without checking each): a table that is not ascending inside the shard -
+    written so by a broken writer, with an index whose sha256 matches it - fails the read with
+    one line naming the shard, whatever sample of it is asked for."""
+    import hashlib
+    import json
+    import struct
+
+    from shoal.storage.uri import open_store
+
+    folder = tmp_path / "set"
+    folder.mkdir()
+    index = pack(streaming_data.samples(60, 64), open_store(f"file://{folder}"), shard_size=2000)
+    name = index.shards[1].name
+    shard = folder / name
+    data = bytearray(shard.read_bytes())
+    first, second = struct.unpack_from("<QQ", data, 16 + 8)  # offsets[1], offsets[2]
+    struct.pack_into("<QQ", data, 16 + 8, second, first)
+    shard.write_bytes(bytes(data))
+    doc = json.loads((folder / "index.json").read_text())
+    doc["shards"][1]["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
+    (folder / "index.json").write_text(json.dumps(doc))
+    ds = StreamingDataset(str(folder), cache_dir=tmp_path / "c")
+    ids = np.flatnonzero(ds.shard_of(np.arange(60)) == 1)
+    for i in (ids[0], ids[-1]):
+        with pytest.raises(ShardCorrupt, match=f"{name}: its records' offsets are not ascending") as info:
+            ds.read([int(i)], {1})
+        assert "\n" not in str(info.value)
+    assert ds.read([0], {0})[0]["cls"] == 0  # the other shards still read
