@@ -31,6 +31,7 @@ itself, so a sample can be fetched with ranged reads; its crc32 is checked on ev
 from __future__ import annotations
 
 import math
+import operator
 import struct
 import zlib
 from collections.abc import Callable, Iterable, Mapping
@@ -143,9 +144,11 @@ class _Layout:
     one: the same fields, dtypes, shapes and byte lengths). ``checks``: (offset in the
     record, bytes) of every field's header - name, type, dtype, shape, length - and of the
     field count; a record of ``size`` bytes whose headers all match parses exactly as the one
-    it was learned from, so its values are read at the learned offsets without walking it."""
+    it was learned from, so its values are read at the learned offsets without walking it.
+    ``heads`` is what ``headers`` (one C call slicing them all) gives for such a record, and
+    ``values`` reads the values (:func:`_values_of`)."""
 
-    __slots__ = ("size", "checks", "fields")
+    __slots__ = ("size", "checks", "fields", "headers", "heads", "values")
 
     def __init__(self, size: int, checks: tuple[tuple[int, bytes], ...],
                  fields: tuple[tuple[str, Callable[[bytes | memoryview], Any]], ...]) -> None:
@@ -153,6 +156,11 @@ class _Layout:
         self.checks = checks
         #: (name, the reader of its value from the whole record: :func:`_reader` at 4 + offset)
         self.fields = fields
+        # itemgetter of two or more slices gives a tuple; of one, the bytes alone: two always
+        spans = [slice(at, at + len(head)) for at, head in checks] + [slice(0, 0)]
+        self.headers = operator.itemgetter(*spans)
+        self.heads = (*(head for _, head in checks), b"")
+        self.values = _values_of(fields)
 
 
 #: the layouts learned last, newest first (a few: records of another layout are walked)
@@ -165,19 +173,28 @@ def _decode_known(buf: bytes) -> dict[str, Any] | None:
     """The record's values by a learned layout, or None when none matches."""
     size = len(buf) - 4
     for lay in _LAYOUTS:
-        if lay.size != size:
-            continue
-        for at, head in lay.checks:
-            if not buf.startswith(head, at):
-                break
-        else:
-            return _values(buf, lay)
+        if lay.size == size and lay.headers(buf) == lay.heads:
+            return lay.values(buf)
     return None
 
 
-def _values(buf: bytes, lay: _Layout) -> dict[str, Any]:
-    """The values of a record that matches ``lay``."""
-    return {name: read(buf) for name, read in lay.fields}
+def _values_of(fields: tuple[tuple[str, Callable[[bytes | memoryview], Any]], ...]) -> Callable[[bytes], dict[str, Any]]:
+    """The function building a record's dict from its ``fields`` (name, reader): for up to
+    four fields a dict display (no comprehension's frame: a quarter of a record's decode),
+    else a comprehension. Later fields of a repeated name win, as when walking."""
+    if len(fields) == 1:
+        (n0, r0), = fields
+        return lambda b: {n0: r0(b)}
+    if len(fields) == 2:
+        (n0, r0), (n1, r1) = fields
+        return lambda b: {n0: r0(b), n1: r1(b)}
+    if len(fields) == 3:
+        (n0, r0), (n1, r1), (n2, r2) = fields
+        return lambda b: {n0: r0(b), n1: r1(b), n2: r2(b)}
+    if len(fields) == 4:
+        (n0, r0), (n1, r1), (n2, r2), (n3, r3) = fields
+        return lambda b: {n0: r0(b), n1: r1(b), n2: r2(b), n3: r3(b)}
+    return lambda b: {name: read(b) for name, read in fields}
 
 
 def _reader(kind: int, at: int, n: int, dtype: Any, shape: tuple[int, ...]) -> Callable[[bytes | memoryview], Any]:
