@@ -28,7 +28,7 @@ from shoal.core.jobspec import JobSpec
 from shoal.worker import ledger
 from shoal.worker.runner import collective_timeout
 from tests.helpers import ControlWatcher, wait_until
-from tests.processes.three_workers import pids_by_worker, run_three_workers
+from tests.processes.three_workers import pids_by_worker, run_three_workers, wait_three_committed_together
 
 pytestmark = pytest.mark.slow
 SPEC = dict(max_steps=200, epochs=3, heartbeat_ttl=1.0, step_timeout=20.0)
@@ -38,14 +38,7 @@ def test_survivors_abort_their_collective_with_a_frozen_peer_at_once(r, redis_ur
     seen: dict[str, float | int] = {}
 
     def freeze_w1(watch: ControlWatcher) -> None:
-        # every one of the three has committed in their generation: the plan naming all three is
-        # not enough, a slow starter (busy CI cores) may not have switched to it yet, and one that
-        # never shared a collective with w1 has nothing to abort
-        def three_committed_together():
-            entries = ledger.read(tmp_path / "ledger")
-            return len(entries) >= 30 and {e["worker"] for e in entries if e["world"] == 3} == {"w0", "w1", "w2"}
-
-        wait_until(three_committed_together, 60, "30 committed steps, the three workers' among them")
+        wait_three_committed_together(tmp_path / "ledger", 30)
         pid = watch.workers()["w1"]["pid"]
         seen["stopped"] = time.time()
         os.kill(pid, signal.SIGSTOP)

@@ -4,7 +4,10 @@ check in the middle and the end state every peer-fault test asserts (``test_slow
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -12,7 +15,7 @@ from shoal.core.jobspec import JobSpec
 from shoal.core.registry import create_job
 from shoal.ops.localproc import LocalProcs
 from shoal.worker import ledger
-from tests.helpers import ControlWatcher, dump_logs
+from tests.helpers import ControlWatcher, dump_logs, wait_until
 
 DIGITS = 5000
 
@@ -58,3 +61,22 @@ def pids_by_worker(entries: list[dict]) -> dict[str, set[int]]:
     for e in entries:
         out.setdefault(e["worker"], set()).add(e["pid"])
     return out
+
+
+def wait_three_committed_together(ledger_dir: Path, steps: int = 1, timeout: float = 60) -> None:
+    """Until ``steps`` steps are committed and each of w0, w1 and w2 has committed one in a
+    world of three. The plan naming all three is not enough before a fault: a slow starter
+    (busy CI cores) may not have switched to it yet, and a fault on a peer it never shared a
+    collective with tests nothing (once on CI: w1 frozen before w2 had switched)."""
+    def together() -> bool:
+        entries = ledger.read(ledger_dir)
+        return len(entries) >= steps and {e["worker"] for e in entries if e["world"] == 3} == {"w0", "w1", "w2"}
+
+    wait_until(together, timeout, f"{steps} committed steps, the three workers' among them")
+
+
+def slow_down(watch: ControlWatcher, ledger_dir: Path, worker: str = "w1") -> None:
+    """Once the three committed together, arm ``worker``'s ``WORKER@usr1:PHASE:ACTION`` fault
+    rule (SIGUSR1: it fires at the rule's phase of its next step)."""
+    wait_three_committed_together(ledger_dir)
+    os.kill(watch.workers()[worker]["pid"], signal.SIGUSR1)
