@@ -327,22 +327,23 @@ class StreamingDataset:
                 got.append((shard, slots, [mm[table[p] : table[p + 1]] for p in (located[k][1] for k in slots)]))
         if got:
             proc.counters.add("cache_hits", sum(len(g[1]) for g in got))
-        shards = self.index.shards
         for shard, slots, records in got:
-            # a whole local copy was verified against the index's sha256: that covers every
-            # record, so their crc32s are not checked again
-            samples = None
-            if shards[shard].format == "packed":
-                try:
-                    samples = [packed.decode_record(rec, check_crc=False) for rec in records]
-                except packed.FormatError:
-                    pass  # decoded again one by one below: the error names the sample
-            if samples is None:
-                samples = [self._decode(shard, located[k][1], rec, shards[shard].format, verified=True)
-                           for k, rec in zip(slots, records)]
-            for k, sample in zip(slots, samples):
+            for k, sample in zip(slots, self._decode_verified(shard, [located[k][1] for k in slots], records)):
                 out[k] = sample
         return left
+
+    def _decode_verified(self, shard: int, positions: Sequence[int], records: list[bytes]) -> list[dict[str, Any]]:
+        """The samples in ``records`` (at ``positions`` of ``shard``) from a whole local copy,
+        which was verified against the index's sha256 (downloaded, or hashed in place): that
+        covers every record, so their crc32s are not checked again. A packed shard's records
+        are decoded in one list; an error decodes them again one by one, to name the sample."""
+        fmt = self.index.shards[shard].format
+        if fmt == "packed":
+            try:
+                return [packed.decode_record(rec, check_crc=False) for rec in records]
+            except packed.FormatError:
+                pass
+        return [self._decode(shard, pos, rec, fmt, verified=True) for pos, rec in zip(positions, records)]
 
     def _pool(self) -> Any:
         proc = self._proc()
@@ -401,14 +402,7 @@ class StreamingDataset:
                 proc.counters.add("cache_misses")
                 if len(positions) > 1:
                     proc.counters.add("cache_hits", len(positions) - 1)
-            # a whole local copy was verified against the index's sha256 (downloaded, or hashed
-            # in place): that covers every record, so their crc32s are not checked again
-            if entry.format == "packed":
-                try:
-                    return [packed.decode_record(rec, check_crc=False) for rec in records]
-                except packed.FormatError:
-                    pass  # decoded again one by one below: the error names the sample
-            return [self._decode(shard, pos, rec, entry.format, verified=True) for pos, rec in zip(positions, records)]
+            return self._decode_verified(shard, positions, records)
         # the cache is too small for what this worker's processes read at once: read these
         # samples remotely rather than fail (counted in remote_reads)
         return [self._read_remote(shard, pos) for pos in positions]
