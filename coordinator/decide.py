@@ -13,6 +13,16 @@ Planning rules:
   together make one generation, not three;
 - below ``min_workers`` a running job is paused (a paused table with no members is published
   so workers stop training); it resumes with a fresh generation when enough are back;
+- a generation that could not form (a member reported its rendezvous failed) gets a new
+  one of the same members after a back-off: ``FORMATION_BACKOFF_MS`` doubling up to
+  ``FORMATION_BACKOFF_MAX_MS`` per failure in a row of the same members (a membership change
+  re-plans at once and starts the count over), so a group that cannot form costs at most
+  about ten generations a minute, never a tight loop;
+- a *configuration* error (the workers classify their error: NCCL invalid usage, an
+  interface without an address, CUDA out of memory, a missing device;
+  ``events.models.FormationError``) cannot go away by retrying: the same members failing
+  with the same one ``CONFIG_STRIKES`` generations in a row fail the job, with the error and
+  its fix as the reason (transient failures in between neither count nor reset);
 - a running job that has planned generations for ``formation_timeout`` without any of them
   forming (no member reported ready: every rendezvous failed) fails, naming the last
   rendezvous error, instead of planning new generations forever.
@@ -52,6 +62,7 @@ from shoal.events.models import (
     Checkpointed,
     EvalReported,
     EventBase,
+    FormationError,
     JobCompleted,
     JoinReply,
     JoinRequest,
@@ -69,6 +80,13 @@ from shoal.events.models import (
 from shoal.core.jobspec import JobSpec
 
 SETTLE_MS = 300
+#: The back-off before the same members get a new generation after theirs could not form:
+#: this, doubled per failure in a row, at most FORMATION_BACKOFF_MAX_MS.
+FORMATION_BACKOFF_MS = 500
+FORMATION_BACKOFF_MAX_MS = 10_000
+#: Generations in a row of the same members that failed with the same configuration error
+#: before the job fails with it.
+CONFIG_STRIKES = 3
 #: A straggler's step is ``straggler_factor`` x the median AND this many seconds longer.
 STRAGGLER_FLOOR_S = 0.05
 
@@ -248,7 +266,7 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
     # the formation clock runs from the first generation planned since one last formed
     unformed = 0 if paused else (status.unformed_since_ms or now_ms)
     new_status = replace(status, generation=generation, plan_digest=digest, pending_join_ms=0, reason=reason,
-                         unformed_since_ms=unformed, step_failed_ms=0, step_failure="")
+                         unformed_since_ms=unformed, step_failed_ms=0, step_failure="", formation_retry_ms=0)
     new_status = _set_job(new_status, JobState.PAUSED if paused else JobState.RUNNING, now_ms)
     return replace(state, status=new_status), [Publish(table)], reason
 
@@ -379,8 +397,8 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
             return _unchanged(state, f"ready from {wid} for generation {ev.generation} ignored: current is {state.status.generation}")
         reason = f"{wid} active in generation {ev.generation}"
         state = _move(state, wid, WorkerState.ACTIVE, reason, now_ms)
-        if state.status.unformed_since_ms or state.status.rendezvous_error:  # the generation formed
-            state = replace(state, status=replace(state.status, unformed_since_ms=0, rendezvous_error=""))
+        if state.status.unformed_since_ms or state.status.rendezvous_error or state.status.formation_failures:
+            state = replace(state, status=_formed(state.status))  # the generation formed
         status, redone = _resumed(state.status, ev.generation, ev.step)
         state = replace(state, status=status)
         return Decision(state, (), f"{reason}; {redone}" if redone else reason)
@@ -450,15 +468,7 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
             status = replace(state.status, step_failed_ms=now_ms, step_failure=failure)
             return Decision(replace(state, status=status), (),
                             f"{failure}; the same members get a new generation in {SETTLE_MS} ms unless one leaves first")
-        error = " ".join(ev.error.split())[:RENDEZVOUS_ERROR_CHARS]  # one line
-        state = replace(state, status=replace(state.status, rendezvous_error=f"{wid}: {error}"))
-        if _formation_expired(state.status, spec, now_ms):
-            return _formation_failed(state, spec, now_ms)
-        # the members cannot retry a generation (its rendezvous prefix is spent): give the
-        # same members a new one; a member that is really gone is removed by its heartbeat
-        why = f"generation {ev.generation} could not form ({wid}: {ev.error[:200]})"
-        state, actions, reason = replan(state, spec, now_ms, epoch, why, force=True)
-        return Decision(state, tuple(actions), reason)
+        return _on_formation_failed(state, ev, now_ms, spec)
     return _unchanged(state, f"event kind {ev.kind!r} has no handler")  # pragma: no cover
 
 
@@ -525,6 +535,91 @@ def _formation_failed(state: CoordState, spec: JobSpec, now_ms: int) -> Decision
     return Decision(replace(state, status=status), (), reason)
 
 
+def _formed(status: JobStatus) -> JobStatus:
+    """``status`` once a generation formed: the formation clock, error and back-off end."""
+    return replace(status, unformed_since_ms=0, rendezvous_error="", formation_failures=0, formation_digest="",
+                   formation_error="", formation_strikes=0, formation_strike_generation=0,
+                   formation_failed_generation=0, formation_retry_ms=0)
+
+
+def formation_backoff_ms(failures: int) -> int:
+    """The wait before the same members' next generation after ``failures`` (>= 1) in a row
+    could not form: FORMATION_BACKOFF_MS doubling, at most FORMATION_BACKOFF_MAX_MS."""
+    return min(FORMATION_BACKOFF_MAX_MS, FORMATION_BACKOFF_MS * 2 ** min(max(failures, 1) - 1, 20))
+
+
+def _on_formation_failed(state: CoordState, ev: StepFailed, now_ms: int, spec: JobSpec) -> Decision:
+    """A member of the current generation reports that its group could not form. The members
+    cannot retry a generation (its rendezvous prefix is spent): the same members get a new
+    one once the back-off passed (the tick plans it; a member that is really gone is removed
+    by its agent's report or its heartbeat, and that re-plans at once). Each failed generation
+    counts once, whichever members report it; a configuration error counts a strike, and the
+    ``CONFIG_STRIKES``-th in a row with the same error fails the job."""
+    wid = ev.worker_id or "?"
+    kind = FormationError.parse(ev.formation_error)
+    error = " ".join(ev.error.split())[:RENDEZVOUS_ERROR_CHARS]  # one line
+    status = replace(state.status, rendezvous_error=f"{wid}: {error}")
+    if _formation_expired(status, spec, now_ms):
+        return _formation_failed(replace(state, status=status), spec, now_ms)
+    if status.formation_digest != status.plan_digest:  # other members than the failures counted: start over
+        status = replace(_formed(status), rendezvous_error=status.rendezvous_error,
+                         unformed_since_ms=status.unformed_since_ms, formation_digest=status.plan_digest)
+    said = f"generation {ev.generation} could not form ({wid}: {error[:200]})"
+    if kind.configuration and status.formation_strike_generation != ev.generation:
+        strikes = status.formation_strikes + 1 if status.formation_error == kind.value else 1
+        status = replace(status, formation_error=kind.value, formation_strikes=strikes,
+                         formation_strike_generation=ev.generation)
+        if strikes >= CONFIG_STRIKES:
+            return _configuration_failed(replace(state, status=status), kind, wid, error, spec, now_ms)
+    if status.formation_failed_generation == ev.generation:  # another member's report of the same failure
+        return Decision(replace(state, status=status), (), f"{said}; already counted: the same members get "
+                        f"a new generation at {status.formation_retry_ms} ms")
+    failures = status.formation_failures + 1
+    delay = formation_backoff_ms(failures)
+    strike = (f"; configuration error {kind.value} ({status.formation_strikes} of {CONFIG_STRIKES} in a row fail the job)"
+              if kind.configuration else "")
+    reason = (f"{said}{strike}; the same members get a new generation in {delay / 1000:g} s "
+              f"({failures} failed in a row)")
+    status = replace(status, formation_failures=failures, formation_failed_generation=ev.generation,
+                     formation_retry_ms=now_ms + delay, reason=reason)
+    return Decision(replace(state, status=status), (), reason)
+
+
+def configuration_fix(kind: FormationError, members: list[WorkerRecord]) -> str:
+    """How to fix a configuration error, in a few words, for the reason of the job it failed
+    (``members``: the generation's planned members, whose records say where they run)."""
+    if kind == FormationError.NCCL_INVALID_USAGE:
+        by_gpu: dict[tuple[str, str], int] = {}
+        for rec in members:
+            if rec.backend == "nccl" and rec.gpu:
+                where = (rec.node or rec.host, rec.gpu)
+                by_gpu[where] = by_gpu.get(where, 0) + 1
+        shared = sorted((n, where) for where, n in by_gpu.items() if n > 1)
+        if shared:
+            n, (node, gpu) = shared[-1]
+            return (f"{n} NCCL workers share GPU {gpu}" + (f" on {node}" if node else "") +
+                    ": one worker per GPU (--workers gpu) or backend: gloo")
+        return "NCCL needs one GPU per worker: one worker per GPU (--workers gpu) or backend: gloo"
+    if kind == FormationError.NO_INTERFACE_ADDRESS:
+        return "name an interface that has an IPv4 address here with --iface (or leave it out: the one that reaches Redis)"
+    if kind == FormationError.CUDA_OUT_OF_MEMORY:
+        return "free GPU memory: fewer workers per GPU, a smaller model or micro-batch, or device: cpu"
+    if kind == FormationError.NO_DEVICE:
+        return "check CUDA_VISIBLE_DEVICES and the GPU driver on the workers' nodes, or use device: cpu"
+    return "see the error"
+
+
+def _configuration_failed(state: CoordState, kind: FormationError, wid: str, error: str, spec: JobSpec,
+                          now_ms: int) -> Decision:
+    status = state.status
+    fix = configuration_fix(kind, state.in_state(PLANNED))
+    reason = (f"job failed: generation {status.generation} could not form, {status.formation_strikes} generations "
+              f"in a row of the same members with the same configuration error ({kind.value}): {wid}: {error}; "
+              f"fix: {fix}")
+    status = replace(_set_job(status, JobState.FAILED, now_ms), reason=reason, formation_retry_ms=0)
+    return Decision(replace(state, status=status), (), reason)
+
+
 def _on_start_failed(state: CoordState, ev: WorkerStartFailed, now_ms: int, spec: JobSpec) -> Decision:
     """A worker process ended before it joined: a failure of the job like any other (kept as
     the first failure, with its traceback, when it is the first), and the end of the job when
@@ -568,6 +663,13 @@ def _on_join(state: CoordState, ev: JoinRequest, now_ms: int, spec: JobSpec, epo
         refusal = f"job is {status.state.value}"
     elif len(planned) >= spec.max_workers:
         refusal = f"job already has {len(planned)} workers (max_workers={spec.max_workers})"
+    elif ev.backend:
+        other = sorted((w for w in planned if w.backend and w.backend != ev.backend), key=lambda w: _id_order(w.worker_id))
+        if other:
+            names = ", ".join(w.worker_id for w in other[:5]) + (" ..." if len(other) > 5 else "")
+            refusal = (f"its backend {ev.backend} differs from the job's members' {other[0].backend} ({names}): the "
+                       f"members of a generation must agree; set backend: {other[0].backend} (or the same GPUs per "
+                       "worker) on every node")
     if refusal:  # counted in the job's record: a late or surplus worker is visible in status
         reason = f"join rejected: {refusal}"
         who = f"{ev.host or '?'} pid {ev.pid}" + (f" on node {ev.node}" if ev.node else "")
@@ -580,7 +682,8 @@ def _on_join(state: CoordState, ev: JoinRequest, now_ms: int, spec: JobSpec, epo
     wid = f"w{status.next_worker}"
     rec = WorkerRecord(
         worker_id=wid, state=WorkerState.SYNCING, joined_ms=now_ms, host=ev.host, pid=ev.pid, node=ev.node,
-        reason="joined", changed_ms=now_ms,
+        reason="joined", changed_ms=now_ms, backend=ev.backend or "", device=ev.device or "", gpu=ev.gpu or "",
+        placement=ev.placement,
     )
     status = replace(status, next_worker=status.next_worker + 1, pending_join_ms=now_ms)
     if ev.num_shards and not status.num_shards:  # a streaming dataset: owners from the next plan on
@@ -637,13 +740,21 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
     pending = state.status.pending_join_ms
     failed_at = state.status.step_failed_ms
     step_failed = bool(failed_at) and now_ms - failed_at >= SETTLE_MS
-    if removals or (pending and now_ms - pending >= SETTLE_MS) or step_failed:
+    retry = state.status.formation_retry_ms
+    reform = bool(retry) and now_ms >= retry
+    if removals or (pending and now_ms - pending >= SETTLE_MS) or step_failed or reform:
         if reasons:
             why = "; ".join(reasons)
+        elif step_failed:
+            why = f"{state.status.step_failure}; same members"
+        elif reform:
+            failures = state.status.formation_failures
+            why = (f"generation {state.status.generation} could not form ({state.status.rendezvous_error[:200]}); "
+                   f"same members after a {formation_backoff_ms(failures) / 1000:g} s back-off ({failures} failed in a row)")
         else:
-            why = f"{state.status.step_failure}; same members" if step_failed else "joins settled"
-        # a failed step needs a fresh generation even when the members are the same
-        state, more, reason = replan(state, spec, now_ms, epoch, why, force=step_failed)
+            why = "joins settled"
+        # a failed step or formation needs a fresh generation even when the members are the same
+        state, more, reason = replan(state, spec, now_ms, epoch, why, force=step_failed or reform)
         actions += more
         return Decision(state, tuple(actions), reason, changed=True)
     return Decision(state, tuple(actions), "; ".join(reasons) or "tick", changed=changed)

@@ -132,6 +132,12 @@ class WorkerRecord:
     cause: FailureCause = FailureCause.NONE
     #: Its rank in the generation it failed in (-1: none, or not failed).
     rank: int = -1
+    #: Its placement as its join reported it: backend, model device, the node's name of its
+    #: GPU, and why ("" : not reported).
+    backend: str = ""
+    device: str = ""
+    gpu: str = ""
+    placement: str = ""
 
     def moved(self, dst: WorkerState, reason: str, now_ms: int) -> "WorkerRecord":
         check_worker_move(self.state, dst)
@@ -192,6 +198,22 @@ class JobStatus:
     #: The newest rendezvous failure a member reported (``w1: ...``), for the reason of a job
     #: that fails because no generation forms; cleared when one forms.
     rendezvous_error: str = ""
+    #: Generations of the same members (``formation_digest``, the plan digest) that failed
+    #: to form in a row, the newest configuration error among them (a ``FormationError``
+    #: value; transient failures leave it) and how many generations in a row failed with it;
+    #: all cleared when a generation forms or the members change. See
+    #: ``coordinator.decide`` (the back-off and the configuration strikes).
+    formation_failures: int = 0
+    formation_digest: str = ""
+    formation_error: str = ""
+    formation_strikes: int = 0
+    #: The generation whose formation failure was counted last (a second member's report of
+    #: the same generation counts nothing), and the Redis ms at which its members get their
+    #: next generation (0: none is due: a back-off is not running).
+    formation_failed_generation: int = 0
+    formation_retry_ms: int = 0
+    #: The generation whose configuration error was counted last in ``formation_strikes``.
+    formation_strike_generation: int = 0
     #: Redis ms at which a live member reported that a step of the current generation failed
     #: (a peer that died, a partition that outlasted the collective timeout, a member cut off
     #: from Redis that gave its step up); the same members get a
@@ -242,6 +264,13 @@ class JobStatus:
             "latest_step": str(self.latest_step),
             "unformed_since_ms": str(self.unformed_since_ms),
             "rendezvous_error": self.rendezvous_error,
+            "formation_failures": str(self.formation_failures),
+            "formation_digest": self.formation_digest,
+            "formation_error": self.formation_error,
+            "formation_strikes": str(self.formation_strikes),
+            "formation_failed_generation": str(self.formation_failed_generation),
+            "formation_retry_ms": str(self.formation_retry_ms),
+            "formation_strike_generation": str(self.formation_strike_generation),
             "step_failed_ms": str(self.step_failed_ms),
             "step_failure": self.step_failure,
             "high_step": str(self.high_step),
@@ -275,6 +304,13 @@ class JobStatus:
             latest_step=int(g.get("latest_step", 0)),
             unformed_since_ms=int(g.get("unformed_since_ms", 0)),
             rendezvous_error=g.get("rendezvous_error", ""),
+            formation_failures=int(g.get("formation_failures", 0)),
+            formation_digest=g.get("formation_digest", ""),
+            formation_error=g.get("formation_error", ""),
+            formation_strikes=int(g.get("formation_strikes", 0)),
+            formation_failed_generation=int(g.get("formation_failed_generation", 0)),
+            formation_retry_ms=int(g.get("formation_retry_ms", 0)),
+            formation_strike_generation=int(g.get("formation_strike_generation", 0)),
             step_failed_ms=int(g.get("step_failed_ms", 0)),
             step_failure=g.get("step_failure", ""),
             high_step=int(g.get("high_step", 0)),

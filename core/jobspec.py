@@ -73,6 +73,15 @@ class JobSpec(BaseModel):
     #: Numeric precision of forward and backward: fp32, or autocast to bf16 / fp16 (fp16 with
     #: a gradient scaler whose state is checkpointed and sent to joiners).
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    #: The process group backend between the workers: ``auto`` picks NCCL when every worker
+    #: of a node has a GPU of its own, else gloo (with the model on the GPU when one is
+    #: visible); ``nccl`` refuses a node with more workers than GPUs; ``gloo`` always. The
+    #: members of a generation must agree. Chosen per node by its agent
+    #: (:mod:`shoal.worker.placement`), shown per worker by ``shoal status``.
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    #: Where each worker's model lives: ``auto`` (its GPU when one is visible, else the CPU),
+    #: ``cuda`` (refused on a node without a GPU) or ``cpu``.
+    device: Literal["auto", "cuda", "cpu"] = "auto"
     #: Clip the reduced global gradient to this L2 norm (world-size invariant); None: no clipping.
     max_grad_norm: Annotated[float | None, Field(gt=0)] = None
     #: Gradients are all-reduced in buckets of about this many MiB while backward still runs.
@@ -160,6 +169,8 @@ class JobSpec(BaseModel):
             )
         if self.eval_every_steps is not None and self.eval_every_epochs is not None:
             raise ValueError("set eval_every_steps or eval_every_epochs, not both")
+        if self.backend == "nccl" and self.device == "cpu":
+            raise ValueError("backend nccl needs the model on a GPU: use device cuda (or auto), or backend gloo")
         if self.entrypoint != "simulate" and self.num_samples not in (None, self.global_batch_size):
             raise ValueError("num_samples applies to simulated jobs only: training shards each global batch")
         return self

@@ -16,6 +16,7 @@ import math
 import time
 import uuid
 from dataclasses import asdict, dataclass
+from enum import Enum
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -72,6 +73,18 @@ class JoinRequest(EventBase):
     #: streaming dataset, or a sender that predates the field). The coordinator, which never
     #: reads storage, plans the tables' ``shard_owners`` over this many shards.
     num_shards: Annotated[int, Field(ge=0)] | None = None
+    #: The process group backend this worker trains with (``nccl`` or ``gloo``, as its
+    #: placement chose: :mod:`shoal.worker.placement`; None: not reported, e.g. a simulated
+    #: worker). Members of one generation must agree: the coordinator refuses a joiner whose
+    #: backend differs from the planned members'.
+    backend: Annotated[str, Field(max_length=16)] | None = None
+    #: Where its model lives: ``cpu`` or ``cuda:<index>`` (None: not reported).
+    device: Annotated[str, Field(max_length=32)] | None = None
+    #: The GPU it uses as its node names it (a ``CUDA_VISIBLE_DEVICES`` entry: an index or a
+    #: UUID; None: no GPU). Two workers of one node with the same ``gpu`` share it.
+    gpu: Annotated[str, Field(max_length=64)] | None = None
+    #: Why its placement is what it is, for people (``shoal status``).
+    placement: Annotated[str, Field(max_length=300)] = ""
 
 
 class Ready(EventBase):
@@ -141,6 +154,39 @@ class WorkerStartFailed(_ProcessEnded):
         return f"the worker process on node {self.node or '?'} (slot {self.slot}{pid})"
 
 
+class FormationError(str, Enum):
+    """Why a generation's group could not form, as the worker classified its error
+    (:func:`shoal.worker.process_group.formation_error`): a *configuration* error fails the
+    same way every time for the same members (the coordinator fails the job after
+    :data:`~shoal.coordinator.decide.CONFIG_STRIKES` in a row, naming the fix); a
+    *transient* one (timeouts, resets, refused connections, a peer that went away) is retried
+    with a back-off until ``formation_timeout``. Readers treat a value they do not know as
+    transient."""
+
+    TRANSIENT = "transient"
+    #: NCCL refused the group (``ncclInvalidUsage``): typically two ranks on one GPU.
+    NCCL_INVALID_USAGE = "nccl_invalid_usage"
+    #: The interface named for gloo (``--iface``) does not exist or has no IPv4 address.
+    NO_INTERFACE_ADDRESS = "no_interface_address"
+    #: CUDA ran out of memory while the group or its first transfer was set up.
+    CUDA_OUT_OF_MEMORY = "cuda_out_of_memory"
+    #: The worker's device does not exist (an invalid CUDA device ordinal, no GPU visible).
+    NO_DEVICE = "no_device"
+
+    @classmethod
+    def parse(cls, value: str | None) -> "FormationError":
+        """The member named ``value``; TRANSIENT for "" , None or a value this reader does not know."""
+        try:
+            return cls(value or cls.TRANSIENT.value)
+        except ValueError:
+            return cls.TRANSIENT
+
+    @property
+    def configuration(self) -> bool:
+        """Whether retrying with the same members and settings cannot help."""
+        return self is not FormationError.TRANSIENT
+
+
 class StepFailed(EventBase):
     """A step's collective failed on this worker (a peer died): informational for the
     coordinator; or (``rendezvous``) the generation's group could not form."""
@@ -152,6 +198,9 @@ class StepFailed(EventBase):
     #: the generation's group could not form at all (rendezvous or state catch-up failed):
     #: the coordinator then publishes a new generation of the same members
     rendezvous: bool = False
+    #: with ``rendezvous``: a :class:`FormationError` value classifying ``error`` ("" : not
+    #: classified, read as transient)
+    formation_error: Annotated[str, Field(max_length=64)] = ""
 
 
 class JobCompleted(EventBase):
@@ -423,6 +472,12 @@ class WorkerDoc(_Wire):
     cause: str = ""
     #: Its rank in the generation it failed in (-1: none, or not failed).
     rank: int = -1
+    #: Its placement as its join reported it (see :class:`JoinRequest`): backend, model
+    #: device, the node's name of its GPU, and why ("" : not reported).
+    backend: str = ""
+    device: str = ""
+    gpu: str = ""
+    placement: str = ""
 
 
 class LaunchSettings(_Wire):

@@ -186,6 +186,13 @@ def cmd_agent(args: argparse.Namespace) -> int:
     if args.heartbeat is not None:
         raise ConfigError("--heartbeat applies to --queue mode only")
     args.workers = 1 if args.workers is None else args.workers
+    if args.workers == "gpu":  # torchrun's --nproc-per-node gpu: one worker per visible GPU
+        from shoal.worker.placement import visible_gpus
+
+        args.workers = len(visible_gpus())
+        if not args.workers:
+            raise ConfigError("--workers gpu: no GPU is visible on this node "
+                              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(not set)')})")
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     for flag in ("backoff", "backoff_max", "backoff_reset"):
@@ -285,6 +292,11 @@ def _positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
     return n
+
+
+def _workers_arg(text: str) -> int | str:
+    """``--workers`` of ``shoal agent``: a positive integer, or ``gpu`` (one per visible GPU)."""
+    return "gpu" if text.strip().lower() == "gpu" else _positive_int(text)
 
 
 def _positive_float(text: str) -> float:
@@ -657,7 +669,8 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--heartbeat", type=_positive_float, default=None, metavar="SECONDS",
                     help="--queue: refresh this agent's registration at least this often "
                          "(default 30; `shoal health agent` reads it)")
-    ag.add_argument("--workers", "-n", type=int, default=None, help="direct mode: worker processes (default 1)")
+    ag.add_argument("--workers", "-n", type=_workers_arg, default=None,
+                    help="direct mode: worker processes (default 1), or 'gpu': one per visible GPU, each on its own")
     ag.add_argument("--max-restarts", type=int, default=None, help="default: the job spec's max_restarts")
     ag.add_argument("--backoff", type=float, default=0.5, help="first restart delay; doubles each time")
     ag.add_argument("--backoff-max", type=float, default=30.0, help="longest restart delay (default 30 s)")

@@ -174,6 +174,9 @@ def run_demo(duration: float | None = None, epochs: int = 8, report: str | None 
                 print(f"last evaluation     step {ev['step']} ({ev['epoch']} epochs done): {format_metrics(ev['metrics'])}")
             print(f"steps committed     {verdict.steps} ({verdict.epochs_complete} epochs)")
             print(f"generations         {final['generation']}")
+            for backend, device, why in sorted({(w["backend"], w["device"] or "?", w["placement"] or "")
+                                                for w in final["workers"] if w.get("backend")}):
+                print(f"placement           {backend}, model on {device} ({why})")
             if recovery is not None:
                 seconds, kept = recovery
                 print(f"recovery after kill {seconds:.2f} s from the kill to the first step committed in a newer generation "

@@ -91,6 +91,11 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
             "straggler": rec.straggler,
             "host": rec.host,
             "pid": rec.pid,
+            # where it trains: the group backend, its model's device, its GPU as the node names it
+            "backend": rec.backend or None,
+            "device": rec.device or None,
+            "gpu": rec.gpu or None,
+            "placement": rec.placement or None,
             "reason": rec.reason,
             "ranges": [list(r) for r in member.ranges] if member else [],
         })
@@ -108,6 +113,12 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
         "steps_redone": status.steps_redone,
         # the newest evaluation: step, epoch (complete), generation, metrics, worker_id (None: none)
         "eval": last_eval(status),
+        # generations of the same members that could not form, in a row (None: the newest formed)
+        "formation": ({"failures": status.formation_failures, "last_error": status.rendezvous_error,
+                       "configuration_error": status.formation_error or None,
+                       "strikes": status.formation_strikes,
+                       "retry_in_ms": max(0, status.formation_retry_ms - now_ms) if status.formation_retry_ms else None}
+                      if status.formation_failures and not ended else None),
         "rejected_joins": status.rejected_joins,
         "last_rejection": status.last_rejection,
         "dead_letters": int(dead),
@@ -267,6 +278,13 @@ def format_status(s: dict) -> str:
     if s.get("steps_redone"):
         lines.append(f"steps redone: {s['steps_redone']} (committed, then lost with every replica that held them; "
                      "the job resumed from a checkpoint or from scratch)")
+    if s.get("formation"):
+        f = s["formation"]
+        retry = f" ; next try in {f['retry_in_ms'] / 1000:.1f} s" if f.get("retry_in_ms") is not None else ""
+        strikes = (f"; configuration error {f['configuration_error']} {f['strikes']} time(s) in a row"
+                   if f.get("configuration_error") else "")
+        lines.append(f"not forming: {f['failures']} generation(s) of the same members failed in a row{strikes}"
+                     f"{retry}; last error: {escape_controls(f['last_error'])}")
     if s.get("rejected_joins"):
         lines.append(f"rejected joins: {s['rejected_joins']} (the newest: {s['last_rejection']}); "
                      "those workers did not train")
@@ -284,6 +302,10 @@ def format_status(s: dict) -> str:
                      + "  ".join(f"{w['worker_id']} {_bytes(w.get('bytes_downloaded'))} / {_rate(w.get('cache_hit_rate'))}"
                                  f" / {w['shards_owned']} / {_num(w.get('remote_reads'))} / {_num(w.get('balance_error'))}"
                                  for w in streaming))
+    placed = [w for w in s["workers"] if w.get("backend")]
+    if placed:  # where each worker trains (shoal.worker.placement)
+        lines.append("placement (backend / device / GPU): " + "  ".join(
+            f"{w['worker_id']} {w['backend']} / {w.get('device') or '-'} / {w.get('gpu') or '-'}" for w in placed))
     lines.append(f"{'worker':<8} {'state':<9} {'rank':>4} {'step':>6} {'loss':>9} {'hb age':>8}  {'flags':<9} ranges")
     for w in s["workers"]:
         age = f"{w['heartbeat_age_ms'] / 1000:.1f}s" if w["heartbeat_age_ms"] is not None else "-"

@@ -38,6 +38,7 @@ from shoal.core.errors import ConfigError
 from shoal.core.registry import create_job
 from shoal.core.jobspec import JobSpec
 from shoal.storage.code_package import CodePackage, CodePackageError, unpack
+from shoal.worker import placement
 from shoal.worker.membership import JoinRejected
 
 log = logging.getLogger("shoal.agent")
@@ -123,6 +124,7 @@ class NodeAgent:
         node: str | None = None,
         extra_env: dict[str, str] | None = None,
         spec: JobSpec | None = None,
+        gpus: list[str] | None = None,
     ):
         self.client = client
         self.redis_url = redis_url
@@ -136,6 +138,22 @@ class NodeAgent:
         self.node = node or socket.gethostname()
         self.extra_env = extra_env or {}
         self.slots = [Slot(i) for i in range(workers)]
+        #: the node's GPUs as ``CUDA_VISIBLE_DEVICES`` names them (default: those this
+        #: process sees), each slot's, and the node's placement for the job's backend and
+        #: device (None, with ``refused`` saying why, when the spec cannot be honoured here)
+        want_device = spec.device if spec is not None else "auto"
+        self.gpus = list(gpus) if gpus is not None else (placement.visible_gpus() if want_device != "cpu" else [])
+        self.slot_gpus = placement.slot_gpus(workers, self.gpus)
+        self.placement: placement.Placement | None = None
+        self.refused = ""
+        try:
+            self.placement = placement.choose(spec.backend if spec is not None else "auto", want_device,
+                                              gpus=len(self.gpus), workers=workers, node=node or socket.gethostname())
+        except placement.PlacementRefused as exc:
+            self.refused = str(exc)
+        else:
+            log.info("placement of %d worker(s) on node %s: %s%s", workers, self.node, self.placement.describe(),
+                     f"; GPUs by slot: {', '.join(map(str, self.slot_gpus))}" if self.placement.device == "cuda" else "")
         #: the unpacked ``working_dir`` of the job: its workers' cwd and first sys.path entry
         #: (None: the job ships no code; the workers run in the agent's directory)
         self.code_dir: Path | None = None
@@ -214,6 +232,30 @@ class NodeAgent:
                                               "msg": f"no worker can start on node {self.node}: {exc}",
                                               "ts": f"{time.time():.3f}"}, maxlen=LOGS_MAXLEN, approximate=True)
 
+    # ---- placement ---------------------------------------------------------------------------
+
+    def _check_placement(self) -> None:
+        """Once, before the first worker starts: when the job's backend or device cannot be
+        honoured on this node (``backend: nccl`` with more workers than GPUs, no GPU for
+        ``device: cuda``), no worker starts: every slot is reported as not started (given up,
+        with the cause: the job fails when too few workers remain), the cause goes to the
+        job's log stream, and PlacementRefused (one line) ends the agent."""
+        if not self.refused or all(s.done for s in self.slots):
+            return
+        for slot in self.slots:
+            slot.done = slot.gave_up = True
+            self._outbox.append(WorkerStartFailed(job_id=self.job_id, node=self.node, slot=slot.index,
+                                                  traceback=self.refused, will_restart=False, gave_up=True))
+        log.error("no worker can start on node %s: %s", self.node, self.refused)
+        try:
+            self._flush()
+            self.client.xadd(self.keys.logs, {"worker": f"{self.node}/agent", "level": "ERROR",
+                                              "msg": f"no worker can start on node {self.node}: {self.refused}",
+                                              "ts": f"{time.time():.3f}"}, maxlen=LOGS_MAXLEN, approximate=True)
+        except _REDIS_DOWN:
+            log.warning("Redis is unreachable: the job does not know yet that node %s starts no worker", self.node)
+        raise placement.PlacementRefused(self.refused)
+
     # ---- processes ---------------------------------------------------------------------------
 
     def _spawn(self, slot: Slot) -> None:
@@ -221,10 +263,10 @@ class NodeAgent:
         # the node's cores are shared by its workers: don't let each start one thread per core
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(self.slots))))
         env.update(self.extra_env)
+        if self.placement is not None:  # its GPU alone, the backend and device (shoal.worker.placement)
+            env.update(placement.slot_env(self.placement, slot.index, len(self.slots), self.slot_gpus[slot.index]))
         env.update({"REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1",
-                    "SHOAL_WORKER_ID_FILE": str(slot.id_file(self.run_dir)),
-                    # the slot picks the GPU when the node has several (process_group.device_for)
-                    "LOCAL_RANK": str(slot.index)})
+                    "SHOAL_WORKER_ID_FILE": str(slot.id_file(self.run_dir))})
         if self.code_dir is not None:  # like Ray's working_dir: the cwd, and first on sys.path
             env["PYTHONPATH"] = os.pathsep.join([str(self.code_dir), *filter(None, [env.get("PYTHONPATH")])])
         slot.id_file(self.run_dir).unlink(missing_ok=True)
@@ -234,7 +276,9 @@ class NodeAgent:
                                          stdin=subprocess.DEVNULL, cwd=self.code_dir)
         slot.pidfd = os.pidfd_open(slot.proc.pid)
         slot.spawns.append(time.monotonic())
-        log.info("slot %d: started worker pid %d (restart %d/%d)", slot.index, slot.proc.pid, slot.restarts, self.max_restarts)
+        gpu = f" on GPU {env[placement.VISIBLE_ENV]}" if self.placement and self.placement.device == "cuda" else ""
+        log.info("slot %d: started worker pid %d%s (restart %d/%d)", slot.index, slot.proc.pid, gpu, slot.restarts,
+                 self.max_restarts)
 
     def _job_over(self) -> bool:
         return self.client.hget(self.keys.state, "state") in TERMINAL
@@ -334,6 +378,7 @@ class NodeAgent:
         now = time.monotonic()
         self._flush()
         self._check_job(now)
+        self._check_placement()
         self._prepare_code()
         if self.stop.is_set() and not self._draining:
             self._draining = True

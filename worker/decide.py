@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from shoal.events.models import Member, ShardTable
+from shoal.events.models import FormationError, Member, ShardTable
 from shoal.worker.data import contiguous_table
 
 #: Job states after which a worker has nothing left to do.
@@ -242,9 +242,11 @@ class Formed:
 
 @dataclass(frozen=True)
 class FormFailed:
-    """:class:`Form` failed (rendezvous, a collective, a state mismatch); the group is spent."""
+    """:class:`Form` failed (rendezvous, a collective, a state mismatch); the group is spent.
+    ``kind`` classifies ``error`` for the coordinator (configuration or transient)."""
 
     error: str
+    kind: FormationError = FormationError.TRANSIENT
 
 
 @dataclass(frozen=True)
@@ -304,12 +306,14 @@ class SendLeft:
 
 @dataclass(frozen=True)
 class ReportFailure:
-    """Send ``step_failed`` for ``generation`` (``rendezvous``: its group could not form)."""
+    """Send ``step_failed`` for ``generation`` (``rendezvous``: its group could not form,
+    for the reason ``kind`` classifies)."""
 
     generation: int
     step: int
     error: str
     rendezvous: bool = False
+    kind: FormationError | None = None
 
 
 @dataclass(frozen=True)
@@ -607,7 +611,7 @@ def _form_failed(s: TrainerState, f: FormFailed, now: float) -> Decision:
     if s.used < g:
         return Decision(s, (), f"generation {g}'s group is not being formed yet: FormFailed ignored")
     # a generation is never retried (its rendezvous prefix is spent): ask for a new one
-    failed = (LeaveGroup(), ReportFailure(g, s.step, f.error, rendezvous=True))
+    failed = (LeaveGroup(), ReportFailure(g, s.step, f.error, rendezvous=True, kind=f.kind))
     s, wait = _wait(s, g, now)
     return Decision(s, failed + wait, f"generation {g} could not form: {f.error}", logging.WARNING)
 

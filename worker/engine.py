@@ -68,10 +68,14 @@ Mixed precision (:mod:`shoal.worker.precision`)
     replicated state: :meth:`StepEngine.state_extras` travels with the model in state
     transfers and checkpoints.
 
-No host sync per micro-batch
-    The loss sum is accumulated on the device; the only host reads of a step come after its
-    collectives (one read of the trailing values, plus the generation in the two-collective
-    form). Batches move to the device with non-blocking copies.
+One host sync per step
+    The loss sum is accumulated on the device, the trailing values are written by fills
+    (never a copy from a host scalar) and batches move to the device with non-blocking copies,
+    so on a GPU the one host sync of a step is after its collectives: one read of the trailing
+    values with the gradient norm (the loss, the sample count and the overflow/clipping
+    decision together), plus the generation in the two-collective form. None per micro-batch
+    (``tests/processes/test_engine_overlap.py`` counts them with
+    ``torch.cuda.set_sync_debug_mode``).
 
 Wire format of the all-reduces
     The buckets (float32, or float64 when a parameter is float64), each one collective (SUM),
@@ -443,7 +447,9 @@ class StepEngine:
         self._begin(distributed)
         one_collective = base_generation is not None
         ahead = float(max(0, generation - base_generation)) if one_collective else 0.0
-        gen = torch.tensor([generation], dtype=torch.int64, device=self.device)
+        # the two-collective form's MAX operand; a fill, not a copy from the host (that would
+        # be a host sync on a GPU)
+        gen = None if one_collective else torch.full((1,), generation, dtype=torch.int64, device=self.device)
         t0 = time.perf_counter()
         try:
             if distributed and not one_collective:  # first: the same order on every rank
@@ -521,10 +527,12 @@ class StepEngine:
             self._write_tail(ahead, total, 0)
 
     def _write_tail(self, ahead: float, total: torch.Tensor, count: int) -> None:
+        # fills and a device-to-device copy: assigning a Python number (tail[-1] = count)
+        # would copy a host scalar in, a host sync per step on a GPU
         tail = self._buckets[-1].flat
-        tail[-3] = ahead
+        tail[-3].fill_(ahead)
         tail[-2].copy_(total)
-        tail[-1] = count
+        tail[-1].fill_(count)
 
     # --- launching the buckets -------------------------------------------------------------
     @staticmethod
@@ -673,7 +681,7 @@ class StepEngine:
             self._buckets = self._new_buckets()
 
     # --- after the collectives -------------------------------------------------------------
-    def _apply(self, buffers: list[torch.Tensor], local: list[int], global_count: int, gen: torch.Tensor,
+    def _apply(self, buffers: list[torch.Tensor], local: list[int], global_count: int, gen: torch.Tensor | None,
                base_generation: int | None, t0: float, t1: float, t2: float) -> StepResult:
         """Check the reduced values, unscale, clip, and step the optimizer (or skip, fp16)."""
         scale = self.scaler.scale if self.scaler is not None else None

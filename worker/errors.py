@@ -19,14 +19,30 @@ Outside errors (torch.distributed, redis-py) are translated into these in one pl
 from __future__ import annotations
 
 from shoal.core.errors import ShoalError
+from shoal.events.models import FormationError
 
 
 class WorkerError(ShoalError):
-    """Base class of every error the training side of a worker raises on purpose."""
+    """Base class of every error the training side of a worker raises on purpose.
+    ``formation_error`` classifies it for the coordinator when it ends a generation's
+    formation (:func:`shoal.worker.classify.formation_error`; TRANSIENT unless known)."""
+
+    default_formation_error = FormationError.TRANSIENT
+
+    def __init__(self, *args: object, formation_error: FormationError | None = None) -> None:
+        super().__init__(*args)
+        self.formation_error = formation_error or self.default_formation_error
 
 
 class RendezvousFailed(WorkerError):
     """The process group of one generation could not be formed (store or backend failure)."""
+
+
+class InterfaceUnavailable(RendezvousFailed):
+    """The interface named for gloo to advertise (``--iface``) does not exist here or has no
+    IPv4 address: a configuration error, the same at every try."""
+
+    default_formation_error = FormationError.NO_INTERFACE_ADDRESS
 
 
 class RendezvousTimeout(RendezvousFailed):

@@ -17,6 +17,7 @@ from shoal.events.models import (
     Checkpointed,
     EvalReported,
     EventBase,
+    FormationError,
     JobCompleted,
     JoinReply,
     JoinRequest,
@@ -28,6 +29,7 @@ from shoal.events.models import (
     WorkerDoc,
 )
 from shoal.core.errors import ShoalError
+from shoal.worker.placement import Placement
 
 
 class MembershipError(ShoalError):
@@ -58,6 +60,10 @@ class Membership:
         self.worker_id: str | None = None
         #: shards of the job's streaming dataset, sent with every join (None: not streaming)
         self.num_shards: int | None = None
+        #: this worker's placement and its model's device (``cuda:0``), sent with every join
+        #: (None: not reported, e.g. a simulated worker)
+        self.placement: Placement | None = None
+        self.device: str = ""
         self._gen_cursor = "0-0"
 
     def send(self, event: EventBase) -> str:
@@ -69,8 +75,11 @@ class Membership:
         ``last_generation``: see :class:`shoal.events.models.JoinRequest`."""
         if not self.job_exists():
             raise MembershipError(f"job {self.job_id!r} does not exist (no spec in Redis)")
+        where = self.placement
         req = JoinRequest(job_id=self.job_id, host=socket.gethostname(), pid=os.getpid(), node=self.node,
-                          last_generation=last_generation, num_shards=self.num_shards)
+                          last_generation=last_generation, num_shards=self.num_shards,
+                          **({} if where is None else {"backend": where.backend, "device": self.device or where.device,
+                                                       "gpu": where.gpu, "placement": where.reason[:300]}))
         # read the generation stream from "now": any table published after our join counts
         last = self.client.xrevrange(self.keys.generations, count=1)
         self._gen_cursor = last[0][0].decode() if last else "0-0"
@@ -142,9 +151,11 @@ class Membership:
     def left(self) -> None:
         self.send(Left(job_id=self.job_id, worker_id=self.worker_id))
 
-    def step_failed(self, generation: int, step: int, error: str, *, rendezvous: bool = False) -> None:
+    def step_failed(self, generation: int, step: int, error: str, *, rendezvous: bool = False,
+                    formation_error: FormationError | None = None) -> None:
         self.send(StepFailed(job_id=self.job_id, worker_id=self.worker_id, generation=generation, step=step,
-                             error=error[:2000], rendezvous=rendezvous))
+                             error=error[:2000], rendezvous=rendezvous,
+                             formation_error=formation_error.value if rendezvous and formation_error else ""))
 
     def checkpointed(self, step: int, store: str, generation: int) -> None:
         self.send(Checkpointed(job_id=self.job_id, worker_id=self.worker_id, step=step, store=store, generation=generation))

@@ -9,8 +9,12 @@ the coordinator publishes a new table - every member calls :func:`leave_group` a
 joins the next generation. Generations must strictly increase within a process: a prefix is
 never reused (re-using one after ``destroy_process_group`` can hang).
 
-Backend: nccl when CUDA is available (the worker uses the one GPU it sees, e.g. through
-``CUDA_VISIBLE_DEVICES``, or GPU ``LOCAL_RANK`` of several: :func:`device_for`), gloo otherwise.
+Backend and device: what the worker's placement chose (:mod:`shoal.worker.placement`: NCCL
+when every worker of the node has a GPU of its own, else gloo, with the model on the GPU when
+one is visible); without one, nccl when CUDA is available, gloo otherwise. gloo all-reduces
+and broadcasts CUDA tensors, but its point-to-point send and receive take host memory only:
+:func:`isend`, :func:`recv` and :func:`recv_many` stage a CUDA tensor through a host copy
+when the group is gloo.
 
 The address gloo advertises to the peers (:func:`choose_address`): the interface named by the
 ``iface`` option (``--iface`` / ``SHOAL_IFACE``); else an interface the user named in
@@ -64,12 +68,15 @@ import torch
 import torch.distributed as dist
 
 from shoal.events.keys import job_keys
+from shoal.worker.classify import connect_cause, formation_error, peer_connect_failed, timed_out
 from shoal.worker.errors import (
     CollectiveFailed,
+    InterfaceUnavailable,
     RendezvousFailed,
     RendezvousTimeout,
     WorkerError,
 )
+from shoal.worker.placement import local_device
 from shoal.worker.store import RedisStore, legacy_rendezvous
 
 log = logging.getLogger(__name__)
@@ -102,27 +109,14 @@ _joining: int | None = None  #: the generation whose group join_group is forming
 
 
 def default_backend() -> str:
-    """``"nccl"`` when CUDA is available, else ``"gloo"``."""
+    """``"nccl"`` when CUDA is available, else ``"gloo"`` (for callers without a placement)."""
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-#: The environment variable that numbers a worker among those of its host (torchrun's
-#: convention): with nccl on a host with several visible GPUs it picks the worker's GPU.
-LOCAL_RANK_ENV = "LOCAL_RANK"
-
-
 def device_for(backend: str) -> torch.device:
-    """The device tensors must live on for ``backend``: CPU for gloo; for nccl the GPU of this
-    worker - ``LOCAL_RANK`` modulo the visible GPUs when that is set and several are visible
-    (made the current device: NCCL and every CUDA call without a device use it), else the
-    current CUDA device (one visible GPU, e.g. through ``CUDA_VISIBLE_DEVICES``)."""
-    if backend == "nccl":
-        local = os.environ.get(LOCAL_RANK_ENV, "")
-        count = torch.cuda.device_count()
-        if local.isdigit() and count > 1:
-            torch.cuda.set_device(int(local) % count)
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """The device of a group of ``backend`` without a placement: this worker's GPU for nccl
+    (:func:`shoal.worker.placement.local_device`), the CPU for gloo."""
+    return local_device("cuda" if backend == "nccl" else "cpu")
 
 
 def current_group() -> Group | None:
@@ -199,8 +193,8 @@ def choose_address(client: redis.Redis, iface: str | None = None) -> Advertised:
         address = interface_address(iface)
         if not address:
             known = ", ".join(n for _, n in socket.if_nameindex())
-            raise RendezvousFailed(f"interface {iface!r} ({_OPTION}) has no IPv4 address on this host "
-                                   f"(interfaces: {known}); name one the peers reach with {_OPTION}")
+            raise InterfaceUnavailable(f"interface {iface!r} ({_OPTION}) has no IPv4 address on this host "
+                                       f"(interfaces: {known}); name one the peers reach with {_OPTION}")
         return Advertised(address, iface, _OPTION)
     user = os.environ.get(GLOO_IFACE_ENV, "")
     if user:
@@ -252,8 +246,7 @@ def connect_failure(text: str, what: str, advertised: Advertised) -> str:
     """One line for a gloo group that could not connect: the peer address tried (when gloo
     names one), the address this worker advertised and why, and the option to change it."""
     remote = _REMOTE.search(text)
-    cause = "Connection refused" if "refused" in text else ("timed out" if "timeout" in text.lower() or
-                                                             "timed out" in text else "failed")
+    cause = connect_cause(text)
     tried = f"could not connect to peer {remote.group(1)}:{remote.group(2)} ({cause})" if remote \
         else f"peers could not connect ({cause})"
     return f"{what}: {tried}; advertised {advertised.describe()}; set {_OPTION} to an interface the peers reach"
@@ -273,10 +266,12 @@ def translate_error(exc: BaseException, what: str, *, rendezvous: bool = False) 
     if isinstance(exc, redis.RedisError):
         msg = f"{what}: Redis failed: {first}"
         return RendezvousFailed(msg) if rendezvous else CollectiveFailed(msg)
+    kind = formation_error(exc)
     if rendezvous:
-        timed_out = isinstance(exc, dist.DistStoreError) or "timed out" in text.lower() or "timeout" in text.lower()
-        return (RendezvousTimeout if timed_out else RendezvousFailed)(f"{what}: {first}")
-    return CollectiveFailed(f"{what}: {first}")
+        late = isinstance(exc, dist.DistStoreError) or timed_out(text)
+        cls = RendezvousTimeout if late and not kind.configuration else RendezvousFailed
+        return cls(f"{what}: {first}", formation_error=kind)
+    return CollectiveFailed(f"{what}: {first}", formation_error=kind)
 
 
 #: How long a generation's group may take to connect once its members met at the barrier:
@@ -316,6 +311,7 @@ def join_group(
     *,
     collective_timeout: float | None = None,
     backend: str | None = None,
+    device: torch.device | None = None,
     iface: str | None = None,
 ) -> Group:
     """Join generation ``generation`` of ``job_id`` as ``rank`` of ``world_size``.
@@ -325,8 +321,10 @@ def join_group(
     ``timeout``, whichever is shorter; RendezvousTimeout otherwise; the caller then reports it and waits for a newer
     generation - it must not retry the same generation). ``collective_timeout`` (default
     ``timeout``) bounds every later collective of the group: a peer that hangs rather than
-    dies is detected after it. ``iface`` (default ``SHOAL_IFACE``) names the interface a gloo
-    group advertises; see :func:`choose_address` for the default.
+    dies is detected after it. ``backend`` (default :func:`default_backend`) and ``device``
+    (where the caller's tensors live; default :func:`device_for` the backend) are the
+    worker's placement. ``iface`` (default ``SHOAL_IFACE``) names the interface a gloo group
+    advertises; see :func:`choose_address` for the default.
 
     Raises WorkerError when this process is still in a group (call :func:`leave_group` first)
     or ``generation`` is not greater than the last one joined for this job;
@@ -387,13 +385,13 @@ def join_group(
         if why:
             err = RendezvousFailed(f"{what}: aborted ({why})")
         if advertised is not None and _connect_failure(exc):
-            err = type(err)(connect_failure(str(exc), what, advertised))
+            err = type(err)(connect_failure(str(exc), what, advertised), formation_error=err.formation_error)
         raise err from exc
     with _abort_lock:  # an abort requested while forming holds for the group formed
         _joining = None
-        _current = Group(job_id, generation, rank, world_size, backend, device_for(backend), store,
+        _current = Group(job_id, generation, rank, world_size, backend, device or device_for(backend), store,
                          collective_timeout or timeout)
-    log.info("joined generation %d as rank %d/%d (%s)", generation, rank, world_size, backend)
+    log.info("joined generation %d as rank %d/%d (%s, %s)", generation, rank, world_size, backend, _current.device)
     return _current
 
 
@@ -415,8 +413,7 @@ def _connect_failure(exc: BaseException) -> bool:
     Redis, the store or our own checks)."""
     if isinstance(exc, (WorkerError, redis.RedisError, dist.DistStoreError)):
         return False
-    text = str(exc)
-    return "connect" in text.lower() and "RedisStore" not in text  # not a peer missing from the store
+    return peer_connect_failed(str(exc))
 
 
 def leave_group(*, background: bool = False) -> None:
@@ -741,11 +738,25 @@ def isend(tensor: torch.Tensor, dst: int) -> None:
     :func:`all_reduce` reaps (:func:`wait_sends`) every send posted before it;
     :func:`leave_group` drops sends still pending. CollectiveFailed on failure."""
     _require_group("isend")
+    wire = _host_copy(tensor) if _through_host(tensor) else tensor
     try:
-        work = dist.isend(tensor, dst)
+        work = dist.isend(wire, dst)
     except Exception as exc:  # noqa: BLE001 - translated
         raise translate_error(exc, f"send to rank {dst}") from exc
-    _pending_sends.append((work, tensor, dst))
+    _pending_sends.append((work, wire, dst))  # keeps a staged copy alive until the send completed
+
+
+def _through_host(tensor: torch.Tensor) -> bool:
+    """Whether a point-to-point transfer of ``tensor`` must go through host memory: gloo's
+    send and receive take host memory only (its collectives take CUDA tensors)."""
+    return _current is not None and _current.backend == "gloo" and tensor.device.type != "cpu"
+
+
+def _host_copy(tensor: torch.Tensor, *, fill: bool = True) -> torch.Tensor:
+    """A host buffer shaped like ``tensor`` (pinned when it is on a GPU), holding its values
+    (``fill``) or not yet (a receive's)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda)
+    return host.copy_(tensor) if fill else host
 
 
 _pending_sends: list[tuple[object, torch.Tensor, int]] = []
@@ -761,12 +772,7 @@ def wait_sends() -> None:
 
 def recv(tensor: torch.Tensor, src: int) -> None:
     """Point-to-point receive from rank ``src`` into ``tensor``; CollectiveFailed on failure."""
-    _require_group("recv")
-    try:
-        work = dist.irecv(tensor, src)
-    except Exception as exc:  # noqa: BLE001 - translated
-        raise translate_error(exc, f"recv from rank {src}") from exc
-    _wait(work, f"recv from rank {src}")
+    recv_many([tensor], src)
 
 
 def recv_many(tensors: list[torch.Tensor], src: int, timeout: float | None = None) -> None:
@@ -776,12 +782,16 @@ def recv_many(tensors: list[torch.Tensor], src: int, timeout: float | None = Non
     ``timeout`` s (then the group is aborted; each wait is also bounded by the group's
     timeout)."""
     _require_group("recv")
+    wires = [_host_copy(t, fill=False) if _through_host(t) else t for t in tensors]
     try:
-        works = [dist.irecv(t, src) for t in tensors]
+        works = [dist.irecv(w, src) for w in wires]
     except Exception as exc:  # noqa: BLE001 - translated
         raise translate_error(exc, f"recv from rank {src}") from exc
     what = f"recv from rank {src}" if timeout is None else f"recv from rank {src} (bulk, bounded by {timeout:.0f} s)"
-    _wait(_AllOf(works), what, timeout)
+    _wait(works[0] if len(works) == 1 else _AllOf(works), what, timeout)
+    for tensor, wire in zip(tensors, wires):
+        if wire is not tensor:  # staged through host memory (gloo): onto the tensor's device
+            tensor.copy_(wire)
 
 
 class _AllOf:

@@ -51,9 +51,11 @@ from shoal.core.connection import without_retries
 from shoal.core.faults import FaultPlan
 from shoal.core.jobspec import JobSpec
 from shoal.events.models import ShardTable
+from shoal.worker import placement
 from shoal.worker import process_group as pg
 from shoal.worker.barrier import GenerationBarrier
 from shoal.worker.checkpoints import Checkpoints
+from shoal.worker.classify import formation_error
 from shoal.worker.data import DataOrder
 from shoal.worker.stream_input import StreamInput, is_streaming
 from shoal.worker.stream_order import DEFAULT_WINDOW
@@ -119,6 +121,11 @@ class TrainingWorker(WorkerRunner):
     def __init__(self, membership: Membership, spec: JobSpec, *, join_timeout: float = 30.0,
                  iface: str | None = None):
         super().__init__(membership, spec, join_timeout=join_timeout)
+        #: the backend and device this worker trains with, chosen by its node agent or here
+        #: (:mod:`shoal.worker.placement`; PlacementRefused when the spec cannot be honoured)
+        self.placement = placement.for_worker(spec.backend, spec.device)
+        log.info("placement: %s", self.placement.describe())
+        self.m.placement = self.placement
         #: the interface gloo advertises (None: ``SHOAL_IFACE``, else the route to Redis; see
         #: :func:`shoal.worker.process_group.choose_address`)
         self.iface = iface
@@ -172,7 +179,9 @@ class TrainingWorker(WorkerRunner):
     def prepare(self) -> None:
         setup = load_entrypoint(self.spec.entrypoint, self.spec.seed)
         self.setup = setup
-        self.engine = StepEngine.from_setup(setup, device=None, require_group=True, precision=self.spec.precision,
+        device = placement.local_device(self.placement.device)
+        self.m.device = str(device)
+        self.engine = StepEngine.from_setup(setup, device=device, require_group=True, precision=self.spec.precision,
                                             max_grad_norm=self.spec.max_grad_norm,
                                             bucket_cap_mb=self.spec.bucket_cap_mb)
         n = len(setup.dataset)
@@ -356,8 +365,8 @@ class TrainingWorker(WorkerRunner):
                 self.m.leave("SIGTERM")
             case SendLeft():
                 self.m.left()
-            case ReportFailure(generation=generation, step=step, error=error, rendezvous=rendezvous):
-                self.m.step_failed(generation, step, error, rendezvous=rendezvous)
+            case ReportFailure(generation=generation, step=step, error=error, rendezvous=rendezvous, kind=kind):
+                self.m.step_failed(generation, step, error, rendezvous=rendezvous, formation_error=kind)
             case FetchTable():
                 return TableFetched(self.m.current_table())
             case WaitTable(after=after):
@@ -499,7 +508,8 @@ class TrainingWorker(WorkerRunner):
         self._group = (table.generation, frozenset(m.worker_id for m in table.members))
         try:
             pg.join_group(self.m.client, self.m.job_id, table.generation, rank, table.world_size,
-                          timeout=self.rdzv_timeout, iface=self.iface,
+                          timeout=self.rdzv_timeout, iface=self.iface, backend=self.placement.backend,
+                          device=self.engine.device,
                           # a state transfer is bounded by its own, size-scaled timeout
                           collective_timeout=max(self.collective_timeout,
                                                  transfer_timeout(state_bytes(self.engine.model, self.engine.optimizer))))
@@ -509,7 +519,7 @@ class TrainingWorker(WorkerRunner):
                                               lr_scheduler=self.engine.lr_scheduler)
             self.engine.load_state_extras(got)
         except (RendezvousFailed, CollectiveFailed, StateMismatch) as exc:
-            return FormFailed(str(exc))
+            return FormFailed(str(exc), formation_error(exc))
         self._behind = (table.generation, int(got["step"]), frozenset(int(r) for r in behind))
         return Formed(int(got["step"]), int(got["cursor"]), src, tuple(behind), time.monotonic() - t0)
 

@@ -9,6 +9,7 @@ is a total either way.
 
 from __future__ import annotations
 
+import json
 import sys
 
 import fakeredis
@@ -108,3 +109,64 @@ def test_a_worker_the_job_refused_is_not_restarted_nor_reported_as_a_failure(tmp
     assert [len(s.spawns) for s in agent.slots] == [1, 1]
     assert not any(s.gave_up for s in agent.slots)
     assert agent.client.xlen(job_keys("bk").events) == 0
+
+
+# --- GPUs: each slot its own, the backend chosen per node ------------------------------------
+def test_each_slot_gets_a_gpu_of_its_own_and_nccl(tmp_path, r, job_id) -> None:
+    """A node with four GPUs (named as CUDA_VISIBLE_DEVICES names them) and ``backend: auto``:
+    each worker process sees one GPU, a different one, and is told NCCL (torchrun's
+    ``--nproc-per-node gpu``)."""
+    from shoal.core.jobspec import JobSpec
+    from shoal.core.registry import create_job
+
+    spec = JobSpec(name=job_id, entrypoint="simulate", max_workers=4)
+    create_job(r, spec)
+    agent = NodeAgent(r, "redis://unused", job_id, 4, run_dir=tmp_path, spec=spec, max_restarts=0,
+                      gpus=["0", "1", "GPU-2c", "3"], node="n1")
+    out = tmp_path / "env"
+    out.mkdir()
+    agent.worker_argv = [sys.executable, "-c", (
+        "import json, os; keep = ('CUDA_VISIBLE_DEVICES', 'SHOAL_BACKEND', 'SHOAL_DEVICE', 'LOCAL_RANK', "
+        "'LOCAL_WORLD_SIZE', 'SHOAL_PLACEMENT'); "
+        f"open(os.path.join({str(out)!r}, os.environ['LOCAL_RANK']), 'w').write("
+        "json.dumps({k: os.environ.get(k) for k in keep}))")]
+    _run(agent)
+    seen = {int(p.name): json.loads(p.read_text()) for p in out.iterdir()}
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert [seen[i]["CUDA_VISIBLE_DEVICES"] for i in range(4)] == ["0", "1", "GPU-2c", "3"]
+    assert {(e["SHOAL_BACKEND"], e["SHOAL_DEVICE"], e["LOCAL_WORLD_SIZE"]) for e in seen.values()} == {("nccl", "cuda", "4")}
+    assert seen[0]["SHOAL_PLACEMENT"] == "each of the 4 workers on node n1 has a GPU of its own"
+
+
+def test_more_workers_than_gpus_share_them_over_gloo(tmp_path, r, job_id) -> None:
+    from shoal.core.jobspec import JobSpec
+
+    agent = NodeAgent(r, "redis://unused", job_id, 3, run_dir=tmp_path, gpus=["0"],
+                      spec=JobSpec(name=job_id, entrypoint="simulate"), node="n1")
+    assert agent.placement.backend == "gloo" and agent.placement.device == "cuda" and agent.slot_gpus == ["0"] * 3
+
+
+def test_nccl_with_more_workers_than_gpus_is_refused_at_start_where_the_user_looks(tmp_path, r, job_id) -> None:
+    """The agent starts no worker: one line (the CLI's message), the job's log stream and a
+    start failure per slot (the coordinator fails the job when too few workers remain)."""
+    import pytest
+
+    from shoal.core.jobspec import JobSpec
+    from shoal.core.registry import create_job
+    from shoal.events.models import WorkerStartFailed
+    from shoal.worker.placement import PlacementRefused
+
+    spec = JobSpec(name=job_id, entrypoint="simulate", backend="nccl")
+    create_job(r, spec)
+    agent = NodeAgent(r, "redis://unused", job_id, 3, run_dir=tmp_path, gpus=["0"], spec=spec, node="n1")
+    agent.worker_argv = [sys.executable, "-c", "raise SystemExit('must not start')"]
+    with pytest.raises(PlacementRefused) as info:
+        agent.run()
+    line = str(info.value)
+    assert line == ("backend: nccl with 3 workers share 1 GPU on node n1: NCCL needs one GPU per worker: start one "
+                    "worker per GPU (--workers gpu) or use backend: gloo")
+    assert all(not s.spawns for s in agent.slots)
+    events = [decode_event(fields, job_id) for _id, fields in r.xrange(job_keys(job_id).events)]
+    assert [(type(e), e.slot, e.gave_up, e.traceback) for e in events] == [(WorkerStartFailed, i, True, line) for i in range(3)]
+    (log_entry,) = r.xrange(job_keys(job_id).logs)
+    assert log_entry[1][b"msg"].decode() == f"no worker can start on node n1: {line}"

@@ -219,13 +219,17 @@ def test_a_generation_that_could_not_form_is_replaced_by_a_new_one_of_the_same_m
     # the group could not form: its prefix is spent, so the same members get a new generation
     bad = StepFailed(job_id="j", worker_id="w1", generation=gen, step=5, error="rendezvous timed out", rendezvous=True)
     d = decide(s, _ev(bad), T0, SPEC)
-    (t,) = tables(d)
-    assert t.generation == gen + 1 and [m.worker_id for m in t.members] == ["w0", "w1", "w2"]
+    assert not tables(d)  # after a back-off, not at once
     assert f"generation {gen} could not form (w1: rendezvous timed out)" in d.reason
-    # the other members' reports of the same failure change nothing more
+    assert "new generation in 0.5 s" in d.reason and d.state.status.reason == d.reason  # shown by status meanwhile
+    # the other members' reports of the same failure count nothing more
     late = StepFailed(job_id="j", worker_id="w2", generation=gen, step=5, error="rendezvous timed out", rendezvous=True)
     d2 = decide(d.state, _ev(late), T0 + 1, SPEC)
-    assert not d2.changed and not tables(d2)
+    assert not tables(d2) and d2.state.status.formation_failures == 1
+    assert not tables(decide(d2.state, Tick(), T0 + 499, SPEC))
+    d3 = decide(d2.state, Tick(), T0 + 500, SPEC)
+    (t,) = tables(d3)
+    assert t.generation == gen + 1 and [m.worker_id for m in t.members] == ["w0", "w1", "w2"]
 
 
 def test_two_workers_timing_out_in_one_tick_are_recorded_with_their_own_ranks() -> None:
@@ -258,6 +262,7 @@ def test_a_job_whose_generations_never_form_fails_after_formation_timeout_naming
     error = ("rendezvous of generation 1 (rank 0/3): could not connect to peer 127.0.0.1:4321 (Connection refused); "
              "advertised 127.0.0.1 on lo (--iface/SHOAL_IFACE); set --iface/SHOAL_IFACE to an interface the peers reach")
     d = decide(s, _rendezvous_failed("w0", 1, error), T0 + 3000, spec)
+    d = decide(d.state, Tick(), T0 + 3500, spec)  # after the back-off
     (t,) = tables(d)  # a new generation of the same members; the clock keeps running from the first
     assert t.generation == 2 and d.state.status.unformed_since_ms == planned
     assert d.state.status.rendezvous_error == f"w0: {error}"
@@ -278,9 +283,11 @@ def test_a_job_whose_generations_never_form_fails_after_formation_timeout_naming
 def test_a_generation_that_forms_stops_the_formation_clock_and_the_next_plan_restarts_it() -> None:
     spec = SPEC.model_copy(update={"formation_timeout": 10.0})
     s = three_workers(spec)
-    s = decide(s, _rendezvous_failed("w0", 1, "refused"), T0 + 3000, spec).state  # generation 2
+    s = decide(s, _rendezvous_failed("w0", 1, "refused"), T0 + 3000, spec).state
+    s = decide(s, Tick(), T0 + 3500, spec).state  # generation 2
     d = decide(s, _ev(Ready(job_id="j", worker_id="w1", generation=2)), T0 + 4000, spec)
     assert (d.state.status.unformed_since_ms, d.state.status.rendezvous_error) == (0, "")
+    assert (d.state.status.formation_failures, d.state.status.formation_retry_ms) == (0, 0)
     s = d.state
     assert not decide(s, Tick(), T0 + 1_000_000, spec).changed  # formed: no deadline
     # a failure plans generation 3: its clock starts at that plan

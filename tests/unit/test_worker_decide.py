@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shoal.events.models import Member, ShardTable
+from shoal.events.models import FormationError, Member, ShardTable
 from shoal.worker.decide import (
     BARRIER_WAIT_S,
     DIGEST_EVERY,
@@ -172,8 +172,8 @@ def test_a_group_that_could_not_form_is_left_reported_and_never_tried_again() ->
     s = decide(decide(fresh(step=4), Tick(), T0).state, TableFetched(table(3, "w0", "w1")), T0).state
     s = decide(s, BarrierPolled(arrived=2, newest=3), T0).state
     d = decide(s, FormFailed("rendezvous of generation 3 timed out"), T0 + 30)
-    assert d.actions == (LeaveGroup(background=False), ReportFailure(3, 4, "rendezvous of generation 3 timed out", rendezvous=True),
-                         WaitTable(3))
+    assert d.actions == (LeaveGroup(background=False), ReportFailure(3, 4, "rendezvous of generation 3 timed out", rendezvous=True,
+                                                                     kind=FormationError.TRANSIENT), WaitTable(3))
     assert d.level == logging.WARNING and d.reason == "generation 3 could not form: rendezvous of generation 3 timed out"
     assert d.state.phase is Phase.IDLE and d.state.used == 3
     s = decide(d.state, TableWaited(), T0 + 30 + LIMITS.wait_s).state  # nothing newer came

@@ -203,6 +203,12 @@ class JobView {
       const metrics = Object.entries(s.eval.metrics).slice(0, 8).map(([k, v]) => `${k}=${Number(v).toPrecision(4)}`);
       ev.textContent = `last evaluation: step ${s.eval.step}: ${metrics.join(" ")}`;
     }
+    const fm = $("#job-formation");
+    fm.hidden = !s.formation;
+    if (s.formation) {
+      const next = s.formation.retry_in_ms === null ? "" : `; next try in ${(s.formation.retry_in_ms / 1000).toFixed(1)} s`;
+      fm.textContent = `not forming: ${s.formation.failures} generation(s) failed in a row${next}; last error: ${s.formation.last_error}`;
+    }
     const body = $("#workers tbody");
     body.replaceChildren();
     for (const w of s.workers) {
@@ -213,6 +219,7 @@ class JobView {
         el("td", {}, w.loss === null ? "-" : w.loss.toFixed(4)), el("td", {}, age),
         el("td", { class: w.straggler ? "flag" : "" }, w.straggler ? "yes" : ""),
         el("td", { class: "mono", title: w.digest || "" }, w.digest ? w.digest.slice(0, 12) : "-"),
+        el("td", { title: w.placement || "" }, w.backend ? `${w.backend} / ${w.device || "-"}${w.gpu ? ` (GPU ${w.gpu})` : ""}` : "-"),
         el("td", {}, w.host || "-"), el("td", {}, w.pid || "-")));
     }
     return false;
