@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -76,8 +77,11 @@ def prepare() -> int:
     for p in PLATFORMS:
         cmd += ["--platform", p]
     subprocess.run(cmd + pins, check=True)
+    had_build = (ROOT / "build").exists()
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--disable-pip-version-check", "--no-deps",
                     "--no-build-isolation", "-w", str(WHEELS), str(ROOT)], check=True)
+    if not had_build:  # setuptools' scratch folder, left in the checkout by the build
+        shutil.rmtree(ROOT / "build", ignore_errors=True)
     size = sum(f.stat().st_size for f in WHEELS.glob("*.whl"))
     print(f"prepare: {len(list(WHEELS.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB in {WHEELS}")
     return 0
