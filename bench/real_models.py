@@ -188,7 +188,8 @@ def run_ddp(w: Workload, loader_workers: int, prefetch: int) -> float:
 def run_shoal(url: str, tmp: Path, procs, job: str, w: Workload, loader_workers: int, prefetch: int) -> float:
     import redis
 
-    from shoal.coordinator.states import JobState, JobStatus
+    from shoal.events.records import JobStatus
+    from shoal.events.states import JobState
     from shoal.core.jobspec import JobSpec
     from shoal.core.registry import create_job
     from shoal.events.keys import job_keys

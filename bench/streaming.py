@@ -150,7 +150,8 @@ def _pack(env: dict) -> tuple[str, int, int, int]:
 
 
 def _wait_done(client, job: str, timeout: float = 600) -> None:
-    from shoal.coordinator.states import JobState, JobStatus
+    from shoal.events.records import JobStatus
+    from shoal.events.states import JobState
     from shoal.events.keys import job_keys
 
     deadline = time.monotonic() + timeout

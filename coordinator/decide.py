@@ -46,15 +46,15 @@ from dataclasses import dataclass, field, replace
 
 from shoal.coordinator.owners import plan_owners
 from shoal.coordinator.shards import plan_ranges
-from shoal.coordinator.states import (
+from shoal.coordinator.states import CoordState
+from shoal.events.records import JobStatus, WorkerRecord
+from shoal.events.states import (
     LIVE,
     PLANNED,
     TERMINAL_JOB_STATES,
-    CoordState,
     FailureCause,
     JobState,
-    JobStatus,
-    WorkerRecord,
+    RemovalCause,
     WorkerState,
     check_job_move,
 )
@@ -135,8 +135,27 @@ class ReplyJoin:
 
 
 @dataclass(frozen=True)
+class Change:
+    """What a new generation changed, for the control entry's typed fields (readers use
+    these, never the reason): its world size (0 when paused), the workers that are members for
+    the first time, the members of earlier generations it leaves out and why (one cause each)."""
+
+    world_size: int
+    paused: bool = False
+    joined: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    causes: tuple[RemovalCause, ...] = ()
+
+    def fields(self) -> dict:
+        """The :class:`~shoal.events.streams.ControlEntry` fields it fills."""
+        return {"world_size": self.world_size, "paused": self.paused, "joined": self.joined,
+                "removed": self.removed, "causes": tuple(c.value for c in self.causes)}
+
+
+@dataclass(frozen=True)
 class Publish:
     table: ShardTable
+    change: Change | None = None
 
 
 @dataclass(frozen=True)
@@ -232,6 +251,7 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
     if digest == status.plan_digest and not force:
         return replace(state, status=replace(status, pending_join_ms=0)), [], why
     generation = status.generation + 1
+    state, change = _membership_change(state, [] if paused else ids, generation, paused)
     members = []
     if not paused:
         for rank, (wid, ranges) in enumerate(zip(ids, plan_ranges(spec.shard_strategy.value, spec.shard_space, ids))):
@@ -268,7 +288,36 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
     new_status = replace(status, generation=generation, plan_digest=digest, pending_join_ms=0, reason=reason,
                          unformed_since_ms=unformed, step_failed_ms=0, step_failure="", formation_retry_ms=0)
     new_status = _set_job(new_status, JobState.PAUSED if paused else JobState.RUNNING, now_ms)
-    return replace(state, status=new_status), [Publish(table)], reason
+    return replace(state, status=new_status), [Publish(table, change)], reason
+
+
+def _removal_cause(rec: WorkerRecord) -> RemovalCause:
+    if rec.state != WorkerState.FAILED:
+        return RemovalCause.LEFT  # drained or left
+    return RemovalCause.parse(rec.cause.value)
+
+
+def _membership_change(state: CoordState, members: list[str], generation: int,
+                       paused: bool) -> tuple[CoordState, Change]:
+    """Who ``generation`` (its ``members``) adds and drops, recorded in the workers' records
+    (``planned_in``, ``dropped_in``) so each change is counted once; O(W) like the plan."""
+    workers = state.workers
+    changed: dict[str, WorkerRecord] = {}
+    joined = []
+    for wid in members:
+        rec = workers[wid]
+        if not rec.planned_in:
+            joined.append(wid)
+            changed[wid] = replace(rec, planned_in=generation)
+    gone = sorted((w for w, r in workers.items() if r.planned_in and not r.dropped_in and r.state not in PLANNED),
+                  key=_id_order)
+    for wid in gone:
+        changed[wid] = replace(workers[wid], dropped_in=generation)
+    change = Change(world_size=len(members), paused=paused, joined=tuple(joined), removed=tuple(gone),
+                    causes=tuple(_removal_cause(workers[w]) for w in gone))
+    if changed:
+        state = replace(state, workers={**workers, **changed})
+    return state, change
 
 
 def _move(state: CoordState, wid: str, dst: WorkerState, reason: str, now_ms: int) -> CoordState:
@@ -288,8 +337,8 @@ def published_ranks(state: CoordState) -> dict[str, int]:
 
 
 def _failed(wid: str, rank: int) -> str:
-    """How every failure reason starts: ``w1 failed (rank 1):`` or ``w1 failed:``. Readers
-    (``shoal report``, benches, people grepping) look for ``w1 failed``: keep that."""
+    """How every failure reason starts, for people: ``w1 failed (rank 1):`` or ``w1 failed:``
+    (readers take who failed from the control entry's typed fields, never from this)."""
     return f"{wid} failed (rank {rank}):" if rank >= 0 else f"{wid} failed:"
 
 
@@ -350,126 +399,157 @@ def _resumed(status: JobStatus, generation: int, step: int | None) -> tuple[JobS
 
 def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec, epoch: int = 0) -> Decision:
     """New state, actions and reason for one input. Never raises on well-formed input; an
-    event that names an unknown worker or a stale generation is a no-op with a reason."""
+    event that names an unknown worker or a stale generation is a no-op with a reason.
+    Dispatches by the input's type: :data:`_HANDLERS` for a job's events, :data:`_WORKER_HANDLERS`
+    for events of a worker on record (an unknown worker's are ignored), :func:`_on_tick`."""
     if isinstance(inp, Tick):
         return _on_tick(state, inp, now_ms, spec, epoch)
     ev = inp.event
-    if isinstance(ev, StopJob):
-        if state.status.state in TERMINAL_JOB_STATES:
-            return _unchanged(state, f"stop ignored: job already {state.status.state.value}")
-        status = replace(_set_job(state.status, JobState.STOPPED, now_ms), reason=ev.reason)
-        return Decision(replace(state, status=status), (), ev.reason)
-    if isinstance(ev, JoinRequest):
-        return _on_join(state, ev, now_ms, spec, epoch)
-    if isinstance(ev, WorkerStartFailed):
-        return _on_start_failed(state, ev, now_ms, spec)
-    wid = ev.worker_id or ""
-    rec = state.workers.get(wid)
-    if isinstance(ev, JobCompleted):
-        if state.status.state in TERMINAL_JOB_STATES:
-            return _unchanged(state, f"completion ignored: job already {state.status.state.value}")
-        reason = f"completed at step {ev.step} (reported by {wid})"
-        summary = dict(ev.summary)
-        if state.status.steps_redone:
-            redone = state.status.steps_redone
-            reason += (f"; {redone} committed step{'s were' if redone != 1 else ' was'} redone "
-                       f"(every replica that held {'them' if redone != 1 else 'it'} was lost)")
-            summary["steps_redone"] = redone
-        status = replace(_set_job(state.status, JobState.COMPLETED, now_ms), reason=reason, summary=json.dumps(summary))
-        return Decision(replace(state, status=status), (), reason)
-    if isinstance(ev, Checkpointed):
-        # a checkpoint is of a committed step
-        state = replace(state, status=saw_step(state.status, StepSeen(ev.generation, ev.step)))
-        if ev.step <= state.status.latest_step:
-            return _unchanged(state, f"checkpoint of step {ev.step} ignored: LATEST is at step {state.status.latest_step}")
-        pointer = LatestPointer(step=ev.step, store=ev.store, generation=ev.generation).to_json()
-        reason = f"LATEST -> checkpoint of step {ev.step} in {ev.store}"
-        state = replace(state, status=replace(state.status, latest_step=ev.step))
-        return Decision(state, (SetLatest(pointer, ev.step),), reason)
+    handler = _HANDLERS.get(type(ev))
+    if handler is not None:
+        return handler(state, ev, now_ms, spec, epoch)
+    on_worker = _WORKER_HANDLERS.get(type(ev))
+    if on_worker is None:  # pragma: no cover - a new event kind without a handler
+        return _unchanged(state, f"event kind {ev.kind!r} has no handler")
+    rec = state.workers.get(ev.worker_id or "")
     if rec is None:
-        return _unchanged(state, f"{ev.kind} from unknown worker {wid!r} ignored")
-    if isinstance(ev, EvalReported):
-        return _on_eval(state, ev, rec)
-    if isinstance(ev, Ready):
-        if rec.state != WorkerState.SYNCING:
-            return _unchanged(state, f"ready from {wid} ignored: it is {rec.state.value}")
-        if ev.generation != state.status.generation:
-            return _unchanged(state, f"ready from {wid} for generation {ev.generation} ignored: current is {state.status.generation}")
-        reason = f"{wid} active in generation {ev.generation}"
-        state = _move(state, wid, WorkerState.ACTIVE, reason, now_ms)
-        if state.status.unformed_since_ms or state.status.rendezvous_error or state.status.formation_failures:
-            state = replace(state, status=_formed(state.status))  # the generation formed
-        status, redone = _resumed(state.status, ev.generation, ev.step)
-        state = replace(state, status=status)
-        return Decision(state, (), f"{reason}; {redone}" if redone else reason)
-    if isinstance(ev, LeaveRequest):
-        if rec.state not in PLANNED:
-            return _unchanged(state, f"leave from {wid} ignored: it is {rec.state.value}")
-        why = f"{wid} draining ({ev.reason})"
-        state = _move(state, wid, WorkerState.DRAINING, why, now_ms)
-        state, actions, reason = replan(state, spec, now_ms, epoch, why)
-        return Decision(state, tuple(actions), reason)
-    if isinstance(ev, Left):
-        if rec.state not in LIVE:
-            return _unchanged(state, f"left from {wid} ignored: it is {rec.state.value}")
-        why = f"{wid} left"
-        if rec.state == WorkerState.ACTIVE:
-            state = _move(state, wid, WorkerState.DRAINING, "leaving", now_ms)
-        state = _move(state, wid, WorkerState.LEFT, why, now_ms)
-        state, actions, reason = replan(state, spec, now_ms, epoch, why)
-        return Decision(state, (Forget(wid), *actions), reason)
-    if isinstance(ev, WorkerExited):
-        if ev.pid and rec.pid and ev.pid != rec.pid:
-            return _unchanged(state, f"exit of pid {ev.pid} ignored: {wid} is pid {rec.pid}")
-        how = f"signal {ev.signal}" if ev.signal else f"exit code {ev.exit_code}"
-        tail = ev.traceback.strip().splitlines()[-1] if ev.traceback.strip() else ""
-        ended = f"process ended with {how}" + (f" ({tail})" if tail else "")
-        if rec.state == WorkerState.FAILED and rec.cause == FailureCause.HEARTBEAT_TIMEOUT:
-            # the heartbeat timeout won the race; the agent's report says why the process
-            # died, and is the root cause if the timeout was (the rank is the one the timeout
-            # recorded: the worker is planned no more)
-            why = f"{_failed(wid, rec.rank)} {ended}"
-            status = state.status
-            if status.first_failure_worker == wid:
-                status = replace(status, first_failure=why, first_failure_traceback=ev.traceback)
-            workers = {**state.workers, wid: replace(rec, reason=why, cause=FailureCause.EXITED)}
-            state = replace(state, status=status, workers=workers)
-            actions = [_record(wid, rec.rank, why, ev)]
-            if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:
-                return _give_up(state, wid, ev, spec, now_ms, actions)
-            return Decision(state, tuple(actions), f"root cause of {wid}: {why}")
-        rank = published_ranks(state).get(wid, -1)
-        why = f"{_failed(wid, rank)} {ended}"
-        if rec.state not in LIVE:
-            if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:
-                return _give_up(state, wid, ev, spec, now_ms, [])
-            return _unchanged(state, f"exit of {wid} ignored: it is {rec.state.value}")
-        if rec.state == WorkerState.DRAINING and ev.exit_code == 0:
-            state = _move(state, wid, WorkerState.LEFT, f"{wid} exited cleanly while draining", now_ms)
-            actions: list[Action] = [Forget(wid)]
-        else:
-            state, actions = _fail(state, wid, FailureCause.EXITED, rank, why, now_ms, ev)
+        return _unchanged(state, f"{ev.kind} from unknown worker {ev.worker_id or ''!r} ignored")
+    return on_worker(state, ev, rec, now_ms, spec, epoch)
+
+
+# ---- the job's events ------------------------------------------------------------------------
+
+
+def _on_stop(state: CoordState, ev: StopJob, now_ms: int, spec: JobSpec, epoch: int) -> Decision:
+    if state.status.state in TERMINAL_JOB_STATES:
+        return _unchanged(state, f"stop ignored: job already {state.status.state.value}")
+    status = replace(_set_job(state.status, JobState.STOPPED, now_ms), reason=ev.reason)
+    return Decision(replace(state, status=status), (), ev.reason)
+
+
+def _on_completed(state: CoordState, ev: JobCompleted, now_ms: int, spec: JobSpec, epoch: int) -> Decision:
+    if state.status.state in TERMINAL_JOB_STATES:
+        return _unchanged(state, f"completion ignored: job already {state.status.state.value}")
+    reason = f"completed at step {ev.step} (reported by {ev.worker_id or ''})"
+    summary = dict(ev.summary)
+    if state.status.steps_redone:
+        redone = state.status.steps_redone
+        reason += (f"; {redone} committed step{'s were' if redone != 1 else ' was'} redone "
+                   f"(every replica that held {'them' if redone != 1 else 'it'} was lost)")
+        summary["steps_redone"] = redone
+    status = replace(_set_job(state.status, JobState.COMPLETED, now_ms), reason=reason, summary=json.dumps(summary))
+    return Decision(replace(state, status=status), (), reason)
+
+
+def _on_checkpointed(state: CoordState, ev: Checkpointed, now_ms: int, spec: JobSpec, epoch: int) -> Decision:
+    # a checkpoint is of a committed step
+    state = replace(state, status=saw_step(state.status, StepSeen(ev.generation, ev.step)))
+    if ev.step <= state.status.latest_step:
+        return _unchanged(state, f"checkpoint of step {ev.step} ignored: LATEST is at step {state.status.latest_step}")
+    pointer = LatestPointer(step=ev.step, store=ev.store, generation=ev.generation).to_json()
+    reason = f"LATEST -> checkpoint of step {ev.step} in {ev.store}"
+    state = replace(state, status=replace(state.status, latest_step=ev.step))
+    return Decision(state, (SetLatest(pointer, ev.step),), reason)
+
+
+# ---- a worker's events (the worker is on record) ------------------------------------------------
+
+
+def _on_ready(state: CoordState, ev: Ready, rec: WorkerRecord, now_ms: int, spec: JobSpec, epoch: int) -> Decision:
+    wid = rec.worker_id
+    if rec.state != WorkerState.SYNCING:
+        return _unchanged(state, f"ready from {wid} ignored: it is {rec.state.value}")
+    if ev.generation != state.status.generation:
+        return _unchanged(state, f"ready from {wid} for generation {ev.generation} ignored: current is {state.status.generation}")
+    reason = f"{wid} active in generation {ev.generation}"
+    state = _move(state, wid, WorkerState.ACTIVE, reason, now_ms)
+    if state.status.unformed_since_ms or state.status.rendezvous_error or state.status.formation_failures:
+        state = replace(state, status=_formed(state.status))  # the generation formed
+    status, redone = _resumed(state.status, ev.generation, ev.step)
+    state = replace(state, status=status)
+    return Decision(state, (), f"{reason}; {redone}" if redone else reason)
+
+
+def _on_leave(state: CoordState, ev: LeaveRequest, rec: WorkerRecord, now_ms: int, spec: JobSpec,
+              epoch: int) -> Decision:
+    wid = rec.worker_id
+    if rec.state not in PLANNED:
+        return _unchanged(state, f"leave from {wid} ignored: it is {rec.state.value}")
+    why = f"{wid} draining ({ev.reason})"
+    state = _move(state, wid, WorkerState.DRAINING, why, now_ms)
+    state, actions, reason = replan(state, spec, now_ms, epoch, why)
+    return Decision(state, tuple(actions), reason)
+
+
+def _on_left(state: CoordState, ev: Left, rec: WorkerRecord, now_ms: int, spec: JobSpec, epoch: int) -> Decision:
+    wid = rec.worker_id
+    if rec.state not in LIVE:
+        return _unchanged(state, f"left from {wid} ignored: it is {rec.state.value}")
+    why = f"{wid} left"
+    if rec.state == WorkerState.ACTIVE:
+        state = _move(state, wid, WorkerState.DRAINING, "leaving", now_ms)
+    state = _move(state, wid, WorkerState.LEFT, why, now_ms)
+    state, actions, reason = replan(state, spec, now_ms, epoch, why)
+    return Decision(state, (Forget(wid), *actions), reason)
+
+
+def _on_exited(state: CoordState, ev: WorkerExited, rec: WorkerRecord, now_ms: int, spec: JobSpec,
+               epoch: int) -> Decision:
+    wid = rec.worker_id
+    if ev.pid and rec.pid and ev.pid != rec.pid:
+        return _unchanged(state, f"exit of pid {ev.pid} ignored: {wid} is pid {rec.pid}")
+    how = f"signal {ev.signal}" if ev.signal else f"exit code {ev.exit_code}"
+    tail = ev.traceback.strip().splitlines()[-1] if ev.traceback.strip() else ""
+    ended = f"process ended with {how}" + (f" ({tail})" if tail else "")
+    if rec.state == WorkerState.FAILED and rec.cause == FailureCause.HEARTBEAT_TIMEOUT:
+        # the heartbeat timeout won the race; the agent's report says why the process
+        # died, and is the root cause if the timeout was (the rank is the one the timeout
+        # recorded: the worker is planned no more)
+        why = f"{_failed(wid, rec.rank)} {ended}"
+        status = state.status
+        if status.first_failure_worker == wid:
+            status = replace(status, first_failure=why, first_failure_traceback=ev.traceback)
+        workers = {**state.workers, wid: replace(rec, reason=why, cause=FailureCause.EXITED)}
+        state = replace(state, status=status, workers=workers)
+        actions = [_record(wid, rec.rank, why, ev)]
         if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:
             return _give_up(state, wid, ev, spec, now_ms, actions)
-        state, more, reason = replan(state, spec, now_ms, epoch, why)
-        return Decision(state, tuple(actions + more), reason)
-    if isinstance(ev, StepFailed):
-        said = f"{wid} reports step {ev.step} of generation {ev.generation} failed: {ev.error[:200]}"
-        if ev.generation != state.status.generation or state.status.state != JobState.RUNNING or rec.state not in PLANNED:
-            return _unchanged(state, f"{said}; nothing to do: generation {state.status.generation} is current")
-        if not ev.rendezvous:
-            # The step is dropped everywhere; the members need a fresh generation to redo it.
-            # Not at once: a peer that died is reported by its agent within moments, and the
-            # new generation should not include it. A member that is alive is kept (one whose
-            # step is stuck is evicted by the step timeout, not here).
-            if state.status.step_failed_ms:
-                return _unchanged(state, f"{said}; a new generation is already due")
-            failure = f"step {ev.step} of generation {ev.generation} failed on {wid} ({' '.join(ev.error.split())[:200]})"
-            status = replace(state.status, step_failed_ms=now_ms, step_failure=failure)
-            return Decision(replace(state, status=status), (),
-                            f"{failure}; the same members get a new generation in {SETTLE_MS} ms unless one leaves first")
+        return Decision(state, tuple(actions), f"root cause of {wid}: {why}")
+    rank = published_ranks(state).get(wid, -1)
+    why = f"{_failed(wid, rank)} {ended}"
+    if rec.state not in LIVE:
+        if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:
+            return _give_up(state, wid, ev, spec, now_ms, [])
+        return _unchanged(state, f"exit of {wid} ignored: it is {rec.state.value}")
+    if rec.state == WorkerState.DRAINING and ev.exit_code == 0:
+        state = _move(state, wid, WorkerState.LEFT, f"{wid} exited cleanly while draining", now_ms)
+        actions: list[Action] = [Forget(wid)]
+    else:
+        state, actions = _fail(state, wid, FailureCause.EXITED, rank, why, now_ms, ev)
+    if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:
+        return _give_up(state, wid, ev, spec, now_ms, actions)
+    state, more, reason = replan(state, spec, now_ms, epoch, why)
+    return Decision(state, tuple(actions + more), reason)
+
+
+def _on_step_failed(state: CoordState, ev: StepFailed, rec: WorkerRecord, now_ms: int, spec: JobSpec,
+                    epoch: int) -> Decision:
+    wid = rec.worker_id
+    said = f"{wid} reports step {ev.step} of generation {ev.generation} failed: {ev.error[:200]}"
+    if ev.generation != state.status.generation or state.status.state != JobState.RUNNING or rec.state not in PLANNED:
+        return _unchanged(state, f"{said}; nothing to do: generation {state.status.generation} is current")
+    if ev.rendezvous:
         return _on_formation_failed(state, ev, now_ms, spec)
-    return _unchanged(state, f"event kind {ev.kind!r} has no handler")  # pragma: no cover
+    # The step is dropped everywhere; the members need a fresh generation to redo it. Not at
+    # once: a peer that died is reported by its agent within moments, and the new generation
+    # should not include it. A member that is alive is kept (one whose step is stuck is
+    # evicted by the step timeout, not here).
+    if state.status.step_failed_ms:
+        return _unchanged(state, f"{said}; a new generation is already due")
+    failure = f"step {ev.step} of generation {ev.generation} failed on {wid} ({' '.join(ev.error.split())[:200]})"
+    status = replace(state.status, step_failed_ms=now_ms, step_failure=failure)
+    return Decision(replace(state, status=status), (),
+                    f"{failure}; the same members get a new generation in {SETTLE_MS} ms unless one leaves first")
 
 
 def last_eval(status: JobStatus) -> dict | None:
@@ -493,7 +573,8 @@ def format_metrics(metrics: dict[str, float], limit: int = EVAL_REASON_CHARS) ->
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _on_eval(state: CoordState, ev: EvalReported, rec: WorkerRecord) -> Decision:
+def _on_eval(state: CoordState, ev: EvalReported, rec: WorkerRecord, now_ms: int, spec: JobSpec,
+             epoch: int) -> Decision:
     """Keep the newest evaluation in the job's record. One from a worker no longer live, after
     the job ended, or from a generation older than the recorded one's (a late report) changes
     nothing. A lower step from a newer generation is kept: the job resumed below it (from a
@@ -620,7 +701,8 @@ def _configuration_failed(state: CoordState, kind: FormationError, wid: str, err
     return Decision(replace(state, status=status), (), reason)
 
 
-def _on_start_failed(state: CoordState, ev: WorkerStartFailed, now_ms: int, spec: JobSpec) -> Decision:
+def _on_start_failed(state: CoordState, ev: WorkerStartFailed, now_ms: int, spec: JobSpec,
+                     epoch: int = 0) -> Decision:
     """A worker process ended before it joined: a failure of the job like any other (kept as
     the first failure, with its traceback, when it is the first), and the end of the job when
     its agent gave up and too few workers remain - instead of a job ``pending`` forever."""
@@ -777,3 +859,24 @@ def _flag_stragglers(state: CoordState, step_times: dict[str, float], factor: fl
             verb = "straggler" if slow else "no longer a straggler"
             notes.append(f"{wid} {verb}: step {active[wid]:.3f}s vs median {median:.3f}s")
     return replace(state, workers=workers), "; ".join(notes)
+
+
+#: The handler of each event of the job as a whole (no worker record needed):
+#: ``(state, event, now_ms, spec, epoch) -> Decision``.
+_HANDLERS = {
+    StopJob: _on_stop,
+    JoinRequest: _on_join,
+    WorkerStartFailed: _on_start_failed,
+    JobCompleted: _on_completed,
+    Checkpointed: _on_checkpointed,
+}
+#: The handler of each event a worker on record sends:
+#: ``(state, event, its record, now_ms, spec, epoch) -> Decision``.
+_WORKER_HANDLERS = {
+    EvalReported: _on_eval,
+    Ready: _on_ready,
+    LeaveRequest: _on_leave,
+    Left: _on_left,
+    WorkerExited: _on_exited,
+    StepFailed: _on_step_failed,
+}

@@ -16,6 +16,10 @@ from shoal.coordinator.errors import StaleEpoch
 from shoal.events.keys import JobKeys
 from shoal.storage.latest import FORWARD_SET_LUA
 
+#: The error code the script below replies with when the writer no longer holds the job
+#: (Redis error replies are ``CODE message``; redis-py raises them as ResponseError: _stale).
+STALE_CODE = "STALE"
+
 _APPLY = FORWARD_SET_LUA + """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('STALE lease not held') end
 if redis.call('GET', KEYS[2]) ~= ARGV[2] then return redis.error_reply('STALE epoch changed') end
@@ -94,6 +98,12 @@ class FencedWriter:
         try:
             self._script(keys=batch.keys, args=[self.token, str(self.epoch), json.dumps(batch.ops)])
         except redis.ResponseError as exc:
-            if "STALE" in str(exc):
+            if _stale(exc):
                 raise StaleEpoch(f"job {self.keys.job_id}: write with epoch {self.epoch} refused ({exc})") from exc
             raise
+
+
+def _stale(exc: redis.ResponseError) -> bool:
+    """Whether an error reply is the script's own refusal: its error code (the reply's first
+    word), the only thing redis-py passes on of it."""
+    return str(exc).split(" ", 1)[0] == STALE_CODE

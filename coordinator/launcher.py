@@ -27,7 +27,8 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from shoal.coordinator.persist import load_state
-from shoal.coordinator.states import PLANNED, TERMINAL_JOB_STATES, CoordState, JobState
+from shoal.coordinator.states import CoordState
+from shoal.events.states import PLANNED, TERMINAL_JOB_STATES, JobState
 from shoal.events.keys import JOBS, LAUNCH_QUEUE, job_keys, job_of_launch_unit, launch_unit_id
 from shoal.events.keys import LAUNCH_UNIT_RESULT_TTL_S as RESULT_TTL
 from shoal.events.models import LaunchSettings

@@ -27,7 +27,9 @@ from shoal.coordinator.errors import StaleEpoch
 from shoal.coordinator.fenced import FencedBatch, FencedWriter
 from shoal.coordinator.lease import LeaseScripts
 from shoal.coordinator.persist import decision_batch, load_state
-from shoal.coordinator.states import TERMINAL_JOB_STATES, CoordState, WorkerState
+from shoal.coordinator.states import CoordState
+from shoal.events.streams import ControlEntry
+from shoal.events.states import TERMINAL_JOB_STATES, WorkerState
 from shoal.events import bus
 from shoal.events.keys import CONTROL_MAXLEN, COORDINATOR_GROUP, COORDINATORS, DEAD_MAXLEN, JOBS, JobKeys, job_keys
 from shoal.events.models import Heartbeat, InvalidEvent, decode_event
@@ -355,9 +357,10 @@ class Coordinator:
         batch = FencedBatch(keys)
         batch.xadd(keys.dead, bus.dead_letter_fields(fields, reason, sid), maxlen=DEAD_MAXLEN)
         batch.hset(keys.state, {"applied": sid})
-        batch.xadd(keys.control, {"ts_ms": str(now), "epoch": str(lead.epoch), "kind": "dead_letter", "source_id": sid,
-                                  "job_state": status.state.value, "generation": str(status.generation),
-                                  "reason": f"dead-lettered {sid}: {reason}"}, maxlen=CONTROL_MAXLEN)
+        entry = ControlEntry(ts_ms=now, epoch=lead.epoch, kind="dead_letter", source_id=sid,
+                             job_state=status.state.value, generation=status.generation,
+                             reason=f"dead-lettered {sid}: {reason}")
+        batch.xadd(keys.control, entry.to_fields(), maxlen=CONTROL_MAXLEN)
         batch.add("XACK", keys.events, COORDINATOR_GROUP, sid)
         if self._commit(lead, batch):
             lead.state = replace(lead.state, status=status)

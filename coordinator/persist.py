@@ -10,7 +10,9 @@ import redis
 
 from shoal.coordinator.decide import Decision, Forget, Publish, RecordFailure, ReplyJoin, SetLatest, Watch
 from shoal.coordinator.fenced import FencedBatch
-from shoal.coordinator.states import CoordState, JobStatus, WorkerRecord
+from shoal.coordinator.states import CoordState
+from shoal.events.streams import ControlEntry, FailureEntry
+from shoal.events.records import JobStatus, WorkerRecord
 from shoal.events.keys import CONTROL_MAXLEN, FAILURES_MAXLEN, GENERATIONS_MAXLEN, JOIN_REPLY_TTL_S, JobKeys
 
 
@@ -58,25 +60,20 @@ def decision_batch(
             batch.add("ZREM", keys.busy, action.worker_id)
             batch.add("DEL", keys.heartbeat(action.worker_id))
         elif isinstance(action, RecordFailure):
-            fields = {"ts_ms": str(now_ms), "worker": action.worker_id, "rank": str(action.rank),
-                      "reason": action.reason, "traceback": action.traceback}
-            if action.exit_code is not None:
-                fields["exit_code"] = str(action.exit_code)
-            if action.signal is not None:
-                fields["signal"] = str(action.signal)
-            batch.xadd(keys.failures, fields, maxlen=FAILURES_MAXLEN)
+            failure = FailureEntry(ts_ms=now_ms, worker=action.worker_id, rank=action.rank, reason=action.reason,
+                                   traceback=action.traceback, exit_code=action.exit_code, signal=action.signal)
+            batch.xadd(keys.failures, failure.to_fields(), maxlen=FAILURES_MAXLEN)
     if decision.changed:
-        batch.xadd(
-            keys.control,
-            {
-                "ts_ms": str(now_ms),
-                "epoch": str(epoch),
-                "kind": kind,
-                "source_id": source_id,
-                "job_state": new.status.state.value,
-                "generation": str(new.status.generation),
-                "reason": decision.reason,
-            },
-            maxlen=CONTROL_MAXLEN,
-        )
+        entry = control_entry(decision, kind=kind, source_id=source_id, now_ms=now_ms, epoch=epoch)
+        batch.xadd(keys.control, entry.to_fields(), maxlen=CONTROL_MAXLEN)
     return batch
+
+
+def control_entry(decision: Decision, *, kind: str, source_id: str, now_ms: int, epoch: int) -> ControlEntry:
+    """The control stream's entry of ``decision``: what it applied, the job's state after it,
+    the reason, and the typed membership change of the generation it planned, if any."""
+    status = decision.state.status
+    change = next((a.change for a in decision.actions if isinstance(a, Publish) and a.change is not None), None)
+    return ControlEntry(ts_ms=now_ms, epoch=epoch, kind=kind, source_id=source_id, job_state=status.state.value,
+                        generation=status.generation, reason=decision.reason,
+                        **(change.fields() if change is not None else {}))

@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shoal.events.keys import valid_job_id
+from shoal.events.validation import every_error
 from shoal.core.errors import ConfigError
 from shoal.core.yamlfile import printable, read_yaml
 
@@ -193,11 +194,7 @@ class JobSpec(BaseModel):
 
 
 def _format_errors(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        path = ".".join(printable(p) for p in err["loc"]) or "(spec)"
-        parts.append(f"{path}: {err['msg']}")
-    return "; ".join(parts)
+    return every_error(exc, root="(spec)", name=printable)
 
 
 def parse_spec(data: object, source: str = "job spec") -> JobSpec:

@@ -116,7 +116,7 @@ class JobKeys:
 
     @property
     def workers(self) -> str:
-        """HASH worker_id -> JSON worker record (:class:`shoal.events.models.WorkerDoc`).
+        """HASH worker_id -> JSON worker record (:class:`shoal.events.records.WorkerRecord`).
         Writer: coordinator."""
         return f"{self.base}:workers"
 

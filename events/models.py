@@ -21,6 +21,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from shoal.events.validation import first_error
+
 SCHEMA_VERSION = 1
 #: Largest accepted ``data`` field of an event stream entry; bigger entries are dead-lettered.
 MAX_EVENT_BYTES = 64 * 1024
@@ -331,9 +333,7 @@ def decode_event(fields: dict[bytes | str, bytes | str], expected_job: str | Non
     try:
         event = _EVENT_ADAPTER.validate_python(obj)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        path = ".".join(str(p) for p in first["loc"]) or "(event)"
-        raise InvalidEvent(f"schema: {path}: {first['msg']} ({exc.error_count()} error(s))") from exc
+        raise InvalidEvent(f"schema: {first_error(exc, root='(event)')} ({exc.error_count()} error(s))") from exc
     if expected_job is not None and event.job_id != expected_job:
         raise InvalidEvent(f"job_id {event.job_id!r} does not match stream's job {expected_job!r}")
     return event
@@ -448,38 +448,6 @@ class Heartbeat(_Wire):
     balance_error: int | None = None
 
 
-class WorkerDoc(_Wire):
-    """Value of one field of a job's ``workers`` hash: the coordinator's record of one worker
-    (``shoal.coordinator.states.WorkerRecord`` converts to and from it). Writer: the
-    coordinator. Readers: the coordinator when it takes a job over, status, metrics, a
-    worker checking it is still on record. Everything but ``worker_id`` and ``state`` is
-    optional: records written before a field existed parse with its default."""
-
-    worker_id: str
-    #: A ``WorkerState`` value: Syncing, Active, Draining, Left, Failed.
-    state: str
-    joined_ms: int = 0
-    host: str = ""
-    pid: int = 0
-    node: str = ""
-    #: For people only; decisions read ``cause`` and ``rank``.
-    reason: str = ""
-    changed_ms: int = 0
-    restarts: int = 0
-    straggler: bool = False
-    #: A ``FailureCause`` value: why a Failed worker failed ("" when not failed, or when the
-    #: record predates the field).
-    cause: str = ""
-    #: Its rank in the generation it failed in (-1: none, or not failed).
-    rank: int = -1
-    #: Its placement as its join reported it (see :class:`JoinRequest`): backend, model
-    #: device, the node's name of its GPU, and why ("" : not reported).
-    backend: str = ""
-    device: str = ""
-    gpu: str = ""
-    placement: str = ""
-
-
 class LaunchSettings(_Wire):
     """A job's ``launch`` hash (queue-launched jobs only). Writer: ``shoal submit``. Reader:
     the coordinator's launcher."""
@@ -540,56 +508,3 @@ class LatestPointer:
         if not ints_ok or not isinstance(ptr.store, str) or obj.get("checkpoint") != ptr.checkpoint:
             raise ValueError(f"Redis LATEST pointer is inconsistent: {obj!r}")
         return ptr
-
-
-# ---- entries of the informational streams (``logs``, ``control``) ---------------------------
-
-
-class _StreamEntry(_Wire):
-    """Fields of one entry of an informational stream, read through a model: every field is
-    optional, unknown fields are ignored, and a field whose value does not parse is dropped
-    (read as its default) rather than losing the whole entry."""
-
-    @classmethod
-    def from_fields(cls, fields: dict) -> "_StreamEntry":
-        """Parse an XRANGE/XREAD entry's fields (bytes or str). Never raises."""
-        data = {(k.decode(errors="replace") if isinstance(k, bytes) else str(k)):
-                (v.decode(errors="replace") if isinstance(v, bytes) else v) for k, v in fields.items()}
-        for _ in range(len(data) + 1):
-            try:
-                return cls.model_validate(data)
-            except ValidationError as exc:
-                bad = {str(err["loc"][0]) for err in exc.errors() if err["loc"]}
-                if not bad & data.keys():
-                    break
-                data = {k: v for k, v in data.items() if k not in bad}
-        return cls()
-
-
-class LogLine(_StreamEntry):
-    """One entry of a job's ``logs`` stream (``shoal logs``). Writer: the workers' log handler
-    (``worker/loghandler.py``)."""
-
-    worker: str = "-"
-    level: str = ""
-    msg: str = ""
-    #: the worker's unix time of the record (0: not known)
-    ts: Annotated[float, Field(allow_inf_nan=False)] = 0.0
-
-
-class Decision(_StreamEntry):
-    """One entry of a job's ``control`` stream: a coordinator decision with its reason
-    (``shoal events``). Writer: the coordinator (fenced)."""
-
-    #: Redis server time (ms) of the decision
-    ts_ms: int = 0
-    #: the fencing epoch of the coordinator that decided it
-    epoch: int = 0
-    #: the event kind that caused it (``join``, ``exited``, ``tick``, ``dead_letter``, ...)
-    kind: str = ""
-    #: the id of the worker event it applied ("" for a tick)
-    source_id: str = ""
-    #: the job's state after it
-    job_state: str = ""
-    generation: int = 0
-    reason: str = ""

@@ -1,126 +1,228 @@
-"""Models of the flat stream entries: the informational streams whose entries are field maps
-(every value a string, as XRANGE returns it), not one JSON ``data`` field like ``events`` and
-``generations``.
+"""The flat stream entries: the informational streams whose entries are field maps (every
+value a string, as XADD takes and XRANGE returns them), not one JSON ``data`` field like
+``events`` and ``generations``.
 
-Writers build these fields directly (``coordinator/persist.py`` and ``coordinator/loop.py``:
-``control``, ``failures``, ``dead``; ``worker/progress.py``: ``progress``;
-``worker/loghandler.py`` and ``worker/agent.py``: ``logs``). These models are their published
-contract (``docs/schema/``) for outside readers - dashboards, exporters -, kept in step by
-``tests/control/test_wire_schema.py`` and ``tests/processes/test_tensorboard_processes.py``,
-which validate real entries. Like every wire model they evolve only by adding optional
-fields; readers ignore fields they do not know.
+One model per stream, used by every writer (``to_fields``) and every reader
+(``from_fields``): ``control`` (:class:`ControlEntry`, the coordinator's decisions, with the
+membership change of each new generation as typed fields), ``failures``
+(:class:`FailureEntry`), ``progress`` (:class:`ProgressEntry`), ``logs`` (:class:`LogEntry`)
+and ``dead`` (:class:`DeadLetter`). The published JSON Schema (``docs/schema/``) is generated
+from these models, in their wire form (``shoal.ops.schema``). Like every wire model they
+evolve only by adding optional fields.
+
+Encoding: integers in decimal, floats as Python writes them (``nan`` where there is none),
+booleans ``1``/``0``, lists of ids comma-separated, a mapping as JSON; a field that is None (or
+an empty list) is not written. Decoding never raises: unknown fields are ignored and a field whose value does
+not parse reads as its default, so one bad field never loses an entry.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+import math
+from typing import Annotated, Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field
-
-#: An integer in decimal.
-IntText = Annotated[str, Field(pattern=r"^-?[0-9]+$")]
-#: A number as Python writes it (``repr``/``%f``); ``nan`` where there is none.
-NumberText = Annotated[str, Field(pattern=r"^(-?[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?|nan)$")]
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 
-class _Entry(BaseModel):
+def _split(value: object) -> object:
+    """A list field from its wire form (``w1,w2``; empty: none)."""
+    if isinstance(value, bytes):
+        value = value.decode(errors="replace")
+    if isinstance(value, str):
+        return tuple(part for part in value.split(",") if part)
+    return value
+
+
+def _json_object(value: object) -> object:
+    """A mapping field from its wire form (JSON text)."""
+    if isinstance(value, (str, bytes)):
+        return json.loads(value or "{}")
+    return value
+
+
+#: Worker ids (``w0,w3``), or any list of names without commas.
+Names = Annotated[tuple[str, ...], BeforeValidator(_split)]
+
+
+def _wire(value: object) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else repr(value)
+    if isinstance(value, (tuple, list)):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, dict):
+        return json.dumps(value, allow_nan=False, separators=(",", ":"))
+    if hasattr(value, "value"):  # an enum
+        return str(value.value)
+    return str(value)
+
+
+class FlatEntry(BaseModel):
+    """Base of the flat stream entries: see the module docstring."""
+
     model_config = ConfigDict(extra="ignore", frozen=True)
 
+    def to_fields(self) -> dict[str, str]:
+        """The entry's fields for XADD (None fields and empty lists left out)."""
+        return {name: _wire(value) for name, value in self if value is not None and value != ()}
 
-class ControlEntry(_Entry):
+    @classmethod
+    def from_fields(cls, fields: dict) -> Self:
+        """Parse an XRANGE/XREAD entry's fields (bytes or str). Never raises."""
+        data = {(k.decode(errors="replace") if isinstance(k, bytes) else str(k)):
+                (v.decode(errors="replace") if isinstance(v, bytes) else v) for k, v in fields.items()}
+        for _ in range(len(data) + 1):
+            try:
+                return cls.model_validate(data)
+            except ValidationError as exc:
+                bad = {str(err["loc"][0]) for err in exc.errors() if err["loc"]}
+                if not bad & data.keys():
+                    break
+                data = {k: v for k, v in data.items() if k not in bad}
+        return cls()
+
+
+class ControlEntry(FlatEntry):
     """One coordinator decision that changed the job (``shoal:{J}:control``, ``shoal events``):
-    what it applied and why. Written in the same fenced transaction as the state it made."""
+    what it applied and why. Written in the same fenced transaction as the state it made. A
+    decision that planned a new generation also says, as typed fields, what changed: the
+    world size, who joined, who was removed and why (``causes``, one per ``removed`` id:
+    ``exited``, ``heartbeat_timeout``, ``step_timeout``, ``left``). Readers (``shoal report``,
+    the dashboard, tests) use these; ``reason`` is for people only."""
 
     #: Redis server time (ms) of the decision.
-    ts_ms: IntText
+    ts_ms: int = 0
     #: Fencing epoch of the coordinator replica that decided it.
-    epoch: IntText
+    epoch: int = 0
     #: What it applied: a worker event's ``kind`` (join, ready, leave, left, exited,
     #: start_failed, step_failed, completed, stop, checkpoint, eval), ``tick`` (a timer:
     #: heartbeat and step timeouts, settling joins), or ``dead_letter``.
-    kind: str
+    kind: str = ""
     #: The stream entry id of the event applied (``tick`` for a timer).
     source_id: str = ""
     #: The job's state after the decision (pending, running, paused, completed, failed, stopped).
     job_state: str = ""
     #: The job's generation after the decision.
-    generation: IntText = "0"
-    #: Why, for people (decisions never read it).
+    generation: int = 0
+    #: Why, for people (no reader decides or draws anything from it).
     reason: str = ""
+    #: Only on a decision that planned a generation (None otherwise): its world size (0 when
+    #: paused).
+    world_size: int | None = None
+    #: With ``world_size``: whether the planned generation is a paused one (fewer live workers
+    #: than ``min_workers``).
+    paused: bool | None = None
+    #: Workers that are members for the first time in this generation.
+    joined: Names = ()
+    #: Members of earlier generations that this one leaves out for good.
+    removed: Names = ()
+    #: Why each of ``removed`` was removed (same order): a ``RemovalCause`` value.
+    causes: Names = ()
+
+    @property
+    def planned(self) -> bool:
+        """Whether this decision planned a new generation (a membership change)."""
+        return self.world_size is not None
+
+    def removed_by(self, *, failure: bool) -> tuple[str, ...]:
+        """The removed workers that failed (``failure=True``) or left."""
+        from shoal.events.states import RemovalCause
+
+        return tuple(w for w, c in zip(self.removed, self.causes) if RemovalCause.parse(c).failure == failure)
+
+    @property
+    def failed(self) -> tuple[str, ...]:
+        return self.removed_by(failure=True)
+
+    @property
+    def left(self) -> tuple[str, ...]:
+        return self.removed_by(failure=False)
 
 
-class FailureEntry(_Entry):
+class FailureEntry(FlatEntry):
     """One worker failure as the coordinator decided it (``shoal:{J}:failures``), fenced with
     the decision that failed the worker."""
 
-    ts_ms: IntText
+    ts_ms: int = 0
     #: The worker id, or ``<node>/slot<n>`` for a process that failed before it joined.
-    worker: str
+    worker: str = ""
     #: The rank it held in its generation (-1: none).
-    rank: IntText = "-1"
+    rank: int = -1
     reason: str = ""
     #: What its node agent reported of its output (empty for a heartbeat timeout).
     traceback: str = ""
     #: Its exit code, when it exited.
-    exit_code: IntText | None = None
+    exit_code: int | None = None
     #: The signal that killed it, when one did.
-    signal: IntText | None = None
+    signal: int | None = None
 
 
-class StepProgress(_Entry):
-    """A committed step of rank 0 (``shoal:{J}:progress``, entries without ``kind``): at most
-    one per 0.5 s plus the first step of each generation. The entry id is Redis server time."""
+class ProgressEntry(FlatEntry):
+    """One entry of ``shoal:{J}:progress``, written by rank 0: a committed step (no ``kind``;
+    at most one per 0.5 s plus the first step of each generation) or an evaluation
+    (``kind`` = ``eval``). The entry id is Redis server time (what charts plot against)."""
 
-    step: IntText
-    #: The step's loss; ``nan`` when there was none.
-    loss: NumberText
-    generation: IntText
-    world_size: IntText
+    #: Absent: a committed step; ``eval``: an evaluation (readers skip kinds they do not know).
+    kind: str | None = None
+    step: int = 0
+    #: A step's loss; NaN when there was none.
+    loss: float | None = None
+    generation: int = 0
+    #: A step's world size.
+    world_size: int | None = None
     #: The worker's unix time, seconds.
-    t: NumberText
+    t: float = 0.0
     #: Seconds of rank 0's step spent waiting for its batches (part of ``compute``).
-    input_wait: NumberText | None = None
+    input_wait: Annotated[float | None, Field(ge=0, allow_inf_nan=False)] = None
     #: Seconds of its own work: data, forward, backward.
-    compute: NumberText | None = None
+    compute: Annotated[float | None, Field(ge=0, allow_inf_nan=False)] = None
     #: Seconds waiting on the gradient all-reduce after backward returned.
-    exposed_comm: NumberText | None = None
+    exposed_comm: Annotated[float | None, Field(ge=0, allow_inf_nan=False)] = None
     #: Streaming datasets only: bytes rank 0 had downloaded so far (whole shards and ranged
     #: reads), its cache hit rate (0..1), samples it had read remotely.
-    downloaded: IntText | None = None
-    hit_rate: NumberText | None = None
-    remote: IntText | None = None
+    downloaded: Annotated[int | None, Field(ge=0)] = None
+    hit_rate: Annotated[float | None, Field(ge=0, le=1, allow_inf_nan=False)] = None
+    remote: Annotated[int | None, Field(ge=0)] = None
+    #: An evaluation's epoch (complete epochs after its step).
+    epoch: int | None = None
+    #: An evaluation's metrics: name -> finite number (JSON on the wire).
+    metrics: Annotated[dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None,
+                       BeforeValidator(_json_object)] = None
+
+    @property
+    def is_step(self) -> bool:
+        return self.kind is None
+
+    @property
+    def is_eval(self) -> bool:
+        return self.kind == "eval"
 
 
-class EvalProgress(_Entry):
-    """An evaluation rank 0 reported (``shoal:{J}:progress``, ``kind`` = ``eval``)."""
-
-    kind: Literal["eval"]
-    step: IntText
-    epoch: IntText
-    generation: IntText
-    #: JSON object: metric name -> finite number.
-    metrics: str
-    t: NumberText
-
-
-class LogEntry(_Entry):
+class LogEntry(FlatEntry):
     """A worker's (or node agent's) log line (``shoal:{J}:logs``, ``shoal logs``)."""
 
     #: The worker id, or ``<node>/agent`` for a node agent's own lines.
-    worker: str
+    worker: str = "-"
     #: Python logging level name (INFO, WARNING, ERROR...).
-    level: str
-    msg: str
-    #: Unix time, seconds.
-    ts: NumberText
+    level: str = ""
+    msg: str = ""
+    #: Unix time, seconds (0: not known).
+    ts: Annotated[float, Field(allow_inf_nan=False)] = 0.0
 
 
-class DeadLetter(_Entry):
+class DeadLetter(FlatEntry):
     """An event the coordinator could not apply (``shoal:{J}:dead``): its original fields,
     each as ``orig_<field>`` (``orig_data`` for an event), plus why and where it came from."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
-    reason: str
+    reason: str = ""
     #: The stream entry id it had in ``events``.
-    source_id: str
+    source_id: str = ""
+
+
+def entry_fields(entry: FlatEntry) -> dict[str, Any]:
+    """An entry as plain JSON values (lists for list fields): what the HTTP API returns."""
+    return entry.model_dump(mode="json")

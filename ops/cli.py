@@ -368,7 +368,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from shoal.events.models import LogLine
+    from shoal.events.streams import LogEntry
     from shoal.ops.jobs import keys_of, require_job
     from shoal.ops.streams import follow, format_log, last_id, read_range
 
@@ -380,12 +380,12 @@ def cmd_logs(args: argparse.Namespace) -> int:
         keys = require_job(client, args.job, "logs")
         # what is there now (the stream is capped at ~10000 lines), then new lines with --follow
         last = last_id(client, keys.logs)
-        for _sid, line in read_range(client, keys.logs, LogLine, until=last, keep=keep, tail=args.tail):
+        for _sid, line in read_range(client, keys.logs, LogEntry, until=last, keep=keep, tail=args.tail):
             print(format_log(line))
         if not args.follow:
             return 0
         sys.stdout.flush()
-        for entries in follow(client, keys, keys.logs, LogLine, after=last, keep=keep, quiet_s=2.0):
+        for entries in follow(client, keys, keys.logs, LogEntry, after=last, keep=keep, quiet_s=2.0):
             for _sid, line in entries:
                 print(format_log(line), flush=True)
     return 0  # the job ended and its workers went quiet
@@ -461,6 +461,7 @@ def _yaml_scalar(text: str):
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from shoal.events.states import is_terminal
     from shoal.ops.status import format_status, job_status
 
     with redis_client(start_embedded=False) as client:
@@ -472,7 +473,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 if args.watch:
                     print("\033[2J\033[H", end="")
                 print(format_status(s))
-            if not args.watch or s["state"] in ("completed", "failed", "stopped"):
+            if not args.watch or is_terminal(s["state"]):
                 return 0
             time.sleep(args.interval)
 
@@ -501,7 +502,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    from shoal.events.models import Decision
+    from shoal.events.streams import ControlEntry
     from shoal.ops.jobs import keys_of, require_job
     from shoal.ops.streams import follow, format_decision, last_id, read_range
 
@@ -509,12 +510,12 @@ def cmd_events(args: argparse.Namespace) -> int:
     with redis_client(start_embedded=False) as client:
         keys = require_job(client, args.job, "control")
         last = last_id(client, keys.control)
-        for _sid, d in read_range(client, keys.control, Decision, until=last):
+        for _sid, d in read_range(client, keys.control, ControlEntry, until=last):
             print(format_decision(d))
         if not args.follow:
             return 0
         sys.stdout.flush()
-        for entries in follow(client, keys, keys.control, Decision, after=last):
+        for entries in follow(client, keys, keys.control, ControlEntry, after=last):
             for _sid, d in entries:
                 print(format_decision(d), flush=True)  # --follow ends once the job ended and all is shown
     return 0

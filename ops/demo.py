@@ -26,12 +26,14 @@ import redis
 from shoal.coordinator.decide import format_metrics
 from shoal.events.keys import job_keys
 from shoal.events.models import ShardTable
+from shoal.events.streams import ControlEntry
 from shoal.ops.embedded import start_server
 from shoal.core.registry import create_job
 from shoal.core.jobspec import JobSpec
 from shoal.ops.localproc import LocalProcs
 from shoal.ops.status import job_status
 from shoal.worker import ledger
+from shoal.events.states import PLANNED, WorkerState, is_terminal
 
 
 class Console:
@@ -90,18 +92,18 @@ class ControlFeed:
         self.t0 = t0
         self.generations = 0
 
-    def pump(self, block_ms: int) -> list[dict]:
+    def pump(self, block_ms: int) -> list[ControlEntry]:
         resp = self.client.xread({self.keys.control: self.last}, count=100, block=block_ms)
         out = []
         for _s, entries in resp or []:
             for sid, f in entries:
                 self.last = sid.decode()
-                d = {k.decode(): v.decode() for k, v in f.items()}
+                d = ControlEntry.from_fields(f)
                 out.append(d)
-                if d["kind"] == "ready":
+                if d.kind == "ready":
                     continue
-                self.console.line(f"[{time.monotonic() - self.t0:5.1f}s] gen {d['generation']:>2} {d['job_state']:<9} {d['reason']}")
-                if "generation" in d["reason"] and "world size" in d["reason"]:
+                self.console.line(f"[{time.monotonic() - self.t0:5.1f}s] gen {d.generation:>2} {d.job_state:<9} {d.reason}")
+                if d.planned and not d.paused:
                     self._print_table()
         return out
 
@@ -115,7 +117,7 @@ class ControlFeed:
 
 
 def _progress(s: dict, t0: float, total_steps: int) -> str:
-    active = [w for w in s["workers"] if w["state"] in ("Active", "Syncing")]
+    active = [w for w in s["workers"] if w["state"] in PLANNED]
     step = max((w["step"] or 0 for w in active), default=0)
     loss = next((w["loss"] for w in active if w["loss"] is not None), None)
     bar = "#" * int(30 * step / max(1, total_steps))
@@ -146,14 +148,14 @@ def run_demo(duration: float | None = None, epochs: int = 8, report: str | None 
             print("started a coordinator and a node agent with 3 workers (training shoal.examples.digits)")
             state = "pending"
             deadline = time.monotonic() + (duration or 600)
-            while state not in ("completed", "failed", "stopped") and time.monotonic() < deadline:
+            while not is_terminal(state) and time.monotonic() < deadline:
                 feed.pump(250)
                 s = job_status(client, job)
                 state = s["state"]
                 console.progress(_progress(s, t0, total_steps))
-                steps = [w["step"] or 0 for w in s["workers"] if w["state"] == "Active"]
+                steps = [w["step"] or 0 for w in s["workers"] if w["state"] == WorkerState.ACTIVE]
                 if killed is None and steps and max(steps) >= total_steps * 0.25 and s["world_size"] == 3:
-                    victim = next(w for w in s["workers"] if w["state"] == "Active" and w["rank"] == 1)
+                    victim = next(w for w in s["workers"] if w["state"] == WorkerState.ACTIVE and w["rank"] == 1)
                     console.line(f"--- kill -9 {victim['worker_id']} (pid {victim['pid']}) at step {max(steps)}")
                     killed = (time.time(), s["generation"])
                     procs_signal(victim["pid"], signal.SIGKILL)

@@ -17,9 +17,10 @@ import redis
 from shoal.core.errors import ConfigError
 from shoal.core.jobspec import JobSpec, parse_spec
 from shoal.events.keys import JobKeys, job_keys
+from shoal.events.states import TERMINAL_VALUES
 
 #: The states a job ends in; nothing changes a job once it is in one.
-TERMINAL = ("completed", "failed", "stopped")
+TERMINAL = TERMINAL_VALUES
 
 
 class NoSuchJob(ConfigError):

@@ -27,10 +27,11 @@ from shoal.ops.embedded import default_run_dir
 from shoal.ops.status import job_summary, parse_heartbeat, progress
 from shoal.core.errors import ConfigError, ShoalError
 from shoal.core.jobspec import JobSpec
+from shoal.events.states import TERMINAL_VALUES
 
 log = logging.getLogger("shoal.launch")
 
-TERMINAL = {"completed", "failed", "stopped"}
+TERMINAL = TERMINAL_VALUES
 #: Seconds between two progress reports in the RQ job's meta.
 META_INTERVAL = 3.0
 

@@ -16,9 +16,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import redis
 
 from shoal.coordinator.decide import last_eval
-from shoal.coordinator.states import JobState, JobStatus, WorkerState
+from shoal.events.records import JobStatus, WorkerRecord
+from shoal.events.states import JobState, RemovalCause, WorkerState
 from shoal.events.keys import JOBS, job_keys
-from shoal.events.models import ShardTable, WorkerDoc
+from shoal.events.models import ShardTable
 from shoal.ops.status import median_rate, parse_heartbeat
 
 log = logging.getLogger("shoal.metrics")
@@ -90,6 +91,7 @@ def redis_lines(client: redis.Redis) -> list[str]:
     gens = []
     evals: list[tuple[str, dict]] = []  # job, its newest evaluation
     per_job: list[tuple[str, int, int, int, list[str]]] = []  # job, world size, restarts, failures, active ids
+    removed: list[tuple[str, dict[str, int]]] = []  # job, its failed or left workers by removal cause
     for i, k in enumerate(keys):
         (state, gen, ev), records, shard, failures = replies[4 * i: 4 * i + 4]
         st = state.decode() if state else JobState.PENDING.value
@@ -98,16 +100,21 @@ def redis_lines(client: redis.Redis) -> list[str]:
             evals.append((k.job_id, last))
         jobs[st] = jobs.get(st, 0) + 1
         gens.append((k.job_id, int(gen or 0)))
-        restarts, active = 0, []
+        restarts, active, causes = 0, [], {}
         for raw in records:
             try:
-                doc = WorkerDoc.model_validate_json(raw)
+                doc = WorkerRecord.from_json(raw)
             except ValueError:  # pydantic's ValidationError is one: a malformed record is skipped
                 continue
-            workers[doc.state] = workers.get(doc.state, 0) + 1
+            workers[doc.state.value] = workers.get(doc.state.value, 0) + 1
             restarts += doc.restarts
-            if doc.state == WorkerState.ACTIVE.value:
+            if doc.state == WorkerState.ACTIVE:
                 active.append(doc.worker_id)
+            elif doc.state in (WorkerState.FAILED, WorkerState.LEFT):  # typed: the record's state and cause
+                cause = (RemovalCause.LEFT if doc.state == WorkerState.LEFT
+                         else RemovalCause.parse(doc.cause.value)).value
+                causes[cause] = causes.get(cause, 0) + 1
+        removed.append((k.job_id, causes))
         try:
             world = ShardTable.model_validate_json(shard).world_size if shard else 0
         except ValueError:
@@ -149,6 +156,9 @@ def redis_lines(client: redis.Redis) -> list[str]:
                     value = getattr(hb, field)
                     if value is not None:
                         series[name].append(f'{name}{{{label},worker="{_label(hb.worker_id)}"}} {value:.6g}')
+    for jid, causes in removed:
+        series["shoal_job_workers_removed"] += [f'shoal_job_workers_removed{{job="{_label(jid)}",cause="{c}"}} {n}'
+                                                for c, n in sorted(causes.items())]
     for name, (kind, text) in _TRAINING.items():
         out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", *series[name]]
     out += ["# HELP shoal_job_eval Newest evaluation of each job (its eval_fn's metrics), one series per metric.",
@@ -170,6 +180,9 @@ _TRAINING = {
     "shoal_job_world_size": ("gauge", "Members of each job's current generation."),
     "shoal_job_worker_restarts_total": ("counter", "Worker restarts by node agents, per job."),
     "shoal_job_failures_total": ("counter", "Worker failures recorded per job (the failures stream; capped)."),
+    "shoal_job_workers_removed": ("gauge", "Workers on a job's record that failed or left, by cause (exited, "
+                                           "heartbeat_timeout, step_timeout, left): their records' typed state and "
+                                           "cause."),
     "shoal_job_step_part_seconds": ("gauge", "Seconds of the last committed step of each job's median member, by "
                                              "part: compute (data, forward, backward), input_wait (waiting for its "
                                              "batches, within compute), exposed_comm (all-reduce not hidden by backward)."),

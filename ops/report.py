@@ -8,8 +8,10 @@ Every new generation is a vertical line with a short label saying why (``w1 fail
 The time from a failure decision to the next committed step of a generation at least as new
 is a shaded recovery gap.
 
-Sources, both read-only: the coordinator's ``control`` stream (``ts_ms``, ``generation``,
-``kind``, ``reason``, ``job_state`` of every decision) and the ``progress`` stream rank 0
+Sources, both read-only, each through its one model (:mod:`shoal.events.streams`): the
+coordinator's ``control`` stream (:class:`~shoal.events.streams.ControlEntry`: time,
+generation, job state, and for each new generation the typed membership change: world size,
+who joined, who was removed and why) and the ``progress`` stream rank 0
 writes (:mod:`shoal.worker.progress`), which also holds each evaluation (``kind`` = ``eval``;
 the events stream the coordinator consumes is trimmed once read, so it keeps no history).
 Times are Redis server time on both (``ts_ms``; a progress entry's id), so workers' clocks do
@@ -24,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,11 +35,10 @@ import redis
 from shoal.events.keys import job_keys
 from shoal.core.errors import ConfigError, ShoalError
 from shoal.ops.jobs import NoSuchJob
+from shoal.events.states import TERMINAL_VALUES
+from shoal.events.streams import ControlEntry, ProgressEntry
 
-TERMINAL = ("completed", "failed", "stopped")
-_FAILED = re.compile(r"\b(w\d+) failed\b")
-_LEFT = re.compile(r"\b(w\d+) (?:draining|left|exited cleanly)\b")
-_WORLD = re.compile(r"; generation (\d+): world size (\d+) \(([^)]*)\)")
+TERMINAL = TERMINAL_VALUES
 
 
 class NoProgress(ShoalError):
@@ -106,7 +106,7 @@ class Marked:
 class History:
     job_id: str
     points: list[Point] = field(default_factory=list)
-    control: list[dict] = field(default_factory=list)
+    control: list[ControlEntry] = field(default_factory=list)
     state: str = ""
     #: committed steps, from the job's record (the completion summary's step, else the highest
     #: step the coordinator saw), not from the sampled progress points
@@ -119,55 +119,23 @@ class History:
 
 
 def _xrange_from(client: redis.Redis, key: str, after: str = "0-0",
-                 chunk: int = 10_000) -> Iterator[tuple[str, dict[str, str]]]:
-    """The entries of stream ``key`` after id ``after`` (all: ``0-0``), decoded, read in
-    chunks of ``chunk`` as the caller goes."""
+                 chunk: int = 10_000) -> Iterator[tuple[str, dict]]:
+    """The entries of stream ``key`` after id ``after`` (all: ``0-0``), read in chunks of
+    ``chunk`` as the caller goes: ``(id, fields)``."""
     start = "(" + after if after != "0-0" else "-"
     while True:
         entries = client.xrange(key, min=start, count=chunk)
         for sid, f in entries:
-            yield sid.decode(), {k.decode(): v.decode(errors="replace") for k, v in f.items()}
+            yield sid.decode(), f
         if len(entries) < chunk:
             return
         start = "(" + entries[-1][0].decode()
 
 
-def _int(v: str | None, default: int = 0) -> int:
-    try:
-        return int(v)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return default
-
-
-def _float(v: str | None) -> float:
-    try:
-        return float(v)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def _seconds(v: str | None) -> float | None:
-    """A step-time part of a progress entry: None when absent or not a finite number >= 0."""
-    try:
-        x = float(v) if v is not None else None
-    except ValueError:
-        return None
-    return x if x is not None and math.isfinite(x) and x >= 0 else None
-
-
-def _count(v: str | None) -> int | None:
-    """A counter of a progress entry: None when absent or not an integer >= 0."""
-    try:
-        x = int(v) if v is not None else None
-    except ValueError:
-        return None
-    return x if x is not None and x >= 0 else None
-
-
-def _ratio(v: str | None) -> float | None:
-    """A rate of a progress entry: None when absent or not a number in 0..1."""
-    x = _seconds(v)
-    return x if x is not None and x <= 1 else None
+def _point(sid: str, e: ProgressEntry) -> Point:
+    return Point(t_ms=int(sid.split("-")[0]), step=e.step, loss=math.nan if e.loss is None else e.loss,
+                 generation=e.generation, world_size=e.world_size or 0, compute=e.compute, input_wait=e.input_wait, exposed_comm=e.exposed_comm,
+                 downloaded=e.downloaded, hit_rate=e.hit_rate, remote=e.remote)
 
 
 def read_progress(client: redis.Redis, key: str, *, after: str = "0-0",
@@ -184,17 +152,13 @@ def read_progress(client: redis.Redis, key: str, *, after: str = "0-0",
         if limit is not None and read >= limit:
             return points, evals, last, True
         last, read = sid, read + 1
-        if f.get("kind") == "eval":
-            ev = _eval_point(sid, f)
-            if ev is not None:
-                evals.append(ev)
-        elif "kind" not in f:  # a committed step
-            points.append(Point(t_ms=int(sid.split("-")[0]), step=_int(f.get("step")), loss=_float(f.get("loss")),
-                                generation=_int(f.get("generation")), world_size=_int(f.get("world_size")),
-                                compute=_seconds(f.get("compute")), input_wait=_seconds(f.get("input_wait")),
-                                exposed_comm=_seconds(f.get("exposed_comm")),
-                                downloaded=_count(f.get("downloaded")), hit_rate=_ratio(f.get("hit_rate")),
-                                remote=_count(f.get("remote"))))
+        entry = ProgressEntry.from_fields(f)
+        if entry.is_eval:
+            if entry.metrics is not None:  # one that does not parse is skipped
+                evals.append(EvalPoint(t_ms=int(sid.split("-")[0]), step=entry.step, epoch=entry.epoch or 0,
+                                       generation=entry.generation, metrics=dict(entry.metrics)))
+        elif entry.is_step:
+            points.append(_point(sid, entry))
     return points, evals, last, False
 
 
@@ -218,11 +182,10 @@ def load_history(client: redis.Redis, job_id: str) -> History:
                          f"rank 0 records committed steps once training runs)")
     h = History(job_id=job_id, state=state.decode() if state else "")
     h.points, h.evals, _last, _more = read_progress(client, keys.progress)
-    for _sid, f in _xrange_from(client, keys.control):
-        h.control.append(f)
+    h.control = [ControlEntry.from_fields(f) for _sid, f in _xrange_from(client, keys.control)]
     if not h.state and h.control:
-        h.state = h.control[-1].get("job_state", "")
-    end = next((int(f.get("ts_ms") or 0) for f in h.control if f.get("job_state") in TERMINAL), 0)
+        h.state = h.control[-1].job_state
+    end = next((d.ts_ms for d in h.control if d.job_state in TERMINAL), 0)
     if end:  # a point recorded after the job ended (a late sample) is not part of its history
         h.points = [p for p in h.points if p.t_ms <= end] or h.points[:1]
         h.evals = [e for e in h.evals if e.t_ms <= end]
@@ -233,23 +196,9 @@ def load_history(client: redis.Redis, job_id: str) -> History:
         done = json.loads(summary).get("step") if summary else None
     except (ValueError, AttributeError):
         done = None
-    h.committed = done if isinstance(done, int) else max([_int(high_step.decode() if high_step else None)]
+    h.committed = done if isinstance(done, int) else max([int(high_step or 0)]
                                                          + [p.step for p in h.points])
     return h
-
-
-def _eval_point(sid: str, f: dict[str, str]) -> EvalPoint | None:
-    """An evaluation entry of the progress stream; None when it does not parse (skipped)."""
-    try:
-        raw = json.loads(f.get("metrics") or "{}")
-    except ValueError:
-        return None
-    if not isinstance(raw, dict):
-        return None
-    metrics = {str(k): float(v) for k, v in raw.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-    return EvalPoint(t_ms=int(sid.split("-")[0]), step=_int(f.get("step")), epoch=_int(f.get("epoch")),
-                     generation=_int(f.get("generation")), metrics=metrics)
 
 
 # ---- what to mark ------------------------------------------------------------------------------
@@ -259,37 +208,18 @@ def _names(ids: tuple[str, ...] | list[str]) -> str:
     return ",".join(ids)
 
 
-def membership_events(control: list[dict]) -> list[Marked]:
-    """The decisions that made a new generation (in order), then the job's end if any.
-
-    Who joined or went is the difference between consecutive generations' member lists (from
-    the reason, ``...; generation N: world size K (w0, w1)``); who failed is named by the
-    reason (``w1 failed: ...``). Whatever was removed without failing left (drained)."""
+def membership_events(control: list[ControlEntry]) -> list[Marked]:
+    """The decisions that planned a new generation (in order), then the job's end if any,
+    from the control entries' typed membership fields (who joined, who was removed and why,
+    the world size); the reasons are only carried along for people."""
     marks: list[Marked] = []
     generation = 0
-    members: list[str] = []
     was_paused = False
     ended = False
     for d in control:
-        gen = _int(d.get("generation"), -1)
-        reason = d.get("reason", "")
-        ts = _int(d.get("ts_ms"))
-        job_state = d.get("job_state", "")
-        if gen > generation:
-            m = _WORLD.search(reason)
-            paused = m is None and "paused" in reason
-            now = [w.strip() for w in m.group(3).split(",") if w.strip()] if m else []
-            world = int(m.group(2)) if m else (0 if paused else None)
-            failed = tuple(dict.fromkeys(_FAILED.findall(reason)))
-            if paused:  # the paused table has no members: only the named workers went
-                left = tuple(w for w in dict.fromkeys(_LEFT.findall(reason)) if w not in failed)
-                removed = failed + left
-                now = [w for w in members if w not in removed]
-            else:
-                removed = tuple(w for w in members if w not in now) if m else ()
-                left = tuple(w for w in removed if w not in failed)
-            joined = tuple(w for w in now if w not in members) if m else ()
-            parts = ["resumed"] if was_paused and m else []
+        if d.planned and d.generation > generation:
+            failed, left, joined = d.failed, d.left, d.joined
+            parts = ["resumed"] if was_paused and not d.paused else []
             if failed:
                 parts.append(f"{_names(failed)} failed")
             if left:
@@ -300,26 +230,26 @@ def membership_events(control: list[dict]) -> list[Marked]:
                 kind = "failure"
             elif left:
                 kind = "leave"
-            elif generation == 0 and not paused:
+            elif generation == 0 and not d.paused:
                 kind, parts = "start", ["start"]
             elif joined:
                 kind = "join"
-            elif paused:
+            elif d.paused:
                 kind = "pause"
             else:
                 kind, parts = "join", parts or ["replanned"]
-            if paused:
+            if d.paused:
                 parts.append("paused")
-            label = f"g{gen} " + "; ".join(parts) + (f" →{world}" if world else "")
-            marks.append(Marked(ts_ms=ts, generation=gen, kind=kind, label=label, reason=reason, joined=joined,
-                                removed=removed, failed=failed, world_size=world))
-            generation = gen
-            if m or paused:
-                members, was_paused = now, paused
-        if job_state in TERMINAL and not ended:
+            world = d.world_size or None
+            label = f"g{d.generation} " + "; ".join(parts) + (f" →{world}" if world else "")
+            marks.append(Marked(ts_ms=d.ts_ms, generation=d.generation, kind=kind, label=label, reason=d.reason,
+                                joined=d.joined, removed=d.removed, failed=failed,
+                                world_size=d.world_size if not d.paused else 0))
+            generation, was_paused = d.generation, d.paused
+        if d.job_state in TERMINAL and not ended:
             ended = True
-            marks.append(Marked(ts_ms=ts, generation=max(gen, generation), kind="end",
-                                label="job failed" if job_state == "failed" else job_state, reason=reason))
+            marks.append(Marked(ts_ms=d.ts_ms, generation=max(d.generation, generation), kind="end",
+                                label="job failed" if d.job_state == "failed" else d.job_state, reason=d.reason))
     return marks
 
 

@@ -34,7 +34,7 @@ from typing import Any, get_args
 from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import GenerateJsonSchema
 
-from shoal.coordinator.states import JobStatus
+from shoal.events.records import JobStatus, WorkerRecord
 from shoal.core.jobspec import JobSpec
 from shoal.events import models as m
 from shoal.events import streams as st
@@ -51,8 +51,9 @@ DEFAULT_DIR = Path("docs/schema")
 WRITE_COMMAND = "python3 scripts/dev.py python -m shoal.ops.schema --write"
 
 #: Kinds of entries: the JSON of a STRING key, of a stream entry's ``data`` field, of a
-#: store object; or a HASH key's HGETALL.
-JSON, HASH = "json", "hash"
+#: store object; a HASH key's HGETALL; or a flat stream entry's fields (XRANGE: every value a
+#: string, like a hash's; lists comma-separated, booleans ``1``/``0``, a mapping as JSON).
+JSON, HASH, FIELDS = "json", "hash", "fields"
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,14 @@ def _job_state(schema: dict) -> None:
         "running <-> paused; completed, failed and stopped are terminal.\n\n" + inspect.getdoc(JobStatus))
 
 
+def _progress_kinds(schema: dict) -> None:
+    """What rank 0 writes of each kind, and what a reader skips without: an evaluation needs
+    its ``metrics``, a committed step its ``step``, ``loss``, ``generation``, ``world_size``, ``t``."""
+    schema["if"] = {"properties": {"kind": {"const": "eval"}}, "required": ["kind"]}
+    schema["then"] = {"required": ["kind", "step", "epoch", "generation", "metrics", "t"]}
+    schema["else"] = {"required": ["step", "loss", "generation", "world_size", "t"]}
+
+
 _EVENTS = [m.JoinRequest, m.Ready, m.LeaveRequest, m.Left, m.WorkerExited, m.WorkerStartFailed, m.StepFailed,
            m.JobCompleted, m.Checkpointed, m.EvalReported, m.StopJob]
 
@@ -99,17 +108,18 @@ CATALOG: tuple[Published, ...] = (
     Published("JoinReply", m.JoinReply, "`shoal:{J}:join:<event id>` LIST (one element)"),
     Published("ShardTable", m.ShardTable, "`shoal:{J}:shard` STRING; `shoal:{J}:generations` stream entries: field `data`"),
     Published("Heartbeat", m.Heartbeat, "`shoal:{J}:hb:<worker id>` STRING"),
-    Published("WorkerDoc", m.WorkerDoc, "`shoal:{J}:workers` HASH: each value"),
+    Published("WorkerRecord", WorkerRecord, "`shoal:{J}:workers` HASH: each value"),
     Published("JobState", JobStatus, "`shoal:{J}:state` HASH (HGETALL); absent: a pending job", HASH, _job_state),
     Published("LaunchSettings", m.LaunchSettings, "`shoal:{J}:launch` HASH (HGETALL)", HASH),
     Published("LatestPointer", m.LatestPointer, "`shoal:{J}:latest` STRING; the store's `LATEST` object",
               patch=_latest_checkpoint),
-    Published("ControlEntry", st.ControlEntry, "`shoal:{J}:control` stream entries (fields)"),
-    Published("FailureEntry", st.FailureEntry, "`shoal:{J}:failures` stream entries (fields)"),
-    Published("ProgressEntry", st.StepProgress | st.EvalProgress,
-              "`shoal:{J}:progress` stream entries (fields): a committed step, or (`kind` = `eval`) an evaluation"),
-    Published("LogEntry", st.LogEntry, "`shoal:{J}:logs` stream entries (fields)"),
-    Published("DeadLetter", st.DeadLetter, "`shoal:{J}:dead` stream entries (fields)"),
+    Published("ControlEntry", st.ControlEntry, "`shoal:{J}:control` stream entries (fields)", FIELDS),
+    Published("FailureEntry", st.FailureEntry, "`shoal:{J}:failures` stream entries (fields)", FIELDS),
+    Published("ProgressEntry", st.ProgressEntry,
+              "`shoal:{J}:progress` stream entries (fields): a committed step, or (`kind` = `eval`) an evaluation",
+              FIELDS, _progress_kinds),
+    Published("LogEntry", st.LogEntry, "`shoal:{J}:logs` stream entries (fields)", FIELDS),
+    Published("DeadLetter", st.DeadLetter, "`shoal:{J}:dead` stream entries (fields)", FIELDS),
     Published("JobSpec", JobSpec, "`shoal:{J}:spec` STRING (what `shoal submit` writes; readers ignore unknown fields)"),
     Published("CheckpointManifest", Manifest, "a checkpoint's `manifest.json` in the store (`step-<9 digits>/`)"),
     Published("DatasetIndex", DatasetIndex, "a dataset's `index.json` in the store (`data_uri`)"),
@@ -174,24 +184,50 @@ class _Generator(GenerateJsonSchema):
 
 _AS_STRING = {
     "integer": {"type": "string", "pattern": r"^-?[0-9]+$"},
-    "number": {"type": "string", "pattern": r"^-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?$"},
+    "number": {"type": "string", "pattern": r"^(-?[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?|nan)$"},
+    "boolean": {"type": "string", "enum": ["0", "1"]},
+    "array": {"type": "string", "pattern": r"^([^,]+(,[^,]+)*)?$"},
+    "object": {"type": "string", "contentMediaType": "application/json"},
 }
+#: What a list, a boolean and a mapping look like in their string form.
+_WIRE_NOTE = {"array": "comma-separated", "object": "JSON text", "boolean": "1 or 0"}
+
+
+def _wire_default(value: object) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return str(value)
 
 
 def _hash_form(schema: dict) -> dict:
-    """``schema`` as an HGETALL reply: integer and number properties become decimal strings,
-    enum references are inlined, no property is required."""
+    """``schema`` as an HGETALL reply (or a flat stream entry's fields): integer, number,
+    boolean, list and mapping properties become their string forms, an optional property (a
+    value or null) is the value's form (null: the field is absent), enum references are
+    inlined, no property is required."""
     defs = schema.pop("$defs", {})
     for name, prop in schema.get("properties", {}).items():
+        if "anyOf" in prop:  # X | None: absent when None
+            kept = [alt for alt in prop.pop("anyOf") if alt.get("type") != "null"]
+            if len(kept) == 1:
+                prop.update({k: v for k, v in kept[0].items() if k not in prop})
+            if prop.get("default", 0) is None:
+                prop.pop("default")
         if "$ref" in prop:
             inlined = copy.deepcopy(defs[prop.pop("$ref").split("/")[-1]])
             inlined.pop("title", None)
             prop.update({k: v for k, v in inlined.items() if k not in prop})
         kind = prop.get("type")
         if kind in _AS_STRING:
+            for key in ("items", "additionalProperties", "minimum", "maximum", "exclusiveMinimum", "maxItems",
+                        "propertyNames"):
+                prop.pop(key, None)
             prop.update(_AS_STRING[kind])
+            if kind in _WIRE_NOTE and "description" in prop:
+                prop["description"] += f" ({_WIRE_NOTE[kind]})"
             if "default" in prop:
-                prop["default"] = str(prop["default"])
+                prop["default"] = _wire_default(prop["default"])
     schema.pop("required", None)
     schema["additionalProperties"] = {"type": "string"}
     return schema
@@ -213,11 +249,8 @@ def schema_of(entry: Published) -> dict:
         schema = TypeAdapter(entry.source).json_schema(schema_generator=_Generator)
     if entry.patch is not None:
         entry.patch(schema)
-    if entry.kind == HASH:
+    if entry.kind in (HASH, FIELDS):
         schema = _hash_form(schema)
-    if entry.name == "ProgressEntry":
-        schema["description"] = ("An entry of a job's `progress` stream (every value a string): a committed step "
-                                 "of rank 0 (no `kind`) or an evaluation (`kind` = `eval`). " + (st.__doc__ or "").split("\n\n")[0])
     if entry.source is m.WorkerEvent:
         schema["description"] = ("Any worker event: the JSON in the `data` field of an entry of a job's `events` "
                                  "stream, told apart by `kind`. " + (inspect.getdoc(m) or "").split("\n\n", 1)[1])
@@ -243,7 +276,8 @@ def _index(catalog: tuple[Published, ...]) -> str:
         f"Regenerate with `{WRITE_COMMAND}` (the test suite fails while a file is stale).\n"
         "Key names, writers, readers and TTLs: [../keys.md](../keys.md). JSON Schema 2020-12; each\n"
         "file's `$id` is `urn:shoal:schema:<name>` and `x-shoal-location` says where the value lives.\n"
-        "HASH keys are published as HGETALL returns them (every value a string).\n\n"
+        "HASH keys are published as HGETALL returns them, and flat stream entries as XRANGE does: every value\n"
+        "a string (integers in decimal, lists comma-separated, booleans 1/0, a mapping as JSON).\n\n"
         "| schema | where the value lives |\n| --- | --- |\n" + rows + "\n"
     )
 

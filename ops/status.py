@@ -11,12 +11,13 @@ import redis
 from pydantic import ValidationError
 
 from shoal.coordinator.decide import format_metrics, last_eval
-from shoal.coordinator.states import JobStatus
+from shoal.events.records import JobStatus, WorkerRecord
 from shoal.events.keys import job_keys
-from shoal.events.models import Heartbeat, ShardTable, WorkerDoc
+from shoal.events.models import Heartbeat, ShardTable
 from shoal.core.errors import ShoalError
 from shoal.core.yamlfile import escape_controls
 from shoal.ops.jobs import NoSuchJob
+from shoal.events.states import LIVE, TERMINAL_JOB_STATES, WorkerState
 
 
 def parse_heartbeat(raw: bytes | None) -> Heartbeat | None:
@@ -58,22 +59,22 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
     status = JobStatus.from_hash(state_raw)
     last_seen = {w.decode(): int(s) for w, s in seen}
     table = ShardTable.model_validate_json(shard_raw) if shard_raw else None
-    records = {wid.decode(): WorkerDoc.model_validate_json(raw) for wid, raw in workers_raw.items()}
+    records = {wid.decode(): WorkerRecord.from_json(raw) for wid, raw in workers_raw.items()}
     hb_keys = [keys.heartbeat(w) for w in records]
     hbs = client.mget(hb_keys) if hb_keys else []
     workers = []
-    ended = status.state.value in ("completed", "failed", "stopped")
+    ended = status.state in TERMINAL_JOB_STATES
     beats = []
     for (wid, rec), hb_raw in sorted(zip(records.items(), hbs), key=lambda x: (len(x[0][0]), x[0][0])):
         hb = parse_heartbeat(hb_raw)
-        if hb is not None and rec.state == "Active":
+        if hb is not None and rec.state == WorkerState.ACTIVE:
             beats.append(hb)
         member = table.member(wid) if table else None
-        live = rec.state in ("Syncing", "Active", "Draining")
+        live = rec.state in LIVE
         workers.append({
             "worker_id": wid,
             # a member when the job ended is not still Active: its process is gone or going
-            "state": "Ended" if ended and live else rec.state,
+            "state": "Ended" if ended and live else rec.state.value,
             "rank": member.rank if member else None,
             "step": hb.step if hb else None,
             "loss": hb.loss if hb else None,
@@ -177,7 +178,7 @@ def jobs_overview(client: redis.Redis) -> list[dict]:
         out.append({"job_id": jid, "state": s["state"], "generation": s["generation"], "world_size": s["world_size"],
                     "step": p["step"], "total_steps": p["total_steps"], "percent": p["percent"],
                     "steps_per_s": p["steps_per_s"], "reason": s["reason"],
-                    "active": sum(1 for w in s["workers"] if w["state"] == "Active")})
+                    "active": sum(1 for w in s["workers"] if w["state"] == WorkerState.ACTIVE)})
     return out
 
 

@@ -1,7 +1,7 @@
 """Reading a job's informational streams - the workers' log lines (``logs``) and the
 coordinator's decisions (``control``) - for ``shoal logs``, ``shoal events`` and the HTTP
 API's lists and Server-Sent Event streams. Every entry is read through its wire model
-(:class:`~shoal.events.models.LogLine`, :class:`~shoal.events.models.Decision`). Read-only.
+(:class:`~shoal.events.streams.LogEntry`, :class:`~shoal.events.streams.ControlEntry`). Read-only.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import TypeVar
 import redis
 
 from shoal.events.keys import JobKeys
-from shoal.events.models import Decision, LogLine
+from shoal.events.streams import ControlEntry, LogEntry
 from shoal.ops.jobs import TERMINAL
 
-M = TypeVar("M", LogLine, Decision)
+M = TypeVar("M", LogEntry, ControlEntry)
 
 #: Entries read per XRANGE page.
 PAGE = 1000
@@ -110,19 +110,19 @@ def _clock(seconds: float) -> str:
         return "--:--:--"
 
 
-def format_log(line: LogLine) -> str:
+def format_log(line: LogEntry) -> str:
     """``12:00:01 w3       INFO    message`` (``shoal logs``)."""
     return f"{_clock(line.ts) if line.ts else '--:--:--'} {line.worker:<8} {line.level:<7} {line.msg}"
 
 
-def format_decision(d: Decision) -> str:
+def format_decision(d: ControlEntry) -> str:
     """``12:00:01 gen   2 running   [exited] w1 failed: ...`` (``shoal events``)."""
     return f"{_clock(d.ts_ms / 1000)} gen {d.generation:>3} {d.job_state:<9} [{d.kind}] {d.reason}"
 
 
-def log_json(sid: str, line: LogLine) -> dict:
-    return {"id": sid, **line.model_dump()}
+def log_json(sid: str, line: LogEntry) -> dict:
+    return {"id": sid, **line.model_dump(mode="json")}
 
 
-def decision_json(sid: str, d: Decision) -> dict:
-    return {"id": sid, **d.model_dump()}
+def decision_json(sid: str, d: ControlEntry) -> dict:
+    return {"id": sid, **d.model_dump(mode="json")}

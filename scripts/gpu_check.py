@@ -170,7 +170,7 @@ def _with_redis(fn):
 
 
 def _wait_state(client, job: str, timeout: float) -> tuple[str, str]:
-    from shoal.coordinator.states import JobStatus
+    from shoal.events.records import JobStatus
     from shoal.events.keys import job_keys
 
     deadline = time.monotonic() + timeout

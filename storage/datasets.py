@@ -37,6 +37,7 @@ from shoal.storage.errors import ShardCorrupt, translated
 from shoal.storage.local import LocalStore
 from shoal.storage.manifest import HexDigest
 from shoal.storage.streaming_format import shard_overhead
+from shoal.events.validation import first_error
 
 INDEX = "index.json"
 _CHUNK = 8 * 1024 * 1024
@@ -99,9 +100,7 @@ def parse_index(raw: bytes, where: str) -> DatasetIndex:
     try:
         return DatasetIndex.model_validate_json(raw)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(x) for x in err.get("loc", ()))
-        raise ShardCorrupt(f"{where}: invalid dataset index: {loc + ': ' if loc else ''}{err['msg']}") from exc
+        raise ShardCorrupt(f"{where}: invalid dataset index: {first_error(exc, root='').lstrip(': ')}") from exc
 
 
 def shard_key(index_key: str, name: str) -> str:

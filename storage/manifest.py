@@ -33,6 +33,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, ValidationError
 
 from shoal.storage.errors import CheckpointCorrupt, UnsafeCheckpoint
+from shoal.events.validation import first_error
 
 HMAC_ENV = "SHOAL_CHECKPOINT_HMAC_KEY"
 
@@ -80,9 +81,7 @@ class Manifest(BaseModel):
         try:
             return cls.model_validate_json(data)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            loc = ".".join(str(p) for p in first.get("loc", ())) or "(root)"
-            raise CheckpointCorrupt(f"{where}: invalid manifest at {loc}: {first['msg']}") from exc
+            raise CheckpointCorrupt(f"{where}: invalid manifest at {first_error(exc)}") from exc
 
     def canonical_bytes(self) -> bytes:
         """The bytes the HMAC covers: every field but ``hmac``, sorted keys, no spaces."""

@@ -15,7 +15,8 @@ from typing import TypeVar
 import redis
 
 from shoal.events.keys import job_keys
-from shoal.events.models import ShardTable, WorkerDoc
+from shoal.events.models import ShardTable
+from shoal.events.records import WorkerRecord
 
 #: the repository root
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,8 +100,8 @@ class ControlWatcher:
         return ShardTable.model_validate_json(self.client.get(self.keys.shard))
 
     def workers(self) -> dict[str, dict]:
-        """The job's worker records, each read through its model (``WorkerDoc``), as dicts."""
-        return {k.decode(): WorkerDoc.model_validate_json(v).model_dump()
+        """The job's worker records, each read through its model (``WorkerRecord``), as dicts."""
+        return {k.decode(): WorkerRecord.from_json(v).to_json_dict()
                 for k, v in self.client.hgetall(self.keys.workers).items()}
 
 

@@ -33,6 +33,7 @@ import redis
 from shoal.events import bus
 from shoal.events.keys import LOGS_MAXLEN, job_keys
 from shoal.events.models import WorkerExited, WorkerStartFailed
+from shoal.events.streams import LogEntry
 from shoal.core.connection import server_run_id
 from shoal.core.errors import ConfigError
 from shoal.core.registry import create_job
@@ -40,10 +41,10 @@ from shoal.core.jobspec import JobSpec
 from shoal.storage.code_package import CodePackage, CodePackageError, unpack
 from shoal.worker import placement
 from shoal.worker.membership import JoinRejected
+from shoal.events.states import is_terminal
 
 log = logging.getLogger("shoal.agent")
 
-TERMINAL = {b"completed", b"failed", b"stopped"}
 #: How often the agent checks that its job still exists in Redis.
 JOB_CHECK_S = 1.0
 #: While Redis is unreachable (past the client's own ride-out), the agent tries again after
@@ -228,9 +229,7 @@ class NodeAgent:
                 self._outbox.append(WorkerStartFailed(job_id=self.job_id, node=self.node, slot=slot.index,
                                                       traceback=str(exc), will_restart=False, gave_up=True))
             self._flush()
-            self.client.xadd(self.keys.logs, {"worker": f"{self.node}/agent", "level": "ERROR",
-                                              "msg": f"no worker can start on node {self.node}: {exc}",
-                                              "ts": f"{time.time():.3f}"}, maxlen=LOGS_MAXLEN, approximate=True)
+            self._log(f"{self.node}/agent", f"no worker can start on node {self.node}: {exc}")
 
     # ---- placement ---------------------------------------------------------------------------
 
@@ -249,9 +248,7 @@ class NodeAgent:
         log.error("no worker can start on node %s: %s", self.node, self.refused)
         try:
             self._flush()
-            self.client.xadd(self.keys.logs, {"worker": f"{self.node}/agent", "level": "ERROR",
-                                              "msg": f"no worker can start on node {self.node}: {self.refused}",
-                                              "ts": f"{time.time():.3f}"}, maxlen=LOGS_MAXLEN, approximate=True)
+            self._log(f"{self.node}/agent", f"no worker can start on node {self.node}: {self.refused}")
         except _REDIS_DOWN:
             log.warning("Redis is unreachable: the job does not know yet that node %s starts no worker", self.node)
         raise placement.PlacementRefused(self.refused)
@@ -281,7 +278,7 @@ class NodeAgent:
                  self.max_restarts)
 
     def _job_over(self) -> bool:
-        return self.client.hget(self.keys.state, "state") in TERMINAL
+        return is_terminal(self.client.hget(self.keys.state, "state"))
 
     def _send(self, ev: WorkerExited | WorkerStartFailed) -> None:
         """Publish ``ev`` after any undelivered ones; kept for later when Redis is down."""
@@ -292,8 +289,12 @@ class NodeAgent:
         """Put a crashed worker's last output into the job's log stream (``shoal logs``): a
         traceback printed by a dying process never went through its Redis log handler."""
         msg = f"worker process {pid} on node {self.node} died with {how}" + (f":\n{tail.rstrip()}" if tail.strip() else "")
-        self.client.xadd(self.keys.logs, {"worker": who, "level": "ERROR", "msg": msg, "ts": f"{time.time():.3f}"},
-                         maxlen=LOGS_MAXLEN, approximate=True)
+        self._log(who, msg)
+
+    def _log(self, who: str, msg: str, level: str = "ERROR") -> None:
+        """One line of the job's log stream (``shoal logs``) from this agent. Raises redis errors."""
+        entry = LogEntry(worker=who, level=level, msg=msg, ts=round(time.time(), 3))
+        self.client.xadd(self.keys.logs, entry.to_fields(), maxlen=LOGS_MAXLEN, approximate=True)
 
     def _flush(self) -> None:
         """Deliver queued events in order. Raises the Redis error when Redis is still down

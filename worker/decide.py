@@ -24,9 +24,10 @@ from enum import Enum
 
 from shoal.events.models import FormationError, Member, ShardTable
 from shoal.worker.data import contiguous_table
+from shoal.events.states import TERMINAL_VALUES
 
 #: Job states after which a worker has nothing left to do.
-TERMINAL = frozenset({"completed", "failed", "stopped"})
+TERMINAL = TERMINAL_VALUES
 #: A heartbeat carries the parameter digest every this many steps (sha256 of every parameter:
 #: cheap for small models, not free for large ones).
 DIGEST_EVERY = 50

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 import redis
 
 from shoal.events.keys import LOGS_MAXLEN, job_keys
+from shoal.events.streams import LogEntry
 
 #: Longest message kept; the rest of a line is cut.
 MAX_MSG = 4000
@@ -58,8 +59,7 @@ class RedisLogHandler(logging.Handler):
             msg = self.format(record)
             if len(msg) > MAX_MSG:
                 msg = msg[:MAX_MSG] + " [...]"
-            fields = {"worker": self.worker_name(), "level": record.levelname, "msg": msg, "ts": f"{record.created:.3f}"}
-            self._q.put_nowait(fields)
+            self._q.put_nowait((self.worker_name(), record.levelname, msg, record.created))
         except queue.Full:
             self.dropped += 1
         except Exception:  # formatting errors must not reach the training loop
@@ -68,8 +68,9 @@ class RedisLogHandler(logging.Handler):
     def _send(self, items: list[dict]) -> None:
         try:
             pipe = self.client.pipeline(transaction=False)
-            for fields in items:
-                pipe.xadd(self.stream, fields, maxlen=self.maxlen, approximate=True)
+            for worker, level, msg, created in items:
+                entry = LogEntry(worker=worker, level=level, msg=msg, ts=round(created, 3))
+                pipe.xadd(self.stream, entry.to_fields(), maxlen=self.maxlen, approximate=True)
             pipe.execute()
             self.sent += len(items)
         except Exception:  # Redis down, closed client...: drop, never raise

@@ -26,9 +26,9 @@ from shoal.events.models import (
     Ready,
     ShardTable,
     StepFailed,
-    WorkerDoc,
 )
 from shoal.core.errors import ShoalError
+from shoal.events.records import WorkerRecord
 from shoal.worker.placement import Placement
 
 
@@ -106,12 +106,12 @@ class Membership:
         process of a job registered again."""
         return self.record() is not None
 
-    def record(self) -> WorkerDoc | None:
+    def record(self) -> WorkerRecord | None:
         """The coordinator's record of this worker id as this process (None: Redis lost it,
         or the id now names another process)."""
         raw = self.client.hget(self.keys.workers, self.worker_id or "")
         try:
-            doc = WorkerDoc.model_validate_json(raw) if raw is not None else None
+            doc = WorkerRecord.from_json(raw) if raw is not None else None
         except ValueError:  # not a worker record (pydantic's ValidationError is a ValueError)
             return None
         return doc if doc is not None and doc.pid == os.getpid() else None

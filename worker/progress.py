@@ -16,7 +16,6 @@ name -> finite float), ``t``. Entries without ``kind`` are committed steps.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -24,8 +23,13 @@ import time
 import redis
 
 from shoal.events.keys import PROGRESS_MAXLEN, JobKeys
+from shoal.events.streams import ProgressEntry
 
 log = logging.getLogger("shoal.worker.progress")
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(float(seconds), 6)
 
 
 class ProgressRecorder:
@@ -57,17 +61,13 @@ class ProgressRecorder:
                 return False
             if now < self._quiet_until:
                 return False
-            loss_s = "nan" if loss is None or not math.isfinite(float(loss)) else repr(float(loss))
-            fields = {"step": str(int(step)), "loss": loss_s, "generation": str(int(generation)),
-                      "world_size": str(int(world_size)), "t": f"{now:.3f}"}
-            for name, value in (("input_wait", input_wait), ("compute", compute), ("exposed_comm", exposed_comm)):
-                if value is not None:
-                    fields[name] = f"{float(value):.6f}"
-            for name, key in (("downloaded", "bytes_downloaded"), ("hit_rate", "cache_hit_rate"),
-                              ("remote", "remote_reads")):
-                if stream and stream.get(key) is not None:
-                    fields[name] = str(stream[key])
-            self.client.xadd(self.keys.progress, fields, maxlen=PROGRESS_MAXLEN, approximate=True)
+            figures = stream or {}
+            entry = ProgressEntry(step=int(step), loss=math.nan if loss is None else float(loss),
+                                  generation=int(generation), world_size=int(world_size), t=round(now, 3),
+                                  input_wait=_rounded(input_wait), compute=_rounded(compute),
+                                  exposed_comm=_rounded(exposed_comm), downloaded=figures.get("bytes_downloaded"),
+                                  hit_rate=figures.get("cache_hit_rate"), remote=figures.get("remote_reads"))
+            self.client.xadd(self.keys.progress, entry.to_fields(), maxlen=PROGRESS_MAXLEN, approximate=True)
         except redis.RedisError as exc:
             self.dropped += 1
             self._quiet_until = (time.time() if t is None else float(t)) + self.error_backoff
@@ -89,10 +89,9 @@ class ProgressRecorder:
         (but not held back by the pause after one: evaluations are rare)."""
         try:
             now = time.time() if t is None else float(t)
-            fields = {"kind": "eval", "step": str(int(step)), "epoch": str(int(epoch)),
-                      "generation": str(int(generation)), "metrics": json.dumps(metrics, allow_nan=False),
-                      "t": f"{now:.3f}"}
-            self.client.xadd(self.keys.progress, fields, maxlen=PROGRESS_MAXLEN, approximate=True)
+            entry = ProgressEntry(kind="eval", step=int(step), epoch=int(epoch), generation=int(generation),
+                                  metrics=metrics, t=round(now, 3))
+            self.client.xadd(self.keys.progress, entry.to_fields(), maxlen=PROGRESS_MAXLEN, approximate=True)
         except (redis.RedisError, TypeError, ValueError) as exc:
             self.dropped += 1
             log.debug("evaluation of step %s not recorded: %s", step, exc)

@@ -17,6 +17,7 @@ import redis
 from shoal.core.jobspec import JobSpec
 from shoal.worker.heartbeat import Heartbeater
 from shoal.worker.membership import Membership
+from shoal.events.states import WorkerState, is_terminal
 
 log = logging.getLogger("shoal.worker")
 
@@ -101,7 +102,7 @@ class WorkerRunner:
             return False
         doc = self.m.record()
         if doc is not None:
-            if doc.state != "Failed" or self.m.job_state() in ("completed", "failed", "stopped"):
+            if doc.state != WorkerState.FAILED or is_terminal(self.m.job_state()):
                 return False
             log.warning("declared failed by the coordinator while alive (%s); rejoining job %s as a new member, "
                         "state kept", doc.reason or doc.cause, self.m.job_id)

@@ -19,6 +19,7 @@ import redis
 
 from shoal.events.keys import JobKeys
 from shoal.events.models import ShardTable
+from shoal.events.states import is_terminal
 
 log = logging.getLogger("shoal.worker.watcher")
 
@@ -76,7 +77,7 @@ class GenerationWatcher:
                             self._notify(table)
                 state = self._client.hget(self._keys.state, "state")
                 self.job_state = state.decode() if state else "pending"
-                if self.job_state in ("completed", "failed", "stopped") and self._on_ended is not None:
+                if is_terminal(self.job_state) and self._on_ended is not None:
                     ended, self._on_ended = self._on_ended, None
                     ended(self.job_state)
             except (redis.RedisError, ValueError) as exc:

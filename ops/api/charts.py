@@ -15,7 +15,7 @@ from collections import OrderedDict
 import redis
 
 from shoal.events.keys import JobKeys
-from shoal.events.models import Decision
+from shoal.events.streams import ControlEntry
 from shoal.ops.report import Marked, membership_events, read_progress
 from shoal.ops.streams import last_id, read_range
 
@@ -48,7 +48,7 @@ class MarksCache:
             if hit is not None and hit[0] == newest:
                 self._by_job.move_to_end(keys.job_id)
                 return hit[1]
-        decisions = [d.model_dump() for _sid, d in read_range(client, keys.control, Decision, until=newest)]
+        decisions = [d for _sid, d in read_range(client, keys.control, ControlEntry, until=newest)]
         marks = [mark_json(m) for m in membership_events(decisions)]
         with self._lock:
             self._by_job[keys.job_id] = (newest, marks)

@@ -29,6 +29,7 @@ from shoal.core.errors import ConfigError, ConnectionFailed, ShoalError
 from shoal.core.registry import JobExists
 from shoal.core.yamlfile import escape_controls, printable
 from shoal.ops.jobs import NoSuchJob
+from shoal.events.validation import first_error
 
 log = logging.getLogger("shoal.api")
 
@@ -75,13 +76,9 @@ def status_of(exc: ShoalError) -> int:
 
 
 def _validation_detail(exc: RequestValidationError) -> str:
-    errors = exc.errors()
-    if not errors:
+    if not exc.errors():
         return "invalid request"
-    first = errors[0]
-    loc = [printable(p) for p in first.get("loc", ()) if p not in ("body",)] or ["body"]
-    more = f" ({len(errors)} problems)" if len(errors) > 1 else ""
-    return f"{'.'.join(loc)}: {first.get('msg', 'invalid')}{more}"
+    return first_error(exc, root="body", skip=("body",), count=True, name=printable)
 
 
 def install(app: FastAPI) -> None:

@@ -14,7 +14,7 @@ from shoal.core.connection import redact_url
 from shoal.core.errors import ConfigError
 from shoal.core.jobspec import JobSpec
 from shoal.core.registry import list_jobs
-from shoal.events.models import Decision, LogLine
+from shoal.events.streams import ControlEntry, LogEntry
 from shoal.ops.api import sse
 from shoal.ops.api.charts import chart_page
 from shoal.ops.api.errors import COMMON, described
@@ -116,7 +116,7 @@ def logs(job_id: str, client: Client, worker: Annotated[str | None, Query(max_le
     keys = require_job(client, job_id, "logs")
     keep = (lambda line: line.worker == worker) if worker else None
     newest = last_id(client, keys.logs)
-    got = read_range(client, keys.logs, LogLine, after=_after(after), until=newest, keep=keep, tail=tail,
+    got = read_range(client, keys.logs, LogEntry, after=_after(after), until=newest, keep=keep, tail=tail,
                      limit=None if tail else limit)
     return {"lines": [log_json(sid, line) for sid, line in got], "last_id": got[-1][0] if got else _after(after)}
 
@@ -127,7 +127,7 @@ def events(job_id: str, client: Client, after: After = None, limit: Limit = 1000
     """Decisions (``id``, ``ts_ms``, ``epoch``, ``kind``, ``source_id``, ``job_state``,
     ``generation``, ``reason``), oldest first, the first ``limit`` after ``after``."""
     keys = require_job(client, job_id, "control")
-    got = read_range(client, keys.control, Decision, after=_after(after), limit=limit)
+    got = read_range(client, keys.control, ControlEntry, after=_after(after), limit=limit)
     return {"decisions": [decision_json(sid, d) for sid, d in got], "last_id": got[-1][0] if got else _after(after)}
 
 
@@ -159,7 +159,7 @@ def logs_stream(job_id: str, client: Client, worker: Annotated[str | None, Query
     job ended and its workers were quiet for 2 s."""
     keys = require_job(client, job_id, "logs")
     keep = (lambda line: line.worker == worker) if worker else None
-    return _stream(client, keys, keys.logs, LogLine, log_json, "log", resume=last_event_id, tail=tail, keep=keep,
+    return _stream(client, keys, keys.logs, LogEntry, log_json, "log", resume=last_event_id, tail=tail, keep=keep,
                    quiet_s=2.0)
 
 
@@ -170,4 +170,4 @@ def events_stream(job_id: str, client: Client, tail: Annotated[int, Query(ge=0, 
     """``event: decision`` per coordinator decision (data: as in ``GET /jobs/{id}/events``),
     starting with the last ``tail``; ``event: end`` once the job ended."""
     keys = require_job(client, job_id, "control")
-    return _stream(client, keys, keys.control, Decision, decision_json, "decision", resume=last_event_id, tail=tail)
+    return _stream(client, keys, keys.control, ControlEntry, decision_json, "decision", resume=last_event_id, tail=tail)

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import redis
 
 from shoal.events.keys import JobKeys
-from shoal.events.models import WorkerDoc
+from shoal.events.records import WorkerRecord
+from shoal.events.states import PLANNED, WorkerState
 
 KINDS = ("worker_kill", "worker_segv", "worker_stop", "worker_slow", "coordinator_kill", "redis_restart", "worker_join")
 WORKER_FAULTS = ("worker_kill", "worker_segv", "worker_stop", "worker_slow")
@@ -104,15 +105,15 @@ class Injector:
     _frozen: set[int] = field(default_factory=set)
     _thaws: list = field(default_factory=list)
 
-    def workers(self) -> dict[str, WorkerDoc]:
-        return {k.decode(): WorkerDoc.model_validate_json(v) for k, v in self.client.hgetall(self.keys.workers).items()}
+    def workers(self) -> dict[str, WorkerRecord]:
+        return {k.decode(): WorkerRecord.from_json(v) for k, v in self.client.hgetall(self.keys.workers).items()}
 
     def generation(self) -> int:
         raw = self.client.hget(self.keys.state, "generation")
         return int(raw) if raw else 0
 
     def worker_fault_allowed(self) -> bool:
-        active = [w for w in self.workers().values() if w.state == "Active" and w.pid not in self._frozen]
+        active = [w for w in self.workers().values() if w.state == WorkerState.ACTIVE and w.pid not in self._frozen]
         if len(active) < 2:
             return False
         last = next((f for f in reversed(self.done) if f.kind in WORKER_FAULTS), None)
@@ -125,7 +126,7 @@ class Injector:
         if kind in WORKER_FAULTS:
             return self.worker_fault_allowed()
         if kind == "worker_join":
-            planned = [w for w in self.workers().values() if w.state in ("Syncing", "Active")]
+            planned = [w for w in self.workers().values() if w.state in PLANNED]
             return len(planned) < self.max_workers
         if kind == "coordinator_kill":
             return self._leader() is not None
@@ -143,7 +144,7 @@ class Injector:
         wid = None
         if kind in WORKER_FAULTS:
             candidates = sorted((wid, w.pid) for wid, w in self.workers().items()
-                                if w.state == "Active" and w.pid not in self._frozen)
+                                if w.state == WorkerState.ACTIVE and w.pid not in self._frozen)
             wid, pid = candidates[rng.randrange(len(candidates))]
             target = f"{wid} (pid {pid})"
             if kind == "worker_kill":

@@ -55,7 +55,7 @@ import redis
 
 from shoal.core.registry import create_job
 from shoal.events.keys import JobKeys, job_keys
-from shoal.events.models import WorkerDoc
+from shoal.events.records import WorkerRecord
 from shoal.ops.chaos.inject import Injected, next_kind
 from shoal.ops.chaos.netns import Host, Net, NetUnavailable, unavailable_reason
 from shoal.ops.chaos.run import (
@@ -76,6 +76,7 @@ from shoal.ops.chaos.run import (
 from shoal.ops.chaos.sampler import Sampler
 from shoal.ops.chaos.verdict import Profile, Verdict
 from shoal.storage.uri import open_store
+from shoal.events.states import WorkerState
 
 NET_KINDS = ("peer_partition", "oneway_partition", "node_redis_cut", "redis_blackhole", "node_delay_20ms",
              "node_loss_5pct", "node_link_down", "leader_redis_cut")
@@ -106,9 +107,9 @@ class NetInjector:
     node_of: dict[str, str] = field(default_factory=dict)  #: worker id -> node name
     joined_ms: dict[str, int] = field(default_factory=dict)  #: worker id -> when it joined (server ms)
 
-    def observe(self) -> dict[str, WorkerDoc]:
+    def observe(self) -> dict[str, WorkerRecord]:
         """The job's worker records (and which node each ran on, remembered)."""
-        docs = {k.decode(): WorkerDoc.model_validate_json(v) for k, v in self.client.hgetall(self.keys.workers).items()}
+        docs = {k.decode(): WorkerRecord.from_json(v) for k, v in self.client.hgetall(self.keys.workers).items()}
         for wid, doc in docs.items():
             if doc.node:
                 self.node_of[wid] = doc.node
@@ -117,7 +118,7 @@ class NetInjector:
 
     def holders(self) -> set[str]:
         """Nodes running an Active worker."""
-        return {d.node for d in self.observe().values() if d.state == "Active"}
+        return {d.node for d in self.observe().values() if d.state == WorkerState.ACTIVE}
 
     def leader(self) -> Host | None:
         token = self.client.get(self.keys.lease)

@@ -44,6 +44,7 @@ from shoal.worker import ledger
 from shoal.worker.data import DataOrder
 from shoal.worker.engine import StepEngine
 from shoal.worker.userapi import load_entrypoint
+from shoal.events.states import is_terminal
 
 ENTRYPOINT = "shoal.examples.digits:build_double_paced"
 REFERENCE = "shoal.examples.digits:build_double"  #: the same arithmetic, without the pause
@@ -356,7 +357,7 @@ def _num_samples() -> int:
 
 def ended(client, keys) -> bool:
     raw = client.hget(keys.state, "state")
-    return raw is not None and raw.decode() in ("completed", "failed", "stopped")
+    return is_terminal(raw)
 
 
 def wait_state(client, keys, wanted: tuple[str, ...], timeout: float) -> bool:
@@ -369,7 +370,7 @@ def wait_state(client, keys, wanted: tuple[str, ...], timeout: float) -> bool:
         st = raw.decode() if raw else "pending"
         if st in wanted:
             return True
-        if st in ("completed", "failed", "stopped"):
+        if is_terminal(st):
             return False
         resp = client.xread({keys.control: last}, count=100, block=max(1, int(min(left, 1.0) * 1000)))
         for _s, entries in resp or []:

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import redis
 
+from shoal.coordinator.decide import EventInput, Tick, decide
+from shoal.coordinator.persist import control_entry
+from shoal.coordinator.states import CoordState
 from shoal.events.keys import job_keys
+from shoal.events.models import JobCompleted, JoinRequest, LeaveRequest, Left, Ready, WorkerExited
+from shoal.events.streams import ControlEntry
 from shoal.ops.cli import main
 from shoal.ops.embedded import free_port
 from shoal.core.registry import create_job
@@ -16,44 +21,66 @@ from shoal.worker.progress import ProgressRecorder
 T0 = 1_700_000_000_000  # ms; progress entry ids and control ts_ms share this (Redis server) clock
 
 
-def control(r, job: str, t: int, kind: str, generation: int, job_state: str, reason: str) -> None:
-    r.xadd(job_keys(job).control, {"ts_ms": str(T0 + t), "epoch": "1", "kind": kind, "source_id": "tick",
-                                    "job_state": job_state, "generation": str(generation), "reason": reason})
-
-
 def progress(r, job: str, t: int, step: int, generation: int, world: int) -> None:
     r.xadd(job_keys(job).progress, {"step": str(step), "loss": repr(2.3 * 0.97 ** step), "generation": str(generation),
                                      "world_size": str(world), "t": f"{(T0 + t) / 1000:.3f}"}, id=f"{T0 + t}-0")
 
 
+class Coordinator:
+    """The real coordinator decisions of a scenario (``coordinator.decide``), written to the
+    job's control stream as the coordinator writes them (``persist.control_entry``), at the
+    times the test says: the report reads what a real run writes."""
+
+    def __init__(self, r, job: str) -> None:
+        self.r, self.job = r, job
+        self.spec = JobSpec(name=job, entrypoint="simulate", min_workers=1, max_workers=4)
+        self.state = CoordState()
+        self.n = 0
+
+    def event(self, t: int, ev) -> None:
+        self.n += 1
+        self._write(t, decide(self.state, EventInput(f"{self.n}-0", ev), T0 + t, self.spec, epoch=1), ev.kind)
+
+    def tick(self, t: int) -> None:
+        self._write(t, decide(self.state, Tick(), T0 + t, self.spec, epoch=1), "tick")
+
+    def _write(self, t: int, d, kind: str) -> None:
+        self.state = d.state
+        if d.changed:
+            entry = control_entry(d, kind=kind, source_id="tick" if kind == "tick" else f"{self.n}-0", now_ms=T0 + t,
+                                  epoch=1)
+            self.r.xadd(job_keys(self.job).control, entry.to_fields())
+
+
 def simulate_run(r, job: str) -> None:
     """A run as the coordinator and rank 0 would record it: start with 3 workers, w1 killed
     (0.8 s to the next committed step), w3 joins, w2 drains, completed."""
-    control(r, job, 0, "join", 0, "pending", "w0 joined from h pid 1")
-    control(r, job, 300, "tick", 1, "running", "joins settled; generation 1: world size 3 (w0, w1, w2)")
-    control(r, job, 400, "ready", 1, "running", "w0 active in generation 1")
+    c = Coordinator(r, job)
+    for i in range(3):
+        c.event(i, JoinRequest(job_id=job, host="h", pid=1 + i))
+    c.tick(350)  # the joins settled: generation 1
+    c.event(400, Ready(job_id=job, worker_id="w0", generation=1))
     step, t = 0, 500
     while t <= 5000:  # 10 steps/s, one entry per 0.5 s
         step += 5
         progress(r, job, t, step, 1, 3)
         t += 500
-    control(r, job, 5200, "exited", 2, "running",
-            "w1 failed (rank 1): process ended with signal 9; generation 2: world size 2 (w0, w2)")
+    c.event(5200, WorkerExited(job_id=job, worker_id="w1", signal=9))  # generation 2
     t = 6000  # first committed step of generation 2: 0.8 s after the failure decision
     while t <= 12000:
         step += 4
         progress(r, job, t, step, 2 if t < 8500 else 3 if t < 12100 else 4, 2 if t < 8500 else 3)
         t += 500
-    control(r, job, 8000, "join", 2, "running", "w3 joined from h pid 9")
-    control(r, job, 8300, "tick", 3, "running", "joins settled; generation 3: world size 3 (w0, w2, w3)")
-    control(r, job, 12100, "leave", 4, "running", "w2 draining (SIGTERM); generation 4: world size 2 (w0, w3)")
-    control(r, job, 12600, "left", 4, "running", "w2 left")
+    c.event(8000, JoinRequest(job_id=job, host="h", pid=9))
+    c.tick(8350)  # generation 3
+    c.event(12100, LeaveRequest(job_id=job, worker_id="w2"))  # generation 4
+    c.event(12600, Left(job_id=job, worker_id="w2"))
     t = 12700
     while t <= 15000:
         step += 4
         progress(r, job, t, step, 4, 2)
         t += 500
-    control(r, job, 15100, "completed", 4, "completed", f"completed at step {step} (reported by w0)")
+    c.event(15100, JobCompleted(job_id=job, worker_id="w0", step=step))
 
 
 def test_report_marks_membership_changes_shades_recovery_and_writes_a_png(r, job_id, tmp_path) -> None:
@@ -79,14 +106,17 @@ def test_report_marks_membership_changes_shades_recovery_and_writes_a_png(r, job
     assert (w, h) == (1400, 900)
 
 
-def test_pause_and_resume_are_labelled_without_inventing_leaves() -> None:
-    rows = [
-        ("tick", 1, "running", "joins settled; generation 1: world size 2 (w0, w1)"),
-        ("exited", 2, "paused", "w1 failed (rank 1): process ended with exit code 1; paused: 1 < min_workers=2"),
-        ("tick", 3, "running", "joins settled; generation 3: world size 2 (w0, w2)"),
-    ]
-    marks = membership_events([{"ts_ms": str(i), "kind": k, "generation": str(g), "job_state": s, "reason": why}
-                               for i, (k, g, s, why) in enumerate(rows)])
+def test_pause_and_resume_are_labelled_without_inventing_leaves(r, job_id) -> None:
+    c = Coordinator(r, job_id)
+    c.spec = c.spec.model_copy(update={"min_workers": 2})
+    for i in range(2):
+        c.event(i, JoinRequest(job_id=job_id, host="h", pid=1 + i))
+    c.tick(350)  # generation 1: w0, w1
+    c.event(400, WorkerExited(job_id=job_id, worker_id="w1", exit_code=1))  # generation 2: paused
+    c.event(500, JoinRequest(job_id=job_id, host="h", pid=3))
+    c.tick(850)  # generation 3: w0, w2
+    control = [ControlEntry.from_fields(f) for _sid, f in r.xrange(job_keys(job_id).control)]
+    marks = membership_events(control)
     assert [m.label for m in marks] == ["g1 start →2", "g2 w1 failed; paused", "g3 resumed; w2 joined →2"]
     assert marks[1].removed == ("w1",) and marks[2].joined == ("w2",)
 
@@ -99,7 +129,7 @@ def test_progress_recorder_is_rate_limited_records_new_generations_and_never_rai
     assert wrote == [True, False, True, True, False]
     entries = [{k.decode(): v.decode() for k, v in f.items()} for _id, f in r.xrange(keys.progress)]
     assert [(e["step"], e["generation"], e["world_size"]) for e in entries] == [("1", "1", "2"), ("3", "1", "2"), ("4", "2", "1")]
-    assert entries[0]["loss"] == "2.0" and entries[2]["loss"] == "nan" and entries[0]["t"] == "100.000"
+    assert entries[0]["loss"] == "2.0" and entries[2]["loss"] == "nan" and entries[0]["t"] == "100.0"
 
     down = redis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5, socket_timeout=0.5, retry=None)
     rec = ProgressRecorder(down, keys, error_backoff=5.0)

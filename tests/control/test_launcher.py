@@ -18,7 +18,9 @@ from shoal.coordinator.launcher import (
     launches_needed,
     unit_sizes,
 )
-from shoal.coordinator.states import CoordState, JobState, JobStatus, WorkerRecord, WorkerState
+from shoal.coordinator.states import CoordState
+from shoal.events.records import JobStatus, WorkerRecord
+from shoal.events.states import JobState, WorkerState
 from shoal.events.keys import JOBS, job_keys, job_of_launch_unit, launch_unit_id
 from shoal.core.errors import ConfigError
 from shoal.core.registry import delete_job

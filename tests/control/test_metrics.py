@@ -81,6 +81,12 @@ def test_scrape_reports_jobs_workers_generations_and_replica_counters(r, job_id)
                                          num_samples=64, members=[Member(worker_id="w0", rank=0, ranges=[(0, 64, 1)])]
                                          ).model_dump_json())
             r.xadd(keys.failures, {"worker": "w1", "reason": "x"})
+            # removals by cause come from the records' typed state and cause, never a reason
+            r.hset(keys.workers, mapping={
+                "w1": json.dumps({"worker_id": "w1", "state": "Failed", "cause": "exited", "reason": "w1 left"}),
+                "w2": json.dumps({"worker_id": "w2", "state": "Failed", "cause": "heartbeat_timeout"}),
+                "w3": json.dumps({"worker_id": "w3", "state": "Failed", "cause": "exited"}),
+                "w4": json.dumps({"worker_id": "w4", "state": "Left", "reason": "w4 failed"})})
             _ctype, text = scrape(server)
             assert value(text, f'shoal_job_step{{job="{job_id}"}}') == 41
             assert value(text, f'shoal_job_loss{{job="{job_id}"}}') == 0.5
@@ -91,6 +97,10 @@ def test_scrape_reports_jobs_workers_generations_and_replica_counters(r, job_id)
             assert f'part="exposed_comm"' not in text  # not reported by this (older) worker
             assert value(text, f'shoal_job_worker_restarts_total{{job="{job_id}"}}') == 2
             assert value(text, f'shoal_job_failures_total{{job="{job_id}"}}') == 1
+            removed = "shoal_job_workers_removed"
+            assert value(text, f'{removed}{{job="{job_id}",cause="exited"}}') == 2
+            assert value(text, f'{removed}{{job="{job_id}",cause="heartbeat_timeout"}}') == 1
+            assert value(text, f'{removed}{{job="{job_id}",cause="left"}}') == 1
             assert "# TYPE shoal_job_worker_restarts_total counter" in text
             with pytest.raises(urllib.error.HTTPError) as err:
                 scrape(server, "/other")

@@ -97,7 +97,7 @@ def test_real_wire_values_validate_against_the_published_schema(r, redis_url, jo
     workers = r.hgetall(keys.workers)
     assert {_text(k) for k in workers} == {"w0", "w1"}
     for value in workers.values():
-        assert_valid("WorkerDoc", json.loads(value))
+        assert_valid("WorkerRecord", json.loads(value))
     assert_valid("Heartbeat", json.loads(r.get(keys.heartbeat("w1"))))
     assert_valid("LatestPointer", json.loads(r.get(keys.latest)))
     assert_valid("LaunchSettings", {_text(k): _text(v) for k, v in r.hgetall(keys.launch).items()})

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from shoal.core.errors import ConfigError
-from shoal.events.models import Decision, LogLine
+from shoal.events.streams import ControlEntry, LogEntry
 from shoal.ops.api.auth import load_token
 from shoal.ops.api.errors import MAX_DETAIL, one_line
 from shoal.ops.api.sse import event
@@ -38,16 +38,16 @@ def test_stream_ids_from_clients() -> None:
 
 
 def test_entries_read_through_their_models_keep_what_parses() -> None:
-    line = LogLine.from_fields({b"worker": b"w1", b"level": b"INFO", b"msg": "h\u00e9".encode(), b"ts": b"12.5",
+    line = LogEntry.from_fields({b"worker": b"w1", b"level": b"INFO", b"msg": "h\u00e9".encode(), b"ts": b"12.5",
                                 b"extra": b"ignored"})
     assert (line.worker, line.level, line.msg, line.ts) == ("w1", "INFO", "h\u00e9", 12.5)
-    bad_ts = LogLine.from_fields({b"worker": b"w2", b"msg": b"m", b"ts": b"not-a-time"})
+    bad_ts = LogEntry.from_fields({b"worker": b"w2", b"msg": b"m", b"ts": b"not-a-time"})
     assert (bad_ts.worker, bad_ts.msg, bad_ts.ts) == ("w2", "m", 0.0)
     assert format_log(bad_ts).startswith("--:--:-- w2")
-    d = Decision.from_fields({"ts_ms": "0", "generation": "x", "kind": "join", "job_state": "running", "reason": "r"})
+    d = ControlEntry.from_fields({"ts_ms": "0", "generation": "x", "kind": "join", "job_state": "running", "reason": "r"})
     assert (d.generation, d.kind, d.reason) == (0, "join", "r")
     assert format_decision(d).endswith("gen   0 running   [join] r")
-    assert Decision.from_fields({}) == Decision()
+    assert ControlEntry.from_fields({}) == ControlEntry()
 
 
 def test_error_details_are_one_printable_line() -> None:

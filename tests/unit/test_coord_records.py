@@ -11,7 +11,9 @@ import pytest
 from shoal.coordinator.decide import EventInput, RecordFailure, Tick, decide
 from shoal.coordinator.loop import _step_times
 from shoal.coordinator.persist import decision_batch
-from shoal.coordinator.states import CoordState, FailureCause, JobState, JobStatus, WorkerRecord, WorkerState
+from shoal.coordinator.states import CoordState
+from shoal.events.records import JobStatus, WorkerRecord
+from shoal.events.states import FailureCause, JobState, WorkerState
 from shoal.core.jobspec import JobSpec
 from shoal.events.keys import FAILURES_MAXLEN, job_keys
 from shoal.events.models import Heartbeat, JoinRequest, LaunchSettings, WorkerExited
@@ -54,7 +56,7 @@ def test_the_stored_text_is_the_old_one_with_the_new_fields_appended() -> None:
     rec = WorkerRecord("w0", WorkerState.ACTIVE, joined_ms=5, host="h", pid=7, reason="joined", changed_ms=6)
     old_text = json.dumps({"worker_id": "w0", "state": "Active", "joined_ms": 5, "host": "h", "pid": 7, "node": "",
                            "reason": "joined", "changed_ms": 6, "restarts": 0, "straggler": False})
-    assert rec.to_json() == old_text[:-1] + ', "cause": "", "rank": -1, "backend": "", "device": "", "gpu": "", "placement": ""}'
+    assert rec.to_json() == old_text[:-1] + ', "cause": "", "rank": -1, "backend": "", "device": "", "gpu": "", "placement": "", "planned_in": 0, "dropped_in": 0}'
 
 
 def test_old_code_reads_a_new_record() -> None:

@@ -9,7 +9,9 @@ import json
 
 from shoal.coordinator.decide import SETTLE_MS, EventInput, Publish, StepSeen, Tick, decide
 from shoal.coordinator.loop import _steps_seen
-from shoal.coordinator.states import CoordState, JobState, JobStatus, WorkerState
+from shoal.coordinator.states import CoordState
+from shoal.events.records import JobStatus
+from shoal.events.states import JobState, WorkerState
 from shoal.core.jobspec import JobSpec
 from shoal.events.models import (
     Checkpointed,

@@ -7,7 +7,9 @@ import json
 import pytest
 
 from shoal.coordinator.decide import SETTLE_MS, EventInput, Forget, Publish, RecordFailure, ReplyJoin, Tick, decide
-from shoal.coordinator.states import CoordState, FailureCause, IllegalTransition, JobState, WorkerRecord, WorkerState
+from shoal.coordinator.states import CoordState
+from shoal.events.records import WorkerRecord
+from shoal.events.states import FailureCause, IllegalTransition, JobState, WorkerState
 from shoal.events.models import JoinRequest, LeaveRequest, Left, Ready, StopJob, WorkerExited
 from shoal.core.jobspec import JobSpec
 
@@ -253,7 +255,7 @@ def _rendezvous_failed(wid: str, generation: int, error: str):
 
 
 def test_a_job_whose_generations_never_form_fails_after_formation_timeout_naming_the_last_error() -> None:
-    from shoal.coordinator.states import JobStatus
+    from shoal.events.records import JobStatus
 
     spec = SPEC.model_copy(update={"formation_timeout": 10.0})
     s = three_workers(spec)  # generation 1 planned at T0 + 2
@@ -401,7 +403,7 @@ def test_a_worker_that_dies_before_joining_is_a_failure_and_its_agent_giving_up_
 
 def test_streaming_tables_carry_sticky_shard_owners_from_the_joins_shard_count() -> None:
     from shoal.coordinator.owners import from_ranges
-    from shoal.coordinator.states import JobStatus
+    from shoal.events.records import JobStatus
 
     s = CoordState()
     for i in range(3):
@@ -420,3 +422,31 @@ def test_streaming_tables_carry_sticky_shard_owners_from_the_joins_shard_count()
         assert set(from_ranges(json_owners[w])) <= set(from_ranges(table.shard_owners[w]))
     assert sorted(len(from_ranges(r)) for r in table.shard_owners.values()) == [5, 5]
     assert "10 shards over 2 members" in table.reason
+
+
+def _change(d):
+    (publish,) = [a for a in d.actions if isinstance(a, Publish)]
+    c = publish.change
+    return (c.world_size, c.paused, c.joined, c.removed, tuple(x.value for x in c.causes))
+
+
+def test_each_new_generation_says_who_joined_and_who_was_removed_and_why() -> None:
+    """The typed membership change every reader uses (the report, the dashboard, tests): never
+    parsed from the reason."""
+    spec = SPEC.model_copy(update={"max_workers": 4, "min_workers": 2})
+    s = CoordState()
+    for i in range(3):
+        s = join(s, T0 + i, spec).state
+    d = decide(s, Tick(), T0 + 2 + SETTLE_MS, spec)
+    assert _change(d) == (3, False, ("w0", "w1", "w2"), (), ())
+    d = decide(d.state, _ev(WorkerExited(job_id="j", worker_id="w1", signal=9), "2-0"), T0 + 1000, spec)
+    assert _change(d) == (2, False, (), ("w1",), ("exited",))
+    d = decide(d.state, _ev(LeaveRequest(job_id="j", worker_id="w2"), "3-0"), T0 + 2000, spec)
+    assert _change(d) == (0, True, (), ("w2",), ("left",))  # below min_workers: paused, no members
+    # w2's own exit after it drained changes nothing more; a joiner resumes the job
+    s = decide(d.state, _ev(Left(job_id="j", worker_id="w2"), "4-0"), T0 + 2100, spec).state
+    s = join(s, T0 + 3000, spec).state
+    d = decide(s, Tick(last_seen={"w0": T0 + 2900}), T0 + 3000 + SETTLE_MS, spec)
+    assert _change(d) == (2, False, ("w3",), (), ())  # w0 was a member all along: not a joiner
+    d = decide(d.state, Tick(last_seen={"w0": T0}), T0 + 9000, spec)  # w0's heartbeat stops
+    assert _change(d) == (0, True, (), ("w0",), ("heartbeat_timeout",))

@@ -16,7 +16,9 @@ from shoal.coordinator.decide import (
     decide,
     formation_backoff_ms,
 )
-from shoal.coordinator.states import CoordState, JobState, JobStatus
+from shoal.coordinator.states import CoordState
+from shoal.events.records import JobStatus
+from shoal.events.states import JobState
 from shoal.core.jobspec import JobSpec
 from shoal.events.models import FormationError, JoinRequest, Ready, StepFailed, WorkerExited
 

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from shoal.coordinator.decide import EventInput, decide as coord_decide, last_eval
-from shoal.coordinator.states import CoordState, JobState, JobStatus, WorkerRecord, WorkerState
+from shoal.coordinator.states import CoordState
+from shoal.events.records import JobStatus, WorkerRecord
+from shoal.events.states import JobState, WorkerState
 from shoal.core.jobspec import JobSpec
 from shoal.core.registry import create_job
 from shoal.events.keys import job_keys

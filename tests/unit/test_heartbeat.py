@@ -120,11 +120,12 @@ def test_a_beat_for_an_id_now_recorded_as_another_process_finds_it_evicted() -> 
     its old id watched again as another process's (which learnt of the loss first and joined
     anew). Its beat must find it evicted - so it rejoins - not keep that membership alive.
     The fresh-clone suite caught it once: the job then waited for a worker that never came."""
-    from shoal.events.models import WorkerDoc
+    from shoal.events.records import WorkerRecord
+    from shoal.events.states import WorkerState
 
     client, keys = fakeredis.FakeRedis(), job_keys("hb")
     client.zadd(keys.last_seen, {"w0": 0})
-    client.hset(keys.workers, "w0", WorkerDoc(worker_id="w0", state="Active", pid=4242).model_dump_json())
+    client.hset(keys.workers, "w0", WorkerRecord("w0", WorkerState.ACTIVE, pid=4242).to_json())
     mine = Heartbeater(client, keys, "w0", interval=0.2, ttl=1.5, pid=4242)
     assert mine.beat() and not mine.evicted
     before = client.zscore(keys.last_seen, "w0")
@@ -133,5 +134,5 @@ def test_a_beat_for_an_id_now_recorded_as_another_process_finds_it_evicted() -> 
     assert client.zscore(keys.last_seen, "w0") == before  # nothing written for the other process
     unchecked = Heartbeater(client, keys, "w0", interval=0.2, ttl=1.5)  # pid 0: any process
     assert unchecked.beat()
-    client.hset(keys.workers, "w0", WorkerDoc(worker_id="w0", state="Active").model_dump_json())  # no pid recorded
+    client.hset(keys.workers, "w0", WorkerRecord("w0", WorkerState.ACTIVE).to_json())  # no pid recorded
     assert Heartbeater(client, keys, "w0", interval=0.2, ttl=1.5, pid=5151).beat()

@@ -255,7 +255,9 @@ def test_the_input_wait_reaches_status_and_the_progress_history() -> None:
     from shoal.core.jobspec import JobSpec
     from shoal.core.registry import create_job
     from shoal.events.keys import job_keys
-    from shoal.events.models import Heartbeat, WorkerDoc
+    from shoal.events.models import Heartbeat
+    from shoal.events.records import WorkerRecord
+    from shoal.events.states import WorkerState
     from shoal.ops.status import format_status, job_status
     from shoal.worker.heartbeat import Heartbeater
     from shoal.worker.progress import ProgressRecorder
@@ -263,7 +265,7 @@ def test_the_input_wait_reaches_status_and_the_progress_history() -> None:
     r = fakeredis.FakeRedis()
     keys = job_keys("iw")
     create_job(r, JobSpec(name="iw", entrypoint="simulate"))
-    r.hset(keys.workers, "w0", WorkerDoc(worker_id="w0", state="Active", pid=5).model_dump_json())
+    r.hset(keys.workers, "w0", WorkerRecord("w0", WorkerState.ACTIVE, pid=5).to_json())
     r.zadd(keys.last_seen, {"w0": 1})
     r.hset(keys.state, mapping={"state": "running", "generation": "1"})
     hb = Heartbeater(r, keys, "w0", interval=0.2, ttl=2.0)
@@ -279,7 +281,7 @@ def test_the_input_wait_reaches_status_and_the_progress_history() -> None:
     progress = ProgressRecorder(r, keys)
     assert progress.record(3, 0.5, 1, 2, input_wait=0.25) and progress.record(4, 0.4, 2, 2)
     entries = [f for _id, f in r.xrange(keys.progress)]
-    assert entries[0][b"input_wait"] == b"0.250000" and b"input_wait" not in entries[1]
+    assert entries[0][b"input_wait"] == b"0.25" and b"input_wait" not in entries[1]
 
 
 def test_a_dataset_spawn_cannot_pickle_gets_one_loader_thread() -> None:

@@ -102,16 +102,28 @@ def test_an_unwritable_directory_is_one_line(tmp_path, capsys) -> None:
     assert err.count("\n") == 1 and err.startswith(f"cannot write the schema into {blocker}/schema/")
 
 
-def test_the_readers_stream_models_name_the_published_fields():
-    """``shoal logs``/``events`` and ``shoal serve`` read the logs and control streams through
-    typed, forgiving models (events.models.LogLine, Decision); the published contract of the
-    same entries is events.streams (strings as XRANGE gives them). The two must not drift."""
-    from shoal.events.models import Decision, LogLine
-    from shoal.events.streams import ControlEntry, LogEntry
+def test_a_stream_entry_written_through_its_model_reads_back_through_every_reader(r, job_id):
+    """One model per flat stream: what the writer's model writes, the published schema
+    accepts, and every reader (the model itself, ``shoal events``'s formatting, the HTTP API's
+    JSON, the report's marks) reads back the same typed fields."""
+    from shoal.events.keys import job_keys
+    from shoal.events.streams import ControlEntry
+    from shoal.ops.report import membership_events
+    from shoal.ops.streams import decision_json, format_decision, read_range
+    from tests.wire_schema import assert_valid
 
-    assert set(LogLine.model_fields) == set(LogEntry.model_fields)
-    assert set(Decision.model_fields) == set(ControlEntry.model_fields)
-    entry = {"ts_ms": "1700000000000", "epoch": "3", "kind": "tick", "source_id": "tick", "job_state": "running",
-             "generation": "4", "reason": "w2 failed"}
-    assert Decision.from_fields(entry).model_dump() == {**ControlEntry(**entry).model_dump(), "ts_ms": 1700000000000,
-                                                        "epoch": 3, "generation": 4}
+    keys = job_keys(job_id)
+    written = ControlEntry(ts_ms=1700000000000, epoch=3, kind="exited", source_id="5-0", job_state="running",
+                           generation=4, reason="w2 failed: process ended with signal 9", world_size=2,
+                           joined=("w3",), removed=("w2", "w1"), causes=("exited", "left"))
+    fields = written.to_fields()
+    assert fields["removed"] == "w2,w1" and fields["world_size"] == "2" and "paused" not in fields
+    assert_valid("ControlEntry", fields)
+    r.xadd(keys.control, fields)
+    ((sid, read),) = read_range(r, keys.control, ControlEntry)
+    assert read == written and (read.failed, read.left) == (("w2",), ("w1",))
+    assert decision_json(sid, read)["removed"] == ["w2", "w1"]
+    assert format_decision(read).endswith("[exited] w2 failed: process ended with signal 9")
+    (mark,) = membership_events([read])
+    assert (mark.kind, mark.failed, mark.joined, mark.world_size) == ("failure", ("w2",), ("w3",), 2)
+

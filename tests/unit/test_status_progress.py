@@ -8,7 +8,9 @@ import fakeredis
 from shoal.core.jobspec import JobSpec
 from shoal.core.registry import create_job
 from shoal.events.keys import job_keys
-from shoal.events.models import Heartbeat, WorkerDoc
+from shoal.events.models import Heartbeat
+from shoal.events.records import WorkerRecord
+from shoal.events.states import WorkerState
 from shoal.ops.status import _progress, format_status, job_status
 
 
@@ -27,7 +29,7 @@ def test_status_shows_progress_and_an_ended_jobs_members_as_ended() -> None:
     r = fakeredis.FakeRedis()
     keys = job_keys("p")
     create_job(r, JobSpec(name="p", entrypoint="simulate"))
-    r.hset(keys.workers, "w0", WorkerDoc(worker_id="w0", state="Active", pid=5).model_dump_json())
+    r.hset(keys.workers, "w0", WorkerRecord("w0", WorkerState.ACTIVE, pid=5).to_json())
     r.zadd(keys.last_seen, {"w0": 1})
     r.set(keys.heartbeat("w0"), Heartbeat(worker_id="w0", step=30, step_time=0.1, total_steps=120,
                                           epoch=0).model_dump_json())
