@@ -29,7 +29,7 @@ CLOSE_TIMEOUT_S = 120.0
 class Checkpoints:
     def __init__(self, store, membership: Membership, keep: int, faults: FaultPlan | None = None):
         self.store = store
-        self.m = membership
+        self.membership = membership
         self.faults = faults or FaultPlan([])
         self._pending_generation = 0
         self.saver = AsyncCheckpointer(store, keep_last=keep, on_saved=self._saved,
@@ -45,16 +45,16 @@ class Checkpoints:
         """The step the job's Redis LATEST pointer names: retention must keep it (while the
         coordinator is away the pointer lags the store's LATEST). Redis errors propagate,
         so that retention is skipped rather than guessing."""
-        raw = self.m.client.get(self.m.keys.latest)
+        raw = self.membership.client.get(self.membership.keys.latest)
         return [LatestPointer.from_json(raw).step] if raw else []
 
     def _phase(self, phase: str, step: int) -> None:
-        self.faults.at(self.m.worker_id, step, phase)
+        self.faults.at(self.membership.worker_id, step, phase)
 
     def resume(self, engine: StepEngine) -> tuple[int, int] | None:
         """Load the newest verifying checkpoint into ``engine``; (step, cursor) or None."""
         try:
-            state, manifest = resume(self.store, self.m.client, self.m.job_id, on_warning=log.warning)
+            state, manifest = resume(self.store, self.membership.client, self.membership.job_id, on_warning=log.warning)
         except NoCheckpoint:
             return None
         state.restore(engine.model, engine.optimizer, engine.lr_scheduler, rng=state.rng is not None,
@@ -75,7 +75,7 @@ class Checkpoints:
 
     def _saved(self, manifest) -> None:
         self._phase("ckpt_before_event", manifest.step)
-        self.m.checkpointed(manifest.step, self.store.uri, self._pending_generation)
+        self.membership.checkpointed(manifest.step, self.store.uri, self._pending_generation)
         log.info("checkpoint of step %d complete in %s", manifest.step, self.store.uri)
 
     def close(self) -> None:

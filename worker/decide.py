@@ -1,6 +1,6 @@
 """The training worker's own decisions: a pure function of (state, input, now).
 
-:func:`decide` never touches Redis, torch or the clock. It returns a :class:`Decision`: the
+:func:`decide` never touches Redis, torch or the clock. It returns a :class:`Choice`: the
 worker's new :class:`TrainerState`, the actions to perform in order, and a one-line reason
 for people (logged when ``level`` says so). The loop in :mod:`shoal.worker.training` performs
 the actions - join the group, move state, train a step, checkpoint, send events, exit - and
@@ -446,7 +446,10 @@ Action = (TryRejoin | LeaveGroup | SendLeave | SendLeft | ReportFailure | FetchT
 
 
 @dataclass(frozen=True)
-class Decision:
+class Choice:
+    """What the worker decided for one input: its next state, the actions to perform in
+    order, and why (the coordinator's counterpart is ``coordinator.decide.Decision``)."""
+
     state: TrainerState
     actions: tuple[Action, ...] = ()
     reason: str = ""
@@ -457,16 +460,16 @@ class Decision:
 # ---- the decision -----------------------------------------------------------------------------
 
 
-def decide(state: TrainerState, event: Input, now: float) -> Decision:
+def decide(state: TrainerState, event: Input, now: float) -> Choice:
     """The worker's next move after ``event``, at monotonic time ``now`` (seconds).
 
     Inputs that make no sense in the current phase (a late result, anything once EXITED)
     change nothing and say why. Raises :class:`IllegalMove` only on a bug here."""
     if state.phase is Phase.EXITED:
-        return Decision(state, (), f"exited ({state.exit_code}): {type(event).__name__} ignored")
+        return Choice(state, (), f"exited ({state.exit_code}): {type(event).__name__} ignored")
     handler, phases = _HANDLERS[type(event)]
     if state.phase not in phases:
-        return Decision(state, (), f"{type(event).__name__} ignored while {state.phase.value}")
+        return Choice(state, (), f"{type(event).__name__} ignored while {state.phase.value}")
     d = handler(state, event, now)
     check_move(state.phase, d.state.phase)
     return d
@@ -489,9 +492,9 @@ def _checkpoint(s: TrainerState, *, final: bool) -> SaveCheckpoint:
     return SaveCheckpoint(s.step, s.cursor, s.group, s.table.world_size, final=final)
 
 
-def _tick(s: TrainerState, t: Tick, now: float) -> Decision:
+def _tick(s: TrainerState, t: Tick, now: float) -> Choice:
     if t.evicted:
-        return Decision(s, (TryRejoin(s.seen),), "no longer counted by the coordinator: rejoin with this state "
+        return Choice(s, (TryRejoin(s.seen),), "no longer counted by the coordinator: rejoin with this state "
                                                   "while the job runs, else exit")
     actions: list[Action] = []
     said: list[str] = []
@@ -509,91 +512,91 @@ def _tick(s: TrainerState, t: Tick, now: float) -> Decision:
             g, world = s.aborted_rank0  # ... also when rank 0's last step aborted as its peer exited
             actions.append(SaveCheckpoint(s.step, s.cursor, g, world, final=True))
         said.append(f"the job is {t.job_state}")
-        return Decision(_exit(s, 0), tuple(actions), "; ".join(said), level)
+        return Choice(_exit(s, 0), tuple(actions), "; ".join(said), level)
     if s.phase is Phase.TRAINING and s.switch_to <= s.group:
         ranges = s.first_ranges if s.first_ranges is not None else tuple(map(tuple, s.member.ranges))
         actions.append(TrainStep(s.step, s.cursor, ranges, s.seen, s.group, s.table.world_size))
         said.append(f"step {s.step + 1} in generation {s.group}")
-        return Decision(replace(s, first_ranges=None), tuple(actions), "; ".join(said), level)
+        return Choice(replace(s, first_ranges=None), tuple(actions), "; ".join(said), level)
     if s.phase is Phase.TRAINING:  # an orderly switch: the old group's teardown runs in the background
         actions.append(LeaveGroup(background=True))
         said.append(f"generation {s.switch_to} agreed after step {s.step}: leaving generation {s.group}")
     else:
         said.append("in no group: looking for the newest table")
     actions.append(FetchTable())
-    return Decision(_idle(s), tuple(actions), "; ".join(said), level)
+    return Choice(_idle(s), tuple(actions), "; ".join(said), level)
 
 
-def _rejoined(s: TrainerState, r: Rejoined, now: float) -> Decision:
+def _rejoined(s: TrainerState, r: Rejoined, now: float) -> Choice:
     if not r.ok:
-        return Decision(_exit(s, 1), (), "evicted by the coordinator (declared failed); exiting", logging.ERROR)
+        return Choice(_exit(s, 1), (), "evicted by the coordinator (declared failed); exiting", logging.ERROR)
     # the new incarnation of the job plans a new generation; no step was lost on our side
-    return Decision(_idle(s, worker_id=r.worker_id, switch_to=0), (LeaveGroup(),),
+    return Choice(_idle(s, worker_id=r.worker_id, switch_to=0), (LeaveGroup(),),
                     f"rejoined the job as {r.worker_id}, state kept", logging.INFO)
 
 
-def _table_fetched(s: TrainerState, f: TableFetched, now: float) -> Decision:
+def _table_fetched(s: TrainerState, f: TableFetched, now: float) -> Choice:
     table = f.table
     if table is None or table.generation < s.switch_to:
         after = max(s.switch_to - 1, 0) if table is None else table.generation
         s, actions = _wait(s, after, now)
-        return Decision(s, actions, f"waiting for a table newer than generation {after}")
+        return Choice(s, actions, f"waiting for a table newer than generation {after}")
     g = table.generation
     s = replace(s, seen=max(s.seen, g))
     if g <= s.used:
         s, actions = _wait(s, g, now)
-        return Decision(s, actions, f"generation {g} was already joined or tried (its rendezvous is spent): "
+        return Choice(s, actions, f"generation {g} was already joined or tried (its rendezvous is spent): "
                                     "waiting for a newer one")
     member = None if table.paused else table.member(s.worker_id)
     if member is None:
         if s.draining:
-            return Decision(_exit(s, 0), (SendLeft(),), f"left after step {s.step} (generation {g} no longer includes us)",
+            return Choice(_exit(s, 0), (SendLeft(),), f"left after step {s.step} (generation {g} no longer includes us)",
                             logging.INFO)
         s, actions = _wait(s, g, now)
-        return Decision(s, actions, f"generation {g} {'is paused' if table.paused else 'does not include this worker'}: "
+        return Choice(s, actions, f"generation {g} {'is paused' if table.paused else 'does not include this worker'}: "
                                     "waiting for a newer one")
     s = replace(s, phase=Phase.FORMING, table=table, member=member, deadline=now + s.limits.barrier_s)
-    return Decision(s, (Arrive(g), PollBarrier(g, min(BARRIER_WAIT_S, s.limits.barrier_s))),
+    return Choice(s, (Arrive(g), PollBarrier(g, min(BARRIER_WAIT_S, s.limits.barrier_s))),
                     f"generation {g} includes this worker as rank {member.rank}: meeting its members")
 
 
-def _table_waited(s: TrainerState, w: TableWaited, now: float) -> Decision:
+def _table_waited(s: TrainerState, w: TableWaited, now: float) -> Choice:
     if w.table is not None:
-        return Decision(replace(s, seen=max(s.seen, w.table.generation)), (), f"generation {w.table.generation} published")
+        return Choice(replace(s, seen=max(s.seen, w.table.generation)), (), f"generation {w.table.generation} published")
     if w.evicted:
-        return Decision(s, (), "evicted while waiting for a table")
+        return Choice(s, (), "evicted while waiting for a table")
     if w.job_ended:
-        return Decision(s, (), "the job ended while waiting for a table")
+        return Choice(s, (), "the job ended while waiting for a table")
     if now >= s.deadline:
-        return Decision(s, (), f"no table newer than generation {s.awaiting} came: looking again")
-    return Decision(s, (WaitTable(s.awaiting),), f"waiting for a table newer than generation {s.awaiting}")
+        return Choice(s, (), f"no table newer than generation {s.awaiting} came: looking again")
+    return Choice(s, (WaitTable(s.awaiting),), f"waiting for a table newer than generation {s.awaiting}")
 
 
-def _barrier_polled(s: TrainerState, b: BarrierPolled, now: float) -> Decision:
+def _barrier_polled(s: TrainerState, b: BarrierPolled, now: float) -> Choice:
     g, world = s.table.generation, s.table.world_size
     if s.used >= g:
-        return Decision(s, (), f"the barrier of generation {g} is over: its group is being formed")
+        return Choice(s, (), f"the barrier of generation {g} is over: its group is being formed")
     if b.arrived >= world:
-        return Decision(replace(s, used=max(s.used, g)), (Form(s.table, s.member.rank),),
+        return Choice(replace(s, used=max(s.used, g)), (Form(s.table, s.member.rank),),
                         f"all {world} members of generation {g} arrived: forming its group")
     if b.newest > g:
-        return Decision(_idle(s, seen=max(s.seen, b.newest), switch_to=b.newest), (),
+        return Choice(_idle(s, seen=max(s.seen, b.newest), switch_to=b.newest), (),
                         f"generation {b.newest} published while meeting generation {g}'s members: switching to it")
     if b.evicted:
-        return Decision(_idle(s), (), f"evicted at the barrier of generation {g}")
+        return Choice(_idle(s), (), f"evicted at the barrier of generation {g}")
     if b.job_ended:
-        return Decision(_idle(s), (), f"the job ended while meeting generation {g}'s members")
+        return Choice(_idle(s), (), f"the job ended while meeting generation {g}'s members")
     if now >= s.deadline:
-        return Decision(_idle(s), (), f"only {b.arrived} of {world} members of generation {g} arrived within "
+        return Choice(_idle(s), (), f"only {b.arrived} of {world} members of generation {g} arrived within "
                                       f"{s.limits.barrier_s:.0f} s: looking again", logging.INFO)
-    return Decision(s, (PollBarrier(g, min(BARRIER_WAIT_S, s.deadline - now)),),
+    return Choice(s, (PollBarrier(g, min(BARRIER_WAIT_S, s.deadline - now)),),
                     f"{b.arrived} of {world} members of generation {g} arrived")
 
 
-def _formed(s: TrainerState, f: Formed, now: float) -> Decision:
+def _formed(s: TrainerState, f: Formed, now: float) -> Choice:
     table, rank = s.table, s.member.rank
     if s.used < table.generation:
-        return Decision(s, (), f"generation {table.generation}'s group is not being formed yet: Formed ignored")
+        return Choice(s, (), f"generation {table.generation}'s group is not being formed yet: Formed ignored")
     first: Ranges | None = None
     if f.behind:
         # while the ranks behind receive state, the others split the first step's batch
@@ -603,21 +606,21 @@ def _formed(s: TrainerState, f: Formed, now: float) -> Decision:
     g = table.generation
     s = replace(s, phase=Phase.TRAINING, step=f.step, cursor=f.cursor, switch_to=g, first_ranges=first,
                 aborted_rank0=None)
-    return Decision(s, (Announce(g, rank, table.world_size, f.step, f.cursor, f.took, f.src, f.behind),),
+    return Choice(s, (Announce(g, rank, table.world_size, f.step, f.cursor, f.took, f.src, f.behind),),
                     f"formed generation {g} as rank {rank}/{table.world_size} at step {f.step}")
 
 
-def _form_failed(s: TrainerState, f: FormFailed, now: float) -> Decision:
+def _form_failed(s: TrainerState, f: FormFailed, now: float) -> Choice:
     g = s.table.generation
     if s.used < g:
-        return Decision(s, (), f"generation {g}'s group is not being formed yet: FormFailed ignored")
+        return Choice(s, (), f"generation {g}'s group is not being formed yet: FormFailed ignored")
     # a generation is never retried (its rendezvous prefix is spent): ask for a new one
     failed = (LeaveGroup(), ReportFailure(g, s.step, f.error, rendezvous=True, kind=f.kind))
     s, wait = _wait(s, g, now)
-    return Decision(s, failed + wait, f"generation {g} could not form: {f.error}", logging.WARNING)
+    return Choice(s, failed + wait, f"generation {g} could not form: {f.error}", logging.WARNING)
 
 
-def _committed(s: TrainerState, c: Committed, now: float) -> Decision:
+def _committed(s: TrainerState, c: Committed, now: float) -> Choice:
     g, world, rank0 = s.group, s.table.world_size, s.rank0
     s = replace(s, step=s.step + 1, cursor=c.cursor, switch_to=c.max_generation)
     actions: list[Action] = []
@@ -629,7 +632,7 @@ def _committed(s: TrainerState, c: Committed, now: float) -> Decision:
     actions.append(Beat(s.step, g, c.loss, c.started, digest=s.step % DIGEST_EVERY == 0))
     if s.done:  # Finish evaluates (and rank 0 reports it) whether or not one was due
         actions.append(Finish(s.step, s.cursor, report=rank0, checkpoint=_checkpoint(s, final=True) if rank0 else None))
-        return Decision(_exit(replace(s, evaluated=s.step), 0), tuple(actions),
+        return Choice(_exit(replace(s, evaluated=s.step), 0), tuple(actions),
                         f"training complete at step {s.step}, cursor {s.cursor}")
     then = f"; generation {c.max_generation} agreed: switching" if c.max_generation > g else ""
     if s.step != s.evaluated and eval_due(s.limits, s.step, s.cursor):
@@ -637,15 +640,15 @@ def _committed(s: TrainerState, c: Committed, now: float) -> Decision:
         actions.append(Evaluate(s.step, s.cursor, epoch, g, report=rank0))
         s = replace(s, evaluated=s.step)
         then += "; evaluating"
-    return Decision(s, tuple(actions), f"step {s.step} committed in generation {g}{then}")
+    return Choice(s, tuple(actions), f"step {s.step} committed in generation {g}{then}")
 
 
-def _aborted(s: TrainerState, a: Aborted, now: float) -> Decision:
+def _aborted(s: TrainerState, a: Aborted, now: float) -> Choice:
     g, step = s.group, s.step
     # the cursor stays: the same global batch is redone in the next generation
     failed = (LeaveGroup(), ReportFailure(g, step, a.error))
     s, wait = _wait(replace(s, aborted_rank0=(g, s.table.world_size) if s.rank0 else None), g, now)
-    return Decision(s, failed + wait, f"step {step} aborted in generation {g}: {a.error}", logging.WARNING)
+    return Choice(s, failed + wait, f"step {step} aborted in generation {g}: {a.error}", logging.WARNING)
 
 
 _ANY = frozenset({Phase.IDLE, Phase.FORMING, Phase.TRAINING})

@@ -40,7 +40,7 @@ class WorkerRunner:
     """Set ``stop`` (e.g. from a SIGTERM handler) to request a drain."""
 
     def __init__(self, membership: Membership, spec: JobSpec, *, join_timeout: float = 30.0):
-        self.m = membership
+        self.membership = membership
         self.spec = spec
         self.join_timeout = join_timeout
         self.stop = threading.Event()
@@ -76,13 +76,13 @@ class WorkerRunner:
         return self._join()
 
     def _join(self, last_generation: int = 0) -> str:
-        wid = self.m.join(self.join_timeout, last_generation=last_generation)
-        self.hb = Heartbeater(self.m.client, self.m.keys, wid, interval=self.spec.heartbeat_interval,
+        wid = self.membership.join(self.join_timeout, last_generation=last_generation)
+        self.hb = Heartbeater(self.membership.client, self.membership.keys, wid, interval=self.spec.heartbeat_interval,
                               ttl=self.spec.heartbeat_ttl, pid=os.getpid(), fence_wait=self.fence_wait)
         self.hb.on_evicted = self.on_evicted
         self.hb.beat()
         self.hb.start()
-        log.info("joined job %s as %s", self.m.job_id, wid)
+        log.info("joined job %s as %s", self.membership.job_id, wid)
         return wid
 
     def rejoin_evicted(self, last_generation: int) -> bool:
@@ -100,22 +100,22 @@ class WorkerRunner:
         caller then exits. Raises what :meth:`Membership.join` raises."""
         if self.stop.is_set():
             return False
-        doc = self.m.record()
+        doc = self.membership.record()
         if doc is not None:
-            if doc.state != WorkerState.FAILED or is_terminal(self.m.job_state()):
+            if doc.state != WorkerState.FAILED or is_terminal(self.membership.job_state()):
                 return False
             log.warning("declared failed by the coordinator while alive (%s); rejoining job %s as a new member, "
-                        "state kept", doc.reason or doc.cause, self.m.job_id)
+                        "state kept", doc.reason or doc.cause, self.membership.job_id)
             if self.hb is not None:
                 self.hb.stop()
             self._join(last_generation)
             return True
         log.warning("job %s lost its record of %s (Redis lost its data); waiting up to %.0f s for it to be registered again",
-                    self.m.job_id, self.m.worker_id, LOST_JOB_WAIT_S)
+                    self.membership.job_id, self.membership.worker_id, LOST_JOB_WAIT_S)
         if self.hb is not None:
             self.hb.stop()
         deadline = time.monotonic() + LOST_JOB_WAIT_S
-        while not self.m.job_exists():
+        while not self.membership.job_exists():
             if time.monotonic() >= deadline or self.stop.wait(0.2):
                 return False
         self._join(last_generation)

@@ -37,7 +37,7 @@ class SimulatedWorker(WorkerRunner):
 
     @property
     def member(self):
-        return self.table.member(self.m.worker_id) if self.table and not self.table.paused else None
+        return self.table.member(self.membership.worker_id) if self.table and not self.table.paused else None
 
     def run_once(self) -> int | None:
         """One bounded iteration; returns an exit code when the worker should end."""
@@ -47,31 +47,31 @@ class SimulatedWorker(WorkerRunner):
         if self.stop.is_set() and not self._draining:
             self._draining = True
             self._drain_deadline = time.monotonic() + max(10.0, 5 * self.spec.heartbeat_ttl)
-            self.m.leave("SIGTERM")
+            self.membership.leave("SIGTERM")
             log.info("draining: finished step %d, asked to leave", self.step)
         gen = self.table.generation if self.table else 0
         done = self.spec.max_steps is not None and self.step >= self.spec.max_steps
         wait = 0.0 if (self.member and not self._draining and not done) else min(0.5, self.spec.heartbeat_interval)
-        table = self.m.next_table(gen, timeout=wait) if wait else self.m.current_table()
+        table = self.membership.next_table(gen, timeout=wait) if wait else self.membership.current_table()
         if table is not None and table.generation > gen:
             self.table = table
             if self.member and not self._draining:
                 log.info("generation %d: rank %d of %d, ranges %s", table.generation, self.member.rank, table.world_size, self.member.ranges)
-                self.m.ready(table.generation)
+                self.membership.ready(table.generation)
         if self._draining:
-            excluded = self.table is not None and self.table.member(self.m.worker_id) is None
+            excluded = self.table is not None and self.table.member(self.membership.worker_id) is None
             if excluded or time.monotonic() > self._drain_deadline:
-                self.m.left()
+                self.membership.left()
                 log.info("left the job")
                 return 0
             return None
-        if self.m.job_state() in TERMINAL:
+        if self.membership.job_state() in TERMINAL:
             return 0
         if self.member and done:
             if self.member.rank == 0 and not self._reported:
                 self._reported = True
                 summary = {"step": self.step, "generation": self.table.generation, "world_size": self.table.world_size}
-                self.m.completed(self.step, summary)
+                self.membership.completed(self.step, summary)
                 log.info("finished: %s", summary)
             return None  # wait for the coordinator to end the job
         if self.member:

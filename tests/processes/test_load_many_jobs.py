@@ -185,7 +185,7 @@ def test_simulated_job_completes_by_the_next_rank0_after_leader_and_rank0_die(r,
     _drive(a, lambda: not any(t.is_alive() for t in joins), "both joins")
     table = lambda: ControlWatcher(r, job_id).table() if r.exists(keys.shard) else None  # noqa: E731
     _drive(a, lambda: table() is not None and table().world_size == 2, "generation 1 with both workers")
-    rank0, rank1 = sorted(workers, key=lambda w: table().member(w.m.worker_id).rank)
+    rank0, rank1 = sorted(workers, key=lambda w: table().member(w.membership.worker_id).rank)
     while rank0.step < 3 or rank1.step < spec.max_steps:
         for w in (rank0, rank1):
             if w.step < (3 if w is rank0 else spec.max_steps):
@@ -203,7 +203,7 @@ def test_simulated_job_completes_by_the_next_rank0_after_leader_and_rank0_die(r,
         _drive(b, lambda: r.hget(keys.state, "state") == b"completed", "completion reported by the new rank 0",
                workers=[rank1])
         assert int(r.get(keys.epoch)) == 2 and b.leads[job_id].epoch == 2
-        assert table().generation == 2 and [m.worker_id for m in table().members] == [rank1.m.worker_id]
+        assert table().generation == 2 and [m.worker_id for m in table().members] == [rank1.membership.worker_id]
         assert json.loads(r.hget(keys.state, "summary")) == {"step": 5, "generation": 2, "world_size": 1}
         assert rank1.run_once() == 0  # it sees the end and exits cleanly
     finally:
