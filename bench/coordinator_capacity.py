@@ -23,7 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import re
 
 import psutil
 import redis
@@ -31,6 +30,9 @@ import redis
 
 from shoal.events.keys import job_keys
 from shoal.events.models import JoinRequest, encode_event
+from shoal.events.records import WorkerRecord
+from shoal.events.states import WorkerState
+from shoal.events.streams import ControlEntry
 from shoal.ops.embedded import start_server
 from shoal.core.registry import create_job
 from shoal.core.jobspec import JobSpec
@@ -139,15 +141,16 @@ def run_point(n_workers: int, n_jobs: int, ttl: float, interval: float, kills: i
                     for _s, entries in client.xread({control: cursor}, block=1000) or []:
                         for sid, f in entries:
                             cursor = sid.decode()
-                            if re.search(rf"(^|; ){re.escape(wid)} failed", f[b"reason"].decode()):
-                                found = int(f[b"ts_ms"])
+                            entry = ControlEntry.from_fields(f)
+                            if wid in entry.failed:
+                                found = entry.ts_ms
                 latencies.append((found - kill_ms) / 1000 if found else float("inf"))
             c1, w1 = cpu_proc.cpu_times(), time.monotonic()
             cpu = ((c1.user + c1.system) - (c0.user + c0.system)) / (w1 - w0)
             info = client.info("cpu")
             failed = 0
             for job in jobs:
-                failed += sum(1 for raw in client.hvals(job_keys(job).workers) if json.loads(raw)["state"] == "Failed")
+                failed += sum(1 for raw in client.hvals(job_keys(job).workers) if WorkerRecord.from_json(raw).state == WorkerState.FAILED)
             return {
                 "workers": len(flat), "jobs": n_jobs, "ttl_s": ttl, "join_s": round(join_s, 2),
                 "detect_median_s": round(statistics.median(latencies), 3), "detect_worst_s": round(max(latencies), 3),

@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 from shoal.events import bus
 from shoal.events.keys import job_keys
 from shoal.events.models import StopJob
+from shoal.events.states import WorkerState
 from shoal.ops.embedded import start_server
 from shoal.core.registry import create_job
 from shoal.core.jobspec import JobSpec
@@ -120,22 +121,22 @@ def run_recovery(url: str, tmp: Path, with_agent: bool) -> dict:
         else:
             for i in range(3):
                 procs.worker(job, f"p{i}")
-        watch.wait_for(lambda d: "world size 3" in d["reason"], 300)
+        watch.wait_for(lambda d: d.world_size == 3, 300)
         time.sleep(3.0)  # steady state
         records = watch.workers()
-        victim_id = sorted(w for w, r in records.items() if r["state"] == "Active")[1]
+        victim_id = sorted(w for w, r in records.items() if r["state"] == WorkerState.ACTIVE)[1]
         gen_before = int(client.hget(job_keys(job).state, "generation"))
         killed_at = time.time()
         os.kill(records[victim_id]["pid"], signal.SIGKILL)
-        watch.wait_for(lambda d: "world size 2" in d["reason"], 60)
+        watch.wait_for(lambda d: d.world_size == 2, 60)
         result: dict = {}
         if with_agent:
-            watch.wait_for(lambda d: "world size 3" in d["reason"], 120)
+            watch.wait_for(lambda d: d.world_size == 3, 120)
             time.sleep(2.0)
         else:
             time.sleep(2.0)
         bus.publish(client, job_keys(job).events, StopJob(job_id=job, reason="bench done"))
-        watch.wait_for(lambda d: d["job_state"] == "stopped", 60)
+        watch.wait_for(lambda d: d.job_state == "stopped", 60)
     entries = ledger.read(lg)
     per = by_worker(entries)
     survivors = [w for w in per if w != victim_id and per[w][0]["t"] < killed_at]
@@ -185,15 +186,15 @@ def run_hung(url: str, tmp: Path, repeat: int = 3) -> dict:
             procs.coordinator(f"coord-{job}")
             for k in range(3):
                 procs.worker(job, f"p{k}")
-            watch.wait_for(lambda d: "world size 3" in d["reason"], 300)
+            watch.wait_for(lambda d: d.world_size == 3, 300)
             time.sleep(3.0)  # steady state
             records = watch.workers()
-            victim = sorted(w for w, r in records.items() if r["state"] == "Active")[1]
+            victim = sorted(w for w, r in records.items() if r["state"] == WorkerState.ACTIVE)[1]
             pid = records[victim]["pid"]
             stopped = time.time()
             os.kill(pid, signal.SIGSTOP)
-            failed = watch.wait_for(lambda d: f"{victim} failed" in d["reason"], 60)
-            gen = int(failed["reason"].rsplit("generation ", 1)[1].split(":", 1)[0])
+            failed = watch.wait_for(lambda d: victim in d.failed, 60)
+            gen = failed.generation
             deadline = time.time() + 30
             first = None
             while first is None and time.time() < deadline:
@@ -202,7 +203,7 @@ def run_hung(url: str, tmp: Path, repeat: int = 3) -> dict:
                 time.sleep(0.1)
             os.kill(pid, signal.SIGKILL)
             bus.publish(client, job_keys(job).events, StopJob(job_id=job, reason="bench done"))
-            watch.wait_for(lambda d: d["job_state"] == "stopped", 60)
+            watch.wait_for(lambda d: d.job_state == "stopped", 60)
         if first is not None:
             times.append(first - stopped)
     return {"recovery_s": statistics.median(times) if times else float("nan"), "all": times}

@@ -135,7 +135,7 @@ def run_job(url: str, tmp: Path, mode: str, worlds: list[int], tag: str, verbose
         procs.coordinator(f"coord-{job}")
         for i in range(n):
             procs.worker(job, f"w{i}")
-        watch.wait_for(lambda d: f"world size {n}" in d["reason"], 600)
+        watch.wait_for(lambda d: d.world_size == n, 600)
         tail = LedgerTail(lg)
         alive = n
         while alive > min(worlds):
@@ -181,7 +181,7 @@ def run_job(url: str, tmp: Path, mode: str, worlds: list[int], tag: str, verbose
                 net = {k: window.get(k, 0) - rate.get(k, 0.0) * (t2 - t1) for k in window}
                 print("          " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(net.items(), key=lambda kv: -kv[1])[:12]))
         bus.publish(client, job_keys(job).events, StopJob(job_id=job, reason="bench done"))
-        watch.wait_for(lambda d: d["job_state"] == "stopped", 120)
+        watch.wait_for(lambda d: d.job_state == "stopped", 120)
     client.close()
     return rows
 

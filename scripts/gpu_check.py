@@ -169,15 +169,17 @@ def _with_redis(fn):
             server.stop()
 
 
-def _wait_state(client, job: str, timeout: float) -> tuple[str, str]:
-    from shoal.events.records import JobStatus
+def _wait_state(client, job: str, timeout: float):
+    """The job's status once it ended, or at ``timeout``."""
     from shoal.events.keys import job_keys
+    from shoal.events.records import JobStatus
+    from shoal.events.states import TERMINAL_JOB_STATES
 
     deadline = time.monotonic() + timeout
     while True:
         status = JobStatus.from_hash(client.hgetall(job_keys(job).state))
-        if status.state.value in ("completed", "failed", "stopped") or time.monotonic() > deadline:
-            return status.state.value, status.reason
+        if status.state in TERMINAL_JOB_STATES or time.monotonic() > deadline:
+            return status
         time.sleep(0.2)
 
 
@@ -212,13 +214,15 @@ def part_nccl(check: Check, gpus: int) -> None:
         t0 = time.monotonic()
         for i in range(3):
             procs.worker("nccl-forced", f"w{i}")
-        state, reason = _wait_state(client, "nccl-forced", 120)
+        status = _wait_state(client, "nccl-forced", 120)
         took = time.monotonic() - t0
-        generations = int(client.hget("shoal:{nccl-forced}:state", "generation") or 0)
-        check.log("nccl-fail-fast", f"{state} after {took:.1f} s, {generations} generations: {reason}\n")
-        ok = state == "failed" and "nccl_invalid_usage" in reason and "share GPU" in reason and took < 90
+        state = status.state.value
+        check.log("nccl-fail-fast", f"{state} after {took:.1f} s, {status.generation} generations: {status.reason}\n")
+        # typed: the failure's classification and how many generations in a row hit it
+        ok = state == "failed" and status.formation_error == "nccl_invalid_usage" and took < 90
         check.report("nccl-fail-fast", "PASS" if ok else "FAIL",
-                     f"{state} after {took:.0f} s, {generations} generations: {reason[:400]}")
+                     f"{state} after {took:.0f} s, {status.generation} generations, {status.formation_error or 'no'} "
+                     f"configuration error: {status.reason[:400]}")
 
     for fn in (refused, fail_fast):
         try:

@@ -16,6 +16,7 @@ import redis
 
 from shoal.events.keys import job_keys
 from shoal.events.models import ShardTable
+from shoal.events.streams import ControlEntry
 from shoal.events.records import WorkerRecord
 
 #: the repository root
@@ -60,7 +61,9 @@ def dump_logs(procs, agent_dir: Path, lines: int = 40) -> None:
 
 
 class ControlWatcher:
-    """Reads a job's control stream (the coordinator's decisions) from the beginning."""
+    """Reads a job's control stream (the coordinator's decisions) from the beginning, each
+    entry through its model (:class:`~shoal.events.streams.ControlEntry`): predicates read
+    its typed fields (``d.world_size``, ``d.failed``, ``d.joined``, ``d.job_state``...)."""
 
     #: longest single XREAD block: how far past its timeout ``wait_for`` may return
     BLOCK_MS = 200
@@ -69,10 +72,10 @@ class ControlWatcher:
         self.client = client
         self.keys = job_keys(job_id)
         self.last = "0-0"
-        self.seen: list[dict] = []
+        self.seen: list[ControlEntry] = []
         self._pos = 0
 
-    def wait_for(self, pred, timeout: float) -> dict:
+    def wait_for(self, pred: Callable[[ControlEntry], object], timeout: float) -> ControlEntry:
         """The first decision after the previous match that satisfies ``pred``, blocking on
         XREAD until it arrives; AssertionError on timeout, naming the last decisions seen."""
         while self._pos < len(self.seen):
@@ -81,12 +84,12 @@ class ControlWatcher:
             if pred(d):
                 return d
 
-        def next_match() -> dict | None:
+        def next_match() -> ControlEntry | None:
             resp = self.client.xread({self.keys.control: self.last}, count=100, block=self.BLOCK_MS)
             for _s, entries in resp or []:
                 for sid, f in entries:
                     self.last = sid.decode()
-                    d = {k.decode(): v.decode() for k, v in f.items()}
+                    d = ControlEntry.from_fields(f)
                     self.seen.append(d)
                     self._pos = len(self.seen)
                     if pred(d):
@@ -94,7 +97,11 @@ class ControlWatcher:
             return None
 
         return wait_until(next_match, timeout, lambda: f"a matching decision on {self.keys.control}; saw: "
-                          f"{[d['reason'] for d in self.seen][-10:]}", interval=0)
+                          f"{[d.reason for d in self.seen][-10:]}", interval=0)
+
+    def planned(self) -> list[ControlEntry]:
+        """The decisions seen so far that planned a generation (a membership change)."""
+        return [d for d in self.seen if d.planned]
 
     def table(self) -> ShardTable:
         return ShardTable.model_validate_json(self.client.get(self.keys.shard))

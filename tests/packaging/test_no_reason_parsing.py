@@ -21,7 +21,7 @@ PATTERNS = [
     re.compile(r"""\bre\.\w+\([^)\n]*\breason"""),
     re.compile(r"""\.(?:search|findall|match|fullmatch)\([^)\n]*\breason"""),
 ]
-PACKAGES = ("api", "coordinator", "core", "events", "ops", "storage", "worker", "examples")
+PACKAGES = ("api", "coordinator", "core", "events", "ops", "storage", "worker", "examples", "bench", "scripts")
 
 
 def offenders() -> list[str]:
