@@ -60,7 +60,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 
 import redis
@@ -76,36 +76,11 @@ from shoal.worker.errors import (
     RendezvousTimeout,
     WorkerError,
 )
+from shoal.worker import torch_compat as tc
 from shoal.worker.placement import local_device
 from shoal.worker.store import RedisStore, legacy_rendezvous
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Group:
-    """The process group this process belongs to (one per generation)."""
-
-    job_id: str
-    generation: int
-    rank: int
-    world_size: int
-    backend: str
-    device: torch.device
-    store: RedisStore
-    #: the collective timeout the group was made with (s)
-    timeout: float = 0.0
-
-
-_current: Group | None = None
-_last_generation: dict[str, int] = {}
-
-# abort requests (any thread) for the current group; guarded by _abort_lock
-_abort_lock = threading.Lock()
-_abort_reason = ""  #: set once the current group is aborted: its collectives fail at once
-_waiting: threading.Event | None = None  #: the event the training thread waits on now
-_abandoned: list[object] = []  #: work objects of aborted collectives, still in flight
-_joining: int | None = None  #: the generation whose group join_group is forming now
 
 
 def default_backend() -> str:
@@ -117,11 +92,6 @@ def device_for(backend: str) -> torch.device:
     """The device of a group of ``backend`` without a placement: this worker's GPU for nccl
     (:func:`shoal.worker.placement.local_device`), the CPU for gloo."""
     return local_device("cuda" if backend == "nccl" else "cpu")
-
-
-def current_group() -> Group | None:
-    """The group joined by :func:`join_group` and not yet left, or None."""
-    return _current
 
 
 # --- the address gloo advertises ------------------------------------------------------------
@@ -281,173 +251,383 @@ def translate_error(exc: BaseException, what: str, *, rendezvous: bool = False) 
 CONNECT_TIMEOUT_S = 5.0
 
 
-def _set_collective_timeout(backend: str, seconds: float) -> None:
-    """Give the default group's backend ``seconds`` as the timeout of its collectives."""
-    device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
-    dist.group.WORLD._get_backend(device)._set_default_timeout(timedelta(seconds=seconds))
-
-
-def extend_timeout(seconds: float) -> None:
-    """Make the current group's collective timeout at least ``seconds`` (for the operations
-    started from now on): a member receiving a state larger than its own - a joiner whose
-    optimizer holds no state yet - learns the size only from the header. Never shortens it."""
-    global _current
-    group = _current
-    if group is None or not dist.is_initialized() or seconds <= group.timeout:
-        return
-    _set_collective_timeout(group.backend, seconds)
-    with _abort_lock:
-        if _current is group:
-            _current = replace(group, timeout=seconds)
-
-
-def join_group(
-    client: redis.Redis,
-    job_id: str,
-    generation: int,
-    rank: int,
-    world_size: int,
-    timeout: float,
-    *,
-    collective_timeout: float | None = None,
-    backend: str | None = None,
-    device: torch.device | None = None,
-    iface: str | None = None,
-) -> Group:
-    """Join generation ``generation`` of ``job_id`` as ``rank`` of ``world_size``.
-
-    Blocks until every rank of the generation has connected, at most about ``timeout`` seconds
-    (each wait on the store and each connect is capped at :data:`CONNECT_TIMEOUT_S` or
-    ``timeout``, whichever is shorter; RendezvousTimeout otherwise; the caller then reports it and waits for a newer
-    generation - it must not retry the same generation). ``collective_timeout`` (default
-    ``timeout``) bounds every later collective of the group: a peer that hangs rather than
-    dies is detected after it. ``backend`` (default :func:`default_backend`) and ``device``
-    (where the caller's tensors live; default :func:`device_for` the backend) are the
-    worker's placement. ``iface`` (default ``SHOAL_IFACE``) names the interface a gloo group
-    advertises; see :func:`choose_address` for the default.
-
-    Raises WorkerError when this process is still in a group (call :func:`leave_group` first)
-    or ``generation`` is not greater than the last one joined for this job;
-    RendezvousFailed on Redis or backend errors. On failure the process is left with no
-    group, ready to join a later generation.
-    """
-    global _current, _joining, _abort_reason
-    if _current is not None or dist.is_initialized():
-        raise WorkerError(
-            f"join_group(generation={generation}): still in generation "
-            f"{_current.generation if _current else '?'}; call leave_group() first"
-        )
-    if not 0 <= rank < world_size:
-        raise WorkerError(f"join_group: rank {rank} outside world of size {world_size}")
-    last = _last_generation.get(job_id)
-    if last is not None and generation <= last:
-        raise WorkerError(
-            f"join_group: generation {generation} not newer than {last}, already joined; "
-            "a rendezvous prefix is never reused"
-        )
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout}")
-    backend = backend or default_backend()
-    _last_generation[job_id] = generation
-    what = f"rendezvous of generation {generation} (rank {rank}/{world_size})"
-    advertised = _advertise(client, iface) if backend == "gloo" else None
-    with _abort_lock:
-        _joining, _abort_reason = generation, ""
-    # rank + world size: every rank reads gloo's full mesh of addresses in one table (O(1)
-    # Redis commands per rank). NCCL reads one key (rank 0's unique id): O(W) already, and
-    # key by key. The legacy switch (benches only) reads gloo's addresses key by key too.
-    table = {} if legacy_rendezvous() or backend != "gloo" else {"rank": rank, "world_size": world_size}
-    store = RedisStore(client, job_keys(job_id).rendezvous(generation), timeout=timeout, max_wait=timeout,
-                       abort=lambda: _abort_reason, **table)
-    if backend == "nccl":
-        # NCCL's watchdog would tear the process down on a timeout: shoal aborts the
-        # communicator itself (on an eviction, or past the collective timeout) and goes on
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
-    try:
-        with _gloo_interface(advertised) if advertised else contextlib.nullcontext():
-            # connecting is bounded by the connect timeout (peers that reached the barrier
-            # are alive: a connect that takes longer goes nowhere, e.g. a wrong interface);
-            # the group's collectives then get the collective timeout
-            dist.init_process_group(
-                backend,
-                store=store,
-                rank=rank,
-                world_size=world_size,
-                timeout=timedelta(seconds=min(CONNECT_TIMEOUT_S, timeout)),
-            )
-            _set_collective_timeout(backend, collective_timeout or timeout)
-    except Exception as exc:  # noqa: BLE001 - translated
-        _destroy_quietly()
-        with _abort_lock:
-            _joining, why = None, _abort_reason
-            _abort_reason = ""
-        err = translate_error(exc, what, rendezvous=True)
-        if why:
-            err = RendezvousFailed(f"{what}: aborted ({why})")
-        if advertised is not None and _connect_failure(exc):
-            err = type(err)(connect_failure(str(exc), what, advertised), formation_error=err.formation_error)
-        raise err from exc
-    with _abort_lock:  # an abort requested while forming holds for the group formed
-        _joining = None
-        _current = Group(job_id, generation, rank, world_size, backend, device or device_for(backend), store,
-                         collective_timeout or timeout)
-    log.info("joined generation %d as rank %d/%d (%s, %s)", generation, rank, world_size, backend, _current.device)
-    return _current
-
-
-_advertised: Advertised | None = None
-
-
-def _advertise(client: redis.Redis, iface: str | None) -> Advertised:
-    """:func:`choose_address`, logged when it changes."""
-    global _advertised
-    chosen = choose_address(client, iface)
-    if chosen != _advertised:
-        log.info("gloo advertises %s", chosen.describe())
-        _advertised = chosen
-    return chosen
-
-
-def _connect_failure(exc: BaseException) -> bool:
-    """Whether a failed gloo group creation is gloo failing to connect to a peer (rather than
-    Redis, the store or our own checks)."""
-    if isinstance(exc, (WorkerError, redis.RedisError, dist.DistStoreError)):
-        return False
-    return peer_connect_failed(str(exc))
-
-
-def leave_group(*, background: bool = False) -> None:
-    """Destroy the current process group, if any. Never raises; idempotent.
-
-    Must be called by every member when its generation ends (also after a failed
-    collective), before :func:`join_group` of the next one.
-
-    ``background=True`` is for an orderly switch (no collective in flight, every member
-    leaves at the same step boundary): torch forgets the group at once, so the next
-    :func:`join_group` may follow immediately, and the backend itself - whose teardown
-    (gloo joins its I/O threads, ~20-30 ms, GIL released) is the expensive part - is freed
-    by a short-lived thread. After a failed collective leave synchronously (the default):
-    closing the sockets now is what makes peers still inside the collective fail at once.
-    A synchronous call first waits (bounded) for pending background teardowns.
-    """
-    global _current, _abort_reason
-    if background or _abort_reason:  # an aborted group's stuck work is dropped with it, by a thread
-        _destroy_quietly(background=True)
-    else:
-        wait_teardown()
-        _destroy_quietly()
-    with _abort_lock:
-        _current = None
-        _abort_reason = ""
-
-
-_teardowns: list[threading.Thread] = []
+#: Seconds a wait on NCCL work sleeps between polls (an abort ends it at once).
+NCCL_POLL_S = 0.0005
 TEARDOWN_TIMEOUT = 10.0
 
 
+class PendingReduce:
+    """An all-reduce in flight, started by :meth:`Group.all_reduce_async`.
+
+    :meth:`wait` waits like every wait of a group: it returns once the collective completed
+    and raises CollectiveFailed when it failed, when the group is (or gets) aborted - at once,
+    whatever the peers do - or past the collective timeout. A pending reduce that is given up
+    without a successful wait must be handed to :meth:`Group.abandon`: its tensor may still be
+    written by it, so the caller must not reuse that tensor."""
+
+    __slots__ = ("work", "what", "group")
+
+    def __init__(self, work: object, what: str, group: "Group") -> None:
+        self.work = work
+        self.what = what
+        self.group = group
+
+    def wait(self) -> None:
+        self.group._wait(self.work, self.what)
+
+    def completed(self) -> bool:
+        """Whether the collective has ended (successfully or not: :meth:`wait` then returns
+        at once, or raises). Never blocks."""
+        return bool(self.work.is_completed())
+
+
+class Group:
+    """One process group and everything with its lifetime: the torch ``ProcessGroup`` object,
+    its abort flag, the collective a thread waits on, its posted sends and abandoned work.
+
+    Two kinds: the registered default group of a generation (:func:`join_group`; a
+    data-parallel generation's group, or the shard group of an HSDP replica group), dropped
+    with ``destroy_process_group``; and standalone gloo groups torch never registers
+    (:func:`new_standalone_group`; an HSDP generation's cross-replica group), dropped by
+    their owner. Every collective of this class is started on the torch object's own methods
+    (:mod:`shoal.worker.torch_compat`) and waited for abortably (:meth:`request_abort`, from
+    any thread, ends every wait at once); each raises only CollectiveFailed. Not thread-safe
+    beyond that: one thread starts collectives (an autograd hook counts as that thread)."""
+
+    def __init__(self, job_id: str, generation: int, rank: int, world_size: int, backend: str, device: torch.device,
+                 store: object, timeout: float, torch_group: object, *, registered: bool, name: str = "") -> None:
+        self.job_id = job_id
+        self.generation = generation
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        #: where the callers' tensors live (the model's device)
+        self.device = device
+        self.store = store
+        #: the collective timeout the group was made with (s)
+        self.timeout = timeout
+        self.torch_group = torch_group
+        self.registered = registered
+        #: for messages: ``generation 4`` or ``generation 4 cross-replica group of shard 1``
+        self.name = name or f"generation {generation}"
+        self._lock = threading.Lock()
+        #: set once the group is aborted: its collectives fail at once
+        self.abort_reason = ""
+        #: the event the training thread waits on now
+        self._waiting: threading.Event | None = None
+        #: work objects of aborted or given-up collectives, still in flight
+        self._abandoned: list[object] = []
+        #: posted sends: (work, the tensor or its host copy, destination)
+        self._pending_sends: list[tuple[object, torch.Tensor, int]] = []
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"Group({self.name}, rank {self.rank}/{self.world_size}, {self.backend})"
+
+    # ---- aborting --------------------------------------------------------------------------------
+    def request_abort(self, reason: str) -> bool:
+        """(Any thread.) The collective in flight, if any, and every later one fail at once
+        with CollectiveFailed naming ``reason``. True when aborted by this call."""
+        with self._lock:
+            if self.abort_reason or self.closed:
+                return False
+            self.abort_reason = reason
+            waiting = self._waiting
+        if waiting is not None:
+            waiting.set()
+        log.warning("aborting %s's collectives: %s", self.name, reason)
+        return True
+
+    def _require(self, what: str) -> None:
+        if self.closed:
+            raise CollectiveFailed(f"{what}: not in a process group")
+        if self.abort_reason:
+            raise CollectiveFailed(f"{what}: aborted ({self.abort_reason})")
+
+    # ---- waiting --------------------------------------------------------------------------------
+    def _wait(self, work: object, what: str, timeout: float | None = None) -> None:
+        """Wait for ``work`` (a torch Work) until it completes, the group is aborted, or
+        ``timeout`` s passed (then the group is aborted: its collectives are stuck). Raises
+        CollectiveFailed for all but success. A work that completed wins over a late abort."""
+        if timeout is None and self.backend == "nccl":
+            timeout = self.timeout  # NCCL's own timeout does not end the wait: this does
+        done = threading.Event()
+        completed: list[BaseException | None] = []  # filled when the work ended (the event alone may be an abort)
+        with self._lock:
+            if self.abort_reason:
+                self._abandoned.append(work)
+                raise CollectiveFailed(f"{what}: aborted ({self.abort_reason})")
+            self._waiting = done
+
+        def on_done(_f: object) -> None:
+            completed.append(None)
+            done.set()
+
+        threaded = False  # a thread waited for the work already (it may be waited for only once)
+        try:
+            if self._polled(work):
+                finished = _poll(work, completed, done, timeout)
+            else:
+                try:
+                    future = work.get_future()
+                except RuntimeError:  # gloo's point-to-point work has no future: a thread waits for it
+                    future = None
+                if future is not None:
+                    future.add_done_callback(on_done)
+                else:
+                    threaded = True
+                    threading.Thread(target=_wait_in_thread, args=(work, completed, done), name="pg-wait",
+                                     daemon=True).start()
+                finished = done.wait(timeout)
+        finally:
+            with self._lock:
+                self._waiting = None
+        if not completed:
+            if not finished:
+                self.request_abort(f"{what} took longer than {timeout:.0f} s")
+            with self._lock:
+                self._abandoned.append(work)
+            raise CollectiveFailed(f"{what}: aborted ({self.abort_reason or 'no reason'})")
+        try:
+            if completed[0] is not None:
+                raise completed[0]
+            if not threaded:
+                work.wait()  # raises what the work failed with; NCCL: orders the current stream after it
+        except Exception as exc:  # noqa: BLE001 - translated
+            raise translate_error(exc, what) from exc
+
+    def _polled(self, work: object) -> bool:
+        """Whether ``work`` must be polled: NCCL marks its future complete when the collective
+        is *enqueued* (CUDA-event semantics; ``wait()`` only orders the current stream after
+        it), so waiting on the future would return at once and the host would then block,
+        unabortably, in the next read of the result. Its ``is_completed()`` asks the GPU
+        without blocking."""
+        return self.backend == "nccl" and hasattr(work, "is_completed")
+
+    # ---- collectives ------------------------------------------------------------------------------
+    def serial_collectives(self) -> bool:
+        """Whether a rank should keep at most one collective in flight: gloo groups of three or
+        more ranks. A gloo collective in flight holds the group's connections open; a rank whose
+        collective failed (a peer died) while another one was in flight would keep its sockets
+        open after leaving the group, so a live peer blocked on it - in a collective that needs
+        this rank's data - would wait for the collective timeout instead of failing at once, and
+        two such ranks can wait for each other. That takes a third rank: in a gloo group of two
+        the only peer of a rank whose collective failed is the one that broke it, so every
+        collective in flight fails at once, and the buckets go as soon as they are ready (as
+        DDP's do: 8 % more steps/s for the MLP of bench/real_models.py on 2 cores). NCCL runs
+        collectives in stream order anyway, and a dead NCCL peer is handled by aborting the
+        communicator: launching them all at once costs nothing."""
+        return self.backend != "nccl" and self.world_size > 2
+
+    def all_reduce_async(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                         what: str = "all_reduce") -> PendingReduce:
+        """Start an in-place all_reduce of ``tensor`` and return at once (any thread may call
+        it, e.g. an autograd hook). Every rank must start the same collectives in the same
+        order: the backends match them by that order. ``tensor`` must not be touched until the
+        returned reduce was waited for. CollectiveFailed when it cannot be started (the group
+        is closed or aborted, the backend refuses)."""
+        self._require(what)
+        try:
+            work = tc.allreduce(self.torch_group, tensor, op)
+        except Exception as exc:  # noqa: BLE001 - translated
+            raise translate_error(exc, what) from exc
+        return PendingReduce(work, what, self)
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                   what: str = "all_reduce") -> None:
+        """In-place all_reduce; CollectiveFailed on any failure. Reaps the posted sends."""
+        self.wait_all([self.all_reduce_async(tensor, op, what)])
+
+    def wait_all(self, pending: list[PendingReduce]) -> None:
+        """Wait for each of ``pending`` in order; once all completed, reap the sends posted
+        before them (:meth:`wait_sends`). On the first failure the ones not yet waited for are
+        abandoned (:meth:`abandon`) and CollectiveFailed is raised."""
+        for i, p in enumerate(pending):
+            try:
+                p.wait()
+            except CollectiveFailed:
+                self.abandon(pending[i + 1:])
+                raise
+        if self._pending_sends:
+            self.wait_sends()
+
+    def abandon(self, pending: list[PendingReduce]) -> None:
+        """Give up ``pending`` reduces without waiting: their work is kept, like an aborted
+        collective's, until the group is freed (their tensors must not be reused)."""
+        with self._lock:
+            self._abandoned.extend(p.work for p in pending)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """In-place broadcast from ``src``; CollectiveFailed on any failure."""
+        what = f"broadcast from rank {src}"
+        self._require(what)
+        try:
+            work = tc.broadcast(self.torch_group, tensor, src)
+        except Exception as exc:  # noqa: BLE001 - translated
+            raise translate_error(exc, what) from exc
+        self._wait(work, what)
+
+    def barrier(self) -> None:
+        """Barrier over the group; CollectiveFailed on any failure."""
+        self._require("barrier")
+        try:
+            work = tc.barrier(self.torch_group)
+        except Exception as exc:  # noqa: BLE001 - translated
+            raise translate_error(exc, "barrier") from exc
+        self._wait(work, "barrier")
+
+    # ---- point to point -------------------------------------------------------------------------
+    def _through_host(self, tensor: torch.Tensor) -> bool:
+        """Whether a point-to-point transfer of ``tensor`` must go through host memory: gloo's
+        send and receive take host memory only (its collectives take CUDA tensors)."""
+        return self.backend == "gloo" and tensor.device.type != "cpu"
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> None:
+        """Post a point-to-point send of ``tensor`` to rank ``dst`` and return at once; gloo's
+        I/O thread moves the bytes. ``tensor`` must not change until the send completed: the
+        receiver must take the data before it joins any later collective, so the next
+        successful :meth:`all_reduce` reaps (:meth:`wait_sends`) every send posted before it;
+        closing the group drops sends still pending. CollectiveFailed on failure."""
+        self._require("isend")
+        wire = _host_copy(tensor) if _through_host(self, tensor) else tensor
+        try:
+            work = tc.send(self.torch_group, wire, dst)
+        except Exception as exc:  # noqa: BLE001 - translated
+            raise translate_error(exc, f"send to rank {dst}") from exc
+        self._pending_sends.append((work, wire, dst))  # keeps a staged copy alive until the send completed
+
+    def wait_sends(self) -> None:
+        """Wait for every send posted with :meth:`isend`; CollectiveFailed when one failed."""
+        while self._pending_sends:
+            work, _tensor, dst = self._pending_sends[0]
+            self._wait(work, f"send to rank {dst}")
+            self._pending_sends.pop(0)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        """Point-to-point receive from rank ``src`` into ``tensor``; CollectiveFailed on failure."""
+        self.recv_many([tensor], src)
+
+    def recv_many(self, tensors: list[torch.Tensor], src: int, timeout: float | None = None) -> None:
+        """Receive into each of ``tensors`` in order (the messages ``src`` sent, in order): all
+        receives are posted first, so the data streams without a round trip per message.
+        CollectiveFailed on failure, on an abort, or when all of it has not arrived within
+        ``timeout`` s (then the group is aborted; each wait is also bounded by the group's
+        timeout)."""
+        self._require("recv")
+        wires = [_host_copy(t, fill=False) if _through_host(self, t) else t for t in tensors]
+        try:
+            works = [tc.recv(self.torch_group, w, src) for w in wires]
+        except Exception as exc:  # noqa: BLE001 - translated
+            raise translate_error(exc, f"recv from rank {src}") from exc
+        what = f"recv from rank {src}" if timeout is None else f"recv from rank {src} (bulk, bounded by {timeout:.0f} s)"
+        self._wait(works[0] if len(works) == 1 else _AllOf(works), what, timeout)
+        for tensor, wire in zip(tensors, wires):
+            if wire is not tensor:  # staged through host memory (gloo): onto the tensor's device
+                tensor.copy_(wire)
+
+    # ---- timeouts and closing ----------------------------------------------------------------------
+    def extend_timeout(self, seconds: float) -> None:
+        """Make the collective timeout at least ``seconds`` (for the operations started from
+        now on): a member receiving a state larger than its own - a joiner whose optimizer
+        holds no state yet - learns the size only from the header. Never shortens it."""
+        if self.closed or seconds <= self.timeout:
+            return
+        device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
+        tc.set_timeout(self.torch_group, device, seconds)
+        self.timeout = seconds
+
+    def close(self, *, background: bool = False) -> None:
+        """Drop the group. Never raises; idempotent. ``background``: an orderly switch (no
+        collective in flight, every member leaves at the same step boundary): the backend's
+        teardown (gloo joins its I/O threads, ~20-30 ms, GIL released) runs on a short-lived
+        thread. An aborted group is always dropped that way (its stuck work ends whenever its
+        peers go). Otherwise synchronously: closing the sockets now is what makes peers still
+        inside a collective fail at once."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            aborted = bool(self.abort_reason)
+        background = background or aborted
+        keep: list = [self.torch_group] if background else []
+        if self.registered:
+            if aborted and self.backend == "nccl":
+                try:
+                    tc.abort_default_nccl()
+                except Exception:  # noqa: BLE001 - best effort: the group is dropped next anyway
+                    log.warning("aborting the NCCL group failed; continuing", exc_info=True)
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group may complain while being torn down
+                log.warning("destroy_process_group failed; continuing", exc_info=True)
+        elif not background:
+            keep = [self.torch_group]  # freed here, below, by dropping the last reference
+        self.torch_group = None
+        keep += [w for w, _t, _d in self._pending_sends] + [t for _w, t, _d in self._pending_sends]  # gloo holds weak refs
+        keep += self._abandoned
+        self._pending_sends, self._abandoned = [], []
+        if background:
+            _free_later(keep, wait=not aborted)
+        else:
+            keep.clear()
+
+
+def _through_host(group: Group, tensor: torch.Tensor) -> bool:
+    return group._through_host(tensor)
+
+
+def _host_copy(tensor: torch.Tensor, *, fill: bool = True) -> torch.Tensor:
+    """A host buffer shaped like ``tensor`` (pinned when it is on a GPU), holding its values
+    (``fill``) or not yet (a receive's)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda)
+    return host.copy_(tensor) if fill else host
+
+
+def _poll(work: object, completed: list, done: threading.Event, timeout: float | None) -> bool:
+    """Poll ``work.is_completed()`` until it is, ``done`` is set (an abort) or ``timeout`` s
+    passed; True unless the timeout passed. Marks ``completed`` when the work ended."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        if work.is_completed():  # also True when it failed: work.wait() then raises
+            completed.append(None)
+            return True
+        if done.wait(NCCL_POLL_S):
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+
+
+def _wait_in_thread(work: object, completed: list, done: threading.Event) -> None:
+    """``work.wait()`` (a point-to-point work may be waited for only once); what it raised
+    goes to ``completed``."""
+    try:
+        work.wait()
+        completed.append(None)
+    except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
+        completed.append(exc)
+    done.set()
+
+
+class _AllOf:
+    """Several point-to-point works waited for as one, in order (by one thread)."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def get_future(self) -> None:
+        raise RuntimeError("point-to-point works have no future")
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+_teardowns: list[threading.Thread] = []
+
+
 def wait_teardown(timeout: float = TEARDOWN_TIMEOUT) -> bool:
-    """Wait up to ``timeout`` s in total for groups left with ``background=True`` to be
-    freed; True when none is pending."""
+    """Wait up to ``timeout`` s in total for groups dropped in the background to be freed;
+    True when none is pending."""
     deadline = time.monotonic() + timeout
     while _teardowns:
         t = _teardowns[0]
@@ -476,6 +656,199 @@ def _free_later(box: list, *, wait: bool = True) -> None:
     t.start()
 
 
+# --- the generation's group: joining and leaving -------------------------------------------------
+#: How long a generation's group may take to connect once its members met at the barrier:
+#: each store wait for a peer's address, and each of gloo's connect attempts (it makes up to
+#: four, so a peer that cannot be reached - a wrong interface - ends the rendezvous in ~20 s).
+#: A member slower than that to publish its address gets a new generation of the same members.
+CONNECT_TIMEOUT_S = 5.0
+
+_current: Group | None = None
+_last_generation: dict[str, int] = {}
+_forming_lock = threading.Lock()
+#: (generation, abort reason) of the group join_group is forming now (None: none)
+_forming: list | None = None
+
+
+def current_group() -> Group | None:
+    """The group joined by :func:`join_group` and not yet left, or None."""
+    return _current
+
+
+def join_group(
+    client: redis.Redis,
+    job_id: str,
+    generation: int,
+    rank: int,
+    world_size: int,
+    timeout: float,
+    *,
+    collective_timeout: float | None = None,
+    backend: str | None = None,
+    device: torch.device | None = None,
+    iface: str | None = None,
+    prefix: str | None = None,
+) -> Group:
+    """Join generation ``generation`` of ``job_id`` as ``rank`` of ``world_size``: the
+    process's registered default group.
+
+    Blocks until every rank of the generation has connected, at most about ``timeout`` seconds
+    (each wait on the store and each connect is capped at :data:`CONNECT_TIMEOUT_S` or
+    ``timeout``, whichever is shorter; RendezvousTimeout otherwise; the caller then reports it
+    and waits for a newer generation - it must not retry the same generation).
+    ``collective_timeout`` (default ``timeout``) bounds every later collective of the group: a
+    peer that hangs rather than dies is detected after it. ``backend`` (default
+    :func:`default_backend`) and ``device`` (where the caller's tensors live; default
+    :func:`device_for` the backend) are the worker's placement. ``iface`` (default
+    ``SHOAL_IFACE``) names the interface a gloo group advertises; see :func:`choose_address`.
+    ``prefix``: the store prefix (default: the generation's rendezvous keys).
+
+    Raises WorkerError when this process is still in a group (call :func:`leave_group` first)
+    or ``generation`` is not greater than the last one joined for this job;
+    RendezvousFailed on Redis or backend errors. On failure the process is left with no
+    group, ready to join a later generation.
+    """
+    global _current, _forming
+    if _current is not None or dist.is_initialized():
+        raise WorkerError(
+            f"join_group(generation={generation}): still in generation "
+            f"{_current.generation if _current else '?'}; call leave_group() first"
+        )
+    if not 0 <= rank < world_size:
+        raise WorkerError(f"join_group: rank {rank} outside world of size {world_size}")
+    last = _last_generation.get(job_id)
+    if last is not None and generation <= last:
+        raise WorkerError(
+            f"join_group: generation {generation} not newer than {last}, already joined; "
+            "a rendezvous prefix is never reused"
+        )
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    backend = backend or default_backend()
+    _last_generation[job_id] = generation
+    what = f"rendezvous of generation {generation} (rank {rank}/{world_size})"
+    advertised = _advertise(client, iface) if backend == "gloo" else None
+    forming = [generation, ""]
+    with _forming_lock:
+        _forming = forming
+    # rank + world size: every rank reads gloo's full mesh of addresses in one table (O(1)
+    # Redis commands per rank). NCCL reads one key (rank 0's unique id): O(W) already, and
+    # key by key. The legacy switch (benches only) reads gloo's addresses key by key too.
+    table = {} if legacy_rendezvous() or backend != "gloo" else {"rank": rank, "world_size": world_size}
+    store = RedisStore(client, prefix or job_keys(job_id).rendezvous(generation), timeout=timeout, max_wait=timeout,
+                       abort=lambda: forming[1], **table)
+    if backend == "nccl":
+        # NCCL's watchdog would tear the process down on a timeout: shoal aborts the
+        # communicator itself (on an eviction, or past the collective timeout) and goes on
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+    collective = collective_timeout or timeout
+    try:
+        with _gloo_interface(advertised) if advertised else contextlib.nullcontext():
+            # connecting is bounded by the connect timeout (peers that reached the barrier
+            # are alive: a connect that takes longer goes nowhere, e.g. a wrong interface);
+            # the group's collectives then get the collective timeout
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=min(CONNECT_TIMEOUT_S, timeout)),
+            )
+            tc.set_timeout(tc.default_group(), torch.device("cuda") if backend == "nccl" else torch.device("cpu"),
+                           collective)
+    except Exception as exc:  # noqa: BLE001 - translated
+        _destroy_default()
+        with _forming_lock:
+            _forming, why = None, forming[1]
+        err = translate_error(exc, what, rendezvous=True)
+        if why:
+            err = RendezvousFailed(f"{what}: aborted ({why})")
+        if advertised is not None and _connect_failure(exc):
+            err = type(err)(connect_failure(str(exc), what, advertised), formation_error=err.formation_error)
+        raise err from exc
+    group = Group(job_id, generation, rank, world_size, backend, device or device_for(backend), store, collective,
+                  tc.default_group(), registered=True)
+    with _forming_lock:  # an abort requested while forming holds for the group formed
+        _forming = None
+        if forming[1]:
+            group.abort_reason = forming[1]
+        _current = group
+    log.info("joined generation %d as rank %d/%d (%s, %s)", generation, rank, world_size, backend, group.device)
+    return group
+
+
+def new_standalone_group(client: redis.Redis, prefix: str, rank: int, world_size: int, timeout: float, *,
+                         job_id: str, generation: int, device: torch.device, name: str,
+                         collective_timeout: float | None = None, iface: str | None = None) -> Group:
+    """A gloo group of ``world_size`` ranks that torch does not register (for one generation
+    of an HSDP job: a cross-replica group), meeting under the store prefix ``prefix``.
+    Blocks like :func:`join_group` (RendezvousFailed/RendezvousTimeout on failure); its owner
+    closes it (:meth:`Group.close`)."""
+    what = f"rendezvous of {name} (rank {rank}/{world_size})"
+    advertised = _advertise(client, iface)
+    store = RedisStore(client, prefix, timeout=timeout, max_wait=timeout, rank=rank, world_size=world_size)
+    try:
+        torch_group = tc.new_gloo_group(store, rank, world_size, min(CONNECT_TIMEOUT_S, timeout),
+                                        address=advertised.address if advertised.iface else "")
+    except Exception as exc:  # noqa: BLE001 - translated
+        err = translate_error(exc, what, rendezvous=True)
+        if _connect_failure(exc):
+            err = type(err)(connect_failure(str(exc), what, advertised), formation_error=err.formation_error)
+        raise err from exc
+    group = Group(job_id, generation, rank, world_size, "gloo", device, store, collective_timeout or timeout,
+                  torch_group, registered=False, name=name)
+    tc.set_timeout(torch_group, torch.device("cpu"), group.timeout)
+    return group
+
+
+_advertised: Advertised | None = None
+
+
+def _advertise(client: redis.Redis, iface: str | None) -> Advertised:
+    """:func:`choose_address`, logged when it changes."""
+    global _advertised
+    chosen = choose_address(client, iface)
+    if chosen != _advertised:
+        log.info("gloo advertises %s", chosen.describe())
+        _advertised = chosen
+    return chosen
+
+
+def _connect_failure(exc: BaseException) -> bool:
+    """Whether a failed gloo group creation is gloo failing to connect to a peer (rather than
+    Redis, the store or our own checks)."""
+    if isinstance(exc, (WorkerError, redis.RedisError, dist.DistStoreError)):
+        return False
+    return peer_connect_failed(str(exc))
+
+
+def leave_group(*, background: bool = False) -> None:
+    """Drop the current group (:meth:`Group.close`), if any. Never raises; idempotent.
+
+    Must be called by every member when its generation ends (also after a failed
+    collective), before :func:`join_group` of the next one. ``background=True`` is for an
+    orderly switch; a synchronous call first waits (bounded) for pending background
+    teardowns, and leaves no default group behind in any case."""
+    global _current
+    group = _current
+    if group is not None and not (background or group.abort_reason):
+        wait_teardown()
+    if group is not None:
+        group.close(background=background)
+    _destroy_default()
+    _current = None
+
+
+def _destroy_default() -> None:
+    """No default group left, and torch's group counter reset (see :func:`_reset_group_names`)."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group may complain while being torn down
+            log.warning("destroy_process_group failed; continuing", exc_info=True)
+    _reset_group_names()
+
+
 def _reset_group_names() -> None:
     """Make the next group's name (and so its store keys, ``<name>//cpu//...``) the same on
     every member. torch names an unnamed default group by a per-process counter that it
@@ -483,343 +856,106 @@ def _reset_group_names() -> None:
     group: a member whose rendezvous failed would otherwise count one ahead of members that
     never tried that generation, and no later generation could form (they wait for each
     other's keys under different names)."""
-    from torch.distributed import distributed_c10d as c10d
-
-    c10d._world.group_count = 0
+    tc.reset_group_counter()
 
 
-def _destroy_quietly(*, background: bool = False) -> None:
-    if not dist.is_initialized():
-        _reset_group_names()
-        return
-    box = [dist.group.WORLD] if background else []
-    if _abort_reason and _current is not None and _current.backend == "nccl":
-        _abort_nccl()
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - a broken group may complain while being torn down
-        log.warning("destroy_process_group failed; continuing", exc_info=True)
-    if box:
-        box.extend(_pending_sends)  # dropped after the backend (gloo holds weak references)
-        box.extend(_abandoned)
-        _pending_sends.clear()
-        _abandoned.clear()
-        _free_later(box, wait=not _abort_reason)
-    else:
-        _pending_sends.clear()
-        _abandoned.clear()
-
-
-def _abort_nccl() -> None:
-    """``ncclCommAbort`` of the current group: its kernels stop, its work fails."""
-    from torch.distributed import distributed_c10d as c10d
-
-    try:
-        c10d._abort_process_group()
-    except Exception:  # noqa: BLE001 - best effort: the group is dropped next anyway
-        log.warning("aborting the NCCL group failed; continuing", exc_info=True)
-
-
-# --- aborting ------------------------------------------------------------------------------
+# --- the current group: aborting and its collectives ------------------------------------------------
 def request_abort(generation: int, reason: str) -> bool:
     """Abort the group of ``generation`` if it is the current one, or the one being formed
     (from any thread): the collective in flight, if any, and every later one fail at once
     with CollectiveFailed naming ``reason``, until :func:`leave_group`; a rendezvous in
     progress fails with RendezvousFailed. True when it was aborted by this call."""
-    global _abort_reason
-    with _abort_lock:
-        ours = (_current is not None and _current.generation == generation) or _joining == generation
-        if not ours or _abort_reason:
-            return False
-        _abort_reason = reason
-        waiting = _waiting
-    if waiting is not None:
-        waiting.set()
-    log.warning("aborting generation %d's collectives: %s", generation, reason)
-    return True
+    with _forming_lock:
+        forming = _forming
+        if forming is not None and forming[0] == generation:
+            if forming[1]:
+                return False
+            forming[1] = reason
+            log.warning("aborting generation %d's rendezvous: %s", generation, reason)
+            return True
+        group = _current
+    if group is None or group.generation != generation:
+        return False
+    return group.request_abort(reason)
 
 
 def aborted() -> str:
-    """Why the current group was aborted ("" when it was not)."""
-    return _abort_reason
+    """Why the current group was aborted ("" when it was not, or there is none)."""
+    group = _current
+    return group.abort_reason if group is not None else ""
 
 
-def _wait(work: object, what: str, timeout: float | None = None) -> None:
-    """Wait for ``work`` (a torch Work) until it completes, the group is aborted, or
-    ``timeout`` s passed (then the group is aborted: its collectives are stuck). Raises
-    CollectiveFailed for all but success. A work that completed wins over a late abort."""
-    global _waiting
-    if timeout is None and _current is not None and _current.backend == "nccl":
-        timeout = _current.timeout  # NCCL's own timeout does not end the wait: this does
-    done = threading.Event()
-    completed: list[BaseException | None] = []  # filled when the work ended (the event alone may be an abort)
-    with _abort_lock:
-        if _abort_reason:
-            _abandoned.append(work)
-            raise CollectiveFailed(f"{what}: aborted ({_abort_reason})")
-        _waiting = done
-
-    def on_done(_f: object) -> None:
-        completed.append(None)
-        done.set()
-
-    threaded = False  # a thread waited for the work already (it may be waited for only once)
-    try:
-        if _polled(work):
-            finished = _poll(work, completed, done, timeout)
-        else:
-            try:
-                future = work.get_future()
-            except RuntimeError:  # gloo's point-to-point work has no future: a thread waits for it
-                future = None
-            if future is not None:
-                future.add_done_callback(on_done)
-            else:
-                threaded = True
-                threading.Thread(target=_wait_in_thread, args=(work, completed, done), name="pg-wait",
-                                 daemon=True).start()
-            finished = done.wait(timeout)
-    finally:
-        with _abort_lock:
-            _waiting = None
-    if not completed:
-        if not finished and _current is not None:
-            request_abort(_current.generation, f"{what} took longer than {timeout:.0f} s")
-        _abandoned.append(work)
-        raise CollectiveFailed(f"{what}: aborted ({_abort_reason or 'no reason'})")
-    try:
-        if completed[0] is not None:
-            raise completed[0]
-        if not threaded:
-            work.wait()  # raises what the work failed with; NCCL: orders the current stream after it
-    except Exception as exc:  # noqa: BLE001 - translated
-        raise translate_error(exc, what) from exc
-
-
-#: How often a wait on NCCL work looks whether the GPU finished it (an abort ends it at once).
-NCCL_POLL_S = 0.0005
-
-
-def _polled(work: object) -> bool:
-    """Whether ``work`` must be polled: NCCL marks its future complete when the collective
-    is *enqueued* (CUDA-event semantics; ``wait()`` only orders the current stream after it),
-    so waiting on the future would return at once and the host would then block, unabortably,
-    in the next read of the result. Its ``is_completed()`` asks the GPU without blocking."""
-    return _current is not None and _current.backend == "nccl" and hasattr(work, "is_completed")
-
-
-def _poll(work: object, completed: list, done: threading.Event, timeout: float | None) -> bool:
-    """Poll ``work.is_completed()`` until it is, ``done`` is set (an abort) or ``timeout`` s
-    passed; True unless the timeout passed. Marks ``completed`` when the work ended."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        if work.is_completed():  # also True when it failed: work.wait() then raises
-            completed.append(None)
-            return True
-        if done.wait(NCCL_POLL_S):
-            return True
-        if deadline is not None and time.monotonic() >= deadline:
-            return False
-
-
-def _wait_in_thread(work: object, completed: list, done: threading.Event) -> None:
-    """``work.wait()`` (a point-to-point work may be waited for only once); what it raised
-    goes to ``completed``."""
-    try:
-        work.wait()
-        completed.append(None)
-    except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
-        completed.append(exc)
-    done.set()
-
-
-# --- collectives with translated errors ------------------------------------------------------
-def _require_group(what: str) -> None:
-    if not dist.is_initialized():
+def _group(what: str) -> Group:
+    group = _current
+    if group is None or not dist.is_initialized():
         raise CollectiveFailed(f"{what}: not in a process group")
-    if _abort_reason:
-        raise CollectiveFailed(f"{what}: aborted ({_abort_reason})")
+    return group
 
 
 def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
     """In-place all_reduce over the current group; CollectiveFailed on any failure."""
-    wait_all([all_reduce_async(tensor, op)])
-
-
-class PendingReduce:
-    """An all-reduce in flight, started by :func:`all_reduce_async`.
-
-    :meth:`wait` waits like every wait of this module: it returns once the collective
-    completed and raises CollectiveFailed when it failed, when the group is (or gets) aborted -
-    at once, whatever the peers do - or past the collective timeout. A pending reduce that is
-    given up without a successful wait must be handed to :func:`abandon`: its tensor may still
-    be written by it, so the caller must not reuse that tensor."""
-
-    __slots__ = ("work", "what")
-
-    def __init__(self, work: object, what: str) -> None:
-        self.work = work
-        self.what = what
-
-    def wait(self) -> None:
-        _wait(self.work, self.what)
-
-    def completed(self) -> bool:
-        """Whether the collective has ended (successfully or not: :meth:`wait` then returns
-        at once, or raises). Never blocks."""
-        return bool(self.work.is_completed())
-
-
-def serial_collectives() -> bool:
-    """Whether a rank should keep at most one collective in flight: gloo groups of three or
-    more ranks. A gloo collective in flight holds the group's connections open; a rank whose
-    collective failed (a peer died) while another one was in flight would keep its sockets open
-    after leaving the group, so a live peer blocked on it - in a collective that needs this
-    rank's data - would wait for the collective timeout instead of failing at once, and two
-    such ranks can wait for each other. That takes a third rank: in a gloo group of two the
-    only peer of a rank whose collective failed is the one that broke it, so every collective
-    in flight fails at once, and the buckets go as soon as they are ready (as DDP's do: 8 % more
-    steps/s for the MLP of bench/real_models.py on 2 cores). NCCL runs collectives in stream
-    order anyway, and a dead NCCL peer is handled by aborting the communicator: launching them
-    all at once costs nothing."""
-    return _current is None or (_current.backend != "nccl" and _current.world_size > 2)
+    _group("all_reduce").all_reduce(tensor, op)
 
 
 def all_reduce_async(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                      what: str = "all_reduce") -> PendingReduce:
-    """Start an in-place all_reduce of ``tensor`` over the current group and return at once
-    (any thread may call it, e.g. an autograd hook). Every rank must start the same
-    collectives in the same order: the backends match them by that order. ``tensor`` must not
-    be touched until the returned reduce was waited for. CollectiveFailed when it cannot be
-    started (no group, the group is aborted, the backend refuses)."""
-    _require_group(what)
-    try:
-        work = dist.all_reduce(tensor, op=op, async_op=True)
-    except Exception as exc:  # noqa: BLE001 - translated
-        raise translate_error(exc, what) from exc
-    return PendingReduce(work, what)
+    """:meth:`Group.all_reduce_async` of the current group."""
+    return _group(what).all_reduce_async(tensor, op, what)
 
 
 def wait_all(pending: list[PendingReduce]) -> None:
-    """Wait for each of ``pending`` in order; once all completed, reap the sends posted before
-    them (:func:`wait_sends`), as :func:`all_reduce` does. On the first failure the ones not
-    yet waited for are abandoned (:func:`abandon`) and CollectiveFailed is raised."""
-    for i, p in enumerate(pending):
-        try:
-            p.wait()
-        except CollectiveFailed:
-            abandon(pending[i + 1:])
-            raise
-    if _pending_sends:
-        wait_sends()
+    """:meth:`Group.wait_all` of the current group."""
+    _group("all_reduce").wait_all(pending)
 
 
 def abandon(pending: list[PendingReduce]) -> None:
-    """Give up ``pending`` reduces without waiting: their work is kept, like an aborted
-    collective's, until the group is freed (their tensors must not be reused)."""
-    with _abort_lock:
-        _abandoned.extend(p.work for p in pending)
+    """:meth:`Group.abandon` (of the group each reduce belongs to)."""
+    for p in pending:
+        p.group.abandon([p])
+
+
+def serial_collectives() -> bool:
+    """:meth:`Group.serial_collectives` of the current group (True without one)."""
+    group = _current
+    return group is None or group.serial_collectives()
 
 
 def broadcast(tensor: torch.Tensor, src: int) -> None:
-    """In-place broadcast from ``src``; CollectiveFailed on any failure."""
-    _require_group("broadcast")
-    try:
-        work = dist.broadcast(tensor, src=src, async_op=True)
-    except Exception as exc:  # noqa: BLE001 - translated
-        raise translate_error(exc, f"broadcast from rank {src}") from exc
-    _wait(work, f"broadcast from rank {src}")
+    _group("broadcast").broadcast(tensor, src)
 
 
 def isend(tensor: torch.Tensor, dst: int) -> None:
-    """Post a point-to-point send of ``tensor`` to rank ``dst`` and return at once; gloo's I/O
-    thread moves the bytes. ``tensor`` must not change until the send completed: the receiver
-    must take the data before it joins any later collective, so the next successful
-    :func:`all_reduce` reaps (:func:`wait_sends`) every send posted before it;
-    :func:`leave_group` drops sends still pending. CollectiveFailed on failure."""
-    _require_group("isend")
-    wire = _host_copy(tensor) if _through_host(tensor) else tensor
-    try:
-        work = dist.isend(wire, dst)
-    except Exception as exc:  # noqa: BLE001 - translated
-        raise translate_error(exc, f"send to rank {dst}") from exc
-    _pending_sends.append((work, wire, dst))  # keeps a staged copy alive until the send completed
-
-
-def _through_host(tensor: torch.Tensor) -> bool:
-    """Whether a point-to-point transfer of ``tensor`` must go through host memory: gloo's
-    send and receive take host memory only (its collectives take CUDA tensors)."""
-    return _current is not None and _current.backend == "gloo" and tensor.device.type != "cpu"
-
-
-def _host_copy(tensor: torch.Tensor, *, fill: bool = True) -> torch.Tensor:
-    """A host buffer shaped like ``tensor`` (pinned when it is on a GPU), holding its values
-    (``fill``) or not yet (a receive's)."""
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda)
-    return host.copy_(tensor) if fill else host
-
-
-_pending_sends: list[tuple[object, torch.Tensor, int]] = []
+    _group("isend").isend(tensor, dst)
 
 
 def wait_sends() -> None:
-    """Wait for every send posted with :func:`isend`; CollectiveFailed when one failed."""
-    while _pending_sends:
-        work, _tensor, dst = _pending_sends[0]
-        _wait(work, f"send to rank {dst}")
-        _pending_sends.pop(0)
+    group = _current
+    if group is not None:
+        group.wait_sends()
 
 
 def recv(tensor: torch.Tensor, src: int) -> None:
-    """Point-to-point receive from rank ``src`` into ``tensor``; CollectiveFailed on failure."""
-    recv_many([tensor], src)
+    _group("recv").recv(tensor, src)
 
 
 def recv_many(tensors: list[torch.Tensor], src: int, timeout: float | None = None) -> None:
-    """Receive into each of ``tensors`` in order (the messages ``src`` sent, in order): all
-    receives are posted first, so the data streams without a round trip per message.
-    CollectiveFailed on failure, on an abort, or when all of it has not arrived within
-    ``timeout`` s (then the group is aborted; each wait is also bounded by the group's
-    timeout)."""
-    _require_group("recv")
-    wires = [_host_copy(t, fill=False) if _through_host(t) else t for t in tensors]
-    try:
-        works = [dist.irecv(w, src) for w in wires]
-    except Exception as exc:  # noqa: BLE001 - translated
-        raise translate_error(exc, f"recv from rank {src}") from exc
-    what = f"recv from rank {src}" if timeout is None else f"recv from rank {src} (bulk, bounded by {timeout:.0f} s)"
-    _wait(works[0] if len(works) == 1 else _AllOf(works), what, timeout)
-    for tensor, wire in zip(tensors, wires):
-        if wire is not tensor:  # staged through host memory (gloo): onto the tensor's device
-            tensor.copy_(wire)
-
-
-class _AllOf:
-    """Several point-to-point works waited for as one, in order (by one thread)."""
-
-    def __init__(self, works: list) -> None:
-        self.works = works
-
-    def get_future(self) -> None:
-        raise RuntimeError("point-to-point works have no future")
-
-    def wait(self) -> None:
-        for w in self.works:
-            w.wait()
+    _group("recv").recv_many(tensors, src, timeout)
 
 
 def barrier() -> None:
-    """Barrier over the current group; CollectiveFailed on any failure."""
-    _require_group("barrier")
-    try:
-        work = dist.barrier(async_op=True)
-    except Exception as exc:  # noqa: BLE001 - translated
-        raise translate_error(exc, "barrier") from exc
-    _wait(work, "barrier")
+    _group("barrier").barrier()
+
+
+def extend_timeout(seconds: float) -> None:
+    """:meth:`Group.extend_timeout` of the current group, if any."""
+    group = _current
+    if group is not None:
+        group.extend_timeout(seconds)
 
 
 def world() -> tuple[int, int]:
     """``(rank, world_size)`` of the current group, ``(0, 1)`` outside any group (local runs)."""
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+    group = _current
+    if group is not None and dist.is_initialized():
+        return group.rank, group.world_size
     return 0, 1

@@ -36,7 +36,7 @@ def _child(rank: int, job: str) -> None:
         staged.append("send" if fill else "recv")
         return real(tensor, fill=fill)
 
-    pg._through_host = lambda tensor: True  # as for CUDA tensors in a gloo group
+    pg.Group._through_host = lambda self, tensor: True  # as for CUDA tensors in a gloo group
     pg._host_copy = counting
     torch.manual_seed(rank)  # different weights: the joiner's are replaced
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))

@@ -43,20 +43,24 @@ class FakeNcclWork:
         raise AssertionError("an NCCL wait must poll, not wait on the future")
 
 
+def _group(backend: str = "nccl", timeout: float = 30.0, *, torch_group: object = None,
+           registered: bool = False) -> pg.Group:
+    """A group of generation 7 with no real backend behind it."""
+    return pg.Group("j", 7, 0, 2, backend, torch.device("cpu"), None, timeout, torch_group, registered=registered)
+
+
 @pytest.fixture
 def nccl_group(monkeypatch):
     """The module's current group is an NCCL group of generation 7 (no real backend)."""
-    group = pg.Group("j", 7, 0, 2, "nccl", torch.device("cpu"), store=None, timeout=30.0)
+    group = _group()
     monkeypatch.setattr(pg, "_current", group)
-    monkeypatch.setattr(pg, "_abort_reason", "")
-    monkeypatch.setattr(pg, "_abandoned", [])
     yield group
 
 
 def test_a_wait_on_nccl_work_polls_it_and_returns_once_it_completed(nccl_group) -> None:
     work = FakeNcclWork()
     threading.Timer(0.05, work.done.set).start()
-    pg._wait(work, "all_reduce of gradient bucket 0")
+    nccl_group._wait(work, "all_reduce of gradient bucket 0")
     assert work.polls > 1 and work.waited == 1  # polled, then wait() orders the stream after it
 
 
@@ -65,44 +69,45 @@ def test_an_abort_from_another_thread_ends_the_wait_at_once(nccl_group) -> None:
     threading.Timer(0.1, pg.request_abort, args=(7, "generation 8 evicted w1")).start()
     t0 = time.monotonic()
     with pytest.raises(CollectiveFailed, match=r"aborted \(generation 8 evicted w1\)"):
-        pg._wait(work, "all_reduce of gradient bucket 0")
+        nccl_group._wait(work, "all_reduce of gradient bucket 0")
     assert time.monotonic() - t0 < 5  # at once, not at the 30 s collective timeout
-    assert pg._abandoned == [work] and work.waited == 0  # kept until the group is freed, never waited on
+    assert nccl_group._abandoned == [work] and work.waited == 0  # kept until the group is freed, never waited on
 
 
-def test_past_the_collective_timeout_the_wait_aborts_the_group(nccl_group, monkeypatch) -> None:
-    monkeypatch.setattr(pg, "_current", pg.Group("j", 7, 0, 2, "nccl", torch.device("cpu"), None, timeout=0.2))
+def test_past_the_collective_timeout_the_wait_aborts_the_group() -> None:
+    group = _group(timeout=0.2)
     work = FakeNcclWork()
     with pytest.raises(CollectiveFailed, match="took longer than 0 s"):
-        pg._wait(work, "broadcast from rank 0")
-    assert pg.aborted().startswith("broadcast from rank 0 took longer than")
+        group._wait(work, "broadcast from rank 0")
+    assert group.abort_reason.startswith("broadcast from rank 0 took longer than")
     # every later collective of the group fails before it starts
     with pytest.raises(CollectiveFailed, match="aborted"):
-        pg._wait(FakeNcclWork(), "all_reduce")
+        group._wait(FakeNcclWork(), "all_reduce")
 
 
 def test_leaving_an_aborted_nccl_group_aborts_the_communicator_first(nccl_group, monkeypatch) -> None:
     calls: list[str] = []
-    monkeypatch.setattr(pg, "_abort_nccl", lambda: calls.append("ncclCommAbort"))
-    monkeypatch.setattr(pg.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(pg.tc, "abort_default_nccl", lambda: calls.append("ncclCommAbort"))
+    monkeypatch.setattr(pg.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(pg.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    nccl_group.registered = True
     pg.request_abort(7, "generation 8 evicted w1")
     pg.leave_group()
     assert calls == ["ncclCommAbort", "destroy"]
-    assert pg.current_group() is None and pg.aborted() == ""
+    assert pg.current_group() is None and pg.aborted() == "" and nccl_group.closed
 
 
 def test_leaving_a_healthy_nccl_group_does_not_abort_it(nccl_group, monkeypatch) -> None:
     calls: list[str] = []
-    monkeypatch.setattr(pg, "_abort_nccl", lambda: calls.append("ncclCommAbort"))
-    monkeypatch.setattr(pg.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(pg.tc, "abort_default_nccl", lambda: calls.append("ncclCommAbort"))
+    monkeypatch.setattr(pg.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(pg.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    nccl_group.registered = True
     pg.leave_group()
     assert calls == ["destroy"]
 
 
-def test_only_nccl_work_is_polled(nccl_group, monkeypatch) -> None:
+def test_only_nccl_work_is_polled() -> None:
     work = FakeNcclWork()
-    assert pg._polled(work)
-    monkeypatch.setattr(pg, "_current", pg.Group("j", 7, 0, 2, "gloo", torch.device("cpu"), None, timeout=30.0))
-    assert not pg._polled(work)  # gloo's future completes when the collective does
+    assert _group("nccl")._polled(work)
+    assert not _group("gloo")._polled(work)  # gloo's future completes when the collective does

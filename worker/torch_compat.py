@@ -1,0 +1,103 @@
+"""Every call shoal makes into torch.distributed's private or low-level surface, in one place,
+checked against the torch versions it was written for.
+
+shoal drives process groups as objects (:class:`shoal.worker.process_group.Group`): it calls
+a torch ``ProcessGroup``'s own collective methods (``allreduce``, ``broadcast``, ``send``,
+``recv``, ``barrier`` with their option structs) instead of the ``torch.distributed``
+functions, so the same code works on the registered default group of a generation and on a
+standalone gloo group that torch never registers (the cross-replica groups of elastic HSDP,
+one per generation and shard index: registering and destroying them per generation breaks
+torch's name lookups). It also resets torch's group counter, aborts an NCCL communicator and
+sets a backend's collective timeout: private attributes, tested here on each torch version in
+:data:`SUPPORTED` (``pyproject.toml`` asks for torch >= 2.10; CI runs 2.13, the GPU machine
+2.11). A torch outside the range logs one warning at import and is tried anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+#: (lowest, highest) torch release (major, minor) this module was checked against.
+SUPPORTED = ((2, 10), (2, 14))
+
+
+def _version() -> tuple[int, int]:
+    parts = torch.__version__.split("+")[0].split(".")
+    return int(parts[0]), int(parts[1])
+
+
+if not SUPPORTED[0] <= _version() <= SUPPORTED[1]:  # pragma: no cover - depends on the installed torch
+    log.warning("torch %s is outside the versions shoal's process groups were checked against (%s to %s)",
+                torch.__version__, ".".join(map(str, SUPPORTED[0])), ".".join(map(str, SUPPORTED[1])))
+
+
+# --- collectives on a ProcessGroup object -------------------------------------------------------
+def allreduce(group: dist.ProcessGroup, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType):
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    return group.allreduce([tensor], opts)
+
+
+def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int):
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    opts.rootTensor = 0
+    return group.broadcast([tensor], opts)
+
+
+def send(group: dist.ProcessGroup, tensor: torch.Tensor, dst: int):
+    return group.send([tensor], dst, 0)
+
+
+def recv(group: dist.ProcessGroup, tensor: torch.Tensor, src: int):
+    return group.recv([tensor], src, 0)
+
+
+def barrier(group: dist.ProcessGroup):
+    return group.barrier(dist.BarrierOptions())
+
+
+# --- the default group ----------------------------------------------------------------------------
+def default_group() -> dist.ProcessGroup:
+    """The registered default group (``init_process_group``'s)."""
+    return dist.group.WORLD
+
+
+def set_timeout(group: dist.ProcessGroup, device: torch.device, seconds: float) -> None:
+    """Give ``group``'s backend for ``device`` the collective timeout ``seconds``."""
+    group._get_backend(device)._set_default_timeout(timedelta(seconds=seconds))
+
+
+def reset_group_counter() -> None:
+    """torch names an unnamed default group by a per-process counter that it bumps before
+    connecting and resets only in ``destroy_process_group`` of an initialised group; a member
+    whose rendezvous failed would count one ahead of members that never tried that
+    generation (see ``process_group._reset_group_names``)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d._world.group_count = 0
+
+
+def abort_default_nccl() -> None:
+    """``ncclCommAbort`` of the default group: its kernels stop, its work fails."""
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d._abort_process_group()
+
+
+# --- standalone groups ------------------------------------------------------------------------------
+def new_gloo_group(store: dist.Store, rank: int, size: int, timeout: float, address: str = "") -> dist.ProcessGroup:
+    """A gloo group torch does not register (no name, no ``destroy_process_group``): its
+    owner drops it. ``address``: the local address its sockets bind to and advertise ("" :
+    the host name's)."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timedelta(seconds=timeout)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address) if address
+                     else dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(store, rank, size, opts)
