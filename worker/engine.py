@@ -11,29 +11,16 @@ World-size invariance
     Gradient clipping (``max_grad_norm``) and the fp16 overflow check work on that reduced,
     divided gradient, identical on every rank: they are world-size invariant too.
 
-Overlap
-    As DDP's reducer does, the gradient is reduced in buckets while backward still runs. The
-    trainable parameters are split, in reverse registration order (the order backward
-    produces their gradients), into buckets of about ``bucket_cap_mb`` MiB (the first one
-    closed once it holds 1 MiB, so communication starts early; as DDP's, a bucket takes the
-    parameter that crosses its cap). Each parameter's ``.grad`` is a view of its
-    bucket, so backward accumulates straight into what is reduced. A post-accumulate-grad hook
-    marks a parameter ready during the backward of the **last** micro-batch only (earlier ones
-    just accumulate); a bucket whose parameters are all ready is all-reduced asynchronously,
-    and buckets are launched strictly in index order (bucket ``i`` only after ``0..i-1``), so
-    every rank starts the same collectives in the same order whatever order its hooks fired
-    in. With gloo and three or more ranks a bucket also waits until the previous collective
-    completed (at most one in flight, :func:`~shoal.worker.process_group.serial_collectives`):
-    a rank whose collective failed then has nothing else in flight, so leaving the group
-    closes its connections and the peers blocked on it fail at once instead of waiting for
-    each other (with two ranks the only peer is the one that failed). When backward returns, the parameters that got no gradient (unused, or used only by
-    earlier micro-batches) are marked ready as they are - zeros, or what earlier micro-batches
-    accumulated - and the remaining buckets are launched, in order: no deadlock, no flag to
-    set. Once a step found such parameters, later steps find them before backward by walking
-    the loss's autograd graph, so a bucket holding an unused parameter does not hold back the
-    ones after it. In a group, a parameter whose gradient arrives a second time in one backward
-    after its bucket was launched (reentrant checkpointing of shared weights) fails the step as
-    a UserCodeError; before the launch, or without a group, the bucket simply takes the sum.
+Overlap (:mod:`shoal.worker.reducer`)
+    As DDP's reducer does, the gradient is reduced in buckets while backward still runs: the
+    engine's :class:`~shoal.worker.reducer.GradientReducer` holds the buckets (each
+    parameter's ``.grad`` is a view of its bucket), their hooks and their all-reduces, launched
+    in index order during the backward of the **last** micro-batch (earlier ones just
+    accumulate), so every rank starts the same collectives in the same order. This module is
+    the transaction around it: forward and backward, the checks on the reduced values, the
+    update or the rollback. In a group, a parameter whose gradient arrives a second time in
+    one backward after its bucket was launched (reentrant checkpointing of shared weights)
+    fails the step as a UserCodeError.
 
 Atomicity
     A step either commits on every rank or on none that the next generation keeps:
@@ -93,9 +80,7 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -109,14 +94,13 @@ from shoal.events.models import finite_metrics
 from shoal.worker import process_group as pg
 from shoal.worker.errors import CollectiveFailed, InconsistentStep, StepAborted, UserCodeError, raised_at
 from shoal.worker.precision import LossScale, autocast, check_precision
+from shoal.worker.reducer import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, GradientReducer, plan_buckets
 from shoal.worker.userapi import TrainingSetup
 
 log = logging.getLogger("shoal.worker")
 
-#: The first bucket is at most this big (DDP's choice): its all-reduce starts early in backward.
-FIRST_BUCKET_BYTES = 2**20
-#: The gradient buckets' default size in MiB (the job spec's ``bucket_cap_mb``; DDP's default).
-DEFAULT_BUCKET_CAP_MB = 25.0
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "FIRST_BUCKET_BYTES", "StepEngine", "StepResult", "plan_buckets"]
+
 _TAIL = 3  # ahead, loss sum, count: the trailing values of the last bucket
 
 
@@ -159,71 +143,6 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-def plan_buckets(sizes_bytes: Sequence[int], cap_bytes: float, first_bytes: float = FIRST_BUCKET_BYTES) -> list[list[int]]:
-    """Split parameters (their byte sizes, in registration order) into buckets as DDP's reducer
-    does: in reverse order, a bucket takes consecutive parameters and closes once it holds at
-    least its cap (``first_bytes`` for bucket 0 - at most ``cap_bytes`` - then ``cap_bytes``),
-    so the parameter that crosses the cap still goes with the gradients computed before it
-    and its reduction starts before the rest of backward. Returns each bucket's parameter
-    indices (reverse order)."""
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    used = 0.0
-    for i in reversed(range(len(sizes_bytes))):
-        current.append(i)
-        used += sizes_bytes[i]
-        if used >= (min(first_bytes, cap_bytes) if not buckets else cap_bytes):
-            buckets.append(current)
-            current, used = [], 0.0
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-def _params_in_graph(loss: torch.Tensor) -> set[int]:
-    """``id`` of every leaf tensor whose gradient backward from ``loss`` accumulates."""
-    found: set[int] = set()
-    seen: set[int] = set()
-    stack = [loss.grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        var = getattr(fn, "variable", None)  # AccumulateGrad
-        if var is not None:
-            found.add(id(var))
-        stack.extend(f for f, _ in fn.next_functions)
-    return found
-
-
-class _TwiceReady(Exception):
-    """A parameter's gradient arrived again after its bucket's all-reduce was launched."""
-
-
-class _Bucket:
-    """One all-reduced flat tensor: the gradients of some parameters (plus, for the last
-    bucket, the trailing values) and each parameter's view of it."""
-
-    __slots__ = ("index", "members", "flat", "grads", "views", "offsets")
-
-    def __init__(self, index: int, members: list[int], params: list[torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, tail: int) -> None:
-        self.index = index
-        self.members = members  # parameter indices
-        numel = sum(params[i].numel() for i in members)
-        self.flat = torch.zeros(numel + tail, dtype=dtype, device=device)
-        self.grads = self.flat[:numel]  # the gradient part (no trailing values)
-        self.views: dict[int, torch.Tensor | None] = {}
-        self.offsets: dict[int, tuple[int, int]] = {}
-        offset = 0
-        for i in members:
-            p, n = params[i], params[i].numel()
-            self.offsets[i] = (offset, n)
-            self.views[i] = self.flat[offset : offset + n].view_as(p) if p.dtype == dtype else None
-            offset += n
-
-
 class StepEngine:
     """Runs world-size-invariant, atomic training steps for one model/optimizer.
 
@@ -240,10 +159,10 @@ class StepEngine:
     ``bucket_cap_mb`` are the job spec's fields; ``overlap=False`` launches every bucket after
     backward (the same values, for comparison and benchmarks).
 
-    The engine registers a post-accumulate-grad hook on every trainable parameter; they act
-    only inside its own steps (:meth:`close` removes them). A UserCodeError raised after some
-    buckets were launched leaves the group's collective sequence broken: the worker must leave
-    the group (a user error is fatal to it anyway).
+    The engine's :attr:`reducer` registers a post-accumulate-grad hook on every trainable
+    parameter; they act only inside its own steps (:meth:`close` removes them). A UserCodeError
+    raised after some buckets were launched leaves the group's collective sequence broken: the
+    worker must leave the group (a user error is fatal to it anyway).
     """
 
     def __init__(
@@ -295,36 +214,11 @@ class StepEngine:
         self.overlap = overlap
         #: the fp16 loss scale (None unless fp16): replicated state, see :meth:`state_extras`
         self.scaler: LossScale | None = LossScale() if precision == "fp16" else None
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        if not self.params:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:
             raise ValueError("the model has no trainable parameters")
-        wide = any(p.dtype == torch.float64 for p in self.params)
-        self.bucket_dtype = torch.float64 if wide else torch.float32
-        item = torch.empty((), dtype=self.bucket_dtype).element_size()
-        self._plan = plan_buckets([p.numel() * item for p in self.params], bucket_cap_mb * 2**20)
-        self._bucket_of = [0] * len(self.params)
-        for b, members in enumerate(self._plan):
-            for i in members:
-                self._bucket_of[i] = b
-        self._buckets = self._new_buckets()
-        # per-step launch state (guarded by _lock: hooks may run on autograd's device threads)
-        self._lock = threading.Lock()
-        self._armed = False
-        self._ready = [False] * len(self.params)
-        self._left = [len(m) for m in self._plan]
-        self._launched = 0  # buckets 0.._launched-1 are launched
-        self._pending: list[pg.PendingReduce] = []  # launched collectives, in order
-        self._waited = 0  # _pending[:_waited] completed successfully
-        self._serial = True  # at most one collective in flight (pg.serial_collectives)
-        self._launch_error: BaseException | None = None
-        self._first_launch: float | None = None
-        self._distributed = False
-        self._fired = 0  # parameters marked ready by their hook in the last backward
-        #: walk the loss's graph for unused parameters before the last backward (set once a
-        #: step found parameters without a gradient)
-        self.find_unused = False
-        ref = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(ref, i)) for i, p in enumerate(self.params)]
+        #: the gradient's buckets, their hooks and their all-reduces (see its contract)
+        self.reducer = GradientReducer(params, self.device, bucket_cap_mb, tail=_TAIL)
         self._before_update: list[Callable[[], None]] = []
         #: Called in every step once its collectives succeeded, right before anything is
         #: applied; raising StepAborted there rolls the step back like a failed collective
@@ -338,20 +232,21 @@ class StepEngine:
     @property
     def bucket_count(self) -> int:
         """How many all-reduces carry the gradient of one step."""
-        return len(self._plan)
+        return self.reducer.bucket_count
 
-    def _new_buckets(self) -> list[_Bucket]:
-        """Persistent buckets (views of them are the parameters' ``.grad``). Made anew after a
-        failed step whose collectives may still write into the old ones."""
-        last = len(self._plan) - 1
-        return [_Bucket(b, members, self.params, self.bucket_dtype, self.device, _TAIL if b == last else 0)
-                for b, members in enumerate(self._plan)]
+    @property
+    def find_unused(self) -> bool:
+        """Whether unused parameters are looked for in the loss's autograd graph before the
+        last backward (:attr:`GradientReducer.find_unused`: on once a step found some)."""
+        return self.reducer.find_unused
+
+    @find_unused.setter
+    def find_unused(self, value: bool) -> None:
+        self.reducer.find_unused = value
 
     def close(self) -> None:
         """Remove the engine's gradient hooks from the model's parameters."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self.reducer.close()
 
     def before_update(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` once in the next :meth:`step`, once its collectives are over and before
@@ -444,7 +339,7 @@ class StepEngine:
             raise StepAborted("step: not in a process group (join_group first)")
 
         buffers = [b.detach().clone() for b in self.model.buffers()]
-        self._begin(distributed)
+        self.reducer.begin(distributed)
         one_collective = base_generation is not None
         ahead = float(max(0, generation - base_generation)) if one_collective else 0.0
         # the two-collective form's MAX operand; a fill, not a copy from the host (that would
@@ -453,7 +348,7 @@ class StepEngine:
         t0 = time.perf_counter()
         try:
             if distributed and not one_collective:  # first: the same order on every rank
-                self._pending.append(pg.all_reduce_async(gen, dist.ReduceOp.MAX, "all_reduce of the generation"))
+                self.reducer.launch(gen, dist.ReduceOp.MAX, "all_reduce of the generation")
             self._forward_backward(local, ahead, global_count)
         except CollectiveFailed as exc:  # the generation's launch (an aborted group)
             self._abandon(buffers)
@@ -466,8 +361,8 @@ class StepEngine:
         if self.before_collectives is not None:
             self.before_collectives()
         try:
-            self._finish_launches()
-            self._complete()
+            self.reducer.finish()
+            self.reducer.complete()
         except CollectiveFailed as exc:
             self._abandon(buffers)
             raise StepAborted(f"step aborted, nothing applied: {exc}") from exc
@@ -475,26 +370,11 @@ class StepEngine:
             self._abandon(buffers)
             raise UserCodeError(f"gradient reduction failed: {exc} (at {raised_at(exc)})") from exc
         t2 = time.perf_counter()
+        first = self.reducer.first_launch
         self._settle()
-        return self._apply(buffers, local, global_count, gen, base_generation, t0, t1, t2)
-
-    def _begin(self, distributed: bool) -> None:
-        """Zero the buckets, make each bucket-dtype parameter's ``.grad`` a view of its bucket
-        and reset the launch state (nothing is in flight between steps)."""
-        for bucket in self._buckets:
-            bucket.flat.zero_()
-            for i in bucket.members:
-                self.params[i].grad = bucket.views[i]  # None for parameters of another dtype
-        self._ready = [False] * len(self.params)
-        self._left = [len(m) for m in self._plan]
-        self._launched = 0
-        self._pending = []
-        self._waited = 0
-        self._serial = pg.serial_collectives()
-        self._launch_error = None
-        self._first_launch = None
-        self._distributed = distributed
-        self._fired = 0
+        return self._apply(buffers, local, global_count, gen, base_generation, compute_seconds=t1 - t0,
+                           comm_seconds=t2 - first if first is not None else 0.0,
+                           comm_exposed_seconds=t2 - t1 if distributed else 0.0)
 
     def _forward_backward(self, local: list[int], ahead: float, global_count: int) -> None:
         self.model.train()
@@ -505,7 +385,7 @@ class StepEngine:
         factor = (self.scaler.scale if self.scaler is not None else 1.0) / global_count
         mb = self.micro_batch or max(1, len(local))
         starts = list(range(0, len(local), mb))
-        total = torch.zeros((), dtype=self.bucket_dtype, device=self.device)
+        total = torch.zeros((), dtype=self.reducer.dtype, device=self.device)
         for k, start in enumerate(starts):
             batch = self.fetch_batch(local[start : start + mb])
             with autocast(self.precision, self.device):
@@ -521,7 +401,8 @@ class StepEngine:
             total += loss.detach()  # on the device: no host sync per micro-batch
             if k == len(starts) - 1:  # the last micro-batch: its backward launches the buckets
                 self._write_tail(ahead, total, len(local))
-                self._arm(loss)
+                if self.overlap:
+                    self.reducer.arm(loss)
             (loss.float() * factor).backward()
         if not starts:  # an empty slice: zeros, and the trailing values
             self._write_tail(ahead, total, 0)
@@ -529,167 +410,32 @@ class StepEngine:
     def _write_tail(self, ahead: float, total: torch.Tensor, count: int) -> None:
         # fills and a device-to-device copy: assigning a Python number (tail[-1] = count)
         # would copy a host scalar in, a host sync per step on a GPU
-        tail = self._buckets[-1].flat
+        tail = self.reducer.buckets[-1].flat
         tail[-3].fill_(ahead)
         tail[-2].copy_(total)
         tail[-1].fill_(count)
 
-    # --- launching the buckets -------------------------------------------------------------
-    @staticmethod
-    def _hook(ref: "weakref.ref[StepEngine]", i: int) -> Callable[[torch.Tensor], None]:
-        def hook(_param: torch.Tensor) -> None:
-            engine = ref()
-            if engine is not None and engine._armed:
-                engine._on_ready(i, fired=True)
-
-        return hook
-
-    def _arm(self, loss: torch.Tensor) -> None:
-        """Before the last micro-batch's backward: hooks mark parameters ready from now on;
-        with :attr:`find_unused`, the parameters outside the loss's graph are ready now."""
-        if not self.overlap:
-            return
-        if self.find_unused:
-            used = _params_in_graph(loss)
-            for i, p in enumerate(self.params):
-                if id(p) not in used:
-                    self._on_ready(i, fired=False)
-        self._armed = True
-
-    def _on_ready(self, i: int, *, fired: bool) -> None:
-        """Parameter ``i``'s gradient is final for this step: copy it into its bucket if it does
-        not live there, and launch every bucket that is complete and next in order. Never
-        raises (it runs inside autograd): a failure is kept for :meth:`step`."""
-        with self._lock:
-            try:
-                b = self._bucket_of[i]
-                if self._ready[i]:  # a second gradient in one backward
-                    if b >= self._launched or not self._distributed:
-                        self._copy_in(i)  # nothing read the bucket yet: it takes the sum
-                    elif fired and self._launch_error is None:
-                        self._launch_error = _TwiceReady(
-                            f"parameter {i} received a gradient again after its bucket's all-reduce started "
-                            "(reentrant activation checkpointing?): use torch.utils.checkpoint with "
-                            "use_reentrant=False")
-                    return
-                self._ready[i] = True
-                self._fired += fired
-                self._copy_in(i)
-                self._left[b] -= 1
-                self._launch_ready()
-            except Exception as exc:  # noqa: BLE001 - reported by step()
-                if self._launch_error is None:
-                    self._launch_error = exc
-
-    def _copy_in(self, i: int) -> None:
-        """Put parameter ``i``'s gradient into its bucket when it is not already there (a
-        parameter of another dtype, or user code that replaced ``.grad``); no gradient at all
-        leaves the zeros."""
-        bucket = self._buckets[self._bucket_of[i]]
-        grad, view = self.params[i].grad, bucket.views[i]
-        if grad is None or (view is not None and grad.data_ptr() == view.data_ptr()):
-            return
-        offset, n = bucket.offsets[i]
-        bucket.flat[offset : offset + n].copy_(grad.reshape(-1))
-
-    def _launch_ready(self) -> None:
-        """(Under the lock; never blocks.) Launch buckets ``_launched, _launched + 1, ...``
-        while they are complete - and, with serial collectives, while nothing is in flight."""
-        while self._launched < len(self._buckets) and self._left[self._launched] == 0:
-            if self._launch_error is not None:
-                return
-            bucket = self._buckets[self._launched]
-            if self._distributed:
-                if self._serial and not self._idle():
-                    return  # launched by a later hook, or after backward
-                if self._first_launch is None:
-                    self._first_launch = time.perf_counter()
-                self._pending.append(pg.all_reduce_async(bucket.flat, dist.ReduceOp.SUM,
-                                                         f"all_reduce of gradient bucket {bucket.index}"))
-            self._launched += 1
-
-    def _idle(self) -> bool:
-        """(Under the lock; never blocks.) Whether every launched collective has completed;
-        raises CollectiveFailed when one failed."""
-        while self._waited < len(self._pending):
-            pending = self._pending[self._waited]
-            if not pending.completed():
-                return False
-            pending.wait()  # ended: returns at once, or raises what it failed with
-            self._waited += 1
-        return True
-
-    def _finish_launches(self) -> None:
-        """After backward: every parameter not yet ready is (no gradient in the last
-        micro-batch: unused, or used by earlier ones only), and the buckets that can go, go.
-        A step with samples that found such parameters turns :attr:`find_unused` on. Raises
-        what a hook kept (a failed launch, a gradient after its bucket's launch)."""
-        with self._lock:
-            armed, self._armed = self._armed, False
-            if self._launch_error is not None:
-                raise self._launch_error
-            unused = 0
-            for i in range(len(self.params)):
-                if not self._ready[i]:
-                    unused += 1
-                    self._ready[i] = True
-                    self._copy_in(i)
-                    self._left[self._bucket_of[i]] -= 1
-            self._launch_ready()
-        if armed and self._fired and unused and not self.find_unused:
-            self.find_unused = True
-            log.info("%d of %d parameters got no gradient in a step: looking for unused parameters in the "
-                     "autograd graph before each backward from now on", unused, len(self.params))
-
-    def _complete(self) -> None:
-        """After backward: wait for the launched collectives in order, launching the remaining
-        buckets as they may go, until every bucket's all-reduce has succeeded; then reap the
-        sends posted before them (as ``process_group.all_reduce`` does). Raises
-        CollectiveFailed at the first failure (or abort)."""
-        if not self._distributed:
-            return
-        while True:
-            with self._lock:
-                if self._launch_error is not None:
-                    raise self._launch_error
-                if self._waited == len(self._pending):
-                    if self._launched == len(self._buckets):
-                        break
-                    self._launch_ready()  # nothing in flight: the next bucket goes now
-                    continue
-                pending = self._pending[self._waited]
-            pending.wait()  # blocks; abortable
-            with self._lock:
-                self._waited += 1
-                self._launch_ready()
-        pg.wait_sends()
-
     def _abandon(self, buffers: list[torch.Tensor]) -> None:
-        """Roll back a step that fails before it applied anything. Collectives launched and
-        not waited for are abandoned (kept until the group is freed); after any launched
-        collective, or an abort, the buckets are replaced: a collective still in flight may
-        write into the old ones."""
-        with self._lock:
-            self._armed = False
-            launched, self._pending = self._pending, []
-            in_flight = launched[self._waited:]
+        """Roll back a step that fails before it applied anything: the reducer gives up its
+        collectives (:meth:`GradientReducer.abandon`: new buckets where one may still be
+        written), then the :meth:`before_update` callbacks run and the gradients and buffers
+        are rolled back."""
+        self.reducer.abandon()
         self._settle()
         self._rollback(buffers)
-        if in_flight:
-            pg.abandon(in_flight)
-        if launched or pg.aborted():
-            self._buckets = self._new_buckets()
 
     # --- after the collectives -------------------------------------------------------------
     def _apply(self, buffers: list[torch.Tensor], local: list[int], global_count: int, gen: torch.Tensor | None,
-               base_generation: int | None, t0: float, t1: float, t2: float) -> StepResult:
+               base_generation: int | None, *, compute_seconds: float, comm_seconds: float,
+               comm_exposed_seconds: float) -> StepResult:
         """Check the reduced values, unscale, clip, and step the optimizer (or skip, fp16)."""
         scale = self.scaler.scale if self.scaler is not None else None
-        grads = [b.grads for b in self._buckets]
+        buckets = self.reducer.buckets
+        grads = [b.grads for b in buckets]
         if scale is not None and scale != 1.0:  # backward divided by the count already: the mean
             for g in grads:
                 g.div_(scale)
-        tail = self._buckets[-1].flat[-_TAIL:]
+        tail = buckets[-1].flat[-_TAIL:]
         want_norm = scale is not None or self.max_grad_norm is not None
         if want_norm:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
@@ -724,7 +470,7 @@ class StepEngine:
             self.scaler.update(found_inf=skipped)
         if skipped:
             log.info("fp16 overflow: step skipped on every rank, loss scale %g -> %g", scale, self.scaler.scale)
-        self._unflatten_grads()
+        self.reducer.unflatten_grads()
         try:
             if not skipped:
                 self.optimizer.step()
@@ -740,23 +486,13 @@ class StepEngine:
             count=global_count,
             local_count=len(local),
             max_generation=max_generation,
-            compute_seconds=t1 - t0,
-            comm_seconds=t2 - (self._first_launch if self._first_launch is not None else t2),
-            comm_exposed_seconds=t2 - t1 if self._distributed else 0.0,
+            compute_seconds=compute_seconds,
+            comm_seconds=comm_seconds,
+            comm_exposed_seconds=comm_exposed_seconds,
             skipped=skipped,
             grad_norm=grad_norm,
             loss_scale=scale,
         )
-
-    def _unflatten_grads(self) -> None:
-        for bucket in self._buckets:
-            for i in bucket.members:
-                p, view = self.params[i], bucket.views[i]
-                if view is not None:
-                    p.grad = view
-                else:
-                    offset, n = bucket.offsets[i]
-                    p.grad = bucket.flat[offset : offset + n].view_as(p).to(p.dtype).clone()
 
     def fetch_batch(self, indices: list[int]) -> Any:
         """The collated batch of dataset ``indices`` (one micro-batch of this rank's slice),

@@ -92,7 +92,7 @@ def raised_at(exc: BaseException) -> str:
         tb = tb.tb_next
     if not frames:
         return ""
-    mine = ("/torch/", "/shoal/worker/", "/worker/engine.py", "/worker/prefetch.py")
+    mine = ("/torch/", "/shoal/worker/", "/worker/engine.py", "/worker/reducer.py", "/worker/prefetch.py")
     user = [f for f in frames if not any(m in f[0].co_filename for m in mine)]
     code, line = (user or frames)[-1]
     return f"{code.co_filename}:{line} in {code.co_name}"

@@ -1,4 +1,5 @@
-"""The step engine's overlapped gradient reduction, mixed precision and clipping (worker/engine.py).
+"""The step engine's overlapped gradient reduction (worker/reducer.py), mixed precision and clipping
+(worker/engine.py).
 
 In-process tests run the engine in a real one-rank gloo group (``join_group`` through Redis),
 where every bucket is a real asynchronous collective: bucket layout and launch order, one
@@ -113,7 +114,7 @@ class Launches:
 
         def spy(tensor, op=torch.distributed.ReduceOp.SUM, what="all_reduce"):
             in_backward = torch._C._current_graph_task_id() != -1
-            fired = self.engine._fired or not self.engine.overlap  # no overlap: hooks stay unarmed
+            fired = self.engine.reducer._fired or not self.engine.overlap  # no overlap: hooks stay unarmed
             self.calls.append((what, "during" if in_backward else "after" if fired else "before"))
             return real(tensor, op, what)
 
@@ -200,7 +201,7 @@ def test_an_abort_while_backward_runs_applies_nothing_and_the_step_is_redone(gro
     engine.step(list(range(16)), 16, gen, base_generation=gen)
     before = state_digest(model)
     adam_steps = [int(v["step"]) for v in s.optimizer.state.values()]
-    old = [b.flat for b in engine._buckets]
+    old = [b.flat for b in engine.reducer.buckets]
     abort_in_backward = {"armed": True}
 
     def step_fn(m, batch):
@@ -216,7 +217,7 @@ def test_an_abort_while_backward_runs_applies_nothing_and_the_step_is_redone(gro
     assert state_digest(model) == before
     assert all(p.grad is None for p in model.parameters())
     assert [int(v["step"]) for v in s.optimizer.state.values()] == adam_steps
-    assert all(a.data_ptr() != b.flat.data_ptr() for a, b in zip(old, engine._buckets))  # reallocated
+    assert all(a.data_ptr() != b.flat.data_ptr() for a, b in zip(old, engine.reducer.buckets))  # reallocated
     pg.leave_group()
     abort_in_backward["armed"] = False
     gen = group()
@@ -519,7 +520,7 @@ def _pair_child(rank: int, job: str, backend: str) -> None:
     engine.loss_fn, engine.step_fn = None, step_fn
     if rank == 0:
         engine.before_collectives = lambda: threading.Timer(0.3, pg.request_abort, (1, "evicted w1 (test)")).start()
-    before, flats = state_digest(model), [b.flat.data_ptr() for b in engine._buckets]
+    before, flats = state_digest(model), [b.flat.data_ptr() for b in engine.reducer.buckets]
     t0 = time.monotonic()
     try:
         engine.step(mine(list(range(16, 32))), 16, 1, base_generation=1)
@@ -528,7 +529,7 @@ def _pair_child(rank: int, job: str, backend: str) -> None:
         out["abort"] = "StepAborted: " + str(exc)[:200]
     out["abort_s"] = time.monotonic() - t0
     out["abort_applied"] = state_digest(model) != before
-    out["abort_new_buckets"] = all(a != b.flat.data_ptr() for a, b in zip(flats, engine._buckets))
+    out["abort_new_buckets"] = all(a != b.flat.data_ptr() for a, b in zip(flats, engine.reducer.buckets))
     engine.before_collectives = None
     stall["s"] = 0.0
     pg.leave_group()
