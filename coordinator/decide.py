@@ -223,6 +223,78 @@ def planned_ids(state: CoordState) -> list[str]:
     return sorted((w.worker_id for w in state.in_state(PLANNED)), key=_id_order)
 
 
+def member_ids(state: CoordState, spec: JobSpec) -> list[str]:
+    """The planned workers that the next generation would have, in rank order. Data
+    parallelism: every planned worker, by id. Elastic HSDP: the members of the complete
+    replica groups (every member planned), oldest group first, each group shard by shard
+    (rank = replica x shard_size + shard); a partial group waits."""
+    if spec.shard_size == 1:
+        return planned_ids(state)
+    groups: dict[str, list[WorkerRecord]] = {}
+    for rec in state.workers.values():
+        if rec.replica_group and rec.state in PLANNED:
+            groups.setdefault(rec.replica_group, []).append(rec)
+    ids: list[str] = []
+    for gid in sorted(groups, key=_id_order):
+        members = groups[gid]
+        if len(members) == spec.shard_size:
+            ids += [r.worker_id for r in sorted(members, key=lambda r: r.shard)]
+    return ids
+
+
+def _replica_groups(state: CoordState, spec: JobSpec, now_ms: int) -> tuple[CoordState, list[Action], str]:
+    """Elastic HSDP's groups before a plan. A replica group that lost a member (failed, left,
+    draining) goes whole: its other live members are failed with cause ``replica_group`` (they
+    exit and their agents restart them; their peers abort collectives with them: they are in
+    the table's ``evicted``). Then planned workers without a group form new ones of
+    ``shard_size``, members of one node together first, by id. Returns the state, the Forget
+    actions of the evicted and a note for the reason ("" : nothing changed)."""
+    s = spec.shard_size
+    workers = dict(state.workers)
+    groups: dict[str, list[WorkerRecord]] = {}
+    for rec in workers.values():
+        if rec.replica_group:
+            groups.setdefault(rec.replica_group, []).append(rec)
+    actions: list[Action] = []
+    notes = []
+    for gid in sorted(groups, key=_id_order):
+        members = groups[gid]
+        gone = [r.worker_id for r in members if r.state not in PLANNED]
+        if not gone:
+            continue
+        for rec in members:
+            if rec.state in PLANNED:
+                why = f"{rec.worker_id} evicted with its replica group {gid} ({', '.join(sorted(gone, key=_id_order))} gone)"
+                workers[rec.worker_id] = rec.failed(FailureCause.REPLICA_GROUP, -1, why, now_ms)
+                actions.append(Forget(rec.worker_id))
+                notes.append(why)
+    free = sorted((r for r in workers.values() if r.state in PLANNED and not r.replica_group),
+                  key=lambda r: (r.node or r.host, _id_order(r.worker_id)))
+    by_node: dict[str, list[WorkerRecord]] = {}
+    for rec in free:
+        by_node.setdefault(rec.node or rec.host, []).append(rec)
+    chunks: list[list[WorkerRecord]] = []
+    rest: list[WorkerRecord] = []
+    for node in sorted(by_node):
+        recs = by_node[node]
+        whole = len(recs) - len(recs) % s
+        chunks += [recs[i:i + s] for i in range(0, whole, s)]
+        rest += recs[whole:]
+    rest.sort(key=lambda r: _id_order(r.worker_id))
+    whole = len(rest) - len(rest) % s
+    chunks += [rest[i:i + s] for i in range(0, whole, s)]
+    status = state.status
+    for chunk in chunks:
+        gid = f"r{status.next_replica}"
+        status = replace(status, next_replica=status.next_replica + 1)
+        for shard, rec in enumerate(sorted(chunk, key=lambda r: _id_order(r.worker_id))):
+            workers[rec.worker_id] = replace(rec, replica_group=gid, shard=shard)
+        notes.append(f"replica group {gid}: {', '.join(sorted((r.worker_id for r in chunk), key=_id_order))}")
+    if not actions and not chunks:
+        return state, [], ""
+    return replace(state, status=status, workers=workers), actions, "; ".join(notes)
+
+
 def _plan_digest(ids: list[str], paused: bool) -> str:
     return hashlib.sha256(("P" if paused else "R") .encode() + ",".join(ids).encode()).hexdigest()[:16]
 
@@ -238,24 +310,30 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
            force: bool = False) -> tuple[CoordState, list[Action], str]:
     """Publish a new generation if the planned membership changed (or ``force``: the current
     generation could not form, so the same members need a fresh one); pause/resume the job."""
-    status = state.status
-    if status.state in TERMINAL_JOB_STATES:
+    if state.status.state in TERMINAL_JOB_STATES:
         return state, [], why
-    ids = planned_ids(state)
+    grouped: list[Action] = []
+    if spec.shard_size > 1:
+        state, grouped, note = _replica_groups(state, spec, now_ms)
+        why = f"{why}; {note}" if note else why
+    status = state.status
+    ids = member_ids(state, spec)
     enough = len(ids) >= spec.min_workers
     if not enough and status.state == JobState.PENDING:
         waiting = f"{why}; waiting for min_workers={spec.min_workers} (have {len(ids)})"
-        return replace(state, status=replace(status, pending_join_ms=0)), [], waiting
+        return replace(state, status=replace(status, pending_join_ms=0)), grouped, waiting
     paused = not enough
     digest = _plan_digest([] if paused else ids, paused)
     if digest == status.plan_digest and not force:
-        return replace(state, status=replace(status, pending_join_ms=0)), [], why
+        return replace(state, status=replace(status, pending_join_ms=0)), grouped, why
     generation = status.generation + 1
     state, change = _membership_change(state, [] if paused else ids, generation, paused)
     members = []
     if not paused:
+        s = spec.shard_size
         for rank, (wid, ranges) in enumerate(zip(ids, plan_ranges(spec.shard_strategy.value, spec.shard_space, ids))):
-            members.append(Member(worker_id=wid, rank=rank, ranges=ranges))
+            hsdp = {"group": state.workers[wid].replica_group, "replica": rank // s, "shard": rank % s} if s > 1 else {}
+            members.append(Member(worker_id=wid, rank=rank, ranges=ranges, **hsdp))
     # the members dropped by a failure decided now: peers still in a group with them abort
     evicted = sorted((w for w, r in state.workers.items() if r.state == WorkerState.FAILED and r.changed_ms == now_ms),
                      key=_id_order)
@@ -282,13 +360,14 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
         planned_at_ms=now_ms,
         evicted=evicted,
         shard_owners=owners,
+        shard_size=spec.shard_size,
     )
     # the formation clock runs from the first generation planned since one last formed
     unformed = 0 if paused else (status.unformed_since_ms or now_ms)
     new_status = replace(status, generation=generation, plan_digest=digest, pending_join_ms=0, reason=reason,
                          unformed_since_ms=unformed, step_failed_ms=0, step_failure="", formation_retry_ms=0)
     new_status = _set_job(new_status, JobState.PAUSED if paused else JobState.RUNNING, now_ms)
-    return replace(state, status=new_status), [Publish(table, change)], reason
+    return replace(state, status=new_status), [*grouped, Publish(table, change)], reason
 
 
 def _removal_cause(rec: WorkerRecord) -> RemovalCause:
@@ -325,12 +404,12 @@ def _move(state: CoordState, wid: str, dst: WorkerState, reason: str, now_ms: in
     return replace(state, workers={**state.workers, wid: rec})
 
 
-def published_ranks(state: CoordState) -> dict[str, int]:
+def published_ranks(state: CoordState, spec: JobSpec) -> dict[str, int]:
     """Worker id -> rank in the published generation, for the workers that have one. Empty
     when the planned membership already differs from the published one (a join not yet
     planned, a failure not yet re-planned) or the job is paused: the ranks are then unknown.
     Take them before failing anyone: a failure changes the planned membership."""
-    ids = planned_ids(state)
+    ids = member_ids(state, spec)
     if ids and _plan_digest(ids, False) == state.status.plan_digest:
         return {wid: rank for rank, wid in enumerate(ids)}
     return {}
@@ -515,7 +594,7 @@ def _on_exited(state: CoordState, ev: WorkerExited, rec: WorkerRecord, now_ms: i
         if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:
             return _give_up(state, wid, ev, spec, now_ms, actions)
         return Decision(state, tuple(actions), f"root cause of {wid}: {why}")
-    rank = published_ranks(state).get(wid, -1)
+    rank = published_ranks(state, spec).get(wid, -1)
     why = f"{_failed(wid, rank)} {ended}"
     if rec.state not in LIVE:
         if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:
@@ -787,7 +866,7 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
     actions: list[Action] = []
     changed = False
     removals = False
-    ranks = published_ranks(state)  # before this tick's first failure changes the membership
+    ranks = published_ranks(state, spec)  # before this tick's first failure changes the membership
     for wid, seen in sorted(tick.last_seen.items()):
         rec = state.workers.get(wid)
         if rec is None or rec.state not in LIVE or now_ms - seen <= ttl_ms:

@@ -71,6 +71,15 @@ class JobSpec(BaseModel):
     #: workers' collective timeout is derived from it (plus a margin over the heartbeat TTL):
     #: a collective is never the failure detector.
     step_timeout: Annotated[float, Field(gt=0, le=86400)] = 60.0
+    #: Elastic HSDP: workers form replica groups of ``shard_size``; each replica group shards
+    #: the model, its gradients and its optimizer state over its members (FSDP2), and the
+    #: gradients are all-reduced across replica groups. Replica groups are the unit of
+    #: elasticity: a member that fails, hangs or leaves takes its whole group out (its agent
+    #: restarts the members, which rejoin as a new group); the other groups keep their
+    #: processes. 1: data parallelism (every worker holds the whole model). ``min_workers`` and
+    #: ``max_workers`` count workers: multiples of ``shard_size``; the global batch must divide
+    #: by ``shard_size`` x every replica count between them (every rank takes as many samples).
+    shard_size: Annotated[int, Field(ge=1, le=1024)] = 1
     #: Numeric precision of forward and backward: fp32, or autocast to bf16 / fp16 (fp16 with
     #: a gradient scaler whose state is checkpointed and sent to joiners).
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -170,11 +179,32 @@ class JobSpec(BaseModel):
             )
         if self.eval_every_steps is not None and self.eval_every_epochs is not None:
             raise ValueError("set eval_every_steps or eval_every_epochs, not both")
+        if self.shard_size > 1:
+            self._check_replica_groups()
         if self.backend == "nccl" and self.device == "cpu":
             raise ValueError("backend nccl needs the model on a GPU: use device cuda (or auto), or backend gloo")
         if self.entrypoint != "simulate" and self.num_samples not in (None, self.global_batch_size):
             raise ValueError("num_samples applies to simulated jobs only: training shards each global batch")
         return self
+
+    def _check_replica_groups(self) -> None:
+        s = self.shard_size
+        for name in ("min_workers", "max_workers"):
+            if getattr(self, name) % s:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be a multiple of shard_size ({s}): workers "
+                                 "come and go as whole replica groups")
+        for replicas in range(self.min_workers // s, self.max_workers // s + 1):
+            if self.global_batch_size % (s * replicas):
+                raise ValueError(f"global_batch_size ({self.global_batch_size}) must divide by shard_size x replicas "
+                                 f"= {s} x {replicas} for every replica count the job allows (min_workers to "
+                                 "max_workers): every rank of a replica group takes as many samples")
+        if self.precision == "fp16":
+            raise ValueError("precision fp16 (a loss scale) is not supported with shard_size > 1: use bf16 or fp32")
+
+    @property
+    def replicas(self) -> tuple[int, int]:
+        """The fewest and most replica groups the job allows."""
+        return self.min_workers // self.shard_size, self.max_workers // self.shard_size
 
     @property
     def shard_space(self) -> int:

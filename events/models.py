@@ -353,6 +353,12 @@ class Member(_Wire):
     rank: int
     #: Half-open ``[start, stop, step]`` ranges over the shard space (see ShardTable).
     ranges: list[tuple[int, int, int]]
+    #: Elastic HSDP (the table's ``shard_size`` > 1): the member's replica group (its id, e.g.
+    #: ``r3``, for the group's life; its index in this generation, 0..replicas-1) and its
+    #: shard index in it (0..shard_size-1). ``rank`` = replica x shard_size + shard.
+    group: str = ""
+    replica: int = 0
+    shard: int = 0
 
 
 class ShardTable(_Wire):
@@ -384,6 +390,8 @@ class ShardTable(_Wire):
     #: generation that still shares a group with one of them aborts that group's collectives
     #: at once instead of waiting for a peer that will not come (a hung NCCL or gloo peer).
     evicted: list[str] = Field(default_factory=list)
+    #: Workers per replica group (elastic HSDP; 1: data parallelism).
+    shard_size: int = 1
     #: Streaming datasets only (None otherwise): which member caches which shards - worker id
     #: -> half-open ``[start, stop]`` ranges of shard numbers; every shard has one owner. Each
     #: rank reads its own shards' samples of a global batch locally (see

@@ -64,6 +64,10 @@ class WorkerRecord:
     #: control entry's ``joined`` and ``removed`` are computed from.
     planned_in: int = 0
     dropped_in: int = 0
+    #: Elastic HSDP: the replica group it belongs to for its life (``r<n>``; "" : none yet,
+    #: or data parallelism) and its shard index in it (-1: none).
+    replica_group: str = ""
+    shard: int = -1
 
     def moved(self, dst: WorkerState, reason: str, now_ms: int) -> "WorkerRecord":
         check_worker_move(self.state, dst)
@@ -172,6 +176,8 @@ class JobStatus:
     #: "" : none yet): the next plan starts from them, so owners are sticky.
     num_shards: int = 0
     shard_owners: str = ""
+    #: Elastic HSDP: the number of the next replica group formed (its id: ``r<n>``).
+    next_replica: int = 0
 
     def to_hash(self) -> dict[str, str]:
         """The ``state`` hash's fields: every value a string (integers in decimal)."""

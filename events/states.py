@@ -47,9 +47,9 @@ WORKER_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
 class FailureCause(str, Enum):
     """Why a worker ended Failed: what decisions read (the record's ``reason`` is for people).
 
-    Moves: a worker is failed with HEARTBEAT_TIMEOUT, STEP_TIMEOUT or EXITED; a HEARTBEAT_TIMEOUT becomes
-    EXITED when the node agent's report of the process's end arrives after it (the report
-    names the root cause). Nothing else changes a cause."""
+    Moves: a worker is failed with HEARTBEAT_TIMEOUT, STEP_TIMEOUT, EXITED or REPLICA_GROUP; a
+    HEARTBEAT_TIMEOUT becomes EXITED when the node agent's report of the process's end arrives
+    after it (the report names the root cause). Nothing else changes a cause."""
 
     #: Not failed; or failed in a record written before causes were recorded, or with a
     #: cause this version does not know.
@@ -61,6 +61,9 @@ class FailureCause(str, Enum):
     #: Its heartbeat was alive but its step stayed busy (not waiting on peers) longer than
     #: the job's ``step_timeout``: a hung or far too slow step.
     STEP_TIMEOUT = "step_timeout"
+    #: Elastic HSDP: another member of its replica group failed or left, and a replica group
+    #: goes whole (its shard group cannot go on without that member); it was alive.
+    REPLICA_GROUP = "replica_group"
 
     @classmethod
     def parse(cls, value: object) -> "FailureCause":
@@ -123,6 +126,8 @@ class RemovalCause(str, Enum):
     EXITED = "exited"
     HEARTBEAT_TIMEOUT = "heartbeat_timeout"
     STEP_TIMEOUT = "step_timeout"
+    #: Its replica group lost another member (elastic HSDP).
+    REPLICA_GROUP = "replica_group"
     #: Failed, for a reason this version does not name.
     FAILED = "failed"
     #: It asked to leave (SIGTERM) or left: not a failure.

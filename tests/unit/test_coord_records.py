@@ -56,7 +56,7 @@ def test_the_stored_text_is_the_old_one_with_the_new_fields_appended() -> None:
     rec = WorkerRecord("w0", WorkerState.ACTIVE, joined_ms=5, host="h", pid=7, reason="joined", changed_ms=6)
     old_text = json.dumps({"worker_id": "w0", "state": "Active", "joined_ms": 5, "host": "h", "pid": 7, "node": "",
                            "reason": "joined", "changed_ms": 6, "restarts": 0, "straggler": False})
-    assert rec.to_json() == old_text[:-1] + ', "cause": "", "rank": -1, "backend": "", "device": "", "gpu": "", "placement": "", "planned_in": 0, "dropped_in": 0}'
+    assert rec.to_json() == old_text[:-1] + ', "cause": "", "rank": -1, "backend": "", "device": "", "gpu": "", "placement": "", "planned_in": 0, "dropped_in": 0, "replica_group": "", "shard": -1}'
 
 
 def test_old_code_reads_a_new_record() -> None:
