@@ -7,6 +7,22 @@ What a training script needs comes from here::
     def build() -> TrainingSetup:
         ...
 
+To try a ``build()`` out in one process, without Redis or workers (the examples' local mode,
+``python -m shoal.examples.digits``), drive its setup with the same engine and data order
+the workers use::
+
+    from shoal import DataOrder, StepEngine, load_entrypoint
+
+    setup = load_entrypoint("mymodule:build", seed)
+    engine = StepEngine.from_setup(setup, require_group=False)
+    order = DataOrder(len(setup.dataset), seed, global_batch)
+    batch = order.batch(cursor)  # the global batch at a sample cursor
+    result = engine.step(batch.indices, batch.count, generation=0)
+    cursor = batch.next_cursor
+
+A step there is the step a job of any world size takes at that cursor (the loss summed over
+the global batch); ``engine.evaluate(setup.eval_fn)`` gives the held-out metrics.
+
 The rest of the package is laid out in layers that only import downwards:
 
 * ``shoal.events`` and ``shoal.core``: the wire contract (key names, TTLs, stream caps, event
@@ -45,6 +61,8 @@ _EXPORTS = {
     "ShoalError": "shoal.core.errors",
     "ConfigError": "shoal.core.errors",
     "StreamingDataset": "shoal.storage.streaming",
+    "StepEngine": "shoal.worker.engine",
+    "DataOrder": "shoal.worker.data",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -53,6 +71,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from shoal.core.errors import ConfigError, ShoalError
     from shoal.core.jobspec import JobSpec, load_spec
     from shoal.storage.streaming import StreamingDataset
+    from shoal.worker.data import DataOrder
+    from shoal.worker.engine import StepEngine
     from shoal.worker.errors import EntrypointError
     from shoal.worker.userapi import TrainingSetup, load_entrypoint, seed_everything
 

@@ -176,9 +176,7 @@ def paced(setup: TrainingSetup) -> TrainingSetup:
 
 def train_locally(epochs: int = 3, global_batch: int = 64, seed: int = 0, log=print) -> list[dict[str, float]]:
     """Train single-process with shoal's engine and data order (no Redis); per-epoch metrics."""
-    from shoal.worker.data import DataOrder
-    from shoal.worker.engine import StepEngine
-    from shoal import load_entrypoint
+    from shoal import DataOrder, StepEngine, load_entrypoint
 
     setup = load_entrypoint("shoal.examples.digits:build", seed)
     engine = StepEngine.from_setup(setup, require_group=False)

@@ -290,9 +290,7 @@ def train_locally(steps: int = 300, global_batch: int = 16, eval_every: int = 25
     """Train single-process with shoal's engine and data order (no Redis); the held-out
     metrics at step 0 and every ``eval_every`` steps, with the mean training loss since the
     last evaluation."""
-    from shoal import load_entrypoint
-    from shoal.worker.data import DataOrder
-    from shoal.worker.engine import StepEngine
+    from shoal import DataOrder, StepEngine, load_entrypoint
 
     setup = load_entrypoint("shoal.examples.lm:build", seed)
     log(f"GPT {num_parameters(setup.model) / 1e6:.2f} M parameters {setup.model.cfg}; "

@@ -634,11 +634,41 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``shoal`` parser: the root options, then each group of subcommands (the order of
+    the groups is the order ``shoal --help`` lists the commands in)."""
     p = _Parser(prog="shoal", description="Elastic, fault-tolerant data-parallel training over Redis.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     p.add_argument("--version", action="version", version=f"shoal {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
+    _add_run_commands(sub)
+    _add_job_commands(sub)
+    _add_observe_commands(sub)
+    _add_tool_commands(sub)
+    _complete_job_arguments(sub)
+    return p
 
+
+_IFACE_HELP = ("network interface whose address gloo advertises to the peers (default: env SHOAL_IFACE, "
+               "else the interface this host reaches Redis through)")
+
+
+def _add_job_argument(parser: argparse.ArgumentParser) -> None:
+    """The positional JOB of a command about one job (completed by :func:`_complete_jobs`)."""
+    parser.add_argument("job", help="the job id (its name)")
+
+
+def _add_spec_options(parser: argparse.ArgumentParser, *, set_help: str) -> None:
+    """``--set``, ``--no-validate`` and ``--dry-build``: how ``create`` and ``submit`` build and
+    check a spec (:func:`_checked_spec` reads them)."""
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE", help=set_help)
+    parser.add_argument("--no-validate", action="store_true",
+                        help="do not import the entrypoint or check S3 settings here (they exist only on the workers)")
+    parser.add_argument("--dry-build", action="store_true",
+                        help="also call the entrypoint here and check the model, optimizer and dataset it returns")
+
+
+def _add_run_commands(sub: argparse._SubParsersAction) -> None:
+    """Running shoal: coordinator, worker, agent, demo, serve."""
     c = sub.add_parser("coordinator", help="run a coordinator replica (any number may run)")
     c.add_argument("--id", help="replica name (default: random)")
     c.add_argument("--lease-ttl", type=float, default=2.0, help="leadership lease TTL in seconds")
@@ -653,12 +683,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_coordinator)
 
     w = sub.add_parser("worker", help="run one worker process of a job")
-    w.add_argument("job", help="the job id (its name)")
+    _add_job_argument(w)
     w.add_argument("--node", help="node name reported to the coordinator")
     w.add_argument("--join-timeout", type=float, default=30.0, help="seconds to wait for the join reply (default 30)")
-    w.add_argument("--iface", default=None,
-                   help="network interface whose address gloo advertises to the peers (default: env SHOAL_IFACE, "
-                        "else the interface this host reaches Redis through)")
+    w.add_argument("--iface", default=None, help=_IFACE_HELP)
     w.set_defaults(func=cmd_worker)
 
     ag = sub.add_parser("agent", help="run this node's workers of a job, or (--queue) serve the launch queue")
@@ -679,10 +707,86 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a worker that ran this long before dying restarts after --backoff again (default 60 s)")
     ag.add_argument("--node", help="node name (default: host name)")
     ag.add_argument("--run-dir", help="where worker logs go (default: ~/.shoal/agent/JOB)")
-    ag.add_argument("--iface", default=None,
-                    help="the workers' --iface: network interface whose address gloo advertises to the peers "
-                         "(default: env SHOAL_IFACE, else the interface this host reaches Redis through)")
+    ag.add_argument("--iface", default=None, help=f"the workers' --iface: {_IFACE_HELP}")
     ag.set_defaults(func=cmd_agent)
+
+    dm = sub.add_parser("demo", help="embedded Redis + coordinator + 3 workers, with a kill and a join")
+    dm.add_argument("--duration", type=float, default=None, help="give up after this many seconds (default 600)")
+    dm.add_argument("--epochs", type=int, default=40, help="epochs of the demo job (default 40)")
+    dm.add_argument("--report", metavar="PATH", default="report.png",
+                    help="write the run's report (shoal report) here at the end ('' : none)")
+    dm.set_defaults(func=cmd_demo)
+
+    sv = sub.add_parser("serve", help="the HTTP API and the live web dashboard",
+                        description="Serve the HTTP API (docs/api.md; OpenAPI at /openapi.json) and the dashboard "
+                                    "(at /). Calls that change anything need 'Authorization: Bearer <token>' with the "
+                                    "token from SHOAL_API_TOKEN or --token-file; without one the server is read-only.")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080; 0: any free port)")
+    sv.add_argument("--token-file", metavar="PATH",
+                    help="read the API token from this file's first line (instead of SHOAL_API_TOKEN)")
+    sv.set_defaults(func=cmd_serve)
+
+
+def _add_job_commands(sub: argparse._SubParsersAction) -> None:
+    """A job's life: create, submit, stop, delete, purge."""
+    cr = sub.add_parser("create", help="register a job from a spec file or options (no queue)")
+    cr.add_argument("spec", nargs="?", help="job spec YAML")
+    cr.add_argument("--name", help="the job's name (overrides the file's)")
+    _add_spec_options(cr, set_help="spec field, over the file's if one is given (repeatable; validated like the file)")
+    cr.set_defaults(func=cmd_create)
+
+    sb = sub.add_parser("submit", help="validate a job spec, register the job and queue its launch units")
+    sb.add_argument("spec", help="job spec YAML")
+    sb.add_argument("--workers", "-n", type=_positive_int, default=1,
+                    help="worker processes per launch unit, i.e. per node agent (default 1)")
+    _add_spec_options(sb, set_help="override a spec field of the file (repeatable; validated like the file)")
+    sb.set_defaults(func=cmd_submit)
+
+    st = sub.add_parser("stop", help="stop a job gracefully (workers see 'stopped' and exit)")
+    _add_job_argument(st)
+    st.add_argument("--reason", default="stopped by operator", help="recorded as the job's reason")
+    st.add_argument("--wait", type=float, metavar="SECONDS", help="wait up to this long for the job to be stopped")
+    st.set_defaults(func=cmd_stop)
+
+    d = sub.add_parser("delete", help="remove every key of a job")
+    _add_job_argument(d)
+    d.set_defaults(func=cmd_delete)
+
+    pg = sub.add_parser("purge", help="delete the keys of finished jobs (checkpoints stay)")
+    pg.add_argument("--state", required=True, help="comma-separated: completed, failed, stopped")
+    pg.add_argument("--yes", action="store_true", help="really delete (default: list what would go)")
+    pg.set_defaults(func=cmd_purge)
+
+
+def _add_observe_commands(sub: argparse._SubParsersAction) -> None:
+    """Watching jobs and services: jobs, status, events, logs, report, health."""
+    j = sub.add_parser("jobs", help="list jobs")
+    j.set_defaults(func=cmd_jobs)
+
+    s = sub.add_parser("status", help="show a job's state, generation and workers")
+    _add_job_argument(s)
+    s.add_argument("--json", action="store_true", help="one JSON object (for scripts)")
+    s.add_argument("--watch", action="store_true", help="redraw until interrupted")
+    s.add_argument("--interval", type=float, default=1.0, help="seconds between redraws with --watch (default 1)")
+    s.set_defaults(func=cmd_status)
+
+    e = sub.add_parser("events", help="the coordinator's decisions with their reasons")
+    _add_job_argument(e)
+    e.add_argument("--follow", "-f", action="store_true", help="wait for new decisions (ends once the job ended)")
+    e.set_defaults(func=cmd_events)
+
+    lg = sub.add_parser("logs", help="workers' log lines of a job")
+    _add_job_argument(lg)
+    lg.add_argument("--worker", "-w", help="only this worker id (e.g. w3)")
+    lg.add_argument("--follow", "-f", action="store_true", help="wait for new lines (ends once the job ended)")
+    lg.add_argument("--tail", type=int, help="start with the last N lines")
+    lg.set_defaults(func=cmd_logs)
+
+    rp = sub.add_parser("report", help="a PNG of a job's loss and throughput with its membership changes")
+    _add_job_argument(rp)
+    rp.add_argument("-o", "--output", default="report.png", help="PNG file to write (default report.png)")
+    rp.set_defaults(func=cmd_report)
 
     he = sub.add_parser("health", help="probe a coordinator, node agent or Redis: exit 0 when healthy",
                         description="Exit 0 with one line when healthy; otherwise one line naming the cause "
@@ -703,65 +807,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="pass when Redis cannot be reached (liveness probes: a restart would not help)")
     he.set_defaults(func=cmd_health)
 
-    sb = sub.add_parser("submit", help="validate a job spec, register the job and queue its launch units")
-    sb.add_argument("spec", help="job spec YAML")
-    sb.add_argument("--workers", "-n", type=_positive_int, default=1,
-                    help="worker processes per launch unit, i.e. per node agent (default 1)")
-    sb.add_argument("--set", action="append", metavar="KEY=VALUE",
-                    help="override a spec field of the file (repeatable; validated like the file)")
-    sb.add_argument("--no-validate", action="store_true",
-                    help="do not import the entrypoint or check S3 settings here (they exist only on the workers)")
-    sb.add_argument("--dry-build", action="store_true",
-                    help="also call the entrypoint here and check the model, optimizer and dataset it returns")
-    sb.set_defaults(func=cmd_submit)
 
-    st = sub.add_parser("stop", help="stop a job gracefully (workers see 'stopped' and exit)")
-    st.add_argument("job", help="the job id (its name)")
-    st.add_argument("--reason", default="stopped by operator", help="recorded as the job's reason")
-    st.add_argument("--wait", type=float, metavar="SECONDS", help="wait up to this long for the job to be stopped")
-    st.set_defaults(func=cmd_stop)
+def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
+    """Data and tools: dataset, cluster, chaos, completion."""
+    from shoal.ops.dataset import add_parser as add_dataset_parser
 
-    pg = sub.add_parser("purge", help="delete the keys of finished jobs (checkpoints stay)")
-    pg.add_argument("--state", required=True, help="comma-separated: completed, failed, stopped")
-    pg.add_argument("--yes", action="store_true", help="really delete (default: list what would go)")
-    pg.set_defaults(func=cmd_purge)
+    add_dataset_parser(sub)  # shoal dataset pack|index|info (ops/dataset.py)
 
-    lg = sub.add_parser("logs", help="workers' log lines of a job")
-    lg.add_argument("job", help="the job id (its name)")
-    lg.add_argument("--worker", "-w", help="only this worker id (e.g. w3)")
-    lg.add_argument("--follow", "-f", action="store_true", help="wait for new lines (ends once the job ended)")
-    lg.add_argument("--tail", type=int, help="start with the last N lines")
-    lg.set_defaults(func=cmd_logs)
-
-    cr = sub.add_parser("create", help="register a job from a spec file or options (no queue)")
-    cr.add_argument("spec", nargs="?", help="job spec YAML")
-    cr.add_argument("--name", help="the job's name (overrides the file's)")
-    cr.add_argument("--set", action="append", metavar="KEY=VALUE",
-                    help="spec field, over the file's if one is given (repeatable; validated like the file)")
-    cr.add_argument("--no-validate", action="store_true",
-                    help="do not import the entrypoint or check S3 settings here (they exist only on the workers)")
-    cr.add_argument("--dry-build", action="store_true",
-                    help="also call the entrypoint here and check the model, optimizer and dataset it returns")
-    cr.set_defaults(func=cmd_create)
-
-    s = sub.add_parser("status", help="show a job's state, generation and workers")
-    s.add_argument("job", help="the job id (its name)")
-    s.add_argument("--json", action="store_true", help="one JSON object (for scripts)")
-    s.add_argument("--watch", action="store_true", help="redraw until interrupted")
-    s.add_argument("--interval", type=float, default=1.0, help="seconds between redraws with --watch (default 1)")
-    s.set_defaults(func=cmd_status)
-
-    j = sub.add_parser("jobs", help="list jobs")
-    j.set_defaults(func=cmd_jobs)
-
-    d = sub.add_parser("delete", help="remove every key of a job")
-    d.add_argument("job", help="the job id (its name)")
-    d.set_defaults(func=cmd_delete)
-
-    e = sub.add_parser("events", help="the coordinator's decisions with their reasons")
-    e.add_argument("job", help="the job id (its name)")
-    e.add_argument("--follow", "-f", action="store_true", help="wait for new decisions (ends once the job ended)")
-    e.set_defaults(func=cmd_events)
+    cl = sub.add_parser("cluster", help="validate or show a cluster.yaml")
+    cl.add_argument("action", choices=["validate", "show"], help="validate: check the file; show: print what it describes")
+    cl.add_argument("file", help="cluster file (YAML), e.g. examples/cluster.yaml")
+    cl.set_defaults(func=cmd_cluster)
 
     ch = sub.add_parser("chaos", help="a job under random faults for a while, then a check of its end state")
     ch.add_argument("--duration", type=_positive_float, default=60.0, help="seconds of fault injection (default 60)")
@@ -782,46 +838,19 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--max-hold", type=_positive_float, default=None, help="--network: ... at most (default 5)")
     ch.set_defaults(func=cmd_chaos)
 
-    dm = sub.add_parser("demo", help="embedded Redis + coordinator + 3 workers, with a kill and a join")
-    dm.add_argument("--duration", type=float, default=None, help="give up after this many seconds (default 600)")
-    dm.add_argument("--epochs", type=int, default=40, help="epochs of the demo job (default 40)")
-    dm.add_argument("--report", metavar="PATH", default="report.png",
-                    help="write the run's report (shoal report) here at the end ('' : none)")
-    dm.set_defaults(func=cmd_demo)
-
-    rp = sub.add_parser("report", help="a PNG of a job's loss and throughput with its membership changes")
-    rp.add_argument("job", help="the job id (its name)")
-    rp.add_argument("-o", "--output", default="report.png", help="PNG file to write (default report.png)")
-    rp.set_defaults(func=cmd_report)
-
-    sv = sub.add_parser("serve", help="the HTTP API and the live web dashboard",
-                        description="Serve the HTTP API (docs/api.md; OpenAPI at /openapi.json) and the dashboard "
-                                    "(at /). Calls that change anything need 'Authorization: Bearer <token>' with the "
-                                    "token from SHOAL_API_TOKEN or --token-file; without one the server is read-only.")
-    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    sv.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080; 0: any free port)")
-    sv.add_argument("--token-file", metavar="PATH",
-                    help="read the API token from this file's first line (instead of SHOAL_API_TOKEN)")
-    sv.set_defaults(func=cmd_serve)
-
-    cl = sub.add_parser("cluster", help="validate or show a cluster.yaml")
-    cl.add_argument("action", choices=["validate", "show"], help="validate: check the file; show: print what it describes")
-    cl.add_argument("file", help="cluster file (YAML), e.g. examples/cluster.yaml")
-    cl.set_defaults(func=cmd_cluster)
-
-    from shoal.ops.dataset import add_parser as add_dataset_parser
-
-    add_dataset_parser(sub)  # shoal dataset pack|index|info (ops/dataset.py)
-
     co = sub.add_parser("completion", help="print the shell completion script (bash, zsh or fish)",
                         description="Enable with: eval \"$(shoal completion bash)\" (in ~/.bashrc), "
                                     "shoal completion zsh, or shoal completion fish | source. "
                                     "Completes commands, options and job ids.")
     co.add_argument("shell", choices=["bash", "zsh", "fish"], help="the shell to print the script for")
     co.set_defaults(func=cmd_completion)
+
+
+def _complete_job_arguments(sub: argparse._SubParsersAction) -> None:
+    """argcomplete: every JOB argument (``dest == "job"``, of every command) completes to the
+    registered job ids. Call it after every command is added."""
     for action in (a for sp in sub.choices.values() for a in sp._actions if a.dest == "job"):
-        action.completer = _complete_jobs  # argcomplete: JOB completes to the registered job ids
-    return p
+        action.completer = _complete_jobs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,8 @@
 """Fixtures shared by every layer: a real embedded Redis server per test session, a client
-of it, unique job ids, the environment of child processes, ``LocalProcs`` against the
-session's server and the launch queue. Fixtures of one layer only live in that layer's
-``conftest.py`` (``tests/cli``, ``tests/storage``)."""
+of it, unique job ids, the environment of child processes and of ``python -m shoal``
+commands, ``LocalProcs`` against the session's server and the launch queue. Fixtures of one
+layer only live in that layer's ``conftest.py`` (``tests/api``, ``tests/storage``,
+``tests/multihost``); a fixture name means the same thing in every folder."""
 
 from __future__ import annotations
 
@@ -137,6 +138,16 @@ def subprocess_env(redis_url: str) -> dict[str, str]:
     env = dict(os.environ)
     env["REDIS_URL"] = redis_url
     env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.fixture
+def cli_env(subprocess_env: dict[str, str], tmp_path) -> dict[str, str]:
+    """Environment of a ``python -m shoal`` command (``run_cli``): the session's Redis, the
+    test's own ``SHOAL_HOME`` (never the user's ``~/.shoal``), one BLAS thread, no API token
+    unless a test sets one."""
+    env = {**subprocess_env, "SHOAL_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    env.pop("SHOAL_API_TOKEN", None)
     return env
 
 

@@ -1,6 +1,7 @@
 """Test helpers shared by every layer: one :func:`wait_until` for anything a test awaits,
-:class:`ControlWatcher` to await coordinator decisions on a job's control stream, and
-:func:`run_cli` to run ``python -m shoal ...`` as an operator would."""
+:class:`ControlWatcher` to await coordinator decisions on a job's control stream,
+:func:`run_cli` to run ``python -m shoal ...`` as an operator would, :func:`job_spec` for the
+tests' job specs and :func:`run_job` to run one on local processes to its end."""
 
 from __future__ import annotations
 
@@ -8,16 +9,19 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TypeVar
 
 import redis
 
+from shoal.core.jobspec import JobSpec
+from shoal.core.registry import create_job
 from shoal.events.keys import job_keys
 from shoal.events.models import ShardTable
-from shoal.events.streams import ControlEntry
 from shoal.events.records import WorkerRecord
+from shoal.events.streams import ControlEntry
+from shoal.ops.localproc import LocalProcs
 
 #: the repository root
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,6 +53,46 @@ def run_cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.
     """``python -m shoal ARGS`` from the repository root with ``env``; its output as text."""
     return subprocess.run([sys.executable, "-m", "shoal", *args], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
+
+
+#: What a test's job is unless the test says otherwise (JobSpec's own defaults are for real
+#: clusters): a failure is seen within 1.5 s (a heartbeat every 0.2 s), at most 3 workers.
+TEST_JOB = {"max_workers": 3, "heartbeat_interval": 0.2, "heartbeat_ttl": 1.5}
+
+
+def job_spec(name: str, *shapes: Mapping, **fields) -> JobSpec:
+    """The spec of job ``name``: :data:`TEST_JOB`, then each of ``shapes`` (a test file's job,
+    e.g. its entrypoint and batch), then ``fields``, each over the ones before; everything
+    else is JobSpec's default. ValidationError as JobSpec raises it."""
+    merged: dict = dict(TEST_JOB)
+    for shape in shapes:
+        merged |= shape
+    return JobSpec(**(merged | fields | {"name": name}))
+
+
+def run_job(r: redis.Redis, redis_url: str, run_dir: Path, spec: JobSpec, workers: int, extra_env: dict[str, str],
+            script: Callable | None = None, end_states: tuple[str, ...] = ("completed",)):
+    """Register ``spec``, start a coordinator (``coord``) and ``workers`` workers (``p0``,
+    ``p1``, ...) as real processes against ``redis_url`` with ``extra_env`` (logs under
+    ``run_dir/logs``), call ``script(watch, procs, workers)`` while they run, wait up to 240 s
+    for a decision whose job state is one of ``end_states``, then up to 60 s for every process
+    but the coordinator to exit. Returns ``(watch, procs, exit codes by process name)``; every
+    process is reaped. On any failure the tail of every log is printed, then it re-raises."""
+    create_job(r, spec)
+    watch = ControlWatcher(r, spec.name)
+    with LocalProcs(redis_url, run_dir / "logs", extra_env=extra_env) as procs:
+        procs.coordinator("coord")
+        ws = [procs.worker(spec.name, f"p{i}") for i in range(workers)]
+        try:
+            if script:
+                script(watch, procs, ws)
+            watch.wait_for(lambda d: d["job_state"] in end_states, 240)
+            codes = {p.name: p.wait(60) for p in procs.procs if p.name != "coord"}
+        except BaseException:
+            for p in procs.procs:
+                print(f"===== {p.name}\n{p.log_tail(30)}")
+            raise
+    return watch, procs, codes
 
 
 def dump_logs(procs, agent_dir: Path, lines: int = 40) -> None:

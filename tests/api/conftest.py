@@ -1,5 +1,6 @@
-"""Fixtures of the HTTP API tests: ``shoal serve`` as a real process (``serve``), started with
-or without a token against the session's Redis, and an HTTP client of it."""
+"""Fixtures of the HTTP API tests: ``shoal serve`` as a real process against the session's
+Redis, started with a token (``api_server``) or without one (``read_only_api_server``), and
+an HTTP client of it."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ _LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
 
 
 @dataclass
-class Server:
+class ApiServer:
     """A running ``shoal serve``: its process, base URL, token (None: read-only) and a client."""
 
     proc: Proc
@@ -49,15 +50,6 @@ def start_serve(procs: LocalProcs, name: str, *args: str, timeout: float = 60) -
 
 
 @pytest.fixture
-def env(subprocess_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
-    """Environment of a ``python -m shoal`` command: the session's Redis, the test's own
-    ``SHOAL_HOME``, no API token unless a test sets one."""
-    env = {**subprocess_env, "SHOAL_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
-    env.pop("SHOAL_API_TOKEN", None)
-    return env
-
-
-@pytest.fixture
 def api_token(tmp_path: Path) -> tuple[str, Path]:
     token = secrets.token_urlsafe(24)
     path = tmp_path / "api-token"
@@ -66,18 +58,18 @@ def api_token(tmp_path: Path) -> tuple[str, Path]:
 
 
 @pytest.fixture
-def server(procs: LocalProcs, api_token) -> Server:
+def api_server(procs: LocalProcs, api_token) -> ApiServer:
     """``shoal serve`` with a token (from ``--token-file``)."""
     token, path = api_token
     proc, url = start_serve(procs, "serve", "--token-file", str(path))
     with httpx.Client(base_url=url, timeout=30) as http:
-        yield Server(proc, url, token, http)
+        yield ApiServer(proc, url, token, http)
 
 
 @pytest.fixture
-def read_only_server(procs: LocalProcs, monkeypatch: pytest.MonkeyPatch) -> Server:
+def read_only_api_server(procs: LocalProcs, monkeypatch: pytest.MonkeyPatch) -> ApiServer:
     """``shoal serve`` without a token."""
     monkeypatch.delenv("SHOAL_API_TOKEN", raising=False)
     proc, url = start_serve(procs, "serve-ro")
     with httpx.Client(base_url=url, timeout=30) as http:
-        yield Server(proc, url, None, http)
+        yield ApiServer(proc, url, None, http)

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.api.conftest import Server
+from tests.api.conftest import ApiServer
 from tests.helpers import ControlWatcher, wait_until
 
 pytestmark = pytest.mark.slow
@@ -50,13 +50,13 @@ class Follower(threading.Thread):
         return [d for t, k, d in self.events if k == kind and t < before]
 
 
-def test_log_lines_and_decisions_stream_while_a_job_trains(server: Server, r, procs, job_id, monkeypatch) -> None:
+def test_log_lines_and_decisions_stream_while_a_job_trains(api_server: ApiServer, r, procs, job_id, monkeypatch) -> None:
     monkeypatch.setenv("SHOAL_TEST_STEP_DELAY", "0.05")
     spec = {"name": job_id, "entrypoint": "tests.entrypoints:slow_digits", "min_workers": 2, "max_workers": 2,
             "max_steps": 60, "heartbeat_interval": 0.2, "heartbeat_ttl": 1.5}
-    assert server.http.post("/jobs", json={"spec": spec, "queue": False}, headers=server.auth()).status_code == 201
-    logs = Follower(f"{server.url}/jobs/{job_id}/logs/stream")
-    decisions = Follower(f"{server.url}/jobs/{job_id}/events/stream")
+    assert api_server.http.post("/jobs", json={"spec": spec, "queue": False}, headers=api_server.auth()).status_code == 201
+    logs = Follower(f"{api_server.url}/jobs/{job_id}/logs/stream")
+    decisions = Follower(f"{api_server.url}/jobs/{job_id}/events/stream")
     for f in (logs, decisions):
         f.start()
         assert f.opened.wait(30) and f.error is None, f.error
@@ -83,9 +83,9 @@ def test_log_lines_and_decisions_stream_while_a_job_trains(server: Server, r, pr
     assert decisions.events[-1][1:] == ("end", {"job_id": job_id, "state": "completed"})
     assert logs.events[-1][1:] == ("end", {"job_id": job_id, "state": "completed"})
     # the chart data of the finished job: its committed steps and its start and end marks
-    chart = server.http.get(f"/jobs/{job_id}/progress").json()
+    chart = api_server.http.get(f"/jobs/{job_id}/progress").json()
     assert chart["points"]["step"] and 1 <= chart["points"]["step"][0] < max(chart["points"]["step"]) <= 60  # sampled
     assert [m["kind"] for m in chart["marks"]][0] == "start" and chart["marks"][-1]["kind"] == "end"
-    more = server.http.get(f"/jobs/{job_id}/progress", params={"after": chart["last_id"]}).json()
+    more = api_server.http.get(f"/jobs/{job_id}/progress", params={"after": chart["last_id"]}).json()
     assert more["points"]["step"] == [] and more["last_id"] == chart["last_id"]
-    assert server.http.get(f"/jobs/{job_id}/summary").json()["steps"] == 60
+    assert api_server.http.get(f"/jobs/{job_id}/summary").json()["steps"] == 60

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.api.conftest import Server
+from tests.api.conftest import ApiServer
 from tests.helpers import ControlWatcher, wait_until
 
 pytestmark = pytest.mark.slow
@@ -46,19 +46,19 @@ def _count(page, selector: str, attr: str) -> int:
     return int(page.get_attribute(selector, attr) or 0)
 
 
-def test_the_dashboard_shows_a_training_job_live_with_a_failure_mark(server: Server, r, procs, job_id, tmp_path,
+def test_the_dashboard_shows_a_training_job_live_with_a_failure_mark(api_server: ApiServer, r, procs, job_id, tmp_path,
                                                                      browser_page, monkeypatch) -> None:
     page, errors = browser_page
     monkeypatch.setenv("SHOAL_TEST_STEP_DELAY", "0.12")  # the workers inherit it: about 20 s of training
     spec = {"name": job_id, "entrypoint": "tests.entrypoints:slow_digits", "min_workers": 1, "max_workers": 3,
             "epochs": 3, "max_steps": 160, "heartbeat_interval": 0.2, "heartbeat_ttl": 1.5, "seed": 1}
-    resp = server.http.post("/jobs", json={"spec": spec, "queue": False}, headers=server.auth())
+    resp = api_server.http.post("/jobs", json={"spec": spec, "queue": False}, headers=api_server.auth())
     assert resp.status_code == 201, resp.text
     watch = ControlWatcher(r, job_id)
     procs.coordinator("coord")
     workers = [procs.worker(job_id, f"p{i}") for i in range(3)]
     try:
-        page.goto(f"{server.url}/#job={job_id}")
+        page.goto(f"{api_server.url}/#job={job_id}")
         page.wait_for_selector(f"#jobs tr[data-job='{job_id}']")
         watch.wait_for(lambda d: "world size 3" in d["reason"], 90)
         # the chart grows while the job trains
@@ -92,7 +92,7 @@ def test_the_dashboard_shows_a_training_job_live_with_a_failure_mark(server: Ser
             out.mkdir(parents=True, exist_ok=True)
             shutil.copy2(shot, out / "dashboard.png")
         # stopping it from the page: the token is asked for, sent, and the job stops
-        page.on("dialog", lambda d: d.accept(server.token) if d.type == "prompt" else d.accept())
+        page.on("dialog", lambda d: d.accept(api_server.token) if d.type == "prompt" else d.accept())
         page.click("#stop-job")
         wait_until(lambda: "stop requested" in page.inner_text("#action-result"), 20, "the stop to be requested")
         watch.wait_for(lambda d: d["job_state"] == "stopped" and "stopped from the dashboard" in d["reason"], 30)
@@ -103,4 +103,4 @@ def test_the_dashboard_shows_a_training_job_live_with_a_failure_mark(server: Ser
         page.screenshot(path=str(tmp_path / "dashboard-failed.png"), full_page=True)
         raise
     finally:
-        server.http.post(f"/jobs/{job_id}/stop", headers=server.auth())
+        api_server.http.post(f"/jobs/{job_id}/stop", headers=api_server.auth())

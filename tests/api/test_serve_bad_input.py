@@ -18,7 +18,7 @@ def listening_port():
         yield s.getsockname()[1]
 
 
-def test_bad_settings_are_one_line_and_exit_2(env, tmp_path, listening_port) -> None:
+def test_bad_settings_are_one_line_and_exit_2(cli_env, tmp_path, listening_port) -> None:
     empty = tmp_path / "empty"
     empty.write_text("\n")
     cases = [
@@ -31,7 +31,7 @@ def test_bad_settings_are_one_line_and_exit_2(env, tmp_path, listening_port) -> 
         (["--host", "no-such-host.invalid"], {}, "cannot listen on no-such-host.invalid"),
     ]
     for args, extra, expected in cases:
-        res = run_cli({**env, **extra}, "serve", *args, timeout=60)
+        res = run_cli({**cli_env, **extra}, "serve", *args, timeout=60)
         assert res.returncode == 2, (args, res.stderr)
         last = res.stderr.strip().splitlines()[-1]
         assert last.startswith("shoal: ") and expected in last, (args, res.stderr)

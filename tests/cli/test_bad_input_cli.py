@@ -38,12 +38,12 @@ def write(path, text: str) -> str:
     ("create", "entrypoint: simulate\nglobal_batch_size: -1\n", ["global_batch_size: Input should be greater than 0"]),
     ("create", "entrypoint: [simulate\n", ["not valid YAML at line"]),
 ])
-def test_bad_job_spec_is_one_line_and_writes_nothing(r, env, tmp_path, job_id, command, body, needles) -> None:
+def test_bad_job_spec_is_one_line_and_writes_nothing(r, cli_env, tmp_path, job_id, command, body, needles) -> None:
     spec = write(tmp_path / "job.yaml", f"name: {job_id}\n{body}")
-    one_line_error(shoal(env, command, spec), 2, spec, *needles)
+    one_line_error(shoal(cli_env, command, spec), 2, spec, *needles)
     assert not r.exists(job_keys(job_id).spec)
     if "min_workers" in body:
-        one_line_error(shoal(env, "submit", str(tmp_path / "missing.yaml")), 2, "cannot read job spec", "missing.yaml")
+        one_line_error(shoal(cli_env, "submit", str(tmp_path / "missing.yaml")), 2, "cannot read job spec", "missing.yaml")
 
 
 @pytest.mark.parametrize("action, body, needles", [
@@ -54,29 +54,29 @@ def test_bad_job_spec_is_one_line_and_writes_nothing(r, env, tmp_path, job_id, c
     ("validate", "nodes: [\n", ["not valid YAML"]),
     ("validate", None, ["cannot read cluster file"]),
 ])
-def test_bad_cluster_file_is_one_line(env, tmp_path, action, body, needles) -> None:
+def test_bad_cluster_file_is_one_line(cli_env, tmp_path, action, body, needles) -> None:
     path = write(tmp_path / "cluster.yaml", body) if body is not None else str(tmp_path / "absent.yaml")
-    one_line_error(shoal(env, "cluster", action, path), 2, *needles)
+    one_line_error(shoal(cli_env, "cluster", action, path), 2, *needles)
 
 
-def test_unreachable_redis_is_one_line_without_the_password(env, tmp_path) -> None:
+def test_unreachable_redis_is_one_line_without_the_password(cli_env, tmp_path) -> None:
     port = free_port()  # nothing listens there
-    env = {**env, "REDIS_URL": f"redis://shoal:hunter2-secret@127.0.0.1:{port}/0"}
+    cli_env = {**cli_env, "REDIS_URL": f"redis://shoal:hunter2-secret@127.0.0.1:{port}/0"}
     spec = write(tmp_path / "ok.yaml", "name: fine\nentrypoint: simulate\n")
     for args in (["status", "fine"], ["submit", spec], ["stop", "fine"], ["purge", "--state", "stopped", "--yes"],
                  ["report", "fine", "-o", str(tmp_path / "r.png")], ["coordinator"]):
-        res = shoal(env, *args)
+        res = shoal(cli_env, *args)
         err = one_line_error(res, 3, f"cannot reach Redis at redis://shoal:***@127.0.0.1:{port}/0", "Connection refused")
         assert "hunter2-secret" not in err + res.stdout, args
 
 
-def test_unreachable_s3_stops_the_worker_with_one_line(r, env, job_id) -> None:
+def test_unreachable_s3_stops_the_worker_with_one_line(r, cli_env, job_id) -> None:
     """The checkpoint store is opened when a training worker starts (before it joins): an S3
     endpoint that refuses connections ends the worker with exit 3 and one ``shoal:`` line."""
     create_job(r, JobSpec(name=job_id, entrypoint="tests.entrypoints:slow_digits", checkpoint_uri="s3://bucket/x"))
-    env = {**env, "S3_ENDPOINT": f"http://127.0.0.1:{free_port()}", "S3_ACCESS_KEY": "shoal-key",
-           "S3_SECRET_KEY": "s3-very-secret"}
-    res = shoal(env, "worker", job_id, "--join-timeout", "5")
+    cli_env = {**cli_env, "S3_ENDPOINT": f"http://127.0.0.1:{free_port()}", "S3_ACCESS_KEY": "shoal-key",
+               "S3_SECRET_KEY": "s3-very-secret"}
+    res = shoal(cli_env, "worker", job_id, "--join-timeout", "5")
     assert res.returncode == 3, (res.stdout, res.stderr)
     assert "Traceback" not in res.stderr + res.stdout
     # the worker's log lines go to stderr too (urllib3 logs its retries); the error is the one last line
@@ -95,13 +95,13 @@ def test_unreachable_s3_stops_the_worker_with_one_line(r, env, job_id) -> None:
     ("entrypoint: shoal.examples.digits:build\ncheckpoint_uri: s3://bucket/x\n",
      ["checkpoint_uri s3://bucket/x: S3 settings missing: S3_ENDPOINT"]),
 ])
-def test_a_job_that_cannot_run_is_refused_before_anything_is_written(r, env, tmp_path, job_id, command, body,
+def test_a_job_that_cannot_run_is_refused_before_anything_is_written(r, cli_env, tmp_path, job_id, command, body,
                                                                      needles) -> None:
     """The entrypoint is imported (nothing is called) and an s3:// store's settings are looked
     for where the job is submitted: a job that could only crash every worker is refused with
     one line, instead of a job ``pending`` forever. ``--no-validate`` skips that check (code
     or settings that exist only on the worker nodes)."""
-    clean = {k: v for k, v in env.items() if not k.startswith("S3_")}
+    clean = {k: v for k, v in cli_env.items() if not k.startswith("S3_")}
     spec = write(tmp_path / "job.yaml", f"name: {job_id}\n{body}")
     one_line_error(shoal(clean, command, spec), 2, *needles, "--no-validate")
     assert not r.exists(job_keys(job_id).spec)
@@ -111,43 +111,43 @@ def test_a_job_that_cannot_run_is_refused_before_anything_is_written(r, env, tmp
         assert r.exists(job_keys(job_id).spec)
 
 
-def test_dry_build_calls_the_entrypoint_and_checks_what_it_returns(r, env, tmp_path, job_id) -> None:
+def test_dry_build_calls_the_entrypoint_and_checks_what_it_returns(r, cli_env, tmp_path, job_id) -> None:
     spec = write(tmp_path / "job.yaml", f"name: {job_id}\nentrypoint: tests.entrypoints:empty_dataset\n")
-    one_line_error(shoal(env, "submit", spec, "--dry-build"), 2, "entrypoint 'tests.entrypoints:empty_dataset'",
+    one_line_error(shoal(cli_env, "submit", spec, "--dry-build"), 2, "entrypoint 'tests.entrypoints:empty_dataset'",
                    "dataset is empty")
-    one_line_error(shoal(env, "create", spec, "--dry-build", "--no-validate"), 2, "contradict")
-    one_line_error(shoal(env, "create", spec, "--set", f"working_dir={tmp_path / 'nope'}"), 2,
+    one_line_error(shoal(cli_env, "create", spec, "--dry-build", "--no-validate"), 2, "contradict")
+    one_line_error(shoal(cli_env, "create", spec, "--set", f"working_dir={tmp_path / 'nope'}"), 2,
                    f"working_dir {tmp_path / 'nope'}: no such directory")
     assert not r.exists(job_keys(job_id).spec)
-    res = shoal(env, "create", spec)  # importing it is fine: only the build shows the problem
+    res = shoal(cli_env, "create", spec)  # importing it is fine: only the build shows the problem
     assert res.returncode == 0, res.stderr
 
 
-def test_set_overrides_a_spec_file_field_and_is_validated_like_it(r, env, tmp_path, job_id) -> None:
+def test_set_overrides_a_spec_file_field_and_is_validated_like_it(r, cli_env, tmp_path, job_id) -> None:
     from shoal.core.jobspec import JobSpec as _Spec
 
     spec = write(tmp_path / "job.yaml", f"name: {job_id}\nentrypoint: simulate\nepochs: 2\n")
-    one_line_error(shoal(env, "create", spec, "--set", "epochs=zero"), 2, "epochs: Input should be a valid integer")
-    one_line_error(shoal(env, "create", spec, "--set", "colour=red"), 2, "colour: Extra inputs are not permitted")
-    res = shoal(env, "create", spec, "--set", "epochs=9", "--set", "max_workers=5")
+    one_line_error(shoal(cli_env, "create", spec, "--set", "epochs=zero"), 2, "epochs: Input should be a valid integer")
+    one_line_error(shoal(cli_env, "create", spec, "--set", "colour=red"), 2, "colour: Extra inputs are not permitted")
+    res = shoal(cli_env, "create", spec, "--set", "epochs=9", "--set", "max_workers=5")
     assert res.returncode == 0, res.stderr
     stored = _Spec.from_stored(r.get(job_keys(job_id).spec))
     assert (stored.epochs, stored.max_workers) == (9, 5)
 
 
-def test_unknown_job_is_the_same_one_line_everywhere_and_version_answers(env, job_id) -> None:
+def test_unknown_job_is_the_same_one_line_everywhere_and_version_answers(cli_env, job_id) -> None:
     for command in ("status", "logs", "events", "report", "stop", "delete"):
-        one_line_error(shoal(env, command, job_id), 2, f"no job {job_id!r}")
-    res = shoal(env, "--version")
+        one_line_error(shoal(cli_env, command, job_id), 2, f"no job {job_id!r}")
+    res = shoal(cli_env, "--version")
     assert res.returncode == 0 and res.stdout.startswith("shoal "), (res.stdout, res.stderr)
 
 
-def test_events_follow_ends_once_the_job_ended(r, env, job_id) -> None:
+def test_events_follow_ends_once_the_job_ended(r, cli_env, job_id) -> None:
     keys = job_keys(job_id)
     create_job(r, JobSpec(name=job_id, entrypoint="simulate"))
     r.xadd(keys.control, {"ts_ms": "0", "generation": "1", "job_state": "completed", "kind": "completed",
                           "reason": "completed at step 5"})
     r.hset(keys.state, "state", "completed")
-    res = shoal(env, "events", job_id, "-f", timeout=30)
+    res = shoal(cli_env, "events", job_id, "-f", timeout=30)
     assert res.returncode == 0, res.stderr
     assert "completed at step 5" in res.stdout

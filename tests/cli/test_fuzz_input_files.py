@@ -109,7 +109,8 @@ def _document(data, base) -> bytes:
     return data.draw(st.binary(max_size=100), label="bytes")
 
 
-def _run(*argv: str) -> tuple[int, str, str]:
+def _shoal_in_process(*argv: str) -> tuple[int, str, str]:
+    """``shoal ARGV`` through :func:`main` in this process: its exit status, stdout and stderr."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -145,7 +146,7 @@ def test_fuzzed_job_spec_is_accepted_or_refused_in_one_line(fuzz_redis, command,
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "job.yaml"
         path.write_bytes(body)
-        rc, out, err = _run(command, str(path))
+        rc, out, err = _shoal_in_process(command, str(path))
     if rc != 0:
         _refused_in_one_line(rc, out, err)
         assert fuzz_redis.dbsize() == 0, fuzz_redis.keys("*")
@@ -170,7 +171,7 @@ def test_fuzzed_cluster_file_is_accepted_or_refused_in_one_line(action, data) ->
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "cluster.yaml"
         path.write_bytes(body)
-        rc, out, err = _run("cluster", action, str(path))
+        rc, out, err = _shoal_in_process("cluster", action, str(path))
     if rc != 0:
         _refused_in_one_line(rc, out, err)
         assert out == ""
@@ -200,7 +201,7 @@ def test_fuzzed_cluster_file_is_accepted_or_refused_in_one_line(action, data) ->
 def test_spec_inputs_found_by_fuzzing(fuzz_redis, tmp_path, command, body, needle) -> None:
     path = tmp_path / "job.yaml"
     path.write_text(f"name: pinned\nentrypoint: simulate\n{body}")
-    rc, out, err = _run(command, str(path))
+    rc, out, err = _shoal_in_process(command, str(path))
     _refused_in_one_line(rc, out, err)
     assert needle in err, err
     assert fuzz_redis.dbsize() == 0
@@ -209,7 +210,7 @@ def test_spec_inputs_found_by_fuzzing(fuzz_redis, tmp_path, command, body, needl
 @pytest.mark.parametrize("command", ["submit", "create"])
 def test_a_control_character_in_a_file_name_stays_on_one_line(fuzz_redis, tmp_path, command) -> None:
     path = tmp_path / "job\nshoal: forged\x1b[2J.yaml"
-    rc, out, err = _run(command, str(path))
+    rc, out, err = _shoal_in_process(command, str(path))
     _refused_in_one_line(rc, out, err)
     assert "cannot read job spec" in err and "job\\nshoal: forged\\x1b[2J.yaml" in err, err
 
@@ -221,6 +222,6 @@ def test_a_control_character_in_a_file_name_stays_on_one_line(fuzz_redis, tmp_pa
 def test_cluster_inputs_found_by_fuzzing(tmp_path, body, needle) -> None:
     path = tmp_path / "cluster.yaml"
     path.write_text(body)
-    rc, out, err = _run("cluster", "validate", str(path))
+    rc, out, err = _shoal_in_process("cluster", "validate", str(path))
     _refused_in_one_line(rc, out, err)
     assert needle in err, err

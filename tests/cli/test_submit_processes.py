@@ -29,31 +29,31 @@ def write_spec(path, **fields) -> str:
     return str(path)
 
 
-def test_invalid_spec_is_refused_before_anything_is_queued(r, env, tmp_path, job_id, queue) -> None:
+def test_invalid_spec_is_refused_before_anything_is_queued(r, cli_env, tmp_path, job_id, queue) -> None:
     bad = write_spec(tmp_path / "bad.yaml", name=job_id, entrypoint="simulate", min_workers=3, max_workers=2)
-    res = shoal(env, "submit", bad)
+    res = shoal(cli_env, "submit", bad)
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.count("\n") == 1 and res.stderr.startswith("shoal: ") and "min_workers" in res.stderr
     nested = write_spec(tmp_path / "typo.yaml", name=job_id, max_workerz=2)
-    res = shoal(env, "submit", nested)
+    res = shoal(cli_env, "submit", nested)
     assert res.returncode == 2 and "max_workerz" in res.stderr and "Traceback" not in res.stderr
-    res = shoal(env, "submit", str(tmp_path / "missing.yaml"))
+    res = shoal(cli_env, "submit", str(tmp_path / "missing.yaml"))
     assert res.returncode == 2 and res.stderr.startswith("shoal: cannot read job spec")
     assert not r.sismember(JOBS, job_id) and not r.exists(job_keys(job_id).spec)
     assert queue.count == 0 and units_of(queue, job_id) == []
     # an unreachable server: one line, exit 3, and the password in REDIS_URL is never printed
     good = write_spec(tmp_path / "good.yaml", name=job_id, entrypoint="simulate")
-    res = shoal({**env, "REDIS_URL": f"redis://user:s3cret-pw@127.0.0.1:{free_port()}/0"}, "submit", good)
+    res = shoal({**cli_env, "REDIS_URL": f"redis://user:s3cret-pw@127.0.0.1:{free_port()}/0"}, "submit", good)
     assert res.returncode == 3 and res.stderr.count("\n") == 1 and "s3cret-pw" not in res.stderr + res.stdout
     assert "user:***@" in res.stderr
     # bad input to the other new commands: one line, non-zero, nothing changed
     for args in (["stop", job_id], ["logs", job_id], ["stop", "bad{id}"], ["purge", "--state", "running"],
                  ["agent", job_id, "--queue"], ["coordinator", "--metrics-port", "70000"]):
-        res = shoal(env, *args)
+        res = shoal(cli_env, *args)
         assert res.returncode != 0 and res.stderr.count("\n") == 1 and res.stderr.startswith("shoal: "), (args, res.stderr)
 
 
-def test_a_unit_whose_job_failed_is_a_failed_rq_job_with_the_cause(r, env, tmp_path, job_id, procs, queue) -> None:
+def test_a_unit_whose_job_failed_is_a_failed_rq_job_with_the_cause(r, cli_env, tmp_path, job_id, procs, queue) -> None:
     """Every worker dies before joining (a misspelt entrypoint, submitted with --no-validate):
     the job fails with that cause, and its launch unit ends in RQ's failed registry with the
     cause as its exception, not as a ``finished`` job (so ``rq info``, the failed registry and
@@ -63,8 +63,8 @@ def test_a_unit_whose_job_failed_is_a_failed_rq_job_with_the_cause(r, env, tmp_p
     procs.coordinator("coord")
     spec = write_spec(tmp_path / "job.yaml", name=job_id, entrypoint="shoal.examples.digits:buidl", max_steps=5,
                       min_workers=1, max_workers=1, max_restarts=0)
-    assert shoal(env, "submit", spec).returncode == 2  # refused: the entrypoint does not exist here either
-    res = shoal(env, "submit", spec, "--no-validate")
+    assert shoal(cli_env, "submit", spec).returncode == 2  # refused: the entrypoint does not exist here either
+    res = shoal(cli_env, "submit", spec, "--no-validate")
     assert res.returncode == 0, res.stderr
     [unit] = units_of(queue, job_id)
     agent = procs.start("agent", "agent", "--queue", "--burst", "--name", f"agent-{job_id}")
@@ -78,12 +78,12 @@ def test_a_unit_whose_job_failed_is_a_failed_rq_job_with_the_cause(r, env, tmp_p
     assert job.get_meta(refresh=True)["state"] == "failed"
 
 
-def test_submitted_digits_job_trains_to_completion_through_a_queue_agent(r, env, tmp_path, job_id, procs, queue) -> None:
+def test_submitted_digits_job_trains_to_completion_through_a_queue_agent(r, cli_env, tmp_path, job_id, procs, queue) -> None:
     port = free_port()
     coord = procs.coordinator("coord", "--metrics-port", str(port))
     spec = write_spec(tmp_path / "job.yaml", name=job_id, entrypoint="shoal.examples.digits:build", max_steps=5,
                       global_batch_size=64, min_workers=1, max_workers=1, heartbeat_interval=0.2, heartbeat_ttl=2.0)
-    res = shoal(env, "submit", spec, "--workers", "1")
+    res = shoal(cli_env, "submit", spec, "--workers", "1")
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == job_id
     [unit] = units_of(queue, job_id)
@@ -101,9 +101,9 @@ def test_submitted_digits_job_trains_to_completion_through_a_queue_agent(r, env,
     assert meta["done"] is True and meta["step"] == 5 and meta["state"] == "completed"
 
     # the worker's log lines went to the job's log stream
-    logs = shoal(env, "logs", job_id)
+    logs = shoal(cli_env, "logs", job_id)
     assert logs.returncode == 0 and re.search(r"\bw\d+\s+INFO\s+.*finished: ", logs.stdout), logs.stdout
-    only = shoal(env, "logs", job_id, "--worker", "nobody")
+    only = shoal(cli_env, "logs", job_id, "--worker", "nobody")
     assert only.returncode == 0 and only.stdout == ""
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
@@ -115,13 +115,13 @@ def test_submitted_digits_job_trains_to_completion_through_a_queue_agent(r, env,
 
 
 def test_drained_agent_is_relaunched_then_stop_is_graceful_and_purge_removes_the_job(
-        r, env, tmp_path, job_id, procs, queue) -> None:
+        r, cli_env, tmp_path, job_id, procs, queue) -> None:
     watch = ControlWatcher(r, job_id)
     coord = procs.coordinator("coord", "--launch-interval", "0.3", "--launch-cooldown", "5")
     spec = write_spec(tmp_path / "sim.yaml", name=job_id, entrypoint="simulate", min_workers=1, max_workers=2,
                       global_batch_size=20, heartbeat_interval=0.2, heartbeat_ttl=1.0, max_steps=100000,
                       simulate_step_time=0.02)
-    res = shoal(env, "submit", spec, "--workers", "2")
+    res = shoal(cli_env, "submit", spec, "--workers", "2")
     assert res.returncode == 0, res.stderr
     [first] = units_of(queue, job_id)
     procs.extra_env["SHOAL_LAUNCH_META_INTERVAL"] = "0.3"
@@ -148,7 +148,7 @@ def test_drained_agent_is_relaunched_then_stop_is_graceful_and_purge_removes_the
     agent2 = procs.start("agent2", "agent", "--queue", "--burst")
     watch.wait_for(lambda d: "world size 2" in d["reason"], 40)
 
-    res = shoal(env, "stop", job_id, "--wait", "10")
+    res = shoal(cli_env, "stop", job_id, "--wait", "10")
     assert res.returncode == 0 and "stop requested" in res.stdout, res.stderr
     assert agent2.wait(30) == 0, agent2.log_tail()
     result = Job.fetch(second, connection=r, serializer=JSONSerializer).return_value()
@@ -157,7 +157,7 @@ def test_drained_agent_is_relaunched_then_stop_is_graceful_and_purge_removes_the
     # graceful: workers exited by themselves (status 0), nobody was declared failed
     assert all(rec["state"] != "Failed" for rec in watch.workers().values())
     assert "died" not in agent2.log_tail(200)
-    assert shoal(env, "stop", job_id).stdout.startswith(f"job {job_id} is already stopped")
+    assert shoal(cli_env, "stop", job_id).stdout.startswith(f"job {job_id} is already stopped")
     # no launcher pass since the stop queued anything. Evidence that one ran: a decoy unit of the
     # stopped job, queued now, is dropped by the next pass, which logs how many it dropped
     assert units_of(queue, job_id) == []
@@ -171,10 +171,10 @@ def test_drained_agent_is_relaunched_then_stop_is_graceful_and_purge_removes_the
     enqueued = re.findall(rf"job {re.escape(job_id)} \(\w+\) has .* enqueued", coord.log_path.read_text())
     assert len(enqueued) == 1, enqueued
 
-    dry = shoal(env, "purge", "--state", "completed,stopped")
+    dry = shoal(cli_env, "purge", "--state", "completed,stopped")
     assert dry.returncode == 0 and job_id in dry.stdout and "dry run" in dry.stdout
     assert r.exists(job_keys(job_id).spec)
-    done = shoal(env, "purge", "--state", "stopped", "--yes")
+    done = shoal(cli_env, "purge", "--state", "stopped", "--yes")
     assert done.returncode == 0 and "purged" in done.stdout, done.stderr
     assert not r.sismember(JOBS, job_id)
     assert list(r.scan_iter(match=f"shoal:{{{job_id}}}:*")) == []

@@ -19,15 +19,15 @@ pytestmark = pytest.mark.slow
     ("submit", "runs/tb", False, ["tensorboard_dir: Value error, must be an absolute path"]),
     ("create", "s3://bucket/tb", False, ["tensorboard_dir s3://bucket/tb: ", "S3_ENDPOINT"]),
 ])
-def test_tensorboard_dir_refused_at_submit(r, env, tmp_path, job_id, command, value, block, needles) -> None:
+def test_tensorboard_dir_refused_at_submit(r, cli_env, tmp_path, job_id, command, value, block, needles) -> None:
     value = value.format(tmp=tmp_path)
-    env = {k: v for k, v in env.items() if not k.startswith("S3_")}
+    cli_env = {k: v for k, v in cli_env.items() if not k.startswith("S3_")}
     if block:  # the interpreter of the command has no tensorboard package
         site = tmp_path / "site"
         site.mkdir()
         (site / "sitecustomize.py").write_text("import sys\nsys.modules['tensorboard'] = None\n")
-        env["PYTHONPATH"] = str(site)
+        cli_env["PYTHONPATH"] = str(site)
     spec = tmp_path / "job.yaml"
     spec.write_text(f"name: {job_id}\nentrypoint: shoal.examples.digits:build\ntensorboard_dir: {value}\n")
-    one_line_error(shoal(env, command, str(spec)), 2, *[n.format(tmp=tmp_path) for n in needles])
+    one_line_error(shoal(cli_env, command, str(spec)), 2, *[n.format(tmp=tmp_path) for n in needles])
     assert not r.exists(job_keys(job_id).spec)

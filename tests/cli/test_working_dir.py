@@ -124,7 +124,7 @@ def test_a_package_unpacks_once_with_its_modes_and_a_corrupt_one_is_refused(r, t
 
 
 @pytest.mark.slow
-def test_a_job_submitted_from_a_directory_the_agents_do_not_share_trains(r, env, tmp_path, job_id, procs,
+def test_a_job_submitted_from_a_directory_the_agents_do_not_share_trains(r, cli_env, tmp_path, job_id, procs,
                                                                        queue) -> None:
     module = "wd_" + job_id.replace("-", "_")
     project = tmp_path / "project"
@@ -138,11 +138,11 @@ def test_a_job_submitted_from_a_directory_the_agents_do_not_share_trains(r, env,
         __import__(module)
     # the check at submit imports the module from working_dir, as a worker will
     bad = subprocess.run([sys.executable, "-m", "shoal", "submit", str(project / "job.yaml"), "--set",
-                          f"entrypoint={module}:buidl"], env=env, capture_output=True, text=True, timeout=60)
+                          f"entrypoint={module}:buidl"], env=cli_env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
     assert f"has no attribute 'buidl' (imported from working_dir {project.resolve()})" in bad.stderr
     sub = subprocess.run([sys.executable, "-m", "shoal", "submit", "job.yaml", "--workers", "2"], cwd=project,
-                         env=env, capture_output=True, text=True, timeout=60)
+                         env=cli_env, capture_output=True, text=True, timeout=60)
     assert sub.returncode == 0, sub.stderr
     spec = json.loads(r.get(job_keys(job_id).spec))
     assert spec["working_dir"] == str(project.resolve())
@@ -151,7 +151,7 @@ def test_a_job_submitted_from_a_directory_the_agents_do_not_share_trains(r, env,
     watch = ControlWatcher(r, job_id)
     procs.coordinator("coord")
     agent = subprocess.Popen([sys.executable, "-m", "shoal", "agent", "--queue", "--burst", "--run-dir",
-                              str(tmp_path / "agent")], cwd=other, env=env, stdout=subprocess.DEVNULL,
+                              str(tmp_path / "agent")], cwd=other, env=cli_env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
     try:
         done = watch.wait_for(lambda d: d["job_state"] in ("completed", "failed"), 120)
@@ -168,10 +168,10 @@ def test_a_job_submitted_from_a_directory_the_agents_do_not_share_trains(r, env,
 
 
 @pytest.mark.slow
-def test_a_job_whose_code_package_is_corrupt_fails_with_that_cause(r, env, tmp_path, job_id, procs) -> None:
+def test_a_job_whose_code_package_is_corrupt_fails_with_that_cause(r, cli_env, tmp_path, job_id, procs) -> None:
     project = tmp_path / "project"
     make_project(project, "mod")
-    res = run_cli(env, "create", "--name", job_id, "--set", f"working_dir={project}", "--set", "max_steps=3",
+    res = run_cli(cli_env, "create", "--name", job_id, "--set", f"working_dir={project}", "--set", "max_steps=3",
                   "--set", "entrypoint=mod:build")
     assert res.returncode == 0, res.stderr
     r.hset(job_keys(job_id).code, "tar", b"not the package")
@@ -183,7 +183,7 @@ def test_a_job_whose_code_package_is_corrupt_fails_with_that_cause(r, env, tmp_p
     assert agent.wait(30) == 1
     assert "the worker process on node n3 (slot 0) could not be started" in failed["reason"], failed["reason"]
     assert "code package" in failed["reason"] and "corrupt" in failed["reason"]
-    logs = run_cli(env, "logs", job_id)
+    logs = run_cli(cli_env, "logs", job_id)
     assert "no worker can start on node n3" in logs.stdout and "corrupt" in logs.stdout
 
 

@@ -10,22 +10,22 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from shoal.coordinator.launcher import LAUNCH_FUNC, NO_TIMEOUT
-from shoal.core.jobspec import JobSpec
 from shoal.ops.launch import LaunchRefused, unit_args
 from shoal.ops.localproc import LocalProcs
 from shoal.ops.submit import submit
+from tests.helpers import job_spec
 
 
-def _spec(name: str) -> JobSpec:
-    return JobSpec(name=name, entrypoint="simulate", min_workers=1, max_workers=1, global_batch_size=4,
-                   heartbeat_interval=0.2, heartbeat_ttl=1.0, simulate_step_time=0.02, max_steps=20)
+#: a short simulated job on one worker (job_spec: over the tests' common defaults)
+ONE_WORKER_JOB = dict(entrypoint="simulate", min_workers=1, max_workers=1, global_batch_size=4, heartbeat_ttl=1.0,
+                      simulate_step_time=0.02, max_steps=20)
 
 
 @pytest.mark.slow
 def test_bad_launch_units_fail_with_one_line_and_valid_units_still_run(r, redis_url, tmp_path, job_id, queue) -> None:
     first, last = f"{job_id}-a", f"{job_id}-b"
     pwned = tmp_path / "pwned"
-    valid = [submit(r, _spec(first)).unit_ids[0]]
+    valid = [submit(r, job_spec(first, ONE_WORKER_JOB)).unit_ids[0]]
     bad = {  # name -> (function, args, kwargs, what the one-line reason says)
         "unknown job": (LAUNCH_FUNC, [f"{job_id}-nope", 1], {}, f"job '{job_id}-nope' does not exist"),
         "job id not a string": (LAUNCH_FUNC, [123, 1], {}, "job id must be 1-64 letters, digits, '_', '.', '-', got 123"),
@@ -46,7 +46,7 @@ def test_bad_launch_units_fail_with_one_line_and_valid_units_still_run(r, redis_
     corrupt = queue.enqueue_call(LAUNCH_FUNC, args=[first, 1], timeout=NO_TIMEOUT).id
     r.hset(f"rq:job:{corrupt}", "data", b"\x00not json")
     ids["corrupt payload"], bad["corrupt payload"] = corrupt, (None, None, None, "the payload is not an RQ JSON job")
-    valid.append(submit(r, _spec(last)).unit_ids[0])
+    valid.append(submit(r, job_spec(last, ONE_WORKER_JOB)).unit_ids[0])
 
     with LocalProcs(redis_url, tmp_path / "logs", extra_env={"SHOAL_HOME": str(tmp_path / "home")}) as procs:
         coord = procs.coordinator("coord", "--no-launcher")

@@ -17,12 +17,12 @@ from shoal.events.keys import COORDINATOR_GROUP, job_keys
 from shoal.events.models import JoinRequest, Ready
 from shoal.ops.embedded import server_binary
 from shoal.core.registry import create_job
-from shoal.core.jobspec import JobSpec
 from shoal.worker.membership import Membership
+from tests.helpers import job_spec
 
 
-def _spec(job_id: str, **kw) -> JobSpec:
-    return JobSpec(name=job_id, entrypoint="simulate", min_workers=1, max_workers=3, global_batch_size=12, **kw)
+#: the simulated job of these tests (job_spec: over the tests' common defaults)
+SIMULATED_JOB = dict(entrypoint="simulate", min_workers=1, global_batch_size=12)
 
 
 def _join_all(client_url: str, job_id: str, n: int, coord: Coordinator) -> list:
@@ -45,7 +45,7 @@ def _join_all(client_url: str, job_id: str, n: int, coord: Coordinator) -> list:
 
 def test_takeover_fences_the_old_leader_and_reclaims_its_pending_events(r, redis_url, job_id) -> None:
     keys = job_keys(job_id)
-    create_job(r, _spec(job_id))
+    create_job(r, job_spec(job_id, SIMULATED_JOB))
     a = Coordinator(redis.Redis.from_url(redis_url), instance_id="a", lease_ttl=5)
     a.run_once(block_ms=1)
     assert a.leads[job_id].epoch == 1
@@ -83,7 +83,7 @@ def test_takeover_fences_the_old_leader_and_reclaims_its_pending_events(r, redis
 
 def test_redelivered_event_changes_nothing(r, redis_url, job_id) -> None:
     keys = job_keys(job_id)
-    create_job(r, _spec(job_id))
+    create_job(r, job_spec(job_id, SIMULATED_JOB))
     c = Coordinator(redis.Redis.from_url(redis_url), instance_id="c")
     c.run_once(block_ms=1)
     (wid,) = _join_all(redis_url, job_id, 1, c)
@@ -99,7 +99,7 @@ def test_redelivered_event_changes_nothing(r, redis_url, job_id) -> None:
 
 def test_garbage_from_redis_cli_is_dead_lettered_and_service_continues(r, redis_url, redis_server, job_id) -> None:
     keys = job_keys(job_id)
-    create_job(r, _spec(job_id))
+    create_job(r, job_spec(job_id, SIMULATED_JOB))
     c = Coordinator(redis.Redis.from_url(redis_url), instance_id="c")
     c.run_once(block_ms=1)
     cli = str(Path(server_binary()).with_name("valkey-cli"))
@@ -127,7 +127,7 @@ def test_garbage_from_redis_cli_is_dead_lettered_and_service_continues(r, redis_
 
 def test_trim_never_drops_unacknowledged_entries(r, redis_url, job_id) -> None:
     keys = job_keys(job_id)
-    create_job(r, _spec(job_id))
+    create_job(r, job_spec(job_id, SIMULATED_JOB))
     c = Coordinator(redis.Redis.from_url(redis_url), instance_id="c", trim_interval=0)
     c.run_once(block_ms=1)
     _join_all(redis_url, job_id, 2, c)
@@ -143,7 +143,7 @@ def test_trim_never_drops_unacknowledged_entries(r, redis_url, job_id) -> None:
 
 def test_keys_deleted_under_a_running_coordinator_do_not_kill_it(r, redis_url, job_id) -> None:
     keys = job_keys(job_id)
-    create_job(r, _spec(job_id))
+    create_job(r, job_spec(job_id, SIMULATED_JOB))
     c = Coordinator(redis.Redis.from_url(redis_url), instance_id="c", lease_ttl=5, block_ms=10)
     c.run_once(block_ms=1)
     assert job_id in c.leads
@@ -153,7 +153,7 @@ def test_keys_deleted_under_a_running_coordinator_do_not_kill_it(r, redis_url, j
     t = threading.Thread(target=c.run, args=(stop,), daemon=True)
     t.start()
     other = job_id + "-b"
-    create_job(r, _spec(other))
+    create_job(r, job_spec(other, SIMULATED_JOB))
     ev = JoinRequest(job_id=other, host="h", pid=1)
     bus.publish(r, job_keys(other).events, ev)
     got = r.blpop([job_keys(other).join_reply(ev.event_id)], timeout=15)

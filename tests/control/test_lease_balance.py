@@ -51,7 +51,8 @@ def test_registry_drops_stale_and_unreadable_entries() -> None:
 
 
 @pytest.fixture
-def server(tmp_path):
+def own_redis_server(tmp_path):
+    """A Redis server of this test's own (the session's holds other tests' jobs and leases)."""
     srv = start_server(tmp_path / "redis", appendonly=False)
     yield srv
     srv.stop()
@@ -85,15 +86,15 @@ def _holders(r: redis.Redis, jobs: list[str]) -> dict[str, str | None]:
     return out
 
 
-def test_replicas_share_jobs_and_take_over_a_dead_ones(server) -> None:
-    r = redis.Redis.from_url(server.url)
+def test_replicas_share_jobs_and_take_over_a_dead_ones(own_redis_server) -> None:
+    r = redis.Redis.from_url(own_redis_server.url)
     jobs = [f"bal{i}" for i in range(6)]
     for j in jobs:
         create_job(r, JobSpec(name=j, entrypoint="simulate", min_workers=1, max_workers=2, global_batch_size=4))
-    a = _replica(server.url, "a")
+    a = _replica(own_redis_server.url, "a")
     a.run_once(block_ms=1)
     assert sorted(a.leads) == jobs  # first come, first served
-    b, c = _replica(server.url, "b"), _replica(server.url, "c")
+    b, c = _replica(own_redis_server.url, "b"), _replica(own_redis_server.url, "c")
     every = [a, b, c]
     _drive(every, lambda: sorted(len(x.leads) for x in every) == [2, 2, 2])
     # each job has exactly one leader, and the lease in Redis agrees with who serves it
@@ -122,12 +123,12 @@ def test_replicas_share_jobs_and_take_over_a_dead_ones(server) -> None:
     assert r.hkeys(COORDINATORS) == [a.token.encode()]
 
 
-def test_a_handoff_to_a_dead_replica_expires(server) -> None:
+def test_a_handoff_to_a_dead_replica_expires(own_redis_server) -> None:
     """The heir named in a handoff died before taking the job: after the hint expires, any
     replica takes the job."""
-    r = redis.Redis.from_url(server.url)
+    r = redis.Redis.from_url(own_redis_server.url)
     create_job(r, JobSpec(name="orphan", entrypoint="simulate", min_workers=1, max_workers=2, global_batch_size=4))
-    a = _replica(server.url, "a")
+    a = _replica(own_redis_server.url, "a")
     a.run_once(block_ms=1)
     keys = job_keys("orphan")
     assert a.leases.hand_off(keys, a.token, "ghost:0", hint_ms=int(LEASE_TTL * 2000))

@@ -27,23 +27,23 @@ from tests.helpers import wait_until
 
 
 @pytest.fixture
-def store(r, job_id):
+def redis_store(r, job_id):
     s = RedisStore(r, job_keys(job_id).rendezvous(1), timeout=5, ttl=60)
     yield s
     s.cleanup()
 
 
-def test_set_get_bytes_and_str(store):
-    store.set("a", b"\x00\xffbin")
-    store.set("b", "text")
-    assert store.get("a") == b"\x00\xffbin"
-    assert store.get("b") == b"text"
-    store.set("a", b"new")  # overwrite
-    assert store.get("a") == b"new"
-    assert store.check(["a", "b"]) and not store.check(["a", "missing"])
+def test_set_get_bytes_and_str(redis_store):
+    redis_store.set("a", b"\x00\xffbin")
+    redis_store.set("b", "text")
+    assert redis_store.get("a") == b"\x00\xffbin"
+    assert redis_store.get("b") == b"text"
+    redis_store.set("a", b"new")  # overwrite
+    assert redis_store.get("a") == b"new"
+    assert redis_store.check(["a", "b"]) and not redis_store.check(["a", "missing"])
 
 
-def test_get_wakes_every_blocked_reader_on_set(store, r, redis_url, job_id):
+def test_get_wakes_every_blocked_reader_on_set(redis_store, r, redis_url, job_id):
     """Readers blocked in get() return within a fraction of a second of the set(): they are
     notified (a polling or slice-based store would take up to its slice, 5 s here)."""
     results: dict[int, tuple[bytes, float]] = {}
@@ -51,7 +51,7 @@ def test_get_wakes_every_blocked_reader_on_set(store, r, redis_url, job_id):
 
     def reader(i: int) -> None:
         client = redis.Redis.from_url(redis_url, socket_timeout=10, client_name=f"reader-{job_id}-{i}")
-        s = RedisStore(client, store.prefix, timeout=8)
+        s = RedisStore(client, redis_store.prefix, timeout=8)
         value = s.get("late")
         results[i] = (value, time.monotonic())
         client.close()
@@ -66,7 +66,7 @@ def test_get_wakes_every_blocked_reader_on_set(store, r, redis_url, job_id):
     wait_until(lambda: blocked() == names, 10, lambda: f"every reader blocked in get() (blocked: {sorted(blocked())})")
     assert not results  # each of them is waiting, none returned without the key
     set_at = time.monotonic()
-    store.set("late", b"v")
+    redis_store.set("late", b"v")
     for t in threads:
         t.join(10)
     assert sorted(results) == [0, 1, 2, 3]
@@ -75,20 +75,20 @@ def test_get_wakes_every_blocked_reader_on_set(store, r, redis_url, job_id):
         assert at - set_at < 1.0
 
 
-def test_get_and_wait_time_out_with_the_torch_error(store):
-    store.set_timeout(timedelta(seconds=0.3))
-    assert store.timeout == timedelta(seconds=0.3)
+def test_get_and_wait_time_out_with_the_torch_error(redis_store):
+    redis_store.set_timeout(timedelta(seconds=0.3))
+    assert redis_store.timeout == timedelta(seconds=0.3)
     t0 = time.monotonic()
     with pytest.raises(dist.DistStoreError, match="timed out"):
-        store.get("never")
+        redis_store.get("never")
     elapsed = time.monotonic() - t0
     assert 0.25 <= elapsed < 2.0
-    store.set("x", b"1")
+    redis_store.set("x", b"1")
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="'never'"):  # DistStoreError is a RuntimeError
-        store.wait(["x", "never"], timedelta(seconds=0.2))
+        redis_store.wait(["x", "never"], timedelta(seconds=0.2))
     assert time.monotonic() - t0 < 2.0
-    store.wait(["x"], timedelta(seconds=0.2))  # present: returns at once
+    redis_store.wait(["x"], timedelta(seconds=0.2))  # present: returns at once
 
 
 def test_max_wait_caps_longer_timeouts_from_the_caller(r, job_id):
@@ -123,14 +123,14 @@ def test_keys_expire_and_cleanup_removes_only_the_prefix(r, job_id):
     assert cleanup_prefix(r, keys.rendezvous(2)) == 1
 
 
-def test_calls_from_cpp_prefix_store_reach_the_python_methods(store):
+def test_calls_from_cpp_prefix_store_reach_the_python_methods(redis_store):
     """torch wraps the store in a C++ PrefixStore; its calls dispatch to our overrides
     (including deleteKey/getNumKeys, which the C++ trampoline looks up by their C++ names)."""
-    p = dist.PrefixStore("pg/", store)
+    p = dist.PrefixStore("pg/", redis_store)
     p.set("k", "v")
     assert p.get("k") == b"v"
-    [name] = store.list_keys()
-    assert name.startswith("pg/") and name.endswith("/k") and store.get(name) == b"v"
+    [name] = redis_store.list_keys()
+    assert name.startswith("pg/") and name.endswith("/k") and redis_store.get(name) == b"v"
     assert p.add("cnt", 2) == 2 and p.add("cnt", 5) == 7
     assert p.compare_set("k", "v", "w") == b"w"
     assert p.num_keys() == 2

@@ -14,10 +14,9 @@ import time
 
 import pytest
 
-from shoal.core.jobspec import JobSpec
 from shoal.core.registry import create_job
 from shoal.worker import ledger
-from tests.helpers import ControlWatcher
+from tests.helpers import ControlWatcher, job_spec
 
 pytestmark = pytest.mark.slow
 
@@ -25,11 +24,9 @@ STEPS = 30
 DIGITS = 5000
 
 
-def _spec(job: str, **fields) -> JobSpec:
-    """The slow digits job on exactly two workers, TTL 1.5 s."""
-    base = dict(name=job, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, max_steps=STEPS,
-                min_workers=2, max_workers=2, heartbeat_interval=0.2, heartbeat_ttl=1.5)
-    return JobSpec(**(base | fields))
+#: the slow digits job on exactly two workers, TTL 1.5 s (job_spec's)
+TWO_WORKER_JOB = dict(entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, max_steps=STEPS,
+                      min_workers=2, max_workers=2)
 
 
 def _start(cluster, tmp_path, job: str, *agent_args: str):
@@ -55,7 +52,7 @@ def _dump(cluster, tmp_path) -> None:
 def test_a_two_node_job_with_no_interface_option_trains_exactly_once(cluster, tmp_path) -> None:
     r = cluster.client()
     job = "mh-default"
-    create_job(r, _spec(job))
+    create_job(r, job_spec(job, TWO_WORKER_JOB))
     watch = ControlWatcher(r, job)
     started = time.monotonic()
     agents = _start(cluster, tmp_path, job)
@@ -81,7 +78,7 @@ def test_a_wrong_interface_fails_the_job_after_formation_timeout_naming_the_addr
     r = cluster.client()
     job = "mh-wrong"
     timeout = 8.0
-    create_job(r, _spec(job, formation_timeout=timeout))
+    create_job(r, job_spec(job, TWO_WORKER_JOB, formation_timeout=timeout))
     watch = ControlWatcher(r, job)
     agents = _start(cluster, tmp_path, job, "--iface", "lo")  # exists, but no peer reaches 127.0.0.1
     try:

@@ -147,7 +147,10 @@ def _recovery(entries: list[dict], t_fault: float, t_heal: float) -> tuple[float
                    f"heal -> first commit {healed}")
 
 
-def _run(cluster: Net, tmp_path, name: str, fault: Fault) -> None:
+def _train_through_fault(cluster: Net, tmp_path, name: str, fault: Fault) -> None:
+    """A 2-node job under two coordinator replicas, ``fault`` injected once it is under way and
+    healed after its hold, then checked on its end state: completed by the same two worker
+    processes, every sample once, the final weights those of a run without a fault."""
     net = cluster
     net.add_host("coord2")
     r = net.client()
@@ -216,10 +219,10 @@ def _run(cluster: Net, tmp_path, name: str, fault: Fault) -> None:
 
 @pytest.mark.parametrize("name", list(FAULTS))
 def test_one_fault_during_training_is_ridden_out_exactly_once(cluster, tmp_path, name) -> None:
-    _run(cluster, tmp_path, name, FAULTS[name])
+    _train_through_fault(cluster, tmp_path, name, FAULTS[name])
 
 
 @pytest.mark.soak
 @pytest.mark.parametrize("name", list(SOAK))
 def test_one_long_fault_during_training_is_ridden_out_exactly_once(cluster, tmp_path, name) -> None:
-    _run(cluster, tmp_path, name, SOAK[name])
+    _train_through_fault(cluster, tmp_path, name, SOAK[name])

@@ -89,3 +89,43 @@ def test_no_code_or_test_edits_sys_path() -> None:
                         and node.value.id == "sys"):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert offenders == []
+
+
+def _private_shoal_imports(source: str) -> list[str]:
+    """The imports of an example (a module of ``shoal.examples``) that reach past the public
+    API: anything of ``shoal`` other than ``import shoal``, ``from shoal import ...`` and
+    another example (``shoal.examples.*``, e.g. torchrun_ddp.py reusing digits.py's model).
+    Imports inside functions count too."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            package = ["shoal", "examples"][:max(0, 3 - node.level)] if node.level else []
+            modules = [".".join([*package, *([node.module] if node.module else [])])]
+        else:
+            continue
+        for module in modules:
+            parts = module.split(".")
+            if parts[0] == "shoal" and module != "shoal" and parts[1] != "examples":
+                found.append(f"{node.lineno}: {module}")
+    return found
+
+
+@pytest.mark.parametrize(("source", "bad"), [
+    ("from shoal import TrainingSetup\nimport shoal\n", []),
+    ("from shoal.examples.digits import make_model\nfrom .digits import evaluate\n", []),
+    ("def f():\n    from shoal.worker.engine import StepEngine\n", ["2: shoal.worker.engine"]),
+    ("import shoal.worker.data as data\n", ["1: shoal.worker.data"]),
+    ("from ..worker import engine\n", ["1: shoal.worker"]),
+])
+def test_the_example_import_check_tells_public_from_private(source: str, bad: list[str]) -> None:
+    assert _private_shoal_imports(source) == bad
+
+
+def test_examples_import_only_the_public_api() -> None:
+    """The examples are what users copy: they show ``from shoal import ...`` only (what they
+    need is exported by the package root, api/__init__.py)."""
+    private = {str(path.relative_to(ROOT)): found for path in sorted((ROOT / "examples").glob("*.py"))
+               if (found := _private_shoal_imports(path.read_text()))}
+    assert private == {}, "examples importing shoal's internals (export what they need from api/__init__.py)"

@@ -25,7 +25,8 @@ from tests.packaging.layers import package_dirs
 pytestmark = pytest.mark.slow
 
 
-def _run(cmd: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+def _run_checked(cmd: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run ``cmd``, which must exit 0 (else the test fails with the tail of its output)."""
     out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, f"{cmd} exited {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
     return out
@@ -40,8 +41,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if "/" not in folder:
             shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     dist = tmp_path_factory.mktemp("dist")
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(src)],
-         cwd=src)
+    _run_checked([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(src)],
+                 cwd=src)
     (whl,) = dist.glob("shoal-*.whl")
     return whl
 
@@ -52,8 +53,8 @@ def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     env_dir = tmp_path_factory.mktemp("venv")
     venv.EnvBuilder(with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)], cwd=env_dir)
-    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=env_dir)
+    _run_checked([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)], cwd=env_dir)
+    site = Path(_run_checked([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=env_dir)
                 .stdout.strip())
     # the dependencies (torch, redis, ...) from this environment, after the venv's own packages
     (site / "zz_test_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
@@ -85,7 +86,7 @@ def test_the_installed_wheel_serves_the_public_api_and_the_default_entrypoint(in
         "assert isinstance(setup, TrainingSetup) and len(setup.dataset) > 0\n"
         "print('version', shoal.__version__)\n"
     )
-    out = _run([str(installed), "-c", probe], cwd=tmp_path)
+    out = _run_checked([str(installed), "-c", probe], cwd=tmp_path)
     where, version = out.stdout.split("\n")[:2]
     assert Path(where).is_relative_to(installed.parent.parent), f"imported {where}, not the installed wheel"
     assert version == "version 0.1.0"
@@ -95,7 +96,7 @@ def test_the_installed_wheel_serves_the_public_api_and_the_default_entrypoint(in
 def test_the_installed_cli_runs_from_anywhere(installed: Path, tmp_path: Path, where: str) -> None:
     # from the checkout too: no folder there named shoal may shadow the installed package
     cwd = ROOT if where == "checkout" else tmp_path
-    out = _run([str(installed), "-m", "shoal", "--help"], cwd=cwd)
+    out = _run_checked([str(installed), "-m", "shoal", "--help"], cwd=cwd)
     assert "coordinator" in out.stdout and "agent" in out.stdout
-    out = _run([str(installed.parent / "shoal"), "cluster", "--help"], cwd=cwd)
+    out = _run_checked([str(installed.parent / "shoal"), "cluster", "--help"], cwd=cwd)
     assert "validate" in out.stdout

@@ -28,7 +28,7 @@ def _agent(tmp_path, child: str, **kw) -> NodeAgent:
     return agent
 
 
-def _run(agent: NodeAgent, timeout: float = 30) -> None:
+def _drive_until_done(agent: NodeAgent, timeout: float = 30) -> None:
     """Drive the agent until its loop ends (every slot gave up or finished)."""
     wait_until(lambda: not agent.run_once(timeout=0.2), timeout, "the agent to give up", interval=0)
 
@@ -46,7 +46,7 @@ def test_restart_delay_doubles_and_is_capped() -> None:
 
 def test_crash_loop_doubles_then_caps_and_spends_the_budget(tmp_path) -> None:
     agent = _agent(tmp_path, "sys.exit(3)", max_restarts=5, backoff=0.01, backoff_max=0.05, backoff_reset=60)
-    _run(agent)
+    _drive_until_done(agent)
     slot = agent.slots[0]
     assert slot.delays == [0.01, 0.02, 0.04, 0.05, 0.05]
     assert slot.gave_up and len(slot.spawns) == 6
@@ -61,7 +61,7 @@ def test_a_healthy_run_resets_the_backoff_not_the_budget(tmp_path) -> None:
     # each run lasts longer than backoff_reset, so no restart waits more than the first delay
     agent = _agent(tmp_path, "time.sleep(0.4); sys.exit(3)", max_restarts=3, backoff=0.01, backoff_max=10,
                    backoff_reset=reset_after)
-    _run(agent)
+    _drive_until_done(agent)
     slot = agent.slots[0]
     assert all(b - a >= reset_after for a, b in zip(slot.spawns, slot.exits))
     assert slot.delays == [0.01, 0.01, 0.01]
@@ -73,7 +73,7 @@ def test_the_report_is_the_dead_process_traceback_whole(tmp_path) -> None:
     child = "".join(f"def f{i}():\n    return f{i + 1}()\n" for i in range(20)) + "def f20():\n    return 1 / 0\n"
     child += "print('training...', flush=True)\nf0()"
     agent = _agent(tmp_path, f"exec({child!r})", max_restarts=0)
-    _run(agent)
+    _drive_until_done(agent)
     (event,) = _exits(agent)
     assert event.exit_code == 1 and event.gave_up
     assert event.traceback.startswith("Traceback (most recent call last):")
@@ -105,7 +105,7 @@ def test_a_worker_the_job_refused_is_not_restarted_nor_reported_as_a_failure(tmp
                       backoff=0.01)
     agent.worker_argv = [sys.executable, "-c",
                          "import sys; print('shoal: join rejected: job is completed', file=sys.stderr); sys.exit(4)"]
-    _run(agent)
+    _drive_until_done(agent)
     assert [len(s.spawns) for s in agent.slots] == [1, 1]
     assert not any(s.gave_up for s in agent.slots)
     assert agent.client.xlen(job_keys("bk").events) == 0
@@ -130,7 +130,7 @@ def test_each_slot_gets_a_gpu_of_its_own_and_nccl(tmp_path, r, job_id) -> None:
         "'LOCAL_WORLD_SIZE', 'SHOAL_PLACEMENT'); "
         f"open(os.path.join({str(out)!r}, os.environ['LOCAL_RANK']), 'w').write("
         "json.dumps({k: os.environ.get(k) for k in keep}))")]
-    _run(agent)
+    _drive_until_done(agent)
     seen = {int(p.name): json.loads(p.read_text()) for p in out.iterdir()}
     assert sorted(seen) == [0, 1, 2, 3]
     assert [seen[i]["CUDA_VISIBLE_DEVICES"] for i in range(4)] == ["0", "1", "GPU-2c", "3"]

@@ -12,18 +12,16 @@ from shoal.coordinator.fenced import FencedBatch, FencedWriter
 from shoal.coordinator.shards import expand
 from shoal.events.keys import job_keys
 from shoal.core.registry import create_job
-from shoal.core.jobspec import JobSpec
 from shoal.ops.status import format_status, job_status
-from tests.helpers import ControlWatcher, run_cli, server_ms
+from tests.helpers import ControlWatcher, job_spec, run_cli, server_ms
 
 pytestmark = pytest.mark.slow
 TTL = 1.0
 
 
-def _spec(job_id: str, **kw) -> JobSpec:
-    base = dict(name=job_id, entrypoint="simulate", min_workers=1, max_workers=3, global_batch_size=30,
-                heartbeat_interval=0.2, heartbeat_ttl=TTL, simulate_step_time=0.05)
-    return JobSpec(**(base | kw))
+#: the simulated job of these tests (job_spec: over the tests' common defaults)
+SIMULATED_JOB = dict(entrypoint="simulate", min_workers=1, global_batch_size=30, heartbeat_ttl=TTL,
+                     simulate_step_time=0.05)
 
 
 def _world(n: int):
@@ -31,7 +29,7 @@ def _world(n: int):
 
 
 def test_three_join_one_generation_then_a_fourth_is_rejected(r, job_id, procs) -> None:
-    create_job(r, _spec(job_id))
+    create_job(r, job_spec(job_id, SIMULATED_JOB))
     watch = ControlWatcher(r, job_id)
     procs.coordinator("coord")
     for i in range(3):
@@ -50,7 +48,7 @@ def test_three_join_one_generation_then_a_fourth_is_rejected(r, job_id, procs) -
 
 
 def test_kill_9_is_failed_and_replanned_within_ttl_plus_1s(r, job_id, procs) -> None:
-    create_job(r, _spec(job_id))
+    create_job(r, job_spec(job_id, SIMULATED_JOB))
     watch = ControlWatcher(r, job_id)
     procs.coordinator("coord")
     ws = [procs.worker(job_id, f"w{i}") for i in range(3)]
@@ -67,7 +65,7 @@ def test_kill_9_is_failed_and_replanned_within_ttl_plus_1s(r, job_id, procs) -> 
 
 
 def test_sigterm_drains_then_leaves_and_nothing_is_failed(r, job_id, procs) -> None:
-    create_job(r, _spec(job_id))
+    create_job(r, job_spec(job_id, SIMULATED_JOB))
     watch = ControlWatcher(r, job_id)
     procs.coordinator("coord")
     ws = [procs.worker(job_id, f"w{i}") for i in range(3)]
@@ -81,7 +79,7 @@ def test_sigterm_drains_then_leaves_and_nothing_is_failed(r, job_id, procs) -> N
 
 
 def test_below_min_workers_pauses_and_a_new_worker_resumes(r, job_id, procs) -> None:
-    create_job(r, _spec(job_id, min_workers=2, max_workers=2))
+    create_job(r, job_spec(job_id, SIMULATED_JOB, min_workers=2, max_workers=2))
     watch = ControlWatcher(r, job_id)
     procs.coordinator("coord")
     ws = [procs.worker(job_id, f"w{i}") for i in range(2)]
@@ -96,7 +94,7 @@ def test_below_min_workers_pauses_and_a_new_worker_resumes(r, job_id, procs) -> 
 
 def test_standby_takes_over_within_lease_ttl_plus_1s_and_loses_no_event(r, job_id, procs) -> None:
     lease = 1.5
-    create_job(r, _spec(job_id))
+    create_job(r, job_spec(job_id, SIMULATED_JOB))
     watch = ControlWatcher(r, job_id)
     keys = job_keys(job_id)
     a = procs.coordinator("coord-a", "--lease-ttl", str(lease))
@@ -123,7 +121,7 @@ def test_standby_takes_over_within_lease_ttl_plus_1s_and_loses_no_event(r, job_i
 
 
 def test_status_json_reports_state_generation_and_workers(r, job_id, procs, subprocess_env) -> None:
-    create_job(r, _spec(job_id))
+    create_job(r, job_spec(job_id, SIMULATED_JOB))
     watch = ControlWatcher(r, job_id)
     procs.coordinator("coord")
     for i in range(2):

@@ -17,25 +17,25 @@ import torch
 
 from shoal.core.faults import COORDINATOR_PHASES, WORKER_PHASES, BadFaultRule, FaultPlan, Rule, parse
 from shoal.core.registry import create_job
-from shoal.core.jobspec import JobSpec
 from shoal.ops.localproc import LocalProcs
 from shoal.storage.checkpoint import load_latest
 from shoal.storage.latest import LatestPointer
 from shoal.storage.uri import open_store
-from tests.helpers import ControlWatcher, dump_logs
+from tests.helpers import ControlWatcher, dump_logs, job_spec
 from shoal.worker import ledger
 
 STEPS = 40
 DIGITS = 5000
 
 
-def _spec(job: str, ckpt: str | None = None, **fields) -> JobSpec:
-    """The slow digits job, 1 to 2 workers, TTL 1.5 s; with ``ckpt``, a checkpoint every 10 steps."""
-    spec = dict(name=job, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, max_steps=STEPS,
-                min_workers=1, max_workers=2, heartbeat_interval=0.2, heartbeat_ttl=1.5)
-    if ckpt:
-        spec |= dict(checkpoint_uri=ckpt, checkpoint_interval=10, checkpoint_keep=2)
-    return JobSpec(**(spec | fields))
+#: the slow digits job, 1 to 2 workers, TTL 1.5 s (job_spec's)
+SLOW_DIGITS_JOB = dict(entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, max_steps=STEPS,
+                       min_workers=1, max_workers=2)
+
+
+def _checkpoints(uri: str) -> dict:
+    """A checkpoint to ``uri`` every 10 steps, the last 2 kept."""
+    return dict(checkpoint_uri=uri, checkpoint_interval=10, checkpoint_keep=2)
 
 
 def _dump(procs, tmp_path) -> None:
@@ -59,7 +59,7 @@ def test_rank0_dies_at_a_checkpoint_phase_and_the_job_still_ends_exactly_once(r,
     # min_workers 2: training starts with both workers in, so a survivor holds step 20 when
     # rank 0 dies (on a loaded machine the second process may otherwise come after step 20,
     # resume from the checkpoint, and hit the same fault as rank 0 of its own)
-    create_job(r, _spec(job, ckpt, min_workers=2))
+    create_job(r, job_spec(job, SLOW_DIGITS_JOB, _checkpoints(ckpt), min_workers=2))
     watch = ControlWatcher(r, job)
     env = {"SHOAL_TEST_STEP_DELAY": "0.05", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger"),
            "SHOAL_FAULTS": f"*@20:{phase}:{action}"}
@@ -85,7 +85,7 @@ def test_rank0_dies_at_a_checkpoint_phase_and_the_job_still_ends_exactly_once(r,
 def test_leader_killed_with_a_checkpoint_event_pending_the_standby_moves_latest(r, redis_url, tmp_path) -> None:
     job = "ph-coord-" + tmp_path.name[-4:]
     ckpt = f"file://{tmp_path / 'ckpt'}"
-    create_job(r, _spec(job, ckpt))
+    create_job(r, job_spec(job, SLOW_DIGITS_JOB, _checkpoints(ckpt)))
     watch = ControlWatcher(r, job)
     env = {"SHOAL_TEST_STEP_DELAY": "0.05", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger")}
     with LocalProcs(redis_url, tmp_path / "logs", extra_env=env | {"SHOAL_COORD_FAULTS": "checkpoint@2:before_apply:kill"}) as procs:
@@ -141,7 +141,7 @@ def test_a_member_slow_to_rendezvous_is_waited_for_and_nobody_restarts(r, redis_
     same members: the second hour-long soak's first bug was that the members retried the
     spent generation instead and every one exited; the decision is unit-tested.)"""
     job = "ph-rdzv-" + tmp_path.name[-4:]
-    create_job(r, _spec(job, min_workers=2))
+    create_job(r, job_spec(job, SLOW_DIGITS_JOB, min_workers=2))
     watch = ControlWatcher(r, job)
     env = {"SHOAL_TEST_STEP_DELAY": "0.02", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger"),
            "SHOAL_EXPORT_DIR": str(tmp_path / "final"), "SHOAL_FAULTS": "w1@0:rendezvous:sleep=3"}
@@ -175,7 +175,7 @@ def test_a_lone_worker_frozen_past_its_ttl_commits_nothing_once_declared_failed(
     no step is committed by a worker the coordinator no longer counts. Then it rejoins, with
     its state, as a new member, and finishes the job."""
     job = "ph-fence-" + tmp_path.name[-4:]
-    create_job(r, _spec(job, max_workers=1))
+    create_job(r, job_spec(job, SLOW_DIGITS_JOB, max_workers=1))
     watch = ControlWatcher(r, job)
     env = {"SHOAL_TEST_STEP_DELAY": "0.02", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger"),
            "SHOAL_FAULTS": "w0@20:mid_step:stop=3"}

@@ -16,23 +16,16 @@ import redis
 
 from shoal.ops.embedded import start_server
 from shoal.core.registry import create_job
-from shoal.core.jobspec import JobSpec
 from shoal.ops.localproc import LocalProcs
 from shoal.storage.checkpoint import load_latest
 from shoal.storage.latest import LatestPointer
 from shoal.storage.uri import open_store
-from tests.helpers import ControlWatcher, dump_logs
+from tests.helpers import ControlWatcher, dump_logs, job_spec
 from shoal.worker import ledger
 
 pytestmark = pytest.mark.slow
 STEPS = 100  # over one epoch (79 steps) into the second
 DIGITS = 5000  # samples in shoal.examples.digits
-
-
-def _spec(job: str, ckpt: str) -> JobSpec:
-    return JobSpec(name=job, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, max_steps=STEPS, epochs=2,
-                   min_workers=2, max_workers=2, heartbeat_interval=0.2, heartbeat_ttl=1.5,
-                   checkpoint_uri=ckpt, checkpoint_interval=10, checkpoint_keep=2)
 
 
 def _restart(server, *, empty: bool):
@@ -42,12 +35,17 @@ def _restart(server, *, empty: bool):
     return start_server(server.run_dir, port=server.port, appendonly=True, fsync="always")
 
 
-def _run(tmp_path: Path, *, empty: bool) -> tuple[list[dict], dict, dict]:
+def _train_through_redis_restart(tmp_path: Path, *, empty: bool) -> tuple[list[dict], dict, dict]:
+    """A 2-worker job on a Redis of its own, restarted (from its AOF, or ``empty``) once step 20
+    is checkpointed, run to completion: the ledger, the worker pids before and after, and the
+    checkpoint URI with the LATEST pointer."""
     server = start_server(tmp_path / "redis", appendonly=True, fsync="always")
     job = "loss-" + tmp_path.name[-6:]
     ckpt = f"file://{tmp_path / 'ckpt'}"
     client = redis.Redis.from_url(server.url, socket_timeout=10)
-    create_job(client, _spec(job, ckpt))
+    create_job(client, job_spec(job, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, max_steps=STEPS,
+                                epochs=2, min_workers=2, max_workers=2, checkpoint_uri=ckpt, checkpoint_interval=10,
+                                checkpoint_keep=2))
     watch = ControlWatcher(client, job)
     env = {"SHOAL_TEST_STEP_DELAY": "0.05", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger")}
     try:
@@ -74,7 +72,7 @@ def _run(tmp_path: Path, *, empty: bool) -> tuple[list[dict], dict, dict]:
 
 
 def test_redis_restarted_from_its_aof_changes_nothing_for_the_job(tmp_path) -> None:
-    entries, pids, _ = _run(tmp_path, empty=False)
+    entries, pids, _ = _train_through_redis_restart(tmp_path, empty=False)
     verdict = ledger.verify(entries, DIGITS)
     assert verdict.ok, verdict.problem
     assert verdict.steps == STEPS
@@ -82,7 +80,7 @@ def test_redis_restarted_from_its_aof_changes_nothing_for_the_job(tmp_path) -> N
 
 
 def test_redis_restarted_empty_the_job_comes_back_and_no_step_is_committed_twice(tmp_path) -> None:
-    entries, pids, where = _run(tmp_path, empty=True)
+    entries, pids, where = _train_through_redis_restart(tmp_path, empty=True)
     verdict = ledger.verify(entries, DIGITS)
     assert verdict.ok, verdict.problem  # no step twice, no gap, every sample once per epoch
     assert verdict.steps == STEPS

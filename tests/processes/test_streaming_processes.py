@@ -25,18 +25,16 @@ from shoal.ops.localproc import LocalProcs
 from shoal.storage.errors import StorageError
 from shoal.storage.streaming_cache import file_lock
 from shoal.worker import ledger
-from tests.helpers import ControlWatcher, wait_until
+from tests.helpers import ControlWatcher, job_spec, run_job, wait_until
 
 pytestmark = pytest.mark.slow
 
 NUM_SAMPLES = 5000
 
 
-def _spec(job: str, **kw) -> JobSpec:
-    base = dict(name=job, entrypoint="tests.entrypoints:stream_digits_store", min_workers=1, max_workers=3,
-                global_batch_size=64, epochs=2, heartbeat_interval=0.2, heartbeat_ttl=1.5, seed=11,
-                loader_workers=1, prefetch_steps=2)
-    return JobSpec(**(base | kw))
+#: the streamed digits job (job_spec: over the tests' common defaults)
+STREAM_JOB = dict(entrypoint="tests.entrypoints:stream_digits_store", min_workers=1, global_batch_size=64, epochs=2,
+                  seed=11, loader_workers=1, prefetch_steps=2)
 
 
 def _tables(r, job: str) -> list[ShardTable]:
@@ -76,21 +74,7 @@ def _s3_run(r, redis_url, tmp: Path, spec: JobSpec, workers: int, uri: str, scri
 
     extra = {"SHOAL_LEDGER_DIR": str(tmp / "ledger"), "SHOAL_TEST_STEP_DELAY": "0.03",
              "SHOAL_TEST_STREAM_URI": uri, "SHOAL_TEST_CACHE_ROOT": str(tmp / "cache"), **s3_env(), **env}
-    create_job(r, spec)
-    watch = ControlWatcher(r, spec.name)
-    with LocalProcs(redis_url, tmp / "logs", extra_env=extra) as procs:
-        procs.coordinator("coord")
-        ws = [procs.worker(spec.name, f"p{i}") for i in range(workers)]
-        try:
-            if script:
-                script(watch, procs, ws)
-            watch.wait_for(lambda d: d["job_state"] in ("completed", "failed"), 240)
-            codes = {p.name: p.wait(60) for p in procs.procs if p.name != "coord"}
-        except BaseException:
-            for p in procs.procs:
-                print(f"===== {p.name}\n{p.log_tail(30)}")
-            raise
-    return watch, procs, codes
+    return run_job(r, redis_url, tmp, spec, workers, extra, script, end_states=("completed", "failed"))
 
 
 def test_s3_bytes_per_epoch_three_workers_and_after_a_leave(r, redis_url, tmp_path):
@@ -99,7 +83,7 @@ def test_s3_bytes_per_epoch_three_workers_and_after_a_leave(r, redis_url, tmp_pa
     worker leaving mid-epoch, at most 1.5x."""
     uri, size = _s3_dataset(tmp_path)
     job = "s3bytes-" + tmp_path.name[-8:]
-    spec = _spec(job, entrypoint="tests.entrypoints:stream_digits_store", epochs=1, min_workers=3)
+    spec = job_spec(job, STREAM_JOB, entrypoint="tests.entrypoints:stream_digits_store", epochs=1, min_workers=3)
     shown: dict = {}
 
     def visible(watch, procs, ws):  # shoal status (text, --json) and the metrics show the input
@@ -136,8 +120,8 @@ def test_s3_bytes_per_epoch_three_workers_and_after_a_leave(r, redis_url, tmp_pa
         ws[2].signal(signal.SIGTERM)
         watch.wait_for(lambda d: " left" in d["reason"], 60)
 
-    _, _, codes = _s3_run(r, redis_url, tmp_path / "leave", _spec(job2, entrypoint=spec.entrypoint, epochs=1,
-                                                                   min_workers=2), 3, uri, leave)
+    _, _, codes = _s3_run(r, redis_url, tmp_path / "leave", job_spec(job2, STREAM_JOB, entrypoint=spec.entrypoint,
+                                                                      epochs=1, min_workers=2), 3, uri, leave)
     assert codes["p2"] == 0
     per = _downloaded(tmp_path / "leave" / "cache")
     total = sum(c["bytes_downloaded"] + c["remote_bytes"] for c in per.values())
@@ -167,7 +151,7 @@ def test_kill_join_and_leave_mid_epoch_exactly_once_and_same_batches_as_a_fixed_
     # 0.1 s a step: the script's join, kill and leave must all land before the 158 steps end;
     # on 2 busy cores the joiner alone takes 5-10 s to start (0.03 s a step: the job finished
     # first, once, under the parallel suite)
-    _, _, codes = _s3_run(r, redis_url, tmp_path / "elastic", _spec(job), 2, uri, script, SHOAL_TEST_STEP_DELAY="0.1")
+    _, _, codes = _s3_run(r, redis_url, tmp_path / "elastic", job_spec(job, STREAM_JOB), 2, uri, script, SHOAL_TEST_STEP_DELAY="0.1")
     assert codes["p0"] == 0 and codes["p1"] == 0
     entries = ledger.read(tmp_path / "elastic" / "ledger")
     verdict = ledger.verify(entries, NUM_SAMPLES)
@@ -190,7 +174,7 @@ def test_kill_join_and_leave_mid_epoch_exactly_once_and_same_batches_as_a_fixed_
 
     # the same job with one worker, no membership change: identical global batches step by step
     fixed = job + "-w1"
-    _s3_run(r, redis_url, tmp_path / "fixed", _spec(fixed, max_workers=1), 1, uri, SHOAL_TEST_STEP_DELAY="0")
+    _s3_run(r, redis_url, tmp_path / "fixed", job_spec(fixed, STREAM_JOB, max_workers=1), 1, uri, SHOAL_TEST_STEP_DELAY="0")
     ref = {e["step"]: e["batch"] for e in ledger.read(tmp_path / "fixed" / "ledger")}
     got = {e["step"]: e["batch"] for e in entries}
     assert len(ref) == len(got) == 2 * 79
@@ -216,7 +200,7 @@ def test_corrupt_shard_fails_the_job_naming_it_and_keeps_the_latest_checkpoint(r
     store.put_bytes(key, bytes(len(store.get_bytes(key))))
     job = "corrupt-" + tmp_path.name[-8:]
     ckpt = f"file://{tmp_path / 'ckpt'}"
-    spec = _spec(job, epochs=1, min_workers=2, max_workers=2, checkpoint_uri=ckpt, checkpoint_interval=10)
+    spec = job_spec(job, STREAM_JOB, epochs=1, min_workers=2, max_workers=2, checkpoint_uri=ckpt, checkpoint_interval=10)
     create_job(r, spec)
     watch = ControlWatcher(r, job)
     env = {"SHOAL_TEST_STEP_DELAY": "0.02", "SHOAL_TEST_STREAM_URI": uri, **s3_env()}
@@ -364,7 +348,7 @@ def test_a_50_mib_cache_on_a_200_mib_dataset_is_never_exceeded_and_training_comp
     largest = max(s.size for s in index.shards)
     assert size >= 200 * 2**20 and largest <= BLOB_SHARD_SIZE
     job = "cache-" + tmp_path.name[-8:]
-    spec = _spec(job, entrypoint="tests.entrypoints:stream_blobs_store", epochs=1, min_workers=2, max_workers=2)
+    spec = job_spec(job, STREAM_JOB, entrypoint="tests.entrypoints:stream_blobs_store", epochs=1, min_workers=2, max_workers=2)
     cache_root = tmp_path / "run" / "cache"
 
     def until_the_workers_exit(watch, procs, ws):  # a worker failing ends the test at once
@@ -416,7 +400,8 @@ def test_webdataset_and_packed_copies_train_the_same_loss_curve(r, redis_url, tm
     for fmt in ("packed", "webdataset"):
         uri, _ = _s3_dataset(tmp_path / fmt, fmt)
         job = f"{fmt[:4]}-" + tmp_path.name[-8:]
-        _s3_run(r, redis_url, tmp_path / fmt, _spec(job, epochs=1, max_steps=40, min_workers=2, max_workers=2), 2,
+        _s3_run(r, redis_url, tmp_path / fmt, job_spec(job, STREAM_JOB, epochs=1, max_steps=40, min_workers=2,
+                                                       max_workers=2), 2,
                 uri, SHOAL_TEST_STEP_DELAY="0", SHOAL_EXPORT_DIR=str(tmp_path / fmt / "final"))
         # the progress history samples the losses; the final weights sum up every step
         curves[fmt] = {int(f[b"step"]): float(f[b"loss"]) for _id, f in r.xrange(job_keys(job).progress)
@@ -443,7 +428,7 @@ def test_full_restart_resumes_at_the_cursors_shard_and_position_without_replayin
     uri, size = _s3_dataset(tmp_path)
     job = "sresume-" + tmp_path.name[-8:]
     ckpt = f"file://{tmp_path / 'ckpt'}"
-    spec = _spec(job, epochs=1, min_workers=2, max_workers=2, checkpoint_uri=ckpt, checkpoint_interval=20)
+    spec = job_spec(job, STREAM_JOB, epochs=1, min_workers=2, max_workers=2, checkpoint_uri=ckpt, checkpoint_interval=20)
     create_job(r, spec)
     watch = ControlWatcher(r, job)
     env = {"SHOAL_TEST_STEP_DELAY": "0.05", "SHOAL_TEST_STREAM_URI": uri, **s3_env()}

@@ -19,40 +19,26 @@ from shoal.events.keys import job_keys
 from shoal.core.jobspec import JobSpec
 from shoal.ops.localproc import LocalProcs
 from shoal.ops.status import format_status, job_status
-from tests.helpers import ControlWatcher, wait_until
+from tests.helpers import ControlWatcher, job_spec, run_job, wait_until
 from shoal.worker import ledger
 
 pytestmark = pytest.mark.slow
 BATCH = 64
 
 
-def _spec(job_id: str, **kw) -> JobSpec:
-    base = dict(name=job_id, entrypoint="shoal.examples.digits:build", min_workers=1, max_workers=3,
-                global_batch_size=BATCH, heartbeat_interval=0.2, heartbeat_ttl=1.5, seed=3)
-    return JobSpec(**(base | kw))
+#: the digits example's job (job_spec: over the tests' common defaults)
+DIGITS_JOB = dict(entrypoint="shoal.examples.digits:build", min_workers=1, global_batch_size=BATCH, seed=3)
 
 
 def _final(d: Path) -> dict[str, dict]:
     return {f.stem.removeprefix("final-"): torch.load(f, weights_only=True) for f in d.glob("final-*.pt")}
 
 
-def _run(r, redis_url, tmp: Path, job_id: str, spec: JobSpec, workers: int, faults: str = "", script=None):
-    create_job(r, spec)
-    watch = ControlWatcher(r, job_id)
+def _train(r, redis_url, tmp: Path, spec: JobSpec, workers: int, faults: str = "", script=None):
+    """:func:`run_job` to completion with the ledger in ``tmp/ledger``, the final weights in
+    ``tmp/final`` and ``faults`` injected."""
     env = {"SHOAL_LEDGER_DIR": str(tmp / "ledger"), "SHOAL_EXPORT_DIR": str(tmp / "final"), "SHOAL_FAULTS": faults}
-    with LocalProcs(redis_url, tmp / "logs", extra_env=env) as procs:
-        procs.coordinator("coord")
-        ws = [procs.worker(job_id, f"p{i}") for i in range(workers)]
-        try:
-            if script:
-                script(watch, procs, ws)
-            watch.wait_for(lambda d: d["job_state"] == "completed", 240)
-            codes = {p.name: p.wait(60) for p in procs.procs if p.name != "coord"}
-        except BaseException:
-            for p in procs.procs:
-                print(f"===== {p.name}\n{p.log_tail(25)}")
-            raise
-    return watch, procs, codes
+    return run_job(r, redis_url, tmp, spec, workers, env, script)
 
 
 def test_kill_mid_step_survivors_continue_and_match_a_failure_free_run(r, redis_url, tmp_path) -> None:
@@ -62,8 +48,8 @@ def test_kill_mid_step_survivors_continue_and_match_a_failure_free_run(r, redis_
     steps = 24
     # reference: one worker, no failure, same global batch and seed
     ref_dir = tmp_path / "ref"
-    _run(r, redis_url, ref_dir, "ref-" + tmp_path.name[-8:], _spec("ref-" + tmp_path.name[-8:], max_steps=steps, min_workers=1, max_workers=1,
-                                                                   eval_every_steps=5), 1)
+    _train(r, redis_url, ref_dir, job_spec("ref-" + tmp_path.name[-8:], DIGITS_JOB, max_steps=steps, min_workers=1,
+                                           max_workers=1, eval_every_steps=5), 1)
     (ref,) = _final(ref_dir / "final").values()
 
     job = "kill-" + tmp_path.name[-8:]
@@ -73,8 +59,9 @@ def test_kill_mid_step_survivors_continue_and_match_a_failure_free_run(r, redis_
         watch.wait_for(lambda d: "world size 3" in d["reason"], 120)
         watch.wait_for(lambda d: "world size 2" in d["reason"], 60)
 
-    watch, procs, codes = _run(r, redis_url, run_dir, job, _spec(job, max_steps=steps, min_workers=2, eval_every_steps=5), 3,
-                               faults="w1@10:mid_step:kill", script=script)
+    watch, procs, codes = _train(r, redis_url, run_dir, job_spec(job, DIGITS_JOB, max_steps=steps, min_workers=2,
+                                                                 eval_every_steps=5), 3,
+                                 faults="w1@10:mid_step:kill", script=script)
     records = watch.workers()
     assert records["w1"]["state"] == "Failed"
     survivors = {w: rec["pid"] for w, rec in records.items() if w != "w1"}
@@ -113,7 +100,8 @@ def test_kill_mid_step_survivors_continue_and_match_a_failure_free_run(r, redis_
 
 def test_join_kill_and_leave_mid_epoch_use_every_sample_exactly_once(r, redis_url, tmp_path) -> None:
     job = "ledger-" + tmp_path.name[-8:]
-    spec = _spec(job, entrypoint="tests.entrypoints:slow_digits", epochs=2, global_batch_size=32, min_workers=1, max_workers=3)
+    spec = job_spec(job, DIGITS_JOB, entrypoint="tests.entrypoints:slow_digits", epochs=2, global_batch_size=32,
+                    min_workers=1, max_workers=3)
     pids = {}
 
     def script(watch, procs, ws):
@@ -127,7 +115,7 @@ def test_join_kill_and_leave_mid_epoch_use_every_sample_exactly_once(r, redis_ur
         ws[0].signal(signal.SIGTERM)  # a graceful leave
         watch.wait_for(lambda d: " left" in d["reason"], 60)
 
-    watch, procs, codes = _run(r, redis_url, tmp_path, job, spec, 2, script=script)
+    watch, procs, codes = _train(r, redis_url, tmp_path, spec, 2, script=script)
     records = watch.workers()
     assert sorted(rec["state"] for rec in records.values()) == ["Active", "Failed", "Left"]
     assert all(records[w]["pid"] == pid for w, pid in pids.items())  # survivors never restarted
@@ -157,7 +145,7 @@ def test_crash_loop_backs_off_gives_up_and_reports_root_cause(r, redis_url, tmp_
     from shoal.worker.agent import NodeAgent
 
     job, keys = job_id, job_keys(job_id)
-    create_job(r, _spec(job, min_workers=1, max_workers=1, max_restarts=3))
+    create_job(r, job_spec(job, DIGITS_JOB, min_workers=1, max_workers=1, max_restarts=3))
     watch = ControlWatcher(r, job)
     with LocalProcs(redis_url, tmp_path / "logs") as procs:
         coord = procs.coordinator("coord")

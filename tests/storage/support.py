@@ -2,8 +2,8 @@
 
 * :func:`moto_endpoint` -- a real S3-compatible HTTP server (moto) on loopback, started once
   per process and stopped at exit. The S3 backend talks to it through the real minio client.
-* :func:`make_store` -- a fresh store of a given kind (one of :data:`BACKENDS`); test
-  modules parametrize their own ``store`` fixture over it.
+* :func:`make_store` -- a fresh store of a given kind (one of :data:`BACKENDS`);
+  the ``object_store`` fixture (``conftest.py``) is parametrized over it.
 * :class:`HookedStore` -- a store wrapper that records operations and can block or fail
   them, for ordering, async and failure tests.
 * :func:`tiny_state` -- a small deterministic TrainState whose content encodes its step.

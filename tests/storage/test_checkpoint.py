@@ -45,7 +45,7 @@ def _setup(seed: int):
     return model, opt, sched
 
 
-def test_resumed_training_is_bit_identical_to_uninterrupted(store: ObjectStore) -> None:
+def test_resumed_training_is_bit_identical_to_uninterrupted(object_store: ObjectStore) -> None:
     torch.manual_seed(0)
     np.random.seed(0)
     random.seed(0)
@@ -53,7 +53,7 @@ def test_resumed_training_is_bit_identical_to_uninterrupted(store: ObjectStore) 
     _train(model, opt, sched, 3)
     state = TrainState.capture(model, opt, sched, step=3, epoch=1, data_cursor={"shard": 2, "offset": 96},
                                generation=4, world_size=3)
-    save_checkpoint(store, state)
+    save_checkpoint(object_store, state)
     expected = _train(model, opt, sched, 4)
     expected_lr = sched.get_last_lr()
 
@@ -62,7 +62,7 @@ def test_resumed_training_is_bit_identical_to_uninterrupted(store: ObjectStore) 
     np.random.seed(123)
     random.seed(123)
     model2, opt2, sched2 = _setup(99)
-    loaded, manifest = load_latest(store)
+    loaded, manifest = load_latest(object_store)
     loaded.restore(model2, opt2, sched2)
     assert (loaded.step, loaded.epoch, loaded.data_cursor, loaded.generation, loaded.world_size) == (
         3, 1, {"shard": 2, "offset": 96}, 4, 3)
@@ -72,19 +72,19 @@ def test_resumed_training_is_bit_identical_to_uninterrupted(store: ObjectStore) 
         assert torch.equal(a, b)
 
 
-def test_manifest_records_fields_and_file_digests(store: ObjectStore) -> None:
-    manifest = save_checkpoint(store, tiny_state(7, cursor=[1, "two", {"three": 3.5}]))
-    on_disk = json.loads(store.get_bytes(manifest_key(7)))
+def test_manifest_records_fields_and_file_digests(object_store: ObjectStore) -> None:
+    manifest = save_checkpoint(object_store, tiny_state(7, cursor=[1, "two", {"three": 3.5}]))
+    on_disk = json.loads(object_store.get_bytes(manifest_key(7)))
     assert on_disk["step"] == 7 and on_disk["epoch"] == 0 and on_disk["generation"] == 1
     assert on_disk["world_size"] == 2 and on_disk["data_cursor"] == [1, "two", {"three": 3.5}]
     assert on_disk["torch_version"] == torch.__version__
     assert datetime.fromisoformat(on_disk["created_at"]).tzinfo is not None
     assert set(on_disk["files"]) == {"model.pt", "optimizer.pt"}
     for name, entry in on_disk["files"].items():
-        data = store.get_bytes(file_key(7, name))
+        data = object_store.get_bytes(file_key(7, name))
         assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     assert manifest.files["model.pt"].sha256 == on_disk["files"]["model.pt"]["sha256"]
-    assert json.loads(store.get_bytes(LATEST))["step"] == 7
+    assert json.loads(object_store.get_bytes(LATEST))["step"] == 7
 
 
 def test_write_order_files_then_manifest_then_latest() -> None:
@@ -122,31 +122,31 @@ def test_resaving_a_damaged_published_step_repairs_it() -> None:
     assert load_latest(hooked)[0].step == 5
 
 
-def test_flipped_byte_falls_back_to_previous_and_says_why(store: ObjectStore) -> None:
+def test_flipped_byte_falls_back_to_previous_and_says_why(object_store: ObjectStore) -> None:
     for step in (1, 2, 3):
-        save_checkpoint(store, tiny_state(step))
+        save_checkpoint(object_store, tiny_state(step))
     key = file_key(3, "model.pt")
-    data = bytearray(store.get_bytes(key))
+    data = bytearray(object_store.get_bytes(key))
     data[len(data) // 2] ^= 0x01
-    store.put_bytes(key, bytes(data))
+    object_store.put_bytes(key, bytes(data))
 
     warnings = Warnings()
-    state, manifest = load_latest(store, on_warning=warnings)
+    state, manifest = load_latest(object_store, on_warning=warnings)
     assert state.step == 2 and manifest.step == 2
     assert torch.equal(state.model["w"], torch.full((64,), 2.0))
     assert len(warnings) == 1
     assert "step 3" in warnings[0] and "sha256" in warnings[0] and "model.pt" in warnings[0]
     with pytest.raises(CheckpointCorrupt, match="sha256"):
-        load_checkpoint(store, 3)
+        load_checkpoint(object_store, 3)
 
 
-def test_truncated_file_falls_back_and_says_why(store: ObjectStore) -> None:
+def test_truncated_file_falls_back_and_says_why(object_store: ObjectStore) -> None:
     for step in (1, 2):
-        save_checkpoint(store, tiny_state(step))
+        save_checkpoint(object_store, tiny_state(step))
     key = file_key(2, "optimizer.pt")
-    store.put_bytes(key, store.get_bytes(key)[:-10])
+    object_store.put_bytes(key, object_store.get_bytes(key)[:-10])
     warnings = Warnings()
-    state, _ = load_latest(store, on_warning=warnings)
+    state, _ = load_latest(object_store, on_warning=warnings)
     assert state.step == 1
     assert "truncated" in warnings.text() and "optimizer.pt" in warnings.text()
 

@@ -23,9 +23,9 @@ def _publish(s: ObjectStore, prefix: str = "data/") -> None:
     build_index(s, list(SHARDS), index_key=prefix + "index.json")
 
 
-def test_reads_verified_shards(store: ObjectStore, tmp_path: Path) -> None:
-    _publish(store)
-    reader = ShardReader(store, tmp_path / "cache", index_key="data/index.json")
+def test_reads_verified_shards(object_store: ObjectStore, tmp_path: Path) -> None:
+    _publish(object_store)
+    reader = ShardReader(object_store, tmp_path / "cache", index_key="data/index.json")
     assert reader.names == list(SHARDS)
     for name, data in SHARDS.items():
         assert reader.read(name) == data
@@ -59,18 +59,18 @@ def test_local_store_is_read_in_place(tmp_path: Path) -> None:
     assert not any((tmp_path / "cache").iterdir())
 
 
-def test_corrupt_shard_is_refused_and_not_cached(store: ObjectStore, tmp_path: Path) -> None:
-    _publish(store)
+def test_corrupt_shard_is_refused_and_not_cached(object_store: ObjectStore, tmp_path: Path) -> None:
+    _publish(object_store)
     name = "train-00002.bin"
     bad = bytearray(SHARDS[name])
     bad[10] ^= 0xFF
-    store.put_bytes(f"data/{name}", bytes(bad))
-    reader = ShardReader(store, tmp_path / "cache", index_key="data/index.json")
+    object_store.put_bytes(f"data/{name}", bytes(bad))
+    reader = ShardReader(object_store, tmp_path / "cache", index_key="data/index.json")
     with pytest.raises(ShardCorrupt, match="sha256"):
         reader.path(name)
-    store.put_bytes(f"data/{name}", SHARDS[name][:-1])
+    object_store.put_bytes(f"data/{name}", SHARDS[name][:-1])
     with pytest.raises(ShardCorrupt, match="size"):
-        ShardReader(store, tmp_path / "cache", index_key="data/index.json").path(name)
+        ShardReader(object_store, tmp_path / "cache", index_key="data/index.json").path(name)
     cached = list((tmp_path / "cache").iterdir()) if (tmp_path / "cache").exists() else []
     assert cached == []
     assert reader.read("train-00000.bin") == SHARDS["train-00000.bin"]

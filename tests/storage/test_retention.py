@@ -22,12 +22,12 @@ def _point_latest(s: ObjectStore, step: int) -> None:
     s.put_bytes(LATEST, json.dumps({"step": step, "checkpoint": f"step-{step:09d}"}).encode())
 
 
-def test_keeps_last_three_by_default(store: ObjectStore) -> None:
+def test_keeps_last_three_by_default(object_store: ObjectStore) -> None:
     for step in range(1, 7):
-        save_checkpoint(store, tiny_state(step))
-    assert list_checkpoint_steps(store) == [4, 5, 6]
-    assert store.list("step-000000003") == []
-    assert load_latest(store)[0].step == 6
+        save_checkpoint(object_store, tiny_state(step))
+    assert list_checkpoint_steps(object_store) == [4, 5, 6]
+    assert object_store.list("step-000000003") == []
+    assert load_latest(object_store)[0].step == 6
 
 
 def test_keep_last_is_configurable() -> None:

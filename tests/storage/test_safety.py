@@ -60,37 +60,37 @@ def test_payloads_are_armed(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["model.pt", "optimizer.pt"])
 @pytest.mark.parametrize("kind", ["torch-zip", "raw-pickle"])
-def test_pickle_payload_is_refused_and_never_executed(store: ObjectStore, tmp_path: Path, name: str, kind: str) -> None:
+def test_pickle_payload_is_refused_and_never_executed(object_store: ObjectStore, tmp_path: Path, name: str, kind: str) -> None:
     sentinel = tmp_path / "pwned"
-    save_checkpoint(store, tiny_state(1))
-    save_checkpoint(store, tiny_state(2))
+    save_checkpoint(object_store, tiny_state(1))
+    save_checkpoint(object_store, tiny_state(2))
     payload = _zip_payload(sentinel) if kind == "torch-zip" else pickle.dumps(_CreatesFile(sentinel))
-    _plant(store, 2, name, payload)
+    _plant(object_store, 2, name, payload)
 
     with pytest.raises(UnsafeCheckpoint, match=name):
-        load_checkpoint(store, 2)
+        load_checkpoint(object_store, 2)
     # No silent fallback to step 1 from a store that has been tampered with.
     with pytest.raises(UnsafeCheckpoint):
-        load_latest(store)
+        load_latest(object_store)
     with pytest.raises(UnsafeCheckpoint):
-        resume(store)
+        resume(object_store)
     assert not sentinel.exists()
 
 
-def test_tampered_manifest_refused_with_hmac(monkeypatch: pytest.MonkeyPatch, store: ObjectStore) -> None:
+def test_tampered_manifest_refused_with_hmac(monkeypatch: pytest.MonkeyPatch, object_store: ObjectStore) -> None:
     monkeypatch.setenv(HMAC_ENV, HMAC_SECRET)
-    save_checkpoint(store, tiny_state(1))
-    save_checkpoint(store, tiny_state(2))
-    assert load_checkpoint(store, 2)[0].step == 2  # untampered: fine
+    save_checkpoint(object_store, tiny_state(1))
+    save_checkpoint(object_store, tiny_state(2))
+    assert load_checkpoint(object_store, 2)[0].step == 2  # untampered: fine
 
-    manifest = json.loads(store.get_bytes(manifest_key(2)))
+    manifest = json.loads(object_store.get_bytes(manifest_key(2)))
     assert len(manifest["hmac"]) == 64
     manifest["data_cursor"] = {"sample": 0}  # e.g. replay data from the start
-    store.put_bytes(manifest_key(2), json.dumps(manifest).encode())
+    object_store.put_bytes(manifest_key(2), json.dumps(manifest).encode())
     with pytest.raises(UnsafeCheckpoint, match="HMAC does not match"):
-        load_checkpoint(store, 2)
+        load_checkpoint(object_store, 2)
     with pytest.raises(UnsafeCheckpoint):
-        load_latest(store)
+        load_latest(object_store)
 
 
 def test_hmac_covers_state_files_through_their_digests(monkeypatch: pytest.MonkeyPatch) -> None:
