@@ -169,7 +169,7 @@ def test_every_endpoint_on_a_running_job(api_server: ApiServer, r, procs, job_id
     procs.coordinator("coord")
     procs.worker(job_id, "p0")
     procs.worker(job_id, "p1")
-    watch.wait_for(lambda d: "world size 2" in d["reason"], 60)
+    watch.wait_for(lambda d: d.world_size == 2, 60)
 
     status = wait_until(lambda: (s := api_server.http.get(f"/jobs/{job_id}").json())["state"] == "running"
                         and sum(w["state"] == "Active" for w in s["workers"]) == 2 and s, 30, "two Active workers")
@@ -195,7 +195,7 @@ def test_every_endpoint_on_a_running_job(api_server: ApiServer, r, procs, job_id
 
     stop = api_server.http.post(f"/jobs/{job_id}/stop", json={"reason": "enough from the API test"}, headers=api_server.auth())
     assert stop.status_code == 202 and stop.json()["was"] == "running" and stop.json()["requested"] is True
-    watch.wait_for(lambda d: d["job_state"] == "stopped", 30)
+    watch.wait_for(lambda d: d.job_state == "stopped", 30)
     again = api_server.http.post(f"/jobs/{job_id}/stop", headers=api_server.auth())
     assert again.status_code == 200 and again.json()["requested"] is False and again.json()["was"] == "stopped"
     assert api_server.http.get(f"/jobs/{job_id}").json()["reason"].endswith("enough from the API test")

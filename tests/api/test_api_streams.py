@@ -64,11 +64,11 @@ def test_log_lines_and_decisions_stream_while_a_job_trains(api_server: ApiServer
     procs.coordinator("coord")
     procs.worker(job_id, "p0")
     procs.worker(job_id, "p1")
-    formed = watch.wait_for(lambda d: "world size 2" in d["reason"], 90)
+    formed = watch.wait_for(lambda d: d.world_size == 2, 90)
     # the decision that formed the group reaches the stream while the job trains
-    wait_until(lambda: any(d["reason"] == formed["reason"] for d in decisions.kinds("decision")), 10,
+    wait_until(lambda: any(d["reason"] == formed.reason for d in decisions.kinds("decision")), 10,
                "the generation's decision on the event stream")
-    watch.wait_for(lambda d: d["job_state"] == "completed", 120)
+    watch.wait_for(lambda d: d.job_state == "completed", 120)
     done = time.monotonic()
     for f in (logs, decisions):
         f.join(30)

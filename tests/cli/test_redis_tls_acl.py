@@ -108,7 +108,7 @@ def test_coordinator_agent_and_workers_run_a_submitted_job_over_tls(tls, pki, tm
         procs.coordinator("coord", "--no-launcher")
         agent = procs.start("agent", "agent", "--queue", "--burst", "--run-dir", str(tmp_path / "logs" / "agent"))
         assert agent.wait(90) == 0, agent.log_tail()
-        watch.wait_for(lambda d: d["job_state"] == "completed", 30)
+        watch.wait_for(lambda d: d.job_state == "completed", 30)
         status = shoal(env, "status", job_id, "--json")
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["state"] == "completed"
@@ -183,7 +183,7 @@ def test_confined_worker_user_completes_its_job_and_touches_nothing_else(tls, pk
             coords.coordinator("coord", "--no-launcher")
             ws = [workers.worker(job_id, f"w{i}") for i in range(2)]
             intruder = workers.worker(other, "intruder")  # J's user cannot even read K's spec
-            watch.wait_for(lambda d: d["job_state"] == "completed", 60)
+            watch.wait_for(lambda d: d.job_state == "completed", 60)
             for w in ws:
                 assert w.wait(30) == 0, w.log_tail()
             assert intruder.wait(30) == 3

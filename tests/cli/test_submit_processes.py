@@ -126,7 +126,7 @@ def test_drained_agent_is_relaunched_then_stop_is_graceful_and_purge_removes_the
     [first] = units_of(queue, job_id)
     procs.extra_env["SHOAL_LAUNCH_META_INTERVAL"] = "0.3"
     agent1 = procs.start("agent1", "agent", "--queue")
-    watch.wait_for(lambda d: "world size 2" in d["reason"], 40)
+    watch.wait_for(lambda d: d.world_size == 2, 40)
 
     # progress in the RQ job's meta while it runs: step, generation, rate, ETA (max_steps is set)
     meta = wait_until(lambda: (m := Job.fetch(first, connection=r, serializer=JSONSerializer).get_meta(refresh=True))
@@ -137,7 +137,7 @@ def test_drained_agent_is_relaunched_then_stop_is_graceful_and_purge_removes_the
     # SIGTERM to the queue agent drains its unit: workers leave, nobody fails, the unit ends
     agent1.signal(signal.SIGTERM)
     assert agent1.wait(30) == 0, agent1.log_tail()
-    watch.wait_for(lambda d: d["job_state"] == "paused", 10)
+    watch.wait_for(lambda d: d.job_state == "paused", 10)
     result = Job.fetch(first, connection=r, serializer=JSONSerializer).return_value()
     assert result["state"] in ("paused", "running") and result["agent_exit_code"] == 0, result
     assert all(rec["state"] == "Left" for rec in watch.workers().values()), watch.workers()
@@ -146,7 +146,7 @@ def test_drained_agent_is_relaunched_then_stop_is_graceful_and_purge_removes_the
     [second] = wait_until(lambda: units_of(queue, job_id), 10, "a re-enqueued launch unit")
     assert second != first and Job.fetch(second, connection=r, serializer=JSONSerializer).args == [job_id, 2]
     agent2 = procs.start("agent2", "agent", "--queue", "--burst")
-    watch.wait_for(lambda d: "world size 2" in d["reason"], 40)
+    watch.wait_for(lambda d: d.world_size == 2, 40)
 
     res = shoal(cli_env, "stop", job_id, "--wait", "10")
     assert res.returncode == 0 and "stop requested" in res.stdout, res.stderr

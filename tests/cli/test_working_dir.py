@@ -154,8 +154,8 @@ def test_a_job_submitted_from_a_directory_the_agents_do_not_share_trains(r, cli_
                               str(tmp_path / "agent")], cwd=other, env=cli_env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
     try:
-        done = watch.wait_for(lambda d: d["job_state"] in ("completed", "failed"), 120)
-        assert done["job_state"] == "completed", done["reason"]
+        done = watch.wait_for(lambda d: d.job_state in ("completed", "failed"), 120)
+        assert done.job_state == "completed", done.reason
         assert agent.wait(60) == 0
     except BaseException:
         agent.kill()
@@ -179,10 +179,10 @@ def test_a_job_whose_code_package_is_corrupt_fails_with_that_cause(r, cli_env, t
     procs.coordinator("coord")
     agent = procs.start("agent", "agent", job_id, "--workers", "2", "--node", "n3", "--run-dir",
                         str(tmp_path / "agent"))
-    failed = watch.wait_for(lambda d: d["job_state"] == "failed", 60)
+    failed = watch.wait_for(lambda d: d.job_state == "failed", 60)
     assert agent.wait(30) == 1
-    assert "the worker process on node n3 (slot 0) could not be started" in failed["reason"], failed["reason"]
-    assert "code package" in failed["reason"] and "corrupt" in failed["reason"]
+    assert "the worker process on node n3 (slot 0) could not be started" in failed.reason, failed.reason
+    assert "code package" in failed.reason and "corrupt" in failed.reason
     logs = run_cli(cli_env, "logs", job_id)
     assert "no worker can start on node n3" in logs.stdout and "corrupt" in logs.stdout
 

@@ -57,15 +57,15 @@ def test_a_two_node_job_with_no_interface_option_trains_exactly_once(cluster, tm
     started = time.monotonic()
     agents = _start(cluster, tmp_path, job)
     try:
-        watch.wait_for(lambda d: "generation 1: world size 2" in d["reason"], 60)
-        watch.wait_for(lambda d: d["job_state"] == "completed", 60)
+        watch.wait_for(lambda d: (d.generation == 1 and d.world_size == 2), 60)
+        watch.wait_for(lambda d: d.job_state == "completed", 60)
         assert [a.wait(30) for a in agents] == [0, 0]
     except BaseException:
         _dump(cluster, tmp_path)
         raise
     print(f"trained {STEPS} steps on two hosts in {time.monotonic() - started:.1f} s")
     # the first generation formed: nothing failed, nothing was re-planned
-    assert not [d["reason"] for d in watch.seen if "could not form" in d["reason"] or " failed" in d["reason"]]
+    assert not [d.reason for d in watch.seen if "could not form" in d.reason or d.failed]
     logs = _slot_logs(tmp_path)
     for node in ("n1", "n2"):
         assert f"gloo advertises {cluster.hosts[node].ip} on eth0 (the connection to Redis)" in logs
@@ -82,15 +82,15 @@ def test_a_wrong_interface_fails_the_job_after_formation_timeout_naming_the_addr
     watch = ControlWatcher(r, job)
     agents = _start(cluster, tmp_path, job, "--iface", "lo")  # exists, but no peer reaches 127.0.0.1
     try:
-        planned = watch.wait_for(lambda d: "generation 1: world size 2" in d["reason"], 60)
-        failed = watch.wait_for(lambda d: d["job_state"] == "failed", 60)
+        planned = watch.wait_for(lambda d: (d.generation == 1 and d.world_size == 2), 60)
+        failed = watch.wait_for(lambda d: d.job_state == "failed", 60)
         assert [a.wait(30) for a in agents] == [0, 0]
     except BaseException:
         _dump(cluster, tmp_path)
         raise
-    took = (int(failed["ts_ms"]) - int(planned["ts_ms"])) / 1000
+    took = (int(failed.ts_ms) - int(planned.ts_ms)) / 1000
     print(f"failed {took:.1f} s after generation 1 was planned (formation_timeout {timeout:g} s): {failed['reason']}")
-    reason = failed["reason"]
+    reason = failed.reason
     assert "\n" not in reason
     assert reason.startswith("job failed: no generation formed in ")
     assert f"(formation_timeout {timeout:g} s" in reason
@@ -100,6 +100,6 @@ def test_a_wrong_interface_fails_the_job_after_formation_timeout_naming_the_addr
     # on each rendezvous failure reported), so the job fails right at it
     assert timeout <= took < timeout + 5
     # it kept trying until then: generation 1 could not form, a new one was planned
-    assert any("generation 1 could not form" in d["reason"] for d in watch.seen)
+    assert any("generation 1 could not form" in d.reason for d in watch.seen)
     assert "last generation 2" in reason or "last generation 3" in reason
     assert not ledger.read(tmp_path / "ledger")

@@ -169,7 +169,7 @@ def _train_through_fault(cluster: Net, tmp_path, name: str, fault: Fault) -> Non
     agents = [net.hosts[n].shoal(f"agent-{n}", "agent", job, "--workers", "1", "--max-restarts", "0",
                                  "--run-dir", str(tmp_path / f"agent-{n}"), env=env) for n in NODES]
     try:
-        watch.wait_for(lambda d: "generation 1: world size 2" in d["reason"], 60)
+        watch.wait_for(lambda d: (d.generation == 1 and d.world_size == 2), 60)
         wait_until(lambda: _committed(ledger_dir) >= UNDER_WAY, 60, f"step {UNDER_WAY} to commit")
         at_step = _committed(ledger_dir)
         t_fault = time.time()
@@ -180,18 +180,18 @@ def _train_through_fault(cluster: Net, tmp_path, name: str, fault: Fault) -> Non
         t_heal = time.time()
         net.heal()
         print(f"{name}: injected at step {at_step}, healed {t_heal - t_fault:.1f} s later at step {_committed(ledger_dir)}")
-        end = watch.wait_for(lambda d: d["job_state"] in ("completed", "failed"), 120 + fault.hold)
-        assert end["job_state"] == "completed", end["reason"]
+        end = watch.wait_for(lambda d: d.job_state in ("completed", "failed"), 120 + fault.hold)
+        assert end.job_state == "completed", end.reason
         assert [a.wait(60) for a in agents] == [0, 0]
     except BaseException:
         _dump(net, tmp_path)
         for d in watch.seen[-30:]:
-            print("decision:", d.get("job_state"), d["reason"][:300])
+            print("decision:", d.get("job_state"), d.reason[:300])
         raise
     finally:
         print(f"{name}: test body took {time.monotonic() - started:.1f} s")
     assert all(c.popen.poll() is None for c in coords), "a coordinator exited"
-    reasons = [d["reason"] for d in watch.seen]
+    reasons = [d.reason for d in watch.seen]
     print("\n".join(f"decision: {x[:200]}" for x in reasons))
     entries = ledger.read(ledger_dir)
     stall, recovery = _recovery(entries, t_fault, t_heal)

@@ -38,7 +38,7 @@ def test_an_agent_waits_out_a_redis_outage_and_its_worker_is_kept(tmp_path) -> N
             runner = threading.Thread(target=lambda: result.setdefault("rc", agent.run()), daemon=True)
             runner.start()
             try:
-                watch.wait_for(lambda d: "active in generation" in d["reason"], 60)
+                watch.wait_for(lambda d: "active in generation" in d.reason, 60)
                 pid = agent.slots[0].proc.pid
                 server.kill()
                 wait_until(lambda: agent.redis_outages >= 1 or not runner.is_alive(), 30,
@@ -47,7 +47,7 @@ def test_an_agent_waits_out_a_redis_outage_and_its_worker_is_kept(tmp_path) -> N
                 assert agent.slots[0].proc is not None and agent.slots[0].proc.pid == pid
                 server = start_server(server.run_dir, port=server.port, appendonly=True, fsync="always")
                 client = redis.Redis.from_url(server.url, socket_timeout=10)
-                ControlWatcher(client, job).wait_for(lambda d: d["job_state"] == "completed", 120)
+                ControlWatcher(client, job).wait_for(lambda d: d.job_state == "completed", 120)
                 runner.join(60)
             except BaseException:
                 dump_logs(procs, tmp_path / "agent")

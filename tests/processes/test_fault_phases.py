@@ -68,8 +68,8 @@ def test_rank0_dies_at_a_checkpoint_phase_and_the_job_still_ends_exactly_once(r,
         agent = procs.start("agent", "agent", job, "--workers", "2", "--backoff", "0.1", "--max-restarts", "1",
                             "--run-dir", str(tmp_path / "agent"))
         try:
-            failed = watch.wait_for(lambda d: " process ended with signal" in d["reason"], 120)
-            watch.wait_for(lambda d: d["job_state"] == "completed", 120)
+            failed = watch.wait_for(lambda d: " process ended with signal" in d.reason, 120)
+            watch.wait_for(lambda d: d.job_state == "completed", 120)
             assert agent.wait(60) == 0
         except BaseException:
             _dump(procs, tmp_path)
@@ -77,7 +77,7 @@ def test_rank0_dies_at_a_checkpoint_phase_and_the_job_still_ends_exactly_once(r,
     fired = [f for f in (tmp_path / "agent").glob("slot-*.log") if f"fault injected: {action} at " in f.read_text()]
     assert len(fired) == 1 and f"@20:{phase}" in fired[0].read_text()
     signal_no = {"segv": 11, "kill": 9}[action]
-    assert f"signal {signal_no}" in failed["reason"]
+    assert f"signal {signal_no}" in failed.reason
     _check_end_state(r, job, ckpt, tmp_path)
 
 
@@ -93,15 +93,15 @@ def test_leader_killed_with_a_checkpoint_event_pending_the_standby_moves_latest(
         procs.extra_env.pop("SHOAL_COORD_FAULTS")  # the standby started below has no fault
         try:
             procs.start("agent", "agent", job, "--workers", "2", "--run-dir", str(tmp_path / "agent"))
-            watch.wait_for(lambda d: d["kind"] == "join", 60)  # the leader leads (it is alone)
-            first = watch.wait_for(lambda d: "LATEST -> checkpoint of step 10" in d["reason"], 120)
+            watch.wait_for(lambda d: d.kind == "join", 60)  # the leader leads (it is alone)
+            first = watch.wait_for(lambda d: "LATEST -> checkpoint of step 10" in d.reason, 120)
             assert leader.wait(60) == -9  # killed itself holding the step-20 event, unapplied
             # the standby comes up only now: started earlier, it could have been handed the job
             # by the leader's lease balancing (the shared test Redis holds many jobs)
             standby = procs.coordinator("standby", "--lease-ttl", "1")
-            moved = watch.wait_for(lambda d: "LATEST -> checkpoint of step 20" in d["reason"], 30)
-            assert int(moved["epoch"]) > int(first["epoch"])  # applied by the standby, after a takeover
-            watch.wait_for(lambda d: d["job_state"] == "completed", 120)
+            moved = watch.wait_for(lambda d: "LATEST -> checkpoint of step 20" in d.reason, 30)
+            assert int(moved.epoch) > int(first.epoch)  # applied by the standby, after a takeover
+            watch.wait_for(lambda d: d.job_state == "completed", 120)
         except BaseException:
             _dump(procs, tmp_path)
             raise
@@ -150,14 +150,14 @@ def test_a_member_slow_to_rendezvous_is_waited_for_and_nobody_restarts(r, redis_
         agent = procs.start("agent", "agent", job, "--workers", "2", "--max-restarts", "0",
                             "--run-dir", str(tmp_path / "agent"))
         try:
-            watch.wait_for(lambda d: "w1 active in generation 1" in d["reason"], 90)
-            watch.wait_for(lambda d: d["job_state"] == "completed", 120)
+            watch.wait_for(lambda d: "w1 active in generation 1" in d.reason, 90)
+            watch.wait_for(lambda d: d.job_state == "completed", 120)
             assert agent.wait(60) == 0
         except BaseException:
             _dump(procs, tmp_path)
             raise
-    assert not [d["reason"] for d in watch.seen if "could not form" in d["reason"] or "generation 2" in d["reason"]]
-    assert not [d["reason"] for d in watch.seen if " failed" in d["reason"]]
+    assert not [d.reason for d in watch.seen if "could not form" in d.reason or (d.planned and d.generation == 2)]
+    assert not [d.reason for d in watch.seen if d.failed]
     slots = "".join(f.read_text() for f in (tmp_path / "agent").glob("slot-*.log"))
     assert slots.count("fault injected: sleep=3 at w1@0:rendezvous") == 1
     verdict = ledger.verify(ledger.read(tmp_path / "ledger"), DIGITS)
@@ -183,8 +183,8 @@ def test_a_lone_worker_frozen_past_its_ttl_commits_nothing_once_declared_failed(
         procs.coordinator("coord")
         worker = procs.worker(job, "w0")
         try:
-            failed = watch.wait_for(lambda d: d["reason"].startswith("w0 failed (rank 0): no heartbeat"), 90)
-            watch.wait_for(lambda d: d["job_state"] == "completed", 90)
+            failed = watch.wait_for(lambda d: d.reason.startswith("w0 failed (rank 0): no heartbeat"), 90)
+            watch.wait_for(lambda d: d.job_state == "completed", 90)
             assert worker.wait(60) == 0  # woke evicted, rejoined, finished
         except BaseException:
             _dump(procs, tmp_path)
@@ -193,7 +193,7 @@ def test_a_lone_worker_frozen_past_its_ttl_commits_nothing_once_declared_failed(
     assert "fault injected: stop=3 at w0@20:mid_step" in log
     mine = [e for e in ledger.read(tmp_path / "ledger") if e["worker"] == "w0"]
     assert max(e["step"] for e in mine) == 20  # everything before the freeze, nothing after
-    assert all(e["t"] * 1000 < int(failed["ts_ms"]) for e in mine)
+    assert all(e["t"] * 1000 < int(failed.ts_ms) for e in mine)
     # refused by the commit fence, or aborted first: by its watcher reading the table that
     # evicted it, or by its heartbeat finding it is no longer a member (whichever thread wins)
     assert ("evicted by the coordinator (declared failed): this step is not applied" in log

@@ -107,25 +107,25 @@ def test_fp16_lm_skips_overflows_everywhere_and_its_scale_survives_a_restart_and
         procs.coordinator("coord")
         first = [procs.worker(job, f"p{i}") for i in range(2)]
         try:
-            watch.wait_for(lambda d: "world size 2" in d["reason"], 120)
-            moved = watch.wait_for(lambda d: d["kind"] == "checkpoint"
-                                   and int(re.search(r"step (\d+)", d["reason"])[1]) >= 20, 120)
+            watch.wait_for(lambda d: d.world_size == 2, 120)
+            moved = watch.wait_for(lambda d: d.kind == "checkpoint"
+                                   and int(re.search(r"step (\d+)", d.reason)[1]) >= 20, 120)
             for p in first:  # a full restart: every worker gone at once
                 p.signal(signal.SIGKILL)
             for p in first:
                 p.wait(30)
             resumed = procs.worker(job, "r0")
-            watch.wait_for(lambda d: "world size 1" in d["reason"], 120)
-            watch.wait_for(lambda d: d["kind"] == "ready", 60)
+            watch.wait_for(lambda d: d.world_size == 1, 120)
+            watch.wait_for(lambda d: d.kind == "ready", 60)
             joiner = procs.worker(job, "r1")
-            watch.wait_for(lambda d: "world size 2" in d["reason"], 120)
-            watch.wait_for(lambda d: d["job_state"] == "completed", 240)
+            watch.wait_for(lambda d: d.world_size == 2, 120)
+            watch.wait_for(lambda d: d.job_state == "completed", 240)
             codes = {p.name: p.wait(60) for p in (resumed, joiner)}
         except BaseException:
             dump_logs(procs, tmp_path / "no-agent")
             raise
     assert codes == {"r0": 0, "r1": 0}
-    checkpoint_step = int(re.search(r"step (\d+)", moved["reason"])[1])
+    checkpoint_step = int(re.search(r"step (\d+)", moved.reason)[1])
     entries = ledger.read(tmp_path / "ledger")
     assert entries and all("loss_scale" in e and "scale_after" in e for e in entries)
 

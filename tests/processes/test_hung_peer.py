@@ -43,9 +43,10 @@ def test_survivors_abort_their_collective_with_a_frozen_peer_at_once(r, redis_ur
         seen["stopped"] = time.time()
         os.kill(pid, signal.SIGSTOP)
         try:
-            failed = watch.wait_for(lambda d: "w1 failed" in d["reason"], 30)
-            assert "no heartbeat for" in failed["reason"], failed["reason"]
-            gen = int(re.search(r"generation (\d+): world size 2 \(w0, w2\)", failed["reason"]).group(1))
+            failed = watch.wait_for(lambda d: "w1" in d.failed, 30)
+            assert "no heartbeat for" in failed.reason, failed.reason
+            assert failed.world_size == 2 and failed.removed == ("w1",)
+            gen = failed.generation
 
             def survivors_went_on():
                 return min((e["t"] for e in ledger.read(tmp_path / "ledger") if e["generation"] >= gen), default=None)

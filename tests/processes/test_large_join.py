@@ -112,9 +112,9 @@ def test_a_joiner_receives_a_one_gigabyte_state_and_trains_on_identically(r, red
             wait_until(lambda: any(e["step"] >= 2 for e in ledger.read(tmp_path / "ledger")), 180,
                        "the first worker's step 2")
             joiner = procs.worker(job, "joiner")
-            watch.wait_for(lambda d: "world size 2" in d["reason"], 180)
+            watch.wait_for(lambda d: d.world_size == 2, 180)
             gate.touch()  # the first worker finishes step 3 alone, then switches
-            watch.wait_for(lambda d: d["job_state"] == "completed", 300)
+            watch.wait_for(lambda d: d.job_state == "completed", 300)
             codes = {p.name: p.wait(120) for p in (first, joiner)}
         except BaseException:
             for p in procs.procs:

@@ -91,7 +91,7 @@ def test_many_jobs_complete_through_worker_and_coordinator_kills(r, redis_url, t
                                   simulate_step_time=STEP_S, max_steps=MAX_STEPS))
             workers[j] = [procs.worker(j, f"{j}-w{k}") for k in range(WORKERS)]
         for j in jobs:
-            watches[j].wait_for(lambda d: "world size 3" in d["reason"], 60)
+            watches[j].wait_for(lambda d: d.world_size == 3, 60)
         started_s = time.monotonic() - t0
         rss = sum(_rss_mb(p.pid) for ps in workers.values() for p in ps)
 
@@ -116,7 +116,7 @@ def test_many_jobs_complete_through_worker_and_coordinator_kills(r, redis_url, t
         killed_ms = server_ms(r)
 
         for j in jobs:
-            watches[j].wait_for(lambda d: d["job_state"] == "completed", 60)
+            watches[j].wait_for(lambda d: d.job_state == "completed", 60)
         done_s = time.monotonic() - t0
 
         for j in jobs:
@@ -137,17 +137,17 @@ def test_many_jobs_complete_through_worker_and_coordinator_kills(r, redis_url, t
         for j, wid in killed.items():
             w = watches[j]
             assert w.workers()[wid]["state"] == "Failed", (j, w.workers())
-            replans = [d for d in w.seen if int(d["ts_ms"]) >= killed_ms and f"{wid} failed" in d["reason"]
-                       and "world size 2" in d["reason"]]
-            assert replans, (j, [d["reason"] for d in w.seen])
+            replans = [d for d in w.seen if int(d.ts_ms) >= killed_ms and wid in d.failed
+                       and d.world_size == 2]
+            assert replans, (j, [d.reason for d in w.seen])
             assert json.loads(r.hget(job_keys(j).state, "summary"))["world_size"] == 2
 
         # the dead replica's running jobs were taken over: a new epoch, decisions made by the survivor
         taken = [j for j in led_by_dead if j in running]
         assert taken, (dead_coord, leader)
         for j in taken:
-            after = [d for d in watches[j].seen if int(d["ts_ms"]) >= killed_ms]
-            assert after and all(int(d["epoch"]) > epochs[j] for d in after), (j, epochs[j], after)
+            after = [d for d in watches[j].seen if int(d.ts_ms) >= killed_ms]
+            assert after and all(int(d.epoch) > epochs[j] for d in after), (j, epochs[j], after)
         assert coords[survivor].popen.poll() is None, coords[survivor].log_tail()
         print(f"\n{JOBS} jobs x {WORKERS} workers: all joined in {started_s:.1f} s (worker RSS {rss:.0f} MB total), "
               f"{len(led_by_dead)} of {JOBS} jobs led by the killed {dead_coord}, {len(killed)} workers killed, "

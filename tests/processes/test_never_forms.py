@@ -35,14 +35,14 @@ def test_an_interface_without_an_address_fails_the_job_within_a_minute_naming_it
         agent = procs.start("agent", "agent", job, "--workers", "2", "--iface", "nosuch0", "--node", "n1",
                             "--run-dir", str(tmp_path / "agent"))
         try:
-            failed = watch.wait_for(lambda d: d["job_state"] == "failed", 60)
+            failed = watch.wait_for(lambda d: d.job_state == "failed", 60)
             took = time.monotonic() - started
             assert agent.wait(60) == 0  # the workers saw the job fail and exited
         except BaseException:
             dump_logs(procs, tmp_path / "agent")
             raise
-    reason = failed["reason"]
-    planned = [d for d in watch.seen if "; generation " in d["reason"] and ": world size " in d["reason"]]
+    reason = failed.reason
+    planned = watch.planned()
     print(f"failed {took:.1f} s after the agent started, {len(planned)} generations planned: {reason}")
     assert took < 60 and len(planned) <= 15
     assert "\n" not in reason
@@ -50,7 +50,7 @@ def test_an_interface_without_an_address_fails_the_job_within_a_minute_naming_it
     assert "interface 'nosuch0' (--iface/SHOAL_IFACE) has no IPv4 address" in reason
     assert "fix: name an interface that has an IPv4 address here with --iface" in reason
     # while it happened, each failure said when the same members would try again
-    assert any("the same members get a new generation in 0.5 s" in d["reason"] for d in watch.seen)
+    assert any("the same members get a new generation in 0.5 s" in d.reason for d in watch.seen)
     env = dict(subprocess_env, REDIS_URL=redis_url)
     s = json.loads(run_cli(env, "status", job, "--json").stdout)
     assert s["state"] == "failed" and s["reason"] == reason

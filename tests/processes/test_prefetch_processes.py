@@ -49,17 +49,17 @@ def test_prefetching_workers_survive_a_join_and_a_kill_exactly_once(r, redis_url
         procs.coordinator("coord")
         ws = [procs.worker(job, f"p{i}") for i in range(2)]
         try:
-            watch.wait_for(lambda d: "world size 2" in d["reason"], 120)
+            watch.wait_for(lambda d: d.world_size == 2, 120)
             joiner = procs.worker(job, "joiner")  # a join mid-epoch
-            watch.wait_for(lambda d: "world size 3" in d["reason"], 90)
-            watch.wait_for(lambda d: d["kind"] == "ready" and "w2 active" in d["reason"], 60)
+            watch.wait_for(lambda d: d.world_size == 3, 90)
+            watch.wait_for(lambda d: d.kind == "ready" and "w2 active" in d.reason, 60)
             loaders = [c.pid for c in psutil.Process(joiner.pid).children()]
             assert len(loaders) == 2, loaders  # its two loader processes
             joiner.signal(signal.SIGKILL)  # a failure: the loaders must not outlive their worker
-            watch.wait_for(lambda d: "w2 failed" in d["reason"], 60)
+            watch.wait_for(lambda d: "w2" in d.failed, 60)
             wait_until(lambda: not any(pid_runs(pid) for pid in loaders), 30,
                        lambda: f"the killed worker's loaders to exit: {[p for p in loaders if pid_runs(p)]} alive")
-            watch.wait_for(lambda d: d["job_state"] == "completed", 240)
+            watch.wait_for(lambda d: d.job_state == "completed", 240)
             codes = {p.name: p.wait(60) for p in procs.procs if p.name != "coord"}
         except BaseException:
             for p in procs.procs:

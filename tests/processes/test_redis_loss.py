@@ -54,12 +54,12 @@ def _train_through_redis_restart(tmp_path: Path, *, empty: bool) -> tuple[list[d
             agent = procs.start("agent", "agent", job, "--workers", "2", "--backoff", "0.2", "--max-restarts", "0",
                                 "--run-dir", str(tmp_path / "agent"))
             try:
-                watch.wait_for(lambda d: "LATEST -> checkpoint of step 20" in d["reason"], 120)
+                watch.wait_for(lambda d: "LATEST -> checkpoint of step 20" in d.reason, 120)
                 before = {r["pid"] for r in watch.workers().values() if r["state"] == "Active"}
                 server = _restart(server, empty=empty)
                 client = redis.Redis.from_url(server.url, socket_timeout=10)
                 watch = ControlWatcher(client, job)
-                watch.wait_for(lambda d: d["job_state"] == "completed", 180)
+                watch.wait_for(lambda d: d.job_state == "completed", 180)
                 assert agent.wait(60) == 0
             except BaseException:
                 dump_logs(procs, tmp_path / "agent")

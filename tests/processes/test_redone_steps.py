@@ -55,8 +55,8 @@ def test_all_replicas_lost_without_a_checkpoint_the_steps_redone_are_reported(r,
             assert sorted(pids) == ["w0", "w1"], pids
             for pid in pids.values():  # lose every replica at once
                 os.kill(pid, signal.SIGKILL)
-            redone = watch.wait_for(lambda d: "redone" in d["reason"], 60)
-            done = watch.wait_for(lambda d: d["job_state"] == "completed", 60)
+            redone = watch.wait_for(lambda d: "redone" in d.reason, 60)
+            done = watch.wait_for(lambda d: d.job_state == "completed", 60)
             assert agent.wait(60) == 0
         except BaseException:
             dump_logs(procs, tmp_path / "agent")
@@ -72,12 +72,12 @@ def test_all_replicas_lost_without_a_checkpoint_the_steps_redone_are_reported(r,
     assert all(len(gens) == 2 for gens in generations.values() if len(gens) > 1)
 
     # the decision, as `shoal events` shows it, names the generation, the step and the range
-    gen = int(redone["generation"])
+    gen = int(redone.generation)
     said = f"generation {gen} resumed at step 0 (from scratch): steps 1-{LOST_AT}, committed before, are redone"
-    assert said in redone["reason"], redone["reason"]
+    assert said in redone.reason, redone.reason
     assert said in run_cli(subprocess_env, "events", job).stdout
     # the job is not silently completed: its reason, summary, status and launch summary say it
-    assert f"; {LOST_AT} committed steps were redone" in done["reason"], done["reason"]
+    assert f"; {LOST_AT} committed steps were redone" in done.reason, done.reason
     assert json.loads(r.hget(keys.state, "summary"))["steps_redone"] == LOST_AT
     status = json.loads(run_cli(subprocess_env, "status", job, "--json").stdout)
     assert status["state"] == "completed" and status["steps_redone"] == LOST_AT == len(twice)

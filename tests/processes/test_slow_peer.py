@@ -40,7 +40,7 @@ def test_a_peer_slower_than_the_heartbeat_ttl_is_waited_for_without_any_failure(
     # 120 steps: the stall comes once the three committed together, which a slow starter delays
     entries = run_three_workers(r, redis_url, tmp_path, job, stall, faults="w1@usr1:mid_step:sleep=4", steps=120,
                                 epochs=2)
-    reasons = [d["reason"] for d in seen[0].seen]
+    reasons = [d.reason for d in seen[0].seen]
     three = next(i for i, x in enumerate(reasons) if "world size 3 (w0, w1, w2)" in x)
     # nobody failed, and the generation of three went on through the stall: no later plan
     assert not [x for x in reasons if " failed" in x], reasons
@@ -58,10 +58,10 @@ def test_a_step_stuck_past_the_step_timeout_evicts_that_worker_and_the_others_go
 
     def evicted(watch: ControlWatcher) -> None:
         slow_down(watch, tmp_path / "ledger")
-        d = watch.wait_for(lambda d: "w1 failed" in d["reason"], 60)
-        assert "w1 failed (rank 1): step timeout: its step has been busy for" in d["reason"], d["reason"]
-        assert "(step_timeout 3 s) while its heartbeat is alive" in d["reason"]
-        assert "world size 2 (w0, w2)" in d["reason"]
+        d = watch.wait_for(lambda d: "w1" in d.failed, 60)
+        assert "w1 failed (rank 1): step timeout: its step has been busy for" in d.reason, d.reason
+        assert "(step_timeout 3 s) while its heartbeat is alive" in d.reason
+        assert d.world_size == 2
         tables.append(watch.table())
 
     # the sleeper wakes 2 s after its eviction, while the others still have ~100 steps to go

@@ -35,7 +35,7 @@ def run_until_failed(r, redis_url: str, tmp_path, spec: JobSpec) -> dict:
         agent = procs.start("agent", "agent", spec.name, "--workers", "2", "--max-restarts", "1", "--backoff", "0.1",
                             "--node", "n7", "--run-dir", str(tmp_path / "agent"))
         try:
-            failed = watch.wait_for(lambda d: d["job_state"] == "failed", 120)
+            failed = watch.wait_for(lambda d: d.job_state == "failed", 120)
             assert agent.wait(60) == 1  # it gave up
         except BaseException:
             dump_logs(procs, tmp_path / "agent")
@@ -48,11 +48,11 @@ def test_workers_dying_before_they_join_fail_the_job_with_the_cause_in_status_an
     job = "nostart-" + tmp_path.name[-6:]
     failed = run_until_failed(r, redis_url, tmp_path, JobSpec(name=job, entrypoint="shoal.examples.digits:buidl",
                                                               max_steps=10, min_workers=1, max_workers=2))
-    assert failed["reason"].startswith("job failed: n7/slot"), failed["reason"]
-    assert "gave up after 1 restarts" in failed["reason"]
-    assert "first failure: the worker process on node n7 (slot " in failed["reason"]
-    assert "failed before joining: process ended with exit code" in failed["reason"]
-    assert "buidl" in failed["reason"]  # the cause itself, from the worker's last output line
+    assert failed.reason.startswith("job failed: n7/slot"), failed.reason
+    assert "gave up after 1 restarts" in failed.reason
+    assert "first failure: the worker process on node n7 (slot " in failed.reason
+    assert "failed before joining: process ended with exit code" in failed.reason
+    assert "buidl" in failed.reason  # the cause itself, from the worker's last output line
 
     env = dict(subprocess_env, REDIS_URL=redis_url)
     status = run_cli(env, "status", job, "--json")
@@ -74,7 +74,7 @@ def test_a_dataset_that_raises_mid_training_fails_the_job_with_its_file_and_line
     job = "corrupt-" + tmp_path.name[-6:]
     failed = run_until_failed(r, redis_url, tmp_path, JobSpec(name=job, entrypoint="tests.entrypoints:corrupt_digits",
                                                               epochs=1, min_workers=1, max_workers=2))
-    assert "corrupt sample 100" in failed["reason"], failed["reason"]
+    assert "corrupt sample 100" in failed.reason, failed.reason
     env = dict(subprocess_env, REDIS_URL=redis_url)
     s = json.loads(run_cli(env, "status", job, "--json").stdout)
     assert s["state"] == "failed" and "corrupt sample 100" in s["first_failure"], s["first_failure"]

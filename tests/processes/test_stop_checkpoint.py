@@ -34,7 +34,7 @@ def test_stop_writes_a_final_checkpoint_latest_follows_and_purge_leaves_no_key(
     with LocalProcs(redis_url, tmp_path / "logs", extra_env=env) as procs:
         procs.coordinator("coord")
         workers = [procs.worker(job_id, "a"), procs.worker(job_id, "b")]
-        watch.wait_for(lambda d: "world size 2" in d["reason"], 90)
+        watch.wait_for(lambda d: d.world_size == 2, 90)
         rank0 = next(m.worker_id for m in watch.table().members if m.rank == 0)
         wait_until(lambda: max((w["step"] or 0 for w in job_status(r, job_id)["workers"]), default=0) >= 8, 60,
                    lambda: f"a worker at step 8; logs: {[p.log_tail() for p in procs.procs]}", interval=0.1)
@@ -46,7 +46,7 @@ def test_stop_writes_a_final_checkpoint_latest_follows_and_purge_leaves_no_key(
             assert w.wait(60) == 0, w.log_tail()
         # rank 0's save finishes after `stopped`; the coordinator still applies its event
         try:
-            moved = watch.wait_for(lambda d: d["kind"] == "checkpoint", 30)
+            moved = watch.wait_for(lambda d: d.kind == "checkpoint", 30)
         except AssertionError as exc:  # e.g. rank 0 aborted a step after its peer had exited
             raise AssertionError(f"{exc}\nrank 0 is {rank0}\n" + "\n".join(w.log_tail(8) for w in workers)) from None
 
@@ -55,8 +55,8 @@ def test_stop_writes_a_final_checkpoint_latest_follows_and_purge_leaves_no_key(
         last[e["worker"]] = max(last.get(e["worker"], 0), e["step"])
     stopped_at = last[rank0]
     assert stopped_at >= 8 and set(last.values()) == {stopped_at}, last  # both stopped at the same step boundary
-    assert moved["reason"].startswith(f"LATEST -> checkpoint of step {stopped_at} ")
-    assert moved["job_state"] == "stopped"
+    assert moved.reason.startswith(f"LATEST -> checkpoint of step {stopped_at} ")
+    assert moved.job_state == "stopped"
 
     store = open_store(ckpt)
     state, _manifest = load_latest(store)
@@ -89,7 +89,7 @@ def test_a_peer_that_sees_the_stop_one_step_before_rank_0_does_not_cost_the_fina
     with LocalProcs(redis_url, tmp_path / "logs", extra_env=env) as procs:
         procs.coordinator("coord")
         workers = [procs.worker(job_id, "a"), procs.worker(job_id, "b")]
-        watch.wait_for(lambda d: "world size 2" in d["reason"], 90)
+        watch.wait_for(lambda d: d.world_size == 2, 90)
         assert {m.worker_id: m.rank for m in watch.table().members} == {"w0": 0, "w1": 1}
         sleeper = wait_until(lambda: next((p for p in workers if "fault injected: sleep=10 at w1@10" in
                                            p.log_tail(50)), None), 60,
@@ -101,13 +101,13 @@ def test_a_peer_that_sees_the_stop_one_step_before_rank_0_does_not_cost_the_fina
             assert w.wait(60) == 0, w.log_tail()
         rank0 = next(p for p in workers if p is not sleeper)
         assert "step 10 aborted" in rank0.log_tail(80), rank0.log_tail(80)  # the race did happen (its 11th step)
-        moved = watch.wait_for(lambda d: d["kind"] == "checkpoint", 30)
+        moved = watch.wait_for(lambda d: d.kind == "checkpoint", 30)
 
     last = {}
     for e in ledger.read(tmp_path / "ledger"):
         last[e["worker"]] = max(last.get(e["worker"], 0), e["step"])
     assert set(last.values()) == {10}, last
-    assert moved["reason"].startswith("LATEST -> checkpoint of step 10 ")
+    assert moved.reason.startswith("LATEST -> checkpoint of step 10 ")
     state, _ = load_latest(open_store(ckpt))
     assert state.step == 10 and int(state.data_cursor) == 10 * 64
     assert LatestPointer.from_json(r.get(job_keys(job_id).latest)).step == 10

@@ -118,7 +118,7 @@ def test_s3_bytes_per_epoch_three_workers_and_after_a_leave(r, redis_url, tmp_pa
     def leave(watch, procs, ws):
         wait_until(lambda: len(ledger.read(tmp_path / "leave" / "ledger")) >= 3 * 25, 120, "25 steps")
         ws[2].signal(signal.SIGTERM)
-        watch.wait_for(lambda d: " left" in d["reason"], 60)
+        watch.wait_for(lambda d: d.kind == "left", 60)
 
     _, _, codes = _s3_run(r, redis_url, tmp_path / "leave", job_spec(job2, STREAM_JOB, entrypoint=spec.entrypoint,
                                                                       epochs=1, min_workers=2), 3, uri, leave)
@@ -137,16 +137,16 @@ def test_kill_join_and_leave_mid_epoch_exactly_once_and_same_batches_as_a_fixed_
     job = "stream-" + tmp_path.name[-8:]
 
     def script(watch, procs, ws):
-        watch.wait_for(lambda d: "world size 2" in d["reason"], 120)
+        watch.wait_for(lambda d: d.world_size == 2, 120)
         joiner = procs.worker(job, "joiner")  # a join mid-epoch
-        watch.wait_for(lambda d: "world size 3" in d["reason"], 60)
-        watch.wait_for(lambda d: d["kind"] == "ready" and "w2 active" in d["reason"], 60)
+        watch.wait_for(lambda d: d.world_size == 3, 60)
+        watch.wait_for(lambda d: d.kind == "ready" and "w2 active" in d.reason, 60)
         wait_until(lambda: any(e["world"] == 3 for e in ledger.read(tmp_path / "elastic" / "ledger")), 60,
                    "a step committed by three workers")
         joiner.signal(signal.SIGKILL)  # a failure
-        watch.wait_for(lambda d: "w2 failed" in d["reason"], 60)
+        watch.wait_for(lambda d: "w2" in d.failed, 60)
         ws[0].signal(signal.SIGTERM)  # a graceful leave
-        watch.wait_for(lambda d: " left" in d["reason"], 60)
+        watch.wait_for(lambda d: d.kind == "left", 60)
 
     # 0.1 s a step: the script's join, kill and leave must all land before the 158 steps end;
     # on 2 busy cores the joiner alone takes 5-10 s to start (0.03 s a step: the job finished
@@ -209,7 +209,7 @@ def test_corrupt_shard_fails_the_job_naming_it_and_keeps_the_latest_checkpoint(r
         agent = procs.start("agent", "agent", job, "--workers", "2", "--max-restarts", "0", "--backoff", "0.1",
                             "--node", "n1", "--run-dir", str(tmp_path / "agent"))
         try:
-            failed = watch.wait_for(lambda d: d["job_state"] == "failed", 180)
+            failed = watch.wait_for(lambda d: d.job_state == "failed", 180)
             agent.wait(60)
         except BaseException:
             for p in procs.procs:
@@ -219,7 +219,7 @@ def test_corrupt_shard_fails_the_job_naming_it_and_keeps_the_latest_checkpoint(r
     first = status[b"first_failure"].decode()
     print(first)
     assert name in first and "\n" not in first, first
-    assert failed["job_state"] == "failed"
+    assert failed.job_state == "failed"
     state, _ = load_latest(open_store(ckpt))
     assert state.step >= 10  # a checkpoint from before the corrupt shard, loadable
 
@@ -363,7 +363,7 @@ def test_a_50_mib_cache_on_a_200_mib_dataset_is_never_exceeded_and_training_comp
     with _CacheWatch(cache_root) as cw:
         watch, _, codes = _s3_run(r, redis_url, tmp_path / "run", spec, 2, f"s3://{bucket}/blobs",
                                   until_the_workers_exit, SHOAL_TEST_CACHE_LIMIT=str(CACHE_LIMIT))
-    states = {d["job_state"] for d in watch.seen}
+    states = {d.job_state for d in watch.seen}
     assert "completed" in states and "failed" not in states, watch.seen[-3:]
     assert set(codes.values()) == {0}, codes
     verdict = ledger.verify(ledger.read(tmp_path / "run" / "ledger"), BLOB_SAMPLES)
@@ -436,7 +436,7 @@ def test_full_restart_resumes_at_the_cursors_shard_and_position_without_replayin
         procs.coordinator("coord")
         procs.worker(job, "a")
         procs.worker(job, "b")
-        watch.wait_for(lambda d: "LATEST -> checkpoint of step 40" in d["reason"], 180)
+        watch.wait_for(lambda d: "LATEST -> checkpoint of step 40" in d.reason, 180)
         for p in procs.procs:  # lose every process at once
             p.signal(signal.SIGKILL)
     state, _ = load_latest(open_store(ckpt))
@@ -448,7 +448,7 @@ def test_full_restart_resumes_at_the_cursors_shard_and_position_without_replayin
     with LocalProcs(redis_url, tmp_path / "logs2", extra_env=extra) as procs:
         procs.coordinator("coord")
         w = procs.worker(job, "c")
-        watch.wait_for(lambda d: d["job_state"] == "completed", 180)
+        watch.wait_for(lambda d: d.job_state == "completed", 180)
         assert w.wait(60) == 0
     second = sorted(ledger.read(tmp_path / "l2"), key=lambda e: e["step"])
     assert second[0]["step"] == state.step + 1 and second[0]["cursor"] == int(state.data_cursor)

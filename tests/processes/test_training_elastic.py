@@ -56,8 +56,8 @@ def test_kill_mid_step_survivors_continue_and_match_a_failure_free_run(r, redis_
     run_dir = tmp_path / "run"
 
     def script(watch, procs, ws):
-        watch.wait_for(lambda d: "world size 3" in d["reason"], 120)
-        watch.wait_for(lambda d: "world size 2" in d["reason"], 60)
+        watch.wait_for(lambda d: d.world_size == 3, 120)
+        watch.wait_for(lambda d: d.world_size == 2, 60)
 
     watch, procs, codes = _train(r, redis_url, run_dir, job_spec(job, DIGITS_JOB, max_steps=steps, min_workers=2,
                                                                  eval_every_steps=5), 3,
@@ -82,9 +82,9 @@ def test_kill_mid_step_survivors_continue_and_match_a_failure_free_run(r, redis_
         assert torch.equal(a[name], b[name])  # replicas bit-identical
         assert torch.allclose(a[name], ref[name], rtol=1e-4, atol=1e-6), name
     # evaluations: each due step reported once by rank 0 (w0 throughout), then the final one
-    evals = [d for d in watch.seen if d["kind"] == "eval"]
-    assert [d["reason"].split(" (")[0] for d in evals] == [f"w0 evaluated step {k}" for k in (5, 10, 15, 20, 24)], evals
-    assert "final" in evals[-1]["reason"] and all(d["job_state"] == "running" for d in evals)
+    evals = [d for d in watch.seen if d.kind == "eval"]
+    assert [d.reason.split(" (")[0] for d in evals] == [f"w0 evaluated step {k}" for k in (5, 10, 15, 20, 24)], evals
+    assert "final" in evals[-1]["reason"] and all(d.job_state == "running" for d in evals)
     history = [f for _id, f in r.xrange(job_keys(job).progress) if f.get(b"kind") == b"eval"]
     assert [int(f[b"step"]) for f in history] == [5, 10, 15, 20, 24]
     s = job_status(r, job)
@@ -105,15 +105,15 @@ def test_join_kill_and_leave_mid_epoch_use_every_sample_exactly_once(r, redis_ur
     pids = {}
 
     def script(watch, procs, ws):
-        watch.wait_for(lambda d: "world size 2" in d["reason"], 120)
+        watch.wait_for(lambda d: d.world_size == 2, 120)
         pids.update({w: rec["pid"] for w, rec in watch.workers().items()})
         joiner = procs.worker(job, "joiner")  # a join mid-epoch
-        watch.wait_for(lambda d: "world size 3" in d["reason"], 60)
-        watch.wait_for(lambda d: d["kind"] == "ready" and "w2 active" in d["reason"], 60)
+        watch.wait_for(lambda d: d.world_size == 3, 60)
+        watch.wait_for(lambda d: d.kind == "ready" and "w2 active" in d.reason, 60)
         joiner.signal(signal.SIGKILL)  # a failure
-        watch.wait_for(lambda d: "w2 failed" in d["reason"], 60)
+        watch.wait_for(lambda d: "w2" in d.failed, 60)
         ws[0].signal(signal.SIGTERM)  # a graceful leave
-        watch.wait_for(lambda d: " left" in d["reason"], 60)
+        watch.wait_for(lambda d: d.kind == "left", 60)
 
     watch, procs, codes = _train(r, redis_url, tmp_path, spec, 2, script=script)
     records = watch.workers()
@@ -168,8 +168,8 @@ def test_crash_loop_backs_off_gives_up_and_reports_root_cause(r, redis_url, tmp_
         assert slot.delays == [0.2, 0.4, 0.8]  # exponential backoff
         for exited, delay, respawned in zip(slot.exits, slot.delays, slot.spawns[1:]):
             assert respawned - exited >= delay
-        d = watch.wait_for(lambda d: d["job_state"] == "failed", 30)
-        assert "gave up after 3 restarts" in d["reason"]
+        d = watch.wait_for(lambda d: d.job_state == "failed", 30)
+        assert "gave up after 3 restarts" in d.reason
         status = r.hgetall(keys.state)
         assert b"InjectedFault" in status[b"first_failure"]
         # the root cause names the rank and the exit code, and keeps the whole traceback

@@ -30,7 +30,7 @@ def test_wiped_redis_resumes_from_storage_latest_at_the_same_step_and_cursor(r, 
         procs.coordinator("coord")
         procs.worker(job, "a")
         procs.worker(job, "b")
-        watch.wait_for(lambda d: "LATEST -> checkpoint of step 20" in d["reason"], 180)
+        watch.wait_for(lambda d: "LATEST -> checkpoint of step 20" in d.reason, 180)
         for p in procs.procs:  # lose every process at once
             p.signal(signal.SIGKILL)
     store = open_store(ckpt)
@@ -43,7 +43,7 @@ def test_wiped_redis_resumes_from_storage_latest_at_the_same_step_and_cursor(r, 
     with LocalProcs(redis_url, tmp_path / "logs2", extra_env=env | {"SHOAL_LEDGER_DIR": str(tmp_path / "l2")}) as procs:
         procs.coordinator("coord")
         w = procs.worker(job, "c")
-        watch.wait_for(lambda d: d["job_state"] == "completed", 180)
+        watch.wait_for(lambda d: d.job_state == "completed", 180)
         assert w.wait(60) == 0
     entries = sorted(ledger.read(tmp_path / "l2"), key=lambda e: e["step"])
     assert entries[0]["step"] == state.step + 1 and entries[0]["cursor"] == int(state.data_cursor)

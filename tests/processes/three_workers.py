@@ -38,9 +38,9 @@ def run_three_workers(r, redis_url, tmp_path, job: str, check: Callable[[Control
                             "--run-dir", str(tmp_path / "agent"))
         try:
             # min_workers 2: a generation of two may come first
-            watch.wait_for(lambda d: "world size 3 (w0, w1, w2)" in d["reason"], 60)
+            watch.wait_for(lambda d: d.world_size == 3, 60)
             check(watch)
-            watch.wait_for(lambda d: d["job_state"] == "completed", 180)
+            watch.wait_for(lambda d: d.job_state == "completed", 180)
             assert agent.wait(60) == 0
         except BaseException:
             dump_logs(procs, tmp_path / "agent")
