@@ -219,6 +219,16 @@ class JobKeys:
         its keys expire after :data:`RENDEZVOUS_TTL_S`."""
         return f"{self.base}:rdzv:{generation}:"
 
+    def replica_rendezvous(self, group: str, generation: int) -> str:
+        """Prefix of the store keys that form elastic HSDP replica group ``group``'s shard group,
+        in the generation it first trained in (a fresh prefix per try; same TTL)."""
+        return f"{self.base}:rdzv:rg:{group}:{generation}:"
+
+    def cross_rendezvous(self, generation: int, shard: int) -> str:
+        """Prefix of the store keys of generation ``generation``'s cross-replica group of shard
+        index ``shard`` (elastic HSDP; same TTL)."""
+        return self.rendezvous(generation) + f"x{shard}:"
+
     def barrier(self, generation: int) -> str:
         """SET of the worker ids that arrived at generation ``generation``'s barrier before
         forming its group (under the generation's rendezvous prefix, same TTL)."""

@@ -86,7 +86,7 @@ def run_job(r: redis.Redis, redis_url: str, run_dir: Path, spec: JobSpec, worker
         try:
             if script:
                 script(watch, procs, ws)
-            watch.wait_for(lambda d: d["job_state"] in end_states, 240)
+            watch.wait_for(lambda d: d.job_state in end_states, 240)
             codes = {p.name: p.wait(60) for p in procs.procs if p.name != "coord"}
         except BaseException:
             for p in procs.procs:

@@ -40,6 +40,7 @@ from shoal.core.registry import create_job
 from shoal.core.jobspec import JobSpec
 from shoal.storage.code_package import CodePackage, CodePackageError, unpack
 from shoal.worker import placement
+from shoal.worker.errors import ReplicaGroupLost
 from shoal.worker.membership import JoinRejected
 from shoal.events.states import is_terminal
 
@@ -315,6 +316,18 @@ class NodeAgent:
             slot.done = True
             log.info("slot %d: worker %s exited cleanly", slot.index, wid)
             return
+        if rc == ReplicaGroupLost.exit_code:
+            try:
+                over = self._draining or self._job_over()
+            except _REDIS_DOWN:
+                over = False
+            if not over:
+                # elastic HSDP: its replica group lost a member; not a crash: start it again
+                # at once, nothing spent, and it joins a new replica group
+                slot.start_at = time.monotonic()
+                log.info("slot %d: worker %s (pid %d) left with its replica group; starting it again", slot.index,
+                         wid, proc.pid)
+                return
         if rc == JoinRejected.exit_code and not wid:
             # the job refused it (at max_workers, or already ended): not a crash, and starting
             # it again would only be refused again; the coordinator counts it in the job's record

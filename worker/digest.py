@@ -5,7 +5,8 @@ every rank), so after each committed step their digests must be equal; a differi
 means a worker diverged (missed a state broadcast, applied a step others aborted, ...). The
 digest covers ``model.state_dict()`` - parameters and persistent buffers - in its (stable,
 registration) order, including each entry's name, dtype and shape, so a structural difference
-changes it too.
+changes it too. An elastic HSDP member's digest covers its shards only (a sharded tensor's local
+part): the members with the same shard index of every replica group must agree.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import hashlib
 from collections.abc import Mapping
 
 import torch
+
+from shoal.worker import torch_compat as tc
 
 DIGEST_CHARS = 16
 
@@ -35,6 +38,7 @@ def digest_of(state: Mapping[str, torch.Tensor], *, length: int = DIGEST_CHARS) 
     h = hashlib.sha256()
     with torch.no_grad():
         for name, t in state.items():
+            t = tc.local(t)
             h.update(name.encode())
             h.update(f"|{t.dtype}|{tuple(t.shape)}|".encode())
             h.update(_raw(t))  # no copy for a contiguous CPU tensor

@@ -143,7 +143,68 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-class StepEngine:
+class StepCommon:
+    """What every step engine shares (:class:`StepEngine`, data parallel, and
+    :class:`~shoal.worker.sharded_engine.ShardedEngine`, elastic HSDP): reading a micro-batch,
+    the callbacks due before an update, rolling back a step's gradients and buffers, and
+    evaluating. Needs ``model``, ``optimizer``, ``dataset``, ``collate_fn``, ``fetcher``,
+    ``device`` and ``_before_update`` (a list) on the engine."""
+
+    def before_update(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once in the next :meth:`step`, once its collectives are over and before
+        anything is applied or rolled back (whether the step commits or aborts) - e.g. to wait
+        for a thread still reading the parameters, which do not change before that point."""
+        self._before_update.append(fn)
+
+    def _settle(self) -> None:
+        while self._before_update:
+            self._before_update.pop(0)()
+
+    def fetch_batch(self, indices: list[int]) -> Any:
+        """The collated batch of dataset ``indices`` (one micro-batch of this rank's slice),
+        on the engine's device: the one place the engine reads the dataset (through
+        :attr:`fetcher` when one is installed)."""
+        if self.fetcher is not None:
+            batch = self.fetcher(indices)
+        else:
+            batch = self.collate_fn([self.dataset[i] for i in indices])
+        if self.device.type != "cpu":
+            batch = _to_device(batch, self.device)
+        return batch
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict (a sharded engine gathers it: every member of its
+        replica group must call this together)."""
+        return self.model.state_dict()
+
+    def _rollback(self, buffers: list[torch.Tensor]) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for b, saved in zip(self.model.buffers(), buffers):
+                b.copy_(saved)
+
+    # --- eval -----------------------------------------------------------------------------
+    def evaluate(self, eval_fn: Callable[[torch.nn.Module], dict[str, float]]) -> dict[str, float]:
+        """Run ``eval_fn(model)`` in eval mode without gradients, then back in train mode;
+        UserCodeError (naming the file and line) if it raises. Returns the metrics a report
+        can carry (:func:`~shoal.events.models.finite_metrics`): a value that is not a finite
+        number (NaN, a string), a bad name or one metric too many is left out with a warning,
+        never failing the job. Nothing here changes the parameters or any RNG."""
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                raw = eval_fn(self.model)
+        except Exception as exc:  # noqa: BLE001 - user code
+            raise UserCodeError(f"eval_fn raised {type(exc).__name__}: {exc} (at {raised_at(exc)})") from exc
+        finally:
+            self.model.train()
+        metrics, dropped = finite_metrics(raw)
+        for why in dropped:
+            log.warning("eval_fn's result: %s: left out", why)
+        return metrics
+
+
+class StepEngine(StepCommon):
     """Runs world-size-invariant, atomic training steps for one model/optimizer.
 
     Build it once per worker process (it survives generation changes: it always uses the
@@ -247,16 +308,6 @@ class StepEngine:
     def close(self) -> None:
         """Remove the engine's gradient hooks from the model's parameters."""
         self.reducer.close()
-
-    def before_update(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` once in the next :meth:`step`, once its collectives are over and before
-        anything is applied or rolled back (whether the step commits or aborts) - e.g. to wait
-        for a thread still reading the parameters, which do not change before that point."""
-        self._before_update.append(fn)
-
-    def _settle(self) -> None:
-        while self._before_update:
-            self._before_update.pop(0)()
 
     def state_extras(self) -> dict[str, Any]:
         """The engine's own replicated state, beyond model, optimizer and scheduler: JSON
@@ -493,41 +544,3 @@ class StepEngine:
             grad_norm=grad_norm,
             loss_scale=scale,
         )
-
-    def fetch_batch(self, indices: list[int]) -> Any:
-        """The collated batch of dataset ``indices`` (one micro-batch of this rank's slice),
-        on the engine's device: the one place the engine reads the dataset (through
-        :attr:`fetcher` when one is installed)."""
-        if self.fetcher is not None:
-            batch = self.fetcher(indices)
-        else:
-            batch = self.collate_fn([self.dataset[i] for i in indices])
-        if self.device.type != "cpu":
-            batch = _to_device(batch, self.device)
-        return batch
-
-    def _rollback(self, buffers: list[torch.Tensor]) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for b, saved in zip(self.model.buffers(), buffers):
-                b.copy_(saved)
-
-    # --- eval -----------------------------------------------------------------------------
-    def evaluate(self, eval_fn: Callable[[torch.nn.Module], dict[str, float]]) -> dict[str, float]:
-        """Run ``eval_fn(model)`` in eval mode without gradients, then back in train mode;
-        UserCodeError (naming the file and line) if it raises. Returns the metrics a report
-        can carry (:func:`~shoal.events.models.finite_metrics`): a value that is not a finite
-        number (NaN, a string), a bad name or one metric too many is left out with a warning,
-        never failing the job. Nothing here changes the parameters or any RNG."""
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                raw = eval_fn(self.model)
-        except Exception as exc:  # noqa: BLE001 - user code
-            raise UserCodeError(f"eval_fn raised {type(exc).__name__}: {exc} (at {raised_at(exc)})") from exc
-        finally:
-            self.model.train()
-        metrics, dropped = finite_metrics(raw)
-        for why in dropped:
-            log.warning("eval_fn's result: %s: left out", why)
-        return metrics

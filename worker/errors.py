@@ -49,6 +49,16 @@ class RendezvousTimeout(RendezvousFailed):
     """Not every rank of the generation arrived at the rendezvous within the timeout."""
 
 
+class ReplicaGroupLost(WorkerError):
+    """Elastic HSDP: this worker's replica group lost a member (or this worker was evicted).
+    Its shard group cannot go on, and cannot be made again in this process (torch resolves
+    FSDP's groups by name): the process exits with :attr:`exit_code` and its node agent
+    starts it again at once, without a back-off or a restart spent; it rejoins as a new
+    worker and forms a new replica group, healed from the live ones."""
+
+    exit_code = 75
+
+
 class CollectiveFailed(WorkerError):
     """A collective (all_reduce, broadcast, barrier) raised: a peer died or timed out, or the
     group was already destroyed. The group is unusable; leave it and join the next generation."""

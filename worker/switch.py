@@ -10,15 +10,25 @@ and sends ``ready`` while the first step runs. The training worker's decisions s
 call which (``shoal.worker.decide``): :meth:`wait_table`, :meth:`poll_barrier`, :meth:`form`,
 :meth:`announce`, :meth:`digest_done`.
 
+Elastic HSDP (the table's ``shard_size`` > 1): the first generation a worker trains in also
+forms its replica group's shard group (the process's registered default group, kept for the
+replica group's life; :meth:`ShardedEngine.shard` wraps the model over it), and every
+generation forms a standalone cross-replica group of this member's shard index, over which the
+catch-up heals a new replica group shard by shard; a switch drops only that cross group. When
+this worker's own replica group loses a member, or this worker is evicted, it exits at once
+(:class:`~shoal.worker.errors.ReplicaGroupLost`): its agent starts it again and it joins a new
+replica group.
+
 Threads: :meth:`on_table`, :meth:`on_ended` run on the watcher's thread and
 :meth:`on_evicted` on the heartbeat's; they only read ``group`` (replaced, never mutated) and
-call :func:`~shoal.worker.process_group.request_abort`, which any thread may. Everything else
-runs on the training thread.
+call :func:`~shoal.worker.process_group.request_abort` (or a group's ``request_abort``),
+which any thread may, or end the process. Everything else runs on the training thread.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,7 +44,7 @@ from shoal.worker.classify import formation_error
 from shoal.worker.decide import Announce, BarrierPolled, Formed, FormFailed, TableWaited
 from shoal.worker.digest import digest_of
 from shoal.worker.engine import StepEngine
-from shoal.worker.errors import CollectiveFailed, RendezvousFailed, StateMismatch
+from shoal.worker.errors import CollectiveFailed, ReplicaGroupLost, RendezvousFailed, StateMismatch
 from shoal.worker.membership import Membership
 from shoal.worker.placement import Placement
 from shoal.worker.store import legacy_rendezvous
@@ -76,6 +86,12 @@ class GenerationSwitch:
         # (future, generation, step) it is working on
         self._digester = ThreadPoolExecutor(1, thread_name_prefix="switch-digest")
         self._digesting: tuple[Future, int, int] | None = None
+        #: elastic HSDP: this worker's replica group (its id and member ids, from the table it
+        #: first trained in), its shard group, and this generation's cross-replica group
+        self.hsdp = spec.shard_size > 1
+        self.replica: tuple[str, frozenset[str]] = ("", frozenset())
+        self.shard_group: pg.Group | None = None
+        self.cross: pg.Group | None = None
 
     def start(self) -> None:
         """Once joined: the barrier and the watcher thread (the client's pool gives the
@@ -95,15 +111,25 @@ class GenerationSwitch:
     def on_table(self, table: ShardTable) -> None:
         """(The watcher's thread.) A newer table that evicts a member of our group: abort the
         group's collectives now - that peer is hung, cut off or dead, and will not come. A
-        wait at an older generation's barrier ends at once (this one supersedes it)."""
+        wait at an older generation's barrier ends at once (this one supersedes it). HSDP: a
+        table that evicts a member of this worker's own replica group ends the process."""
         if self.barrier is not None:
             self.barrier.wake(newer=table.generation)
         generation, members = self.group
         if table.generation <= generation or not table.evicted:
             return
+        group_id, replica = self.replica
+        lost = [w for w in table.evicted if w in replica]
+        if lost:
+            self.exit_regroup(f"generation {table.generation} evicted {', '.join(lost)} of replica group {group_id}")
         gone = [w for w in table.evicted if w in members]
         if gone:  # the group formed, or being formed (its rendezvous waits for that peer)
-            pg.request_abort(generation, f"generation {table.generation} evicted {', '.join(gone)}")
+            why = f"generation {table.generation} evicted {', '.join(gone)}"
+            cross = self.cross
+            if cross is not None:
+                cross.request_abort(why)
+            else:
+                pg.request_abort(generation, why)
 
     def on_ended(self, state: str) -> None:
         """(The watcher's thread.) The job failed: a group still being formed (its rendezvous
@@ -114,6 +140,9 @@ class GenerationSwitch:
             self.barrier.wake()
         generation, _members = self.group
         if generation and state == "failed":
+            cross = self.cross
+            if cross is not None:
+                cross.request_abort("the job failed")
             pg.request_abort(generation, "the job failed")
 
     def on_evicted(self) -> None:
@@ -122,10 +151,26 @@ class GenerationSwitch:
         the group's collectives are aborted now instead of waiting for peers that may have
         left already (after a Redis wipe a peer whose fence found out first left the group,
         and this one sat in the next step's all-reduce until the collective timeout: 65 s)."""
+        if self.shard_group is not None:
+            self.exit_regroup("this worker is no longer a member of the job (declared failed, or its record was "
+                              "lost with Redis's data)")
         generation, _members = self.group
         if generation:
             pg.request_abort(generation, "this worker is no longer a member of the job (declared failed, "
                                          "or its record was lost with Redis's data)")
+
+    def exit_regroup(self, why: str) -> None:
+        """(Any thread.) End this process for its node agent to start again: its replica
+        group's shard group cannot go on (:class:`ReplicaGroupLost`). Nothing of it is lost:
+        the other replica groups hold the same state and heal the new group."""
+        log.warning("%s: this replica group goes whole; exiting (code %d) for the node agent to start this worker "
+                    "again in a new replica group", why, ReplicaGroupLost.exit_code)
+        for handler in logging.getLogger().handlers:
+            try:
+                handler.flush()
+            except Exception:  # noqa: BLE001 - best effort: the process ends next
+                pass
+        os._exit(ReplicaGroupLost.exit_code)
 
     # ---- the switch's steps ------------------------------------------------------------------
 
@@ -163,6 +208,8 @@ class GenerationSwitch:
         self.faults.at(self.membership.worker_id, step, "rendezvous")
         t0 = time.monotonic()
         self.group = (table.generation, frozenset(m.worker_id for m in table.members))
+        if self.hsdp:
+            return self._form_hsdp(table, step, cursor, t0)
         engine = self.engine
         try:
             pg.join_group(self.membership.client, self.membership.job_id, table.generation, rank, table.world_size,
@@ -179,6 +226,75 @@ class GenerationSwitch:
         except (RendezvousFailed, CollectiveFailed, StateMismatch) as exc:
             return FormFailed(str(exc), formation_error(exc))
         return Formed(int(got["step"]), int(got["cursor"]), src, tuple(behind), time.monotonic() - t0)
+
+    def _form_hsdp(self, table: ShardTable, step: int, cursor: int, t0: float) -> Formed | FormFailed:
+        """HSDP's form: the replica group's shard group on its first generation (and the
+        model sharded over it), this generation's cross-replica group of this member's shard
+        index, and the catch-up over it: a new replica group receives every shard from the
+        most advanced one. All of a replica group's members start from the same step."""
+        me = table.member(self.membership.worker_id)
+        engine = self.engine
+        m = self.membership
+        replicas = table.world_size // table.shard_size
+        try:
+            if self.shard_group is None:
+                self.replica = (me.group, frozenset(x.worker_id for x in table.members if x.group == me.group))
+                self.shard_group = pg.join_group(m.client, m.job_id, table.generation, me.shard, table.shard_size,
+                                                 timeout=self.rdzv_timeout, iface=self.iface,
+                                                 backend=self.placement.backend, device=engine.device,
+                                                 prefix=m.keys.replica_rendezvous(me.group, table.generation),
+                                                 collective_timeout=max(self.collective_timeout,
+                                                                        transfer_timeout(state_bytes(engine.model,
+                                                                                                     engine.optimizer))))
+                try:
+                    engine.shard(self.shard_group)
+                except Exception:
+                    pg.leave_group()  # the next try forms the shard group anew, on a fresh prefix
+                    self.shard_group = None
+                    raise
+            elif me.group != self.replica[0]:  # the coordinator never moves a member: a bug
+                self.exit_regroup(f"generation {table.generation} puts this worker in replica group {me.group}, "
+                                  f"not {self.replica[0]}")
+            cross = None
+            if replicas > 1:
+                cross = pg.new_standalone_group(
+                    m.client, m.keys.cross_rendezvous(table.generation, me.shard), me.replica, replicas,
+                    self.rdzv_timeout, job_id=m.job_id, generation=table.generation, device=engine.device,
+                    name=f"generation {table.generation}'s cross-replica group of shard {me.shard}",
+                    iface=self.iface,
+                    collective_timeout=max(self.collective_timeout,
+                                           transfer_timeout(state_bytes(engine.model, engine.optimizer))))
+            self.cross = cross
+            engine.set_cross(cross)
+            extra = {"step": step, "cursor": cursor, **engine.state_extras()}
+            src, got = 0, extra
+            if cross is not None:  # one replica group: nothing to heal from
+                src, got, _behind = catch_up_state(engine.model, engine.optimizer, extra, step,
+                                                   lr_scheduler=engine.lr_scheduler, group=cross)
+        except (RendezvousFailed, CollectiveFailed, StateMismatch, ValueError) as exc:
+            self.leave()
+            return FormFailed(str(exc), formation_error(exc))
+        # every member of a replica group takes its table ranges at once (FSDP's collectives go
+        # in lock-step within the group): nobody sits the first step out
+        return Formed(int(got["step"]), int(got["cursor"]), src * table.shard_size, (), time.monotonic() - t0)
+
+    def leave(self, *, background: bool = False) -> None:
+        """Leave the generation's group: data parallelism, the process's group
+        (:func:`~shoal.worker.process_group.leave_group`); HSDP, the cross-replica group only
+        (the shard group lives as long as the replica group). Never raises."""
+        if not self.hsdp:
+            pg.leave_group(background=background)
+            return
+        cross, self.cross = self.cross, None
+        self.engine.set_cross(None)
+        if cross is not None:
+            cross.close(background=background)
+
+    def aborted(self) -> bool:
+        """Whether the generation's group was aborted (its collectives fail at once)."""
+        if self.hsdp:
+            return bool(self.cross is not None and self.cross.abort_reason)
+        return bool(pg.aborted())
 
     def announce(self, act: Announce, publish_digest: Callable[[str], None]) -> None:
         """Log (and ``publish_digest``) the digest of the state this member starts

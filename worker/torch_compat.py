@@ -101,3 +101,44 @@ def new_gloo_group(store: dist.Store, rank: int, size: int, timeout: float, addr
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address) if address
                      else dist.ProcessGroupGloo.create_default_device()]
     return dist.ProcessGroupGloo(store, rank, size, opts)
+
+
+# --- FSDP2 ------------------------------------------------------------------------------------------
+def mesh_of_default_group(device_type: str):
+    """A 1-D ``DeviceMesh`` over the registered default group (an HSDP replica group's shard
+    group), for ``fully_shard``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(dist.group.WORLD, device_type=device_type)
+
+
+def fully_shard(module: torch.nn.Module, mesh) -> None:
+    from torch.distributed.fsdp import fully_shard as _fully_shard
+
+    _fully_shard(module, mesh=mesh)
+
+
+def fsdp_modules(model: torch.nn.Module) -> list:
+    """The modules ``fully_shard`` made into FSDP units (the root's last)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def like_param(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (a local shard shaped like ``param``'s) as a DTensor laid out like
+    ``param`` when ``param`` is one; else ``value`` as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor) and not isinstance(value, DTensor) and value.shape == param.to_local().shape:
+        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                  stride=param.stride())
+    return value
+

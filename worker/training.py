@@ -96,6 +96,7 @@ from shoal.worker.ledger import Ledger
 from shoal.worker.membership import Membership
 from shoal.worker.progress import ProgressRecorder
 from shoal.worker.runner import WorkerRunner
+from shoal.worker.sharded_engine import ShardedEngine
 from shoal.worker.switch import GenerationSwitch
 from shoal.worker.tensorboard import TensorBoardLog
 from shoal.worker.userapi import TrainingSetup, load_entrypoint
@@ -132,7 +133,7 @@ class TrainingWorker(WorkerRunner):
         self.tensorboard = TensorBoardLog(spec.tensorboard_dir) if spec.tensorboard_dir else None
         # built by prepare()
         self.setup: TrainingSetup | None = None
-        self.engine: StepEngine | None = None
+        self.engine: StepEngine | ShardedEngine | None = None
         self.ckpt: Checkpoints | None = None
         self.input: InputPipeline | None = None
         self.switch: GenerationSwitch | None = None
@@ -149,9 +150,13 @@ class TrainingWorker(WorkerRunner):
         self.setup = setup
         device = placement.local_device(self.placement.device)
         self.membership.device = str(device)
-        self.engine = StepEngine.from_setup(setup, device=device, require_group=True, precision=self.spec.precision,
-                                            max_grad_norm=self.spec.max_grad_norm,
-                                            bucket_cap_mb=self.spec.bucket_cap_mb)
+        if self.spec.shard_size > 1:  # elastic HSDP: sharded once its replica group forms
+            self.engine = ShardedEngine.from_setup(setup, device=device, precision=self.spec.precision,
+                                                   max_grad_norm=self.spec.max_grad_norm)
+        else:
+            self.engine = StepEngine.from_setup(setup, device=device, require_group=True,
+                                                precision=self.spec.precision, max_grad_norm=self.spec.max_grad_norm,
+                                                bucket_cap_mb=self.spec.bucket_cap_mb)
         # here, before any thread or socket of the heartbeat, the watcher or a group exists: a
         # forked loader inherits none of them (see shoal.worker.prefetch)
         self.input = InputPipeline(setup, self.engine, self.spec, self.membership)
@@ -190,6 +195,13 @@ class TrainingWorker(WorkerRunner):
         if self.switch is not None:
             self.switch.on_evicted()
 
+    def rejoin_evicted(self, last_generation: int) -> bool:
+        """As :meth:`WorkerRunner.rejoin_evicted`; an HSDP member whose replica group trained
+        ends the process instead (its shard group cannot be made again here)."""
+        if self.switch is not None and self.switch.shard_group is not None:
+            self.switch.exit_regroup("evicted by the coordinator")
+        return super().rejoin_evicted(last_generation)
+
     def _busy(self, busy: bool) -> None:
         if self.hb is not None:
             self.hb.busy(busy)
@@ -215,6 +227,7 @@ class TrainingWorker(WorkerRunner):
     def cleanup(self) -> None:
         if self.switch is not None:
             self.switch.stop()
+            self.switch.leave()
         pg.leave_group()
         if self.input is not None:
             self.input.close()
@@ -276,8 +289,8 @@ class TrainingWorker(WorkerRunner):
             case TryRejoin(last_generation=last):
                 return Rejoined(self.rejoin_evicted(last), self.membership.worker_id or "")
             case LeaveGroup(background=background):
-                aborted = bool(pg.aborted())
-                pg.leave_group(background=background)
+                aborted = self.switch.aborted()
+                self.switch.leave(background=background)
                 if not background and not aborted:
                     # a failed collective's leftovers may pin the broken group's sockets (an
                     # aborted group is abandoned to a thread instead: nobody waits on it)
@@ -395,7 +408,7 @@ class TrainingWorker(WorkerRunner):
         export = os.environ.get("SHOAL_EXPORT_DIR")
         if export:  # tests and tools compare final weights across runs
             Path(export).mkdir(parents=True, exist_ok=True)
-            torch.save(self.engine.model.state_dict(), Path(export) / f"final-{self.membership.worker_id}.pt")
+            torch.save(self.engine.full_state_dict(), Path(export) / f"final-{self.membership.worker_id}.pt")
         if act.report:
             self.membership.completed(act.step, summary)
         if self.hb is not None:

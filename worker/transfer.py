@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from shoal.worker import process_group as pg
+from shoal.worker import torch_compat as tc
 from shoal.worker.errors import StateMismatch
 
 _T = "__tensor__"
@@ -43,7 +44,7 @@ _DICT = "__dict__"
 def _encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
     """JSON-able form of ``obj`` with tensors replaced by references into ``tensors``."""
     if isinstance(obj, torch.Tensor):
-        tensors.append(obj.detach())
+        tensors.append(tc.local(obj.detach()))  # a sharded (HSDP) tensor: this member's shard
         return {_T: len(tensors) - 1}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
@@ -98,11 +99,12 @@ def transfer_timeout(nbytes: int) -> float:
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the model's and the optimizer's tensors (what a catch-up moves)."""
+    """Bytes of the model's and the optimizer's tensors here (what a catch-up moves; an HSDP
+    member's shards)."""
     tensors = list(model.state_dict().values())
     for st in optimizer.state.values():
         tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return sum(tc.local(t).numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -114,9 +116,18 @@ def _dtype(name: str) -> torch.dtype:
 
 def _structure(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {
-        "model": [[k, str(v.dtype), list(v.shape)] for k, v in model.state_dict().items()],
+        "model": [[k, str(v.dtype), list(tc.local(v).shape)] for k, v in model.state_dict().items()],
         "groups": [len(g["params"]) for g in optimizer.param_groups],
     }
+
+
+def _members(group: pg.Group | None) -> tuple[pg.Group | None, int, int, torch.device]:
+    """The group a transfer runs over (default: the current generation's), this rank, its
+    size and the device tensors go through."""
+    g = group if group is not None else pg.current_group()
+    if g is None:
+        return None, 0, 1, torch.device("cpu")
+    return g, g.rank, g.world_size, g.device
 
 
 def broadcast_state(
@@ -126,6 +137,7 @@ def broadcast_state(
     src: int,
     *,
     lr_scheduler: Any | None = None,
+    group: pg.Group | None = None,
 ) -> dict[str, Any]:
     """Make every rank's model, optimizer (and LR scheduler) state equal to rank ``src``'s.
 
@@ -139,9 +151,7 @@ def broadcast_state(
     structure from ``src``'s (names, dtypes, shapes, parameter groups) or ``src``'s state
     cannot be encoded (nothing is changed anywhere); CollectiveFailed when a peer fails.
     """
-    rank, world = pg.world()
-    group = pg.current_group()
-    comm = group.device if group else torch.device("cpu")
+    g, rank, world, comm = _members(group)
     if world == 1:
         return dict(extra or {})
 
@@ -164,20 +174,20 @@ def broadcast_state(
             error = f"rank {src} cannot encode its state: {exc}"
             payload = b""
     size = torch.tensor([len(payload) if not error else -1], dtype=torch.int64, device=comm)
-    pg.broadcast(size, src)
+    g.broadcast(size, src)
     if int(size) < 0:
         raise StateMismatch(error or f"rank {src} could not encode its state")
     buf = torch.zeros(int(size), dtype=torch.uint8, device=comm)
     if rank == src:
         buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    pg.broadcast(buf, src)
+    g.broadcast(buf, src)
     header = json.loads(bytes(buf.cpu().numpy().tobytes()).decode())
 
     # 2. every rank checks it can take the state; all agree before any tensor moves
     mine = _structure(model, optimizer)
     problem = "" if mine == header["structure"] else _describe_mismatch(mine, header["structure"])
     flag = torch.tensor([1 if problem else 0], dtype=torch.int64, device=comm)
-    pg.all_reduce(flag, dist.ReduceOp.MAX)
+    g.all_reduce(flag, dist.ReduceOp.MAX)
     if int(flag):
         raise StateMismatch(
             f"state broadcast from rank {src} refused: " + (problem or "another rank's model differs")
@@ -187,10 +197,10 @@ def broadcast_state(
     specs = header["tensors"]
     if rank != src:  # shapes and dtypes only: no memory until received
         tensors = [torch.empty(shape, dtype=_dtype(dt), device="meta") for dt, shape, _ in specs]
-    received = _broadcast_tensors(tensors, src, comm, rank)
+    received = _broadcast_tensors(g, tensors, src, comm, rank)
 
     if rank != src:
-        local_dev = group.device if group else torch.device("cpu")
+        local_dev = comm
         placed = [
             t.to(local_dev if devtype != "cpu" else torch.device("cpu"))
             for t, (_, _, devtype) in zip(received, specs)
@@ -211,7 +221,7 @@ def _describe_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
 
 
 def _broadcast_tensors(
-    tensors: list[torch.Tensor], src: int, comm: torch.device, rank: int
+    g: pg.Group, tensors: list[torch.Tensor], src: int, comm: torch.device, rank: int
 ) -> list[torch.Tensor]:
     """Broadcast ``tensors`` (filled on ``src``, correctly shaped everywhere); returns the
     received tensors (on CPU unless ``comm`` is a GPU). A tensor over :data:`CHUNK_BYTES` goes
@@ -229,7 +239,7 @@ def _broadcast_tensors(
         if nbytes > CHUNK_BYTES:
             big = t.to(comm, wire).contiguous() if rank == src else torch.empty(t.shape, dtype=wire, device=comm)
             for piece in _pieces(big):
-                pg.broadcast(piece, src)
+                g.broadcast(piece, src)
             out[i] = big if rank == src else big.to(t.dtype)
             continue
         bucket, filled = open_bucket.get(t.dtype, (None, 0))
@@ -246,7 +256,7 @@ def _broadcast_tensors(
             flat = torch.cat([tensors[i].reshape(-1).to(comm, wire) for i in idxs])
         else:
             flat = torch.empty(total, dtype=wire, device=comm)
-        pg.broadcast(flat, src)
+        g.broadcast(flat, src)
         offset = 0
         for i in idxs:
             n = tensors[i].numel()
@@ -272,16 +282,14 @@ def resync_state(
     all others with :func:`broadcast_state`. Returns ``(src, extra of src)``: every rank then
     continues from ``extra``'s step and cursor. Errors as :func:`broadcast_state`.
     """
-    rank, world = pg.world()
+    g, rank, world, comm = _members(None)
     if committed_step < -1:
         raise ValueError(f"committed_step must be >= -1, got {committed_step}")
     if world == 1:
         return 0, dict(extra or {})
-    group = pg.current_group()
-    comm = group.device if group else torch.device("cpu")
     # encode (steps, lowest rank) in one MAX: larger step wins, then the smaller rank
     key = torch.tensor([(committed_step + 1) * world + (world - 1 - rank)], dtype=torch.int64, device=comm)
-    pg.all_reduce(key, dist.ReduceOp.MAX)
+    g.all_reduce(key, dist.ReduceOp.MAX)
     src = world - 1 - int(key) % world
     return src, broadcast_state(model, optimizer, extra, src, lr_scheduler=lr_scheduler)
 
@@ -302,6 +310,7 @@ def catch_up_state(
     committed_step: int,
     *,
     lr_scheduler: Any | None = None,
+    group: pg.Group | None = None,
 ) -> tuple[int, dict[str, Any], list[int]]:
     """Start a generation from the most advanced member's state, moving it only where needed.
 
@@ -321,37 +330,40 @@ def catch_up_state(
       it, before returning. The other ranks take no part - their state equals ``src``'s -
       and go on to their next step, whose all-reduce waits for the ranks behind.
 
+    ``group`` (default: the current generation's) is the group it runs over: an HSDP cross
+    group moves each member's own shards between the replica groups' members of one shard
+    index (sharded tensors go as their local shards and are loaded back into them).
+
     Returns ``(src, extra, behind)``: ``extra`` is ``src``'s (received on the ranks behind,
     the caller's own elsewhere). Raises StateMismatch as above (or on ``src`` and the ranks
     behind when ``src`` cannot encode its state), CollectiveFailed when a peer fails.
     """
-    rank, world = pg.world()
+    g, rank, world, comm = _members(group)
     if committed_step < -1:
         raise ValueError(f"committed_step must be >= -1, got {committed_step}")
     if world == 1:
         return 0, dict(extra or {}), []
-    group = pg.current_group()
-    comm = group.device if group else torch.device("cpu")
     mine = _structure(model, optimizer)
     table = torch.zeros(world, 2, dtype=torch.int64, device=comm)
     table[rank, 0] = committed_step
     table[rank, 1] = _fingerprint(mine)
-    pg.all_reduce(table, dist.ReduceOp.SUM)
+    g.all_reduce(table, dist.ReduceOp.SUM)
     steps = [int(v) for v in table[:, 0].tolist()]
     fingerprints = set(table[:, 1].tolist())
     top = max(steps)
     src = steps.index(top)
     if len(fingerprints) > 1:
-        return src, broadcast_state(model, optimizer, extra, src, lr_scheduler=lr_scheduler), [r for r in range(world) if r != src]
+        return src, broadcast_state(model, optimizer, extra, src, lr_scheduler=lr_scheduler, group=g), \
+            [r for r in range(world) if r != src]
     behind = [r for r, s in enumerate(steps) if s < top]
     if rank == src and behind:
-        _send_state(model, optimizer, extra, lr_scheduler, behind, comm)
+        _send_state(g, model, optimizer, extra, lr_scheduler, behind, comm)
     elif rank in behind:
-        return src, _recv_state(model, optimizer, lr_scheduler, src, mine, comm), behind
+        return src, _recv_state(g, model, optimizer, lr_scheduler, src, mine, comm), behind
     return src, dict(extra or {}), behind
 
 
-def _send_state(model, optimizer, extra, lr_scheduler, dsts: list[int], comm: torch.device) -> None:
+def _send_state(g: pg.Group, model, optimizer, extra, lr_scheduler, dsts: list[int], comm: torch.device) -> None:
     """Post ``src``'s state to ``dsts``: the header length, the header, then every tensor as its
     own message. Parameters and optimizer state go as they are (no copy): they change only in
     ``optimizer.step``, i.e. after the next all-reduce, which cannot complete before every
@@ -361,7 +373,7 @@ def _send_state(model, optimizer, extra, lr_scheduler, dsts: list[int], comm: to
     error = ""
     try:
         header = {"structure": _structure(model, optimizer), "model": _encode(dict(model.state_dict()), tensors)}
-        params = {(p.data_ptr(), p.numel()) for p in model.parameters()}
+        params = {(tc.local(p).data_ptr(), tc.local(p).numel()) for p in model.parameters()}
         stable = [(t.data_ptr(), t.numel()) in params for t in tensors]  # weights, not buffers
         header["optimizer"] = _encode(optimizer.state_dict(), tensors)
         stable += [True] * (len(tensors) - len(stable))
@@ -371,7 +383,7 @@ def _send_state(model, optimizer, extra, lr_scheduler, dsts: list[int], comm: to
         header["tensors"] = [[str(t.dtype), list(t.shape), t.device.type] for t in tensors]
         payload = json.dumps(header, allow_nan=True).encode()
     except (TypeError, ValueError) as exc:
-        error = f"rank {pg.world()[0]} cannot encode its state: {exc}"
+        error = f"rank {g.rank} cannot encode its state: {exc}"
         payload = b""
     size = torch.tensor([-1 if error else len(payload)], dtype=torch.int64, device=comm)
     wire: list[torch.Tensor] = []
@@ -385,27 +397,28 @@ def _send_state(model, optimizer, extra, lr_scheduler, dsts: list[int], comm: to
     # posted, not waited for (the caller goes on training at once); the next all-reduce reaps
     # the sends, since each receiver takes everything before it joins that all-reduce
     for dst in dsts:
-        pg.isend(size, dst)
+        g.isend(size, dst)
         if error:
             continue
-        pg.isend(buf, dst)
+        g.isend(buf, dst)
         for w in wire:
             for piece in _pieces(w):
-                pg.isend(piece, dst)
+                g.isend(piece, dst)
     if error:
-        pg.wait_sends()  # the receivers got the -1 and raise too
+        g.wait_sends()  # the receivers got the -1 and raise too
         raise StateMismatch(error)
 
 
-def _recv_state(model, optimizer, lr_scheduler, src: int, mine: dict[str, Any], comm: torch.device) -> dict[str, Any]:
+def _recv_state(g: pg.Group, model, optimizer, lr_scheduler, src: int, mine: dict[str, Any],
+                comm: torch.device) -> dict[str, Any]:
     """Receive what :func:`_send_state` posts into fresh tensors, then load it (nothing is
     changed before everything has arrived)."""
     size = torch.zeros(1, dtype=torch.int64, device=comm)
-    pg.recv(size, src)
+    g.recv(size, src)
     if int(size) < 0:
         raise StateMismatch(f"rank {src} could not encode its state")
     buf = torch.empty(int(size), dtype=torch.uint8, device=comm)
-    pg.recv(buf, src)
+    g.recv(buf, src)
     header = json.loads(bytes(buf.cpu().numpy().tobytes()).decode())
     if header["structure"] != mine:  # the fingerprints matched: only a hash collision gets here
         raise StateMismatch(f"state from rank {src} refused: {_describe_mismatch(mine, header['structure'])}")
@@ -416,13 +429,27 @@ def _recv_state(model, optimizer, lr_scheduler, src: int, mine: dict[str, Any], 
     # group's own timeout came from this member's state, which may be smaller (a joiner's
     # optimizer holds no state yet)
     bound = transfer_timeout(nbytes)
-    pg.extend_timeout(bound)
-    pg.recv_many([piece for w in wire if w.numel() for piece in _pieces(w)], src, timeout=bound)
+    g.extend_timeout(bound)
+    g.recv_many([piece for w in wire if w.numel() for piece in _pieces(w)], src, timeout=bound)
     placed = [
         w.to(_dtype(dt)).to(comm if devtype != "cpu" else torch.device("cpu"))
         for w, (dt, _, devtype) in zip(wire, specs)
     ]
     return _load_received(model, optimizer, lr_scheduler, header, placed)
+
+
+def _sharded_like_params(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """An optimizer state dict received as local shards, its per-parameter tensors shaped
+    like a sharded (DTensor) parameter's shard made DTensors laid out like it (what the
+    optimizer holds for a sharded parameter); unchanged for plain parameters."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = state_dict.get("state", {})
+    for index, entry in state.items():
+        if isinstance(index, int) and 0 <= index < len(params) and isinstance(entry, dict):
+            p = params[index]
+            state[index] = {k: tc.like_param(p, v) if isinstance(v, torch.Tensor) and v.dim() else v
+                            for k, v in entry.items()}
+    return state_dict
 
 
 def _load_received(model, optimizer, lr_scheduler, header: dict, placed: list) -> dict:
@@ -432,8 +459,8 @@ def _load_received(model, optimizer, lr_scheduler, header: dict, placed: list) -
     model_state = _decode(header["model"], placed)
     with torch.no_grad():
         for name, t in model.state_dict().items():
-            t.copy_(model_state[name])
-    optimizer.load_state_dict(_decode(header["optimizer"], placed))
+            tc.local(t).copy_(model_state[name])  # a sharded parameter: into its local shard
+    optimizer.load_state_dict(_sharded_like_params(optimizer, _decode(header["optimizer"], placed)))
     if lr_scheduler is not None and header["scheduler"] is not None:
         lr_scheduler.load_state_dict(_decode(header["scheduler"], placed))
     return _decode(header["extra"], placed)

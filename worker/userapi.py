@@ -68,6 +68,11 @@ class TrainingSetup:
     #: be forked or pickled (see :mod:`shoal.worker.prefetch`).
     loader_workers: int | None = None
     prefetch_steps: int | None = None
+    #: Elastic HSDP (the job's ``shard_size`` > 1): the submodules each sharded as one unit
+    #: (``fully_shard``: its parameters gathered for its forward and backward only), given the
+    #: model; the root is sharded last. None: each child of the root that holds parameters,
+    #: and each element of a child container (``ModuleList``, ``Sequential``, ``ModuleDict``).
+    shard_units: Callable[[torch.nn.Module], list[torch.nn.Module]] | None = None
 
     def validate(self, where: str = "TrainingSetup") -> None:
         """Raise EntrypointError naming the first field that breaks the contract."""

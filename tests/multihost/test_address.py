@@ -89,7 +89,7 @@ def test_a_wrong_interface_fails_the_job_after_formation_timeout_naming_the_addr
         _dump(cluster, tmp_path)
         raise
     took = (int(failed.ts_ms) - int(planned.ts_ms)) / 1000
-    print(f"failed {took:.1f} s after generation 1 was planned (formation_timeout {timeout:g} s): {failed['reason']}")
+    print(f"failed {took:.1f} s after generation 1 was planned (formation_timeout {timeout:g} s): {failed.reason}")
     reason = failed.reason
     assert "\n" not in reason
     assert reason.startswith("job failed: no generation formed in ")

@@ -84,7 +84,7 @@ def test_kill_mid_step_survivors_continue_and_match_a_failure_free_run(r, redis_
     # evaluations: each due step reported once by rank 0 (w0 throughout), then the final one
     evals = [d for d in watch.seen if d.kind == "eval"]
     assert [d.reason.split(" (")[0] for d in evals] == [f"w0 evaluated step {k}" for k in (5, 10, 15, 20, 24)], evals
-    assert "final" in evals[-1]["reason"] and all(d.job_state == "running" for d in evals)
+    assert "final" in evals[-1].reason and all(d.job_state == "running" for d in evals)
     history = [f for _id, f in r.xrange(job_keys(job).progress) if f.get(b"kind") == b"eval"]
     assert [int(f[b"step"]) for f in history] == [5, 10, 15, 20, 24]
     s = job_status(r, job)
