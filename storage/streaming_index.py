@@ -21,9 +21,10 @@ class ShardIndex:
     """The index of the dataset at ``where`` (its store's URI), once :meth:`load` has read it.
 
     Made empty with the dataset (constructing a dataset reads nothing) and pickled with it,
-    loaded or not; :meth:`load` fills it once, ``index`` last, so a reader that sees
-    ``index`` set sees the rest. The other methods need it loaded: the dataset loads it
-    before any of them runs. Read-only afterwards, so any thread may use it. Errors name the
+    loaded or not; :meth:`load` fills it, ``index`` last, so a reader that sees ``index`` set
+    sees the rest (two threads loading at once both parse the same bytes; either result is
+    kept). The other methods need it loaded: the dataset loads it before any of them runs.
+    Read-only afterwards, so any thread may use it. Errors name the
     index (an index without what streaming needs) or the shard and sample (a record that
     does not decode), as :class:`~shoal.storage.errors.ShardCorrupt`."""
 
