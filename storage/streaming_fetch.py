@@ -7,11 +7,14 @@ into place only when size and sha256 match the index (:func:`check`). :func:`ver
 hashes a shard of a local dataset once per cache directory. :func:`retry` runs a store call
 again on transient errors (endpoint unreachable, 5xx, a body cut mid-way) with exponential
 backoff; a missing, refused or corrupt shard is never retried. Every message names the shard.
+:class:`ShardFetcher` is one process's use of them for one dataset: its store connection and
+whole verified shard files.
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
@@ -28,6 +31,7 @@ from shoal.storage.errors import (
     translated,
 )
 from shoal.storage.streaming_cache import Counters, ShardCache, file_lock
+from shoal.storage.streaming_index import ShardIndex
 
 T = TypeVar("T")
 _CHUNK = 8 * 1024 * 1024
@@ -132,3 +136,72 @@ def verify_in_place(cache: ShardCache, path: Path, entry: ShardEntry, label: str
         marker.touch()
 
 
+
+
+class ShardFetcher:
+    """One process's access to the shards of the dataset at ``uri``: its store connection
+    (``store``: the one the dataset opened, or one opened on first use), store calls retried
+    (:func:`retry`, counted in ``counters``) and whole verified shard files - a local
+    dataset's own files (``in_place``: hashed once, :func:`verify_in_place`), else copies in
+    ``cache`` (:func:`fetch_to_cache`).
+
+    Made per process by the dataset (a forked or unpickled copy makes its own); the readers and
+    the prefetch thread of that process share it, so every method is thread-safe (two threads
+    opening the connection at once may open one each: one is kept). Errors are
+    the functions': a missing or corrupt shard raises naming it, a store that stays
+    unreachable raises after ``retry_timeout_s``. Needs ``index`` loaded before any method but
+    :meth:`store` and :meth:`retry`."""
+
+    def __init__(self, uri: str, index: ShardIndex, cache: ShardCache, counters: Counters, retry_timeout_s: float, *,
+                 in_place: bool, store: ObjectStore | None = None) -> None:
+        self._uri = uri
+        self._index = index
+        self._cache = cache
+        self._counters = counters
+        self._retry_timeout_s = retry_timeout_s
+        self._in_place = in_place
+        self._store = store
+        self._lock = threading.Lock()
+        self._verified: set[int] = set()  # local shards hashed by this process
+
+    def store(self) -> ObjectStore:
+        if self._store is None:
+            from shoal.storage.uri import open_store
+
+            self._store = open_store(self._uri)
+        return self._store
+
+    def retry(self, what: str, fn: Callable[[], T]) -> T:
+        return retry(what, fn, self._retry_timeout_s, self._counters)
+
+    def file(self, shard: int, *, demand: bool) -> tuple[Path, bool]:
+        """(local verified file of the shard, whether it was there already)."""
+        entry = self._index.shards[shard]
+        store = self.store()
+        key = self._index.key(shard)
+        if self._in_place:
+            local = store.local_path(key)
+            assert local is not None
+            self._verify_in_place(shard, local, entry)
+            return local, True
+        got = self.ensure_cached(shard, demand=demand)
+        assert got is not None
+        return got
+
+    def ensure_cached(self, shard: int, *, demand: bool) -> tuple[Path, bool] | None:
+        """:func:`fetch_to_cache` of the shard (None: a prefetch that found no room)."""
+        return fetch_to_cache(self._cache, self.store, self._index.key(shard), self._index.shards[shard],
+                              self._index.label(shard), demand=demand, counters=self._counters,
+                              retry_timeout_s=self._retry_timeout_s)
+
+    def cached_path(self, shard: int) -> Path | None:
+        """The shard's copy in the cache, if there (marked as used)."""
+        entry = self._index.shards[shard]
+        return self._cache.lookup(entry.sha256, suffix(entry), entry.size)
+
+    def _verify_in_place(self, shard: int, path: Path, entry: ShardEntry) -> None:
+        if shard in self._verified:
+            return
+        verify_in_place(self._cache, path, entry, self._index.label(shard))
+        with self._lock:
+            self._verified.add(shard)

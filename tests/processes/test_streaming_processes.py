@@ -240,7 +240,7 @@ class _CacheWatch:
 
     Also sampled: the bytes of evicted shard copies that the worker or its loader processes
     still map (``/proc/<pid>/maps``, "(deleted)"): disk space the directory listing no longer
-    shows (``shoal.storage.streaming.MAPPED_SHARDS``)."""
+    shows (``shoal.storage.streaming_local.MAPPED_SHARDS``)."""
 
     def __init__(self, root: Path, every: float = 0.02) -> None:
         import threading

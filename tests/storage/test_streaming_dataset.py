@@ -107,10 +107,10 @@ def test_ranged_reads_return_the_same_samples_and_count_bytes(tmp_path: Path) ->
 
 def test_a_ranged_read_of_a_shard_with_a_large_table_fetches_only_its_offsets(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from shoal.storage import streaming
+    from shoal.storage import streaming_remote
 
     _, index, uri = _s3_dataset(200, shard_size=40_000, payload=200)
-    monkeypatch.setattr(streaming, "OFFSETS_TABLE_MAX", 0)
+    monkeypatch.setattr(streaming_remote, "OFFSETS_TABLE_MAX", 0)
     ds = StreamingDataset(uri, cache_dir=tmp_path / "c")
     got = ds.get_remote(33)
     st = ds.stats()
@@ -121,7 +121,7 @@ def test_a_ranged_read_of_a_shard_with_a_large_table_fetches_only_its_offsets(
     local = ds.read(ids, owned=set(range(len(index.shards))))
     assert [g["__key__"] for g in local] == [f"{i:09d}" for i in ids]
     assert all(_equal(g, ds.get_remote(i)) for g, i in zip(local, ids))
-    assert all(m[3] is None for m in ds._proc().maps.values())
+    assert all(m[3] is None for m in ds._proc().local.maps.values())
 
 
 def test_fixed_size_records_are_read_remotely_with_one_request_each(
@@ -478,10 +478,10 @@ def test_a_copy_evicted_while_mapped_is_let_go_and_fetched_again(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A copy another process evicted stays mapped (and readable) until this process checks
     it again - at most once a second per shard, a syscall each - then is let go and fetched."""
-    import shoal.storage.streaming as streaming_mod
+    import shoal.storage.streaming_local as streaming_local
 
     now = [1000.0]
-    monkeypatch.setattr(streaming_mod.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(streaming_local.time, "monotonic", lambda: now[0])
     _, index, uri = _s3_dataset(100, shard_size=3000)
     ds = StreamingDataset(uri, cache_dir=tmp_path / "c")
     assert ds[0]["cls"] == 0 and ds.stats()["downloads"] == 1
@@ -504,16 +504,16 @@ def test_reading_a_shuffle_windows_shards_round_robin_maps_each_shard_once(tmp_p
     """The shard-aware order interleaves the shards of a window (16) sample by sample, and a
     one-worker job reads them all: each stays mapped (mapping again per sample cost about 5x
     the per-sample read)."""
-    import shoal.storage.streaming as streaming_mod
+    import shoal.storage.streaming_local as streaming_local
     from shoal.worker.stream_order import DEFAULT_WINDOW
 
     _, index, uri = _s3_dataset(32 * DEFAULT_WINDOW, shard_samples=32)
-    assert len(index.shards) == DEFAULT_WINDOW and streaming_mod.MAPPED_SHARDS >= 2 * DEFAULT_WINDOW
+    assert len(index.shards) == DEFAULT_WINDOW and streaming_local.MAPPED_SHARDS >= 2 * DEFAULT_WINDOW
     ds = StreamingDataset(uri, cache_dir=tmp_path / "c")
     mapped = []
-    real = StreamingDataset._map
-    monkeypatch.setattr(StreamingDataset, "_map", lambda self, proc, shard, *rest: mapped.append(shard) or
-                        real(self, proc, shard, *rest))
+    real = streaming_local.LocalReader._map
+    monkeypatch.setattr(streaming_local.LocalReader, "_map", lambda self, shard, *rest: mapped.append(shard) or
+                        real(self, shard, *rest))
     ids = [shard * 32 + k for k in range(32) for shard in range(DEFAULT_WINDOW)]  # round robin
     got = ds.read(ids, set(range(DEFAULT_WINDOW)))
     assert [s["cls"] for s in got] == [streaming_data.sample(i)["cls"] for i in ids]
