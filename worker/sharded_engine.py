@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from shoal.worker import torch_compat as tc
-from shoal.worker.engine import StepCommon, StepResult
+from shoal.worker.engine import StepCommon, StepResult, _to_device
 from shoal.worker.errors import CollectiveFailed, InconsistentStep, StepAborted, UserCodeError, raised_at
 from shoal.worker.precision import autocast, check_precision
 from shoal.worker.process_group import Group, PendingReduce
@@ -189,12 +189,16 @@ class ShardedEngine(StepCommon):
 
     # --- the step -----------------------------------------------------------------------------
     def step(self, local_indices: Sequence[int] | np.ndarray, global_count: int, generation: int, *,
-             base_generation: int | None = None) -> StepResult:
+             base_generation: int | None = None, world_size: int | None = None) -> StepResult:
         """Train on this rank's ``local_indices`` of a global batch of ``global_count`` samples
         (every member of every replica group calls it for the same step); as
         :meth:`StepEngine.step`, with the votes of the module docstring. ``base_generation``:
         the group's generation (``max_generation`` is ``base + 1`` when any rank saw a newer
-        one). Raises StepAborted (nothing applied), InconsistentStep, UserCodeError."""
+        one). ``world_size``: the generation's ranks (all replica groups'): every member runs
+        as many forward/backward passes as the largest slice needs (FSDP's collectives go in
+        lock-step within a replica group), a rank with fewer samples - the short last batch
+        of an epoch - makes up the difference with passes that weigh zero. Raises
+        StepAborted (nothing applied), InconsistentStep, UserCodeError."""
         if global_count <= 0:
             raise ValueError(f"global_count must be positive, got {global_count}")
         if self.shard_group is None:
@@ -206,7 +210,7 @@ class ShardedEngine(StepCommon):
         ahead = float(max(0, generation - base))
         t0 = time.perf_counter()
         try:
-            total = self._forward_backward(local, global_count)
+            total = self._forward_backward(local, global_count, world_size or self.shard_group.world_size)
         except Exception as exc:  # noqa: BLE001 - user code; translated
             self._abandon(buffers)
             raise UserCodeError(f"training step raised {type(exc).__name__}: {exc} (at {raised_at(exc)})") from exc
@@ -275,18 +279,24 @@ class ShardedEngine(StepCommon):
                           comm_seconds=t2 - t1, comm_exposed_seconds=t2 - t1,
                           grad_norm=grad_norm if self.max_grad_norm is not None else None)
 
-    def _forward_backward(self, local: list[int], global_count: int) -> torch.Tensor:
-        """Forward and backward of this rank's slice, in micro-batches; the local loss sum."""
+    def _forward_backward(self, local: list[int], global_count: int, world: int) -> torch.Tensor:
+        """Forward and backward of this rank's slice, in as many passes as the largest slice
+        of the step needs (the same number on every rank); the local loss sum."""
         self.model.train()
         # FSDP's reduce-scatter averages over the shard group: x S makes it the sum
         factor = self.shard_group.world_size / global_count
-        mb = self.micro_batch or max(1, len(local))
-        starts = list(range(0, len(local), mb))
+        largest = max(-(-global_count // world), len(local))
+        mb = self.micro_batch or largest
+        passes = max(1, -(-largest // mb))
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         root = self.model
-        for k, start in enumerate(starts):
-            root.set_requires_gradient_sync(k == len(starts) - 1)  # reduce once, after the last
-            batch = self.fetch_batch(local[start:start + mb])
+        for k in range(passes):
+            root.set_requires_gradient_sync(k == passes - 1)  # reduce once, after the last
+            part = local[k * mb:(k + 1) * mb]
+            if part:
+                batch, weight = self.fetch_batch(part), factor
+            else:  # nothing left here: a pass that weighs nothing keeps the group in lock-step
+                batch, weight = self._pad_batch(), 0.0
             with autocast(self.precision, self.device):
                 if self.step_fn is not None:
                     loss = self.step_fn(self.model, batch)
@@ -295,9 +305,15 @@ class ShardedEngine(StepCommon):
                     loss = self.loss_fn(self.model(inputs), targets)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise TypeError("the loss must be a scalar tensor: the SUM of per-sample losses (reduction='sum')")
-            total += loss.detach().to(total.dtype)
-            (loss.float() * factor).backward()
+            if part:
+                total += loss.detach().to(total.dtype)
+            (loss.float() * weight).backward()
         return total
+
+    def _pad_batch(self) -> Any:
+        """A one-sample batch (the dataset's first sample) for a pass that weighs nothing."""
+        batch = self.collate_fn([self.dataset[0]])
+        return _to_device(batch, self.device) if self.device.type != "cpu" else batch
 
     def _abandon(self, buffers: list[torch.Tensor]) -> None:
         """A step that failed in its forward, backward or the shard vote: the cross reduces in

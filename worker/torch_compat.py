@@ -71,7 +71,8 @@ def default_group() -> dist.ProcessGroup:
 
 def set_timeout(group: dist.ProcessGroup, device: torch.device, seconds: float) -> None:
     """Give ``group``'s backend for ``device`` the collective timeout ``seconds``."""
-    group._get_backend(device)._set_default_timeout(timedelta(seconds=seconds))
+    backend = group._get_backend(device) if hasattr(group, "_get_backend") else group  # a standalone backend
+    backend._set_default_timeout(timedelta(seconds=seconds))
 
 
 def reset_group_counter() -> None:

@@ -339,7 +339,8 @@ class TrainingWorker(WorkerRunner):
         started = time.monotonic()
         self.faults.at(wid, act.step, "mid_step")
         try:
-            result = self.engine.step(local, batch.count, act.generation, base_generation=act.base)
+            result = self.engine.step(local, batch.count, act.generation, base_generation=act.base,
+                                      **({"world_size": act.world} if self.spec.shard_size > 1 else {}))
         except StepAborted as exc:
             self._not_busy()
             # returned, not handled here: once this frame is gone nothing pins the broken
