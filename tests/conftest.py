@@ -38,6 +38,7 @@ HEAVY = (
     "tests/processes/test_chaos.py",
     "tests/processes/test_fault_phases.py",
     "tests/processes/test_fp16_processes.py",
+    "tests/processes/test_hsdp.py",
     "tests/processes/test_hung_peer.py",
     "tests/processes/test_large_join.py",
     "tests/processes/test_load_many_jobs.py",
