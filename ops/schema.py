@@ -40,6 +40,7 @@ from shoal.events import models as m
 from shoal.events import streams as st
 from shoal.storage.datasets import DatasetIndex
 from shoal.storage.manifest import Manifest
+from shoal.storage.sharded import ShardIndex
 
 #: JSON Schema dialect of every published file.
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -122,6 +123,8 @@ CATALOG: tuple[Published, ...] = (
     Published("DeadLetter", st.DeadLetter, "`shoal:{J}:dead` stream entries (fields)", FIELDS),
     Published("JobSpec", JobSpec, "`shoal:{J}:spec` STRING (what `shoal submit` writes; readers ignore unknown fields)"),
     Published("CheckpointManifest", Manifest, "a checkpoint's `manifest.json` in the store (`step-<9 digits>/`)"),
+    Published("CheckpointShardIndex", ShardIndex,
+              "a sharded checkpoint's `shard-K-of-S.json`: where member K's tensor chunks lie in its `.bin`"),
     Published("DatasetIndex", DatasetIndex, "a dataset's `index.json` in the store (`data_uri`)"),
 )
 

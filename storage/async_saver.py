@@ -22,8 +22,9 @@ import threading
 from collections.abc import Callable, Iterable
 
 from shoal.storage.backend import ObjectStore
-from shoal.storage.checkpoint import save_checkpoint
+from shoal.storage.checkpoint import save_checkpoint, save_sharded_checkpoint
 from shoal.storage.manifest import FROM_ENV, HmacKey, Manifest
+from shoal.storage.sharded import ShardedTrainState
 from shoal.storage.train_state import TrainState
 
 log = logging.getLogger("shoal.storage")
@@ -57,7 +58,7 @@ class AsyncCheckpointer:
     ) -> None:
         self._store = store
         self._reuse_buffers = reuse_buffers
-        self._staging: TrainState | None = None  # last snapshot, reused once its save is done
+        self._staging: TrainState | ShardedTrainState | None = None  # last snapshot, reused once its save is done
         self._keep_last = keep_last
         self._hmac_key = hmac_key
         self._on_saved = on_saved
@@ -78,7 +79,7 @@ class AsyncCheckpointer:
     def in_flight(self) -> bool:
         return not self._idle.is_set()
 
-    def save_async(self, state: TrainState, *, wait_s: float = 0.0) -> bool:
+    def save_async(self, state: TrainState | ShardedTrainState, *, wait_s: float = 0.0) -> bool:
         """Snapshot ``state`` and start writing it; True if started, False if skipped because
         a save was still in flight after ``wait_s`` seconds. Errors of the snapshot itself
         (e.g. out of memory) propagate; RuntimeError after :meth:`close`."""
@@ -91,7 +92,8 @@ class AsyncCheckpointer:
                 return False
             self._idle.clear()
         try:
-            snapshot = state.snapshot(reuse=self._staging)
+            reuse = self._staging if type(self._staging) is type(state) else None
+            snapshot = state.snapshot(reuse=reuse)
             self._staging = snapshot if self._reuse_buffers else None
             thread = threading.Thread(
                 target=self._run, args=(snapshot,), name=f"shoal-checkpoint-{state.step}", daemon=True
@@ -102,9 +104,10 @@ class AsyncCheckpointer:
             raise
         return True
 
-    def _run(self, snapshot: TrainState) -> None:
+    def _run(self, snapshot: TrainState | ShardedTrainState) -> None:
+        save = save_sharded_checkpoint if isinstance(snapshot, ShardedTrainState) else save_checkpoint
         try:
-            manifest = save_checkpoint(
+            manifest = save(
                 self._store,
                 snapshot,
                 keep_last=self._keep_last,
@@ -113,7 +116,7 @@ class AsyncCheckpointer:
                 on_phase=self._on_phase,
                 protect=self._protect,
             )
-            if self._on_saved is not None:
+            if self._on_saved is not None and manifest is not None:  # a sharded save's member 0 publishes
                 self._on_saved(manifest)
             self.saved += 1
         except Exception as exc:  # reported, not raised: the thread has no caller

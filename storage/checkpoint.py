@@ -47,6 +47,7 @@ from shoal.storage.layout import file_key, manifest_key
 from shoal.storage.manifest import FROM_ENV, FileEntry, HmacKey, Manifest, resolve_hmac_key
 from shoal.storage.retention import apply_retention
 from shoal.storage.safe_load import check_saveable, load_state_bytes
+from shoal.storage.sharded import ShardedCheckpoint, ShardedTrainState, open_sharded, wait_for_shards, write_shard
 from shoal.storage.train_state import FILES, TrainState
 from shoal.storage.verify import Warn, ignore_warning, list_checkpoint_steps, read_manifest, read_verified_files
 
@@ -177,6 +178,14 @@ def save_checkpoint(
 
     store.delete(manifest_key(step))
     files = _write_state_files(store, step, parts, on_phase)
+    return _publish(store, step, files, fields, key, keep_last=keep_last, on_warning=on_warning, on_phase=on_phase,
+                    protect=protect)
+
+
+def _publish(store: ObjectStore, step: int, files: dict[str, FileEntry], fields: dict[str, Any], key: bytes | None,
+             *, keep_last: int | None, on_warning: Warn | None, on_phase: PhaseHook | None,
+             protect: Callable[[], Iterable[int]] | None) -> Manifest:
+    """Steps 3-5 of the write order: the manifest, LATEST, retention."""
     manifest = Manifest.create(files=files, **fields).signed(key)
     store.put_bytes(manifest_key(step), manifest.to_json())
     if on_phase is not None:
@@ -198,15 +207,69 @@ def save_checkpoint(
     return manifest
 
 
+#: how long member 0 of a sharded save waits for the other members' parts
+PARTS_TIMEOUT_S = 120.0
+
+
+def save_sharded_checkpoint(
+    store: ObjectStore,
+    state: ShardedTrainState,
+    *,
+    keep_last: int | None = 3,
+    hmac_key: HmacKey = FROM_ENV,
+    on_warning: Warn | None = None,
+    on_phase: PhaseHook | None = None,
+    protect: Callable[[], Iterable[int]] | None = None,
+    parts_timeout_s: float = PARTS_TIMEOUT_S,
+) -> Manifest | None:
+    """One member's part of a sharded checkpoint (:mod:`shoal.storage.sharded`): its shard
+    files; member 0 also the replicated files and, once every member's part is there, the
+    manifest, LATEST and retention as :func:`save_checkpoint`. Returns the manifest (member
+    0) or None (the others, and a re-save of the published step, which writes nothing).
+
+    Errors as :func:`save_checkpoint`'s; member 0 raises CheckpointCorrupt when a part is
+    missing after ``parts_timeout_s`` (LATEST unchanged)."""
+    fields = state.manifest_fields()
+    parts = state.components() if state.shard == 0 else {}
+    for name, obj in parts.items():
+        check_saveable(obj, name)
+    key = resolve_hmac_key(hmac_key)
+    step = state.step
+    current = read_latest_step(store)
+    if current is not None and current > step:
+        raise LatestRegression(f"{store.uri}/LATEST is at step {current}; refusing to save step {step}")
+    if current == step:
+        published = _published(store, step, key)
+        if published is not None:
+            return published if state.shard == 0 else None
+    # the files of other attempts at this step have other names (another shard size) or the
+    # same bytes (the same step's state): the old manifest stays true until replaced
+    write_shard(store, state, _HashingWriter)
+    if on_phase is not None:
+        on_phase("ckpt_write", step)
+    if state.shard != 0:
+        return None
+    files = _write_state_files(store, step, parts, on_phase) if parts else {}
+    files.update(wait_for_shards(store, step, state.shard_size, parts_timeout_s))
+    return _publish(store, step, files, fields, key, keep_last=keep_last, on_warning=on_warning, on_phase=on_phase,
+                    protect=protect)
+
+
 def load_checkpoint(
     store: ObjectStore, step: int, *, hmac_key: HmacKey = FROM_ENV, on_warning: Warn | None = None
-) -> tuple[TrainState, Manifest]:
+) -> tuple[TrainState | ShardedCheckpoint, Manifest]:
     """Load the checkpoint of ``step`` after verifying all of it (see module docstring).
+
+    A sharded checkpoint comes back as a :class:`ShardedCheckpoint`: its replicated files
+    and shard indexes read and verified, the shards' data fetched (and verified) by its
+    reader when a load needs it.
 
     Raises CheckpointCorrupt (incomplete or damaged), UnsafeCheckpoint (HMAC failure or a
     file the weights-only loader refuses), StorageError (backend). Never returns part of a
     checkpoint."""
     manifest = read_manifest(store, step, hmac_key=hmac_key, on_warning=on_warning)
+    if manifest.shards is not None:
+        return open_sharded(store, manifest), manifest
     blobs = read_verified_files(store, manifest)
     parts = {name: load_state_bytes(data, where=f"{store.uri}/{file_key(step, name)}") for name, data in blobs.items()}
     state = TrainState(
@@ -230,7 +293,7 @@ def load_latest(
     start_step: int | None = None,
     hmac_key: HmacKey = FROM_ENV,
     on_warning: Warn | None = None,
-) -> tuple[TrainState, Manifest]:
+) -> tuple[TrainState | ShardedCheckpoint, Manifest]:
     """Load the newest usable checkpoint at or below ``start_step`` (default: what LATEST
     names; when LATEST is missing or corrupt, every checkpoint present is a candidate).
 

@@ -10,6 +10,8 @@ digests are rejected), never unpickled. Fields:
 ``generation``     membership generation that wrote it
 ``world_size``     number of workers in that generation
 ``files``          ``{name: {"size": bytes, "sha256": hex}}`` of every state file
+``shards``         absent for a full checkpoint (``model.pt``, ...); S for a sharded one
+                   written by a replica group of S members (:mod:`shoal.storage.sharded`)
 ``torch_version``  ``torch.__version__`` of the writer
 ``created_at``     UTC ISO-8601 time of writing
 ``hmac``           optional hex HMAC-SHA256 of the canonical JSON of all other fields
@@ -62,6 +64,7 @@ class Manifest(BaseModel):
     generation: int = Field(ge=0)
     world_size: int = Field(ge=1)
     files: dict[FileName, FileEntry] = Field(min_length=1)
+    shards: int | None = Field(default=None, ge=1)
     torch_version: str
     created_at: str
     hmac: HexDigest | None = None
@@ -86,10 +89,12 @@ class Manifest(BaseModel):
     def canonical_bytes(self) -> bytes:
         """The bytes the HMAC covers: every field but ``hmac``, sorted keys, no spaces."""
         body = self.model_dump(mode="json", exclude={"hmac"})
+        if body["shards"] is None:  # a full checkpoint's bytes are those before the field existed
+            del body["shards"]
         return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
     def to_json(self) -> bytes:
-        return (self.model_dump_json(indent=2) + "\n").encode()
+        return (self.model_dump_json(indent=2, exclude={"shards"} if self.shards is None else None) + "\n").encode()
 
     def signed(self, key: bytes | None) -> Manifest:
         """A copy carrying the HMAC under ``key``; unchanged (no HMAC) when ``key`` is None."""

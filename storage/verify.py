@@ -13,6 +13,7 @@ from shoal.storage.backend import ObjectStore
 from shoal.storage.errors import CheckpointCorrupt, ObjectNotFound
 from shoal.storage.layout import file_key, manifest_key, step_of_key
 from shoal.storage.manifest import FROM_ENV, HmacKey, Manifest, resolve_hmac_key
+from shoal.storage.sharded import expected_files
 from shoal.storage.train_state import FILES
 
 Warn = Callable[[str], None]
@@ -34,8 +35,14 @@ def read_manifest(
     manifest.check_signature(resolve_hmac_key(hmac_key), where=f"{store.uri}/{where}", on_warning=on_warning)
     if manifest.step != step:
         raise CheckpointCorrupt(f"{store.uri}/{where}: manifest says step {manifest.step}")
-    unknown = set(manifest.files) - set(FILES.values())
-    if unknown or FILES["model"] not in manifest.files:
+    if manifest.shards is None:
+        unknown = set(manifest.files) - set(FILES.values())
+        complete = FILES["model"] in manifest.files
+    else:
+        allowed = expected_files(manifest.shards)
+        unknown = set(manifest.files) - allowed
+        complete = {n for n in allowed if n.startswith("shard-")} <= set(manifest.files)
+    if unknown or not complete:
         raise CheckpointCorrupt(f"{store.uri}/{where}: unexpected file set {sorted(manifest.files)}")
     return manifest
 

@@ -156,6 +156,13 @@ class TrainerState:
         return self.phase is Phase.TRAINING and self.member is not None and self.member.rank == 0
 
     @property
+    def saver(self) -> bool:
+        """This worker writes checkpoints: rank 0 in data parallelism; in HSDP every member of
+        rank 0's replica group (each its shards)."""
+        return (self.phase is Phase.TRAINING and self.member is not None and self.table is not None
+                and self.member.rank < self.table.shard_size)
+
+    @property
     def done(self) -> bool:
         total, max_steps = self.limits.total_samples, self.limits.max_steps
         return (total is not None and self.cursor >= total) or (max_steps is not None and self.step >= max_steps)
@@ -506,7 +513,7 @@ def _tick(s: TrainerState, t: Tick, now: float) -> Choice:
         level = logging.INFO
     s = replace(s, seen=max(s.seen, t.latest))
     if t.job_state in TERMINAL:
-        if t.job_state == "stopped" and s.rank0:
+        if t.job_state == "stopped" and s.saver:
             actions.append(_checkpoint(s, final=True))  # a graceful stop keeps the progress
         elif t.job_state == "stopped" and s.aborted_rank0 is not None and s.aborted_rank0[0] >= s.seen:
             g, world = s.aborted_rank0  # ... also when rank 0's last step aborted as its peer exited
@@ -621,17 +628,17 @@ def _form_failed(s: TrainerState, f: FormFailed, now: float) -> Choice:
 
 
 def _committed(s: TrainerState, c: Committed, now: float) -> Choice:
-    g, world, rank0 = s.group, s.table.world_size, s.rank0
+    g, world, rank0, saver = s.group, s.table.world_size, s.rank0, s.saver
     s = replace(s, step=s.step + 1, cursor=c.cursor, switch_to=c.max_generation)
     actions: list[Action] = []
     if rank0:  # the history `shoal report` draws
         actions.append(RecordProgress(s.step, c.loss, g, world))
     interval = s.limits.checkpoint_interval
-    if rank0 and interval and s.step % interval == 0 and not s.done:  # the last step: Finish saves it
+    if saver and interval and s.step % interval == 0 and not s.done:  # the last step: Finish saves it
         actions.append(_checkpoint(s, final=False))
     actions.append(Beat(s.step, g, c.loss, c.started, digest=s.step % DIGEST_EVERY == 0))
     if s.done:  # Finish evaluates (and rank 0 reports it) whether or not one was due
-        actions.append(Finish(s.step, s.cursor, report=rank0, checkpoint=_checkpoint(s, final=True) if rank0 else None))
+        actions.append(Finish(s.step, s.cursor, report=rank0, checkpoint=_checkpoint(s, final=True) if saver else None))
         return Choice(_exit(replace(s, evaluated=s.step), 0), tuple(actions),
                         f"training complete at step {s.step}, cursor {s.cursor}")
     then = f"; generation {c.max_generation} agreed: switching" if c.max_generation > g else ""
@@ -647,7 +654,7 @@ def _aborted(s: TrainerState, a: Aborted, now: float) -> Choice:
     g, step = s.group, s.step
     # the cursor stays: the same global batch is redone in the next generation
     failed = (LeaveGroup(), ReportFailure(g, step, a.error))
-    s, wait = _wait(replace(s, aborted_rank0=(g, s.table.world_size) if s.rank0 else None), g, now)
+    s, wait = _wait(replace(s, aborted_rank0=(g, s.table.world_size) if s.saver else None), g, now)
     return Choice(s, failed + wait, f"step {step} aborted in generation {g}: {a.error}", logging.WARNING)
 
 

@@ -128,6 +128,8 @@ class ShardedEngine(StepCommon):
         #: the cross-replica reduces of the step in flight, and their failures
         self._pending: list[PendingReduce] = []
         self._errors: list[str] = []
+        #: what runs once the model is sharded (a checkpoint to resume from)
+        self._after_shard: list[Callable[[], None]] = []
 
     @classmethod
     def from_setup(cls, setup: TrainingSetup, *, device: torch.device | str = "cpu", precision: str = "fp32",
@@ -141,10 +143,15 @@ class ShardedEngine(StepCommon):
     def sharded(self) -> bool:
         return self.shard_group is not None
 
+    def after_shard(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` at the end of :meth:`shard` (load a checkpoint into the sharded model)."""
+        self._after_shard.append(fn)
+
     def shard(self, group: Group) -> None:
         """Shard the model over ``group`` (the registered default group, this replica group's
-        shard group; once) and point the optimizer at the sharded parameters. Raises
-        ValueError when the optimizer already holds state (it must not have stepped yet)."""
+        shard group; once), point the optimizer at the sharded parameters, then run what
+        :meth:`after_shard` queued. Raises ValueError when the optimizer already holds state
+        (it must not have stepped yet)."""
         if self.shard_group is not None:
             raise ValueError("the model is sharded already (a replica group's shard group lives as long as it)")
         if self.optimizer.state:
@@ -167,6 +174,8 @@ class ShardedEngine(StepCommon):
                  group.world_size, len(tc.fsdp_modules(self.model)),
                  sum(tc.local(p).numel() for p in self.model.parameters()),
                  sum(p.numel() for p in self.model.parameters()))
+        while self._after_shard:
+            self._after_shard.pop(0)()
 
     def set_cross(self, group: Group | None) -> None:
         """This generation's cross-replica group of this member's shard index (None: one

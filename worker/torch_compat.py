@@ -143,3 +143,64 @@ def like_param(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
                                   stride=param.stride())
     return value
 
+
+
+# --- state dicts for checkpoints (torch.distributed.checkpoint's helpers) ---------------------------
+_MODEL, _OPTIM = "model/", "optim/"
+
+
+def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The model's and the optimizer's state as one flat dict keyed ``model/<fqn>`` and
+    ``optim/state.<fqn>.<name>`` / ``optim/param_groups.<fqn>.<name>`` (DCP's flattened
+    optimizer keys: by parameter name, whatever the layout). Sharded parameters and their
+    optimizer state come as DTensors, the rest as plain tensors and values. An optimizer
+    without state gets it initialised (a zero step, as DCP does). No collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    return {**{_MODEL + k: v for k, v in msd.items()}, **{_OPTIM + k: v for k, v in osd.items()}}
+
+
+def set_flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, flat: dict) -> None:
+    """Load a dict shaped like :func:`flat_state`'s into ``model`` and ``optimizer``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    msd = {k[len(_MODEL):]: v for k, v in flat.items() if k.startswith(_MODEL)}
+    osd = {k[len(_OPTIM):]: v for k, v in flat.items() if k.startswith(_OPTIM)}
+    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd,
+                   options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+
+def flatten_whole(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict,
+                  optimizer_sd: dict | None) -> dict:
+    """A data-parallel checkpoint's ``model.state_dict()`` and ``optimizer.state_dict()``
+    (parameters by index) in :func:`flat_state`'s keys, the indices named after the
+    parameters ``optimizer`` holds, in order (the same optimizer, built alike, sharded or not)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
+    flat = {_MODEL + k: v for k, v in model_sd.items()}
+    if optimizer_sd is None:
+        return flat
+    for group in optimizer_sd.get("param_groups", []):
+        for index in group["params"]:
+            if not isinstance(index, int) or not 0 <= index < len(order) or order[index] is None:
+                raise ValueError(f"the checkpoint's optimizer names parameter {index!r}, which this optimizer "
+                                 f"({len(order)} parameters) does not have")
+            fqn = order[index]
+            for k, v in group.items():
+                if k != "params":
+                    flat[f"{_OPTIM}param_groups.{fqn}.{k}"] = v
+            for k, v in optimizer_sd.get("state", {}).get(index, {}).items():
+                flat[f"{_OPTIM}state.{fqn}.{k}"] = v
+    return flat
+
+
+def chunk_of(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]] | None:
+    """(local values, offsets in the global tensor, global size) of a DTensor's shard; None
+    for a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return None
+    (chunk,) = t.__create_chunk_list__()
+    return t.to_local(), tuple(chunk.offsets), tuple(t.shape)

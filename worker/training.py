@@ -369,11 +369,14 @@ class TrainingWorker(WorkerRunner):
         self.hb.update(**fields)
 
     def _save(self, act: SaveCheckpoint) -> None:
-        """Rank 0's checkpoint (the decision chose when); async unless ``final``."""
+        """Rank 0's checkpoint, or in HSDP this member's part of its replica group's (the
+        decision chose when); async unless ``final``."""
         if self.ckpt is None:
             return
+        member = self.state.member
         self.ckpt.save(self.engine, step=act.step, cursor=act.cursor, epoch=self.input.epoch(act.cursor),
-                       generation=act.generation, world_size=act.world, wait=act.final)
+                       generation=act.generation, world_size=act.world, wait=act.final,
+                       shard=member.shard if member is not None else 0)
 
     def _announce(self, act: Announce) -> None:
         """Publish the new generation with the heartbeat, aim the input pipeline at its first
