@@ -439,6 +439,9 @@ class Heartbeat(_Wire):
     epoch: int | None = None
     #: Seconds of its last committed step's own work: data, forward, backward (None: not reported).
     compute_time: float | None = None
+    #: The worker process's peak resident memory so far, MiB (None: not reported): what a
+    #: sharded job (``shard_size``) saves per worker against data parallelism.
+    peak_rss_mb: float | None = None
     #: Seconds its last committed step waited on the gradient all-reduces after backward had
     #: returned: the communication NOT hidden by backward (None: not reported).
     exposed_comm_time: float | None = None

@@ -285,6 +285,21 @@ def build(cfg: GPTConfig | None = None, max_bytes: int | None = None) -> Trainin
     )
 
 
+#: :func:`build_large`'s model: 12 blocks of d_model 1536 (340 M parameters; with their
+#: gradients and AdamW's two moments 5.4 GB in fp32, per worker under data parallelism)
+LARGE = dict(layers=12, d_model=1536, heads=16)
+
+
+def build_large(max_bytes: int | None = None) -> TrainingSetup:
+    """``shoal.examples.lm:build_large``: the same GPT at 340 M parameters, the example of a
+    model sharded over a replica group (``shard_size: 2`` in ``examples/lm-hsdp.yaml``: each
+    worker holds half of the parameters, gradients and optimizer state). ``SHOAL_LM_SEQ_LEN``
+    and ``SHOAL_LM_LR`` still apply; the shape is :data:`LARGE` unless ``SHOAL_LM_LAYERS`` /
+    ``SHOAL_LM_D_MODEL`` / ``SHOAL_LM_HEADS`` say otherwise."""
+    shape = {k: _env_int(f"SHOAL_LM_{k.upper()}", v) for k, v in LARGE.items()}
+    return build(GPTConfig(**shape), max_bytes=max_bytes)
+
+
 def train_locally(steps: int = 300, global_batch: int = 16, eval_every: int = 25, seed: int = 0,
                   precision: str = "fp32", log=print) -> list[dict[str, float]]:
     """Train single-process with shoal's engine and data order (no Redis); the held-out

@@ -76,6 +76,10 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
             # a member when the job ended is not still Active: its process is gone or going
             "state": "Ended" if ended and live else rec.state.value,
             "rank": member.rank if member else None,
+            # elastic HSDP: its replica group and shard index (None: data parallelism)
+            "replica_group": member.group if member and table.shard_size > 1 else None,
+            "shard": member.shard if member and table.shard_size > 1 else None,
+            "peak_rss_mb": hb.peak_rss_mb if hb else None,
             "step": hb.step if hb else None,
             "loss": hb.loss if hb else None,
             "step_time": hb.step_time if hb else None,
@@ -107,6 +111,7 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
                               completed=status.state.value == "completed"),
         "generation": status.generation,
         "world_size": table.world_size if table else 0,
+        "shard_size": table.shard_size if table else 1,
         "reason": status.reason,
         "first_failure": status.first_failure,
         "first_failure_traceback": status.first_failure_traceback,
@@ -303,6 +308,16 @@ def format_status(s: dict) -> str:
                      + "  ".join(f"{w['worker_id']} {_bytes(w.get('bytes_downloaded'))} / {_rate(w.get('cache_hit_rate'))}"
                                  f" / {w['shards_owned']} / {_num(w.get('remote_reads'))} / {_num(w.get('balance_error'))}"
                                  for w in streaming))
+    grouped: dict[str, list[str]] = {}
+    for w in s["workers"]:
+        if w.get("replica_group") is not None:
+            grouped.setdefault(w["replica_group"], []).append(f"{w['worker_id']}:{w['shard']}")
+    if grouped:  # elastic HSDP: the replica groups of this generation, members as worker:shard
+        lines.append(f"replica groups (shard_size {s.get('shard_size', '?')}): " + "  ".join(
+            f"{g} [{' '.join(sorted(m, key=lambda x: int(x.rsplit(':', 1)[1])))}]" for g, m in sorted(grouped.items())))
+    mem = [w for w in s["workers"] if w.get("peak_rss_mb") is not None]
+    if mem:
+        lines.append("peak memory (RSS): " + "  ".join(f"{w['worker_id']} {w['peak_rss_mb']:.0f} MiB" for w in mem))
     placed = [w for w in s["workers"] if w.get("backend")]
     if placed:  # where each worker trains (shoal.worker.placement)
         lines.append("placement (backend / device / GPU): " + "  ".join(

@@ -68,14 +68,19 @@ _CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
 def default_shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Each child of the root that holds parameters, and each element that does of a child
     container (``ModuleList``, ``Sequential``, ``ModuleDict``): a transformer's blocks, its
-    embedding, its head."""
+    embedding, its head. Modules that share a parameter with another candidate (a head tied
+    to the token embedding) are left to the root's unit, which holds both."""
     units: list[torch.nn.Module] = []
     for child in model.children():
         if isinstance(child, _CONTAINERS):
             units += [m for m in child.children() if any(True for _ in m.parameters())]
         elif any(True for _ in child.parameters()):
             units.append(child)
-    return units
+    holders: dict[int, int] = {}
+    for unit in units:
+        for p in set(map(id, unit.parameters())):
+            holders[p] = holders.get(p, 0) + 1
+    return [u for u in units if all(holders[id(p)] == 1 for p in u.parameters())]
 
 
 class ShardedEngine(StepCommon):
@@ -218,8 +223,13 @@ class ShardedEngine(StepCommon):
         self._pending, self._errors = [], []
         ahead = float(max(0, generation - base))
         t0 = time.perf_counter()
+        #: (ahead, loss sum, count), summed across replica groups by an all-reduce that goes
+        #: out before the last backward (overlapping it) - this replica group's alone when there is no other
+        tail = torch.zeros(3, dtype=torch.float64, device=self.device)
+        tail[0].fill_(ahead)
+        tail[2].fill_(len(local))
         try:
-            total = self._forward_backward(local, global_count, world_size or self.shard_group.world_size)
+            self._forward_backward(local, global_count, world_size or self.shard_group.world_size, tail)
         except Exception as exc:  # noqa: BLE001 - user code; translated
             self._abandon(buffers)
             raise UserCodeError(f"training step raised {type(exc).__name__}: {exc} (at {raised_at(exc)})") from exc
@@ -233,16 +243,6 @@ class ShardedEngine(StepCommon):
                 self._errors.append(str(exc))
                 self.cross.abandon(self._pending[i + 1:])
                 break
-        tail = torch.zeros(3, dtype=torch.float64, device=self.device)
-        tail[0].fill_(ahead)
-        tail[1].copy_(total)
-        tail[2].fill_(len(local))
-        cross = self.cross
-        if not self._errors and cross is not None and cross.world_size > 1:
-            try:
-                cross.all_reduce(tail, what="cross-replica all-reduce of the step's loss and count")
-            except CollectiveFailed as exc:
-                self._errors.append(str(exc))
         squares = [tc.local(p.grad).float().pow(2).sum() for p in self.model.parameters() if p.grad is not None]
         norm2 = torch.stack(squares).sum().to(tail.dtype) if squares else torch.zeros((), dtype=tail.dtype)
         vote = torch.cat([tail, torch.tensor([1.0 if self._errors else 0.0], dtype=tail.dtype, device=self.device),
@@ -288,9 +288,10 @@ class ShardedEngine(StepCommon):
                           comm_seconds=t2 - t1, comm_exposed_seconds=t2 - t1,
                           grad_norm=grad_norm if self.max_grad_norm is not None else None)
 
-    def _forward_backward(self, local: list[int], global_count: int, world: int) -> torch.Tensor:
+    def _forward_backward(self, local: list[int], global_count: int, world: int, tail: torch.Tensor) -> None:
         """Forward and backward of this rank's slice, in as many passes as the largest slice
-        of the step needs (the same number on every rank); the local loss sum."""
+        of the step needs (the same number on every rank). The local loss sum goes into
+        ``tail[1]``, whose cross-replica all-reduce starts before the last backward."""
         self.model.train()
         # FSDP's reduce-scatter averages over the shard group: x S makes it the sum
         factor = self.shard_group.world_size / global_count
@@ -316,8 +317,22 @@ class ShardedEngine(StepCommon):
                 raise TypeError("the loss must be a scalar tensor: the SUM of per-sample losses (reduction='sum')")
             if part:
                 total += loss.detach().to(total.dtype)
+            if k == passes - 1:
+                tail[1].copy_(total)
+                self._reduce_tail(tail)
             (loss.float() * weight).backward()
-        return total
+
+    def _reduce_tail(self, tail: torch.Tensor) -> None:
+        """Start the cross-replica SUM of the step's (ahead, loss sum, count), first of the
+        step's cross-replica collectives (so in the same order on every rank)."""
+        cross = self.cross
+        if cross is None or cross.world_size == 1:
+            return
+        try:
+            self._pending.append(cross.all_reduce_async(tail, dist.ReduceOp.SUM,
+                                                        "cross-replica all-reduce of the step's loss and count"))
+        except CollectiveFailed as exc:
+            self._errors.append(str(exc))
 
     def _pad_batch(self) -> Any:
         """A one-sample batch (the dataset's first sample) for a pass that weighs nothing."""

@@ -43,6 +43,7 @@ import gc
 import json
 import logging
 import os
+import resource
 import time
 from collections import deque
 from dataclasses import replace
@@ -55,6 +56,7 @@ from shoal.core.faults import FaultPlan
 from shoal.core.jobspec import JobSpec
 from shoal.worker import placement
 from shoal.worker import process_group as pg
+from shoal.worker.allocator import return_freed_tensors
 from shoal.worker.checkpoints import Checkpoints
 from shoal.worker.decide import (
     Aborted,
@@ -101,6 +103,11 @@ from shoal.worker.switch import GenerationSwitch
 from shoal.worker.tensorboard import TensorBoardLog
 from shoal.worker.userapi import TrainingSetup, load_entrypoint
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, MiB (Linux reports KiB)."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
 log = logging.getLogger("shoal.worker")
 
 
@@ -146,6 +153,8 @@ class TrainingWorker(WorkerRunner):
     # ---- setup -------------------------------------------------------------------------------
 
     def prepare(self) -> None:
+        if self.spec.shard_size > 1 and self.placement.device == "cpu":  # before the model is built
+            return_freed_tensors()
         setup = load_entrypoint(self.spec.entrypoint, self.spec.seed)
         self.setup = setup
         device = placement.local_device(self.placement.device)
@@ -182,6 +191,11 @@ class TrainingWorker(WorkerRunner):
 
     def start(self) -> str:
         wid = super().start()
+        import gc, os as _os
+        if _os.environ.get("XX_GC") == "freeze":
+            gc.collect(); gc.freeze()
+        elif _os.environ.get("XX_GC") == "off":
+            gc.disable()
         self.state = replace(self.state, worker_id=wid)
         self.switch.start()
         self.progress = ProgressRecorder(without_retries(self.membership.client), self.membership.keys)
@@ -363,7 +377,8 @@ class TrainingWorker(WorkerRunner):
         if self.hb is None:
             return
         fields = dict(step=act.step, generation=act.generation, step_time=time.monotonic() - act.started, loss=act.loss,
-                      epoch=self.input.epoch(self.state.cursor), total_steps=self.input.total_steps)
+                      epoch=self.input.epoch(self.state.cursor), total_steps=self.input.total_steps,
+                      peak_rss_mb=peak_rss_mb())
         if act.digest:
             fields["digest"] = state_digest(self.engine.model)
         self.hb.update(**fields)

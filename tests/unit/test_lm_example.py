@@ -121,3 +121,15 @@ def test_job_spec_validates():
     spec = load_spec(ROOT / "examples" / "lm.yaml")
     assert spec.entrypoint == "shoal.examples.lm:build" and spec.eval_every_steps
     resolve_entrypoint(spec.entrypoint)
+
+
+def test_the_sharded_example_validates_and_its_tied_head_stays_in_the_roots_unit():
+    from shoal.worker.sharded_engine import default_shard_units
+
+    spec = load_spec(ROOT / "examples" / "lm-hsdp.yaml")
+    assert spec.entrypoint == "shoal.examples.lm:build_large" and spec.shard_size == 2
+    resolve_entrypoint(spec.entrypoint)
+    model = lm.GPT(lm.GPTConfig(layers=2, d_model=32, heads=2, seq_len=8))
+    units = default_shard_units(model)
+    assert model.tok not in units and model.head not in units  # they share the tied weight
+    assert list(model.blocks) == [u for u in units if isinstance(u, lm.Block)] and model.pos in units

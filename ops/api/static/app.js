@@ -215,11 +215,14 @@ class JobView {
       const age = w.heartbeat_age_ms === null ? "-" : `${(w.heartbeat_age_ms / 1000).toFixed(1)} s`;
       body.append(el("tr", { "data-worker": w.worker_id },
         el("td", {}, w.worker_id), el("td", { class: w.state }, w.state),
-        el("td", {}, w.rank === null ? "-" : w.rank), el("td", {}, w.step === null ? "-" : w.step),
+        el("td", {}, w.rank === null ? "-" : w.rank),
+        el("td", {}, w.replica_group === null || w.replica_group === undefined ? "-" : `${w.replica_group} / shard ${w.shard}`),
+        el("td", {}, w.step === null ? "-" : w.step),
         el("td", {}, w.loss === null ? "-" : w.loss.toFixed(4)), el("td", {}, age),
         el("td", { class: w.straggler ? "flag" : "" }, w.straggler ? "yes" : ""),
         el("td", { class: "mono", title: w.digest || "" }, w.digest ? w.digest.slice(0, 12) : "-"),
         el("td", { title: w.placement || "" }, w.backend ? `${w.backend} / ${w.device || "-"}${w.gpu ? ` (GPU ${w.gpu})` : ""}` : "-"),
+        el("td", {}, w.peak_rss_mb == null ? "-" : `${Math.round(w.peak_rss_mb)} MiB`),
         el("td", {}, w.host || "-"), el("td", {}, w.pid || "-")));
     }
     return false;
