@@ -23,6 +23,10 @@ about 5-7 minutes in all on an H100:
   with one line;
 - ``nccl-fail-fast``: 3 workers forced onto NCCL on one GPU without an agent: NCCL's
   invalid usage fails the job within a minute, naming the shared GPU and the fix;
+- ``hsdp``: elastic HSDP's engine on the one GPU (``scripts/hsdp_smoke.py``): 3 replica
+  groups of shard_size 1 (a 1-rank NCCL shard group each, FSDP2 over it) and a gloo
+  cross-replica group: replicas identical and allclose to one process. Multi-GPU shard groups
+  (shard_size > 1 on NCCL) need a GPU per member: not run on a one-GPU machine;
 - ``gpt2``: GPT-2-small, one worker on NCCL, shoal against DDP (``bench/real_models.py
   --gpu --only none --quick``): ``ratio=``.
 """
@@ -239,6 +243,12 @@ def part_gpt2(check: Check) -> None:
                  f"{line.strip() or f'exit {rc}, no ratio'} ({took:.0f} s)")
 
 
+def part_hsdp(check: Check) -> None:
+    rc, text, took = _run(check, "hsdp", [sys.executable, "scripts/hsdp_smoke.py"], timeout=180)
+    line = next((ln for ln in text.splitlines() if ln.startswith("hsdp-smoke:")), "")
+    check.report("hsdp", "PASS" if rc == 0 and line else "FAIL", f"{line.strip() or f'exit {rc}'} ({took:.0f} s)")
+
+
 def run(out: Path, parts: list[str]) -> int:
     import torch
 
@@ -254,7 +264,8 @@ def run(out: Path, parts: list[str]) -> int:
         check.report("all", "SKIP", "no CUDA device")
         return 1
     steps = {"cuda-tests": lambda: part_cuda_tests(check), "demo": lambda: part_demo(check, gpus),
-             "nccl": lambda: part_nccl(check, gpus), "gpt2": lambda: part_gpt2(check)}
+             "nccl": lambda: part_nccl(check, gpus), "hsdp": lambda: part_hsdp(check),
+             "gpt2": lambda: part_gpt2(check)}
     for part in parts:
         try:
             steps[part]()
@@ -270,7 +281,7 @@ def main() -> int:
     sub.add_parser("prepare", help="here: the wheels the GPU machine lacks, and shoal's, into .whl/")
     r = sub.add_parser("run", help="there: every GPU part, one summary line each")
     r.add_argument("--out", default=os.environ.get("OUT") or "gpu-check-out", help="where the summary and logs go")
-    r.add_argument("--parts", default="cuda-tests,demo,nccl,gpt2", help="comma-separated parts to run")
+    r.add_argument("--parts", default="cuda-tests,demo,nccl,hsdp,gpt2", help="comma-separated parts to run")
     args = ap.parse_args()
     if args.cmd == "prepare":
         return prepare()

@@ -39,6 +39,8 @@ HEAVY = (
     "tests/processes/test_fault_phases.py",
     "tests/processes/test_fp16_processes.py",
     "tests/processes/test_hsdp.py",
+    "tests/processes/test_hsdp_checkpoint.py",
+    "tests/processes/test_lm_memory.py",  # 2 x 6 GB, then 2 x 3.3 GB
     "tests/processes/test_hung_peer.py",
     "tests/processes/test_large_join.py",
     "tests/processes/test_load_many_jobs.py",
