@@ -22,11 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.multiprocessing as mp
 
 REPLICAS, BATCH, STEPS = 3, 48, 8
 

@@ -305,12 +305,12 @@ class _ChunkReader:
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         md = self._md
-        tensors: dict[str, Any] = {}
-        for key, (dtype, size) in self.sizes.items():
-            chunks = [md.ChunkStorageMetadata(offsets=torch.Size(idx.offset), sizes=torch.Size(w.sizes))
-                      for idx, w in self.where.items() if idx.fqn == key]
-            tensors[key] = md.TensorStorageMetadata(properties=md.TensorProperties(dtype=dtype),
-                                                    size=torch.Size(size), chunks=chunks)
+        chunks: dict[str, list] = {key: [] for key in self.sizes}
+        for idx, w in self.where.items():
+            chunks[idx.fqn].append(md.ChunkStorageMetadata(offsets=torch.Size(idx.offset), sizes=torch.Size(w.sizes)))
+        tensors = {key: md.TensorStorageMetadata(properties=md.TensorProperties(dtype=dtype), size=torch.Size(size),
+                                                 chunks=chunks[key])
+                   for key, (dtype, size) in self.sizes.items()}
         return md.Metadata(state_dict_metadata=tensors, storage_data=dict(self.where))
 
     def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
