@@ -141,6 +141,18 @@ def _published(store: ObjectStore, step: int, key: HmacKey) -> Manifest | None:
     return manifest
 
 
+def _before_save(store: ObjectStore, step: int, parts: dict[str, Any], key: bytes | None) -> Manifest | None:
+    """Checks before anything is written: every part loadable back (ValueError), LATEST not
+    past ``step`` (LatestRegression). The manifest of ``step`` when LATEST already names it
+    whole (a re-save then writes nothing), else None."""
+    for name, obj in parts.items():
+        check_saveable(obj, name)
+    current = read_latest_step(store)
+    if current is not None and current > step:
+        raise LatestRegression(f"{store.uri}/LATEST is at step {current}; refusing to save step {step}")
+    return _published(store, step, key) if current == step else None
+
+
 def save_checkpoint(
     store: ObjectStore,
     state: TrainState,
@@ -164,17 +176,11 @@ def save_checkpoint(
     """
     fields = state.manifest_fields()
     parts = state.components()
-    for name, obj in parts.items():
-        check_saveable(obj, name)
     key = resolve_hmac_key(hmac_key)
     step = state.step
-    current = read_latest_step(store)
-    if current is not None and current > step:
-        raise LatestRegression(f"{store.uri}/LATEST is at step {current}; refusing to save step {step}")
-    if current == step:
-        published = _published(store, step, key)
-        if published is not None:
-            return published
+    published = _before_save(store, step, parts, key)
+    if published is not None:
+        return published
 
     store.delete(manifest_key(step))
     files = _write_state_files(store, step, parts, on_phase)
@@ -231,17 +237,11 @@ def save_sharded_checkpoint(
     missing after ``parts_timeout_s`` (LATEST unchanged)."""
     fields = state.manifest_fields()
     parts = state.components() if state.shard == 0 else {}
-    for name, obj in parts.items():
-        check_saveable(obj, name)
     key = resolve_hmac_key(hmac_key)
     step = state.step
-    current = read_latest_step(store)
-    if current is not None and current > step:
-        raise LatestRegression(f"{store.uri}/LATEST is at step {current}; refusing to save step {step}")
-    if current == step:
-        published = _published(store, step, key)
-        if published is not None:
-            return published if state.shard == 0 else None
+    published = _before_save(store, step, parts, key)
+    if published is not None:
+        return published if state.shard == 0 else None
     # the files of other attempts at this step have other names (another shard size) or the
     # same bytes (the same step's state): the old manifest stays true until replaced
     write_shard(store, state, _HashingWriter)

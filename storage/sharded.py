@@ -232,21 +232,9 @@ def wait_for_shards(store: ObjectStore, step: int, shard_size: int, timeout_s: f
 
 # --- reading through DCP -------------------------------------------------------------------------
 def _verified(store: ObjectStore, manifest: Manifest, name: str) -> bytes:
-    entry = manifest.files.get(name)
-    key = file_key(manifest.step, name)
-    where = f"{store.uri}/{key}"
-    if entry is None:
-        raise CheckpointCorrupt(f"{where}: not listed in the manifest")
-    try:
-        data = store.get_bytes(key)
-    except ObjectNotFound as exc:
-        raise CheckpointCorrupt(f"{where}: missing") from exc
-    if len(data) != entry.size:
-        raise CheckpointCorrupt(f"{where}: size {len(data)} bytes, manifest says {entry.size} (truncated?)")
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != entry.sha256:
-        raise CheckpointCorrupt(f"{where}: sha256 {digest[:12]}... does not match manifest {entry.sha256[:12]}...")
-    return data
+    from shoal.storage.verify import read_verified_file  # verify reads this module's names
+
+    return read_verified_file(store, manifest, name)
 
 
 def read_indexes(store: ObjectStore, manifest: Manifest) -> list[ShardIndex]:

@@ -50,21 +50,27 @@ def read_manifest(
 def read_verified_files(store: ObjectStore, manifest: Manifest) -> dict[str, bytes]:
     """Every file of ``manifest`` after checking its size and sha256; CheckpointCorrupt
     names the first file that is missing, truncated/extended or differs."""
-    out: dict[str, bytes] = {}
-    for name, entry in manifest.files.items():
-        key = file_key(manifest.step, name)
-        where = f"{store.uri}/{key}"
-        try:
-            data = store.get_bytes(key)
-        except ObjectNotFound as exc:
-            raise CheckpointCorrupt(f"{where}: missing") from exc
-        if len(data) != entry.size:
-            raise CheckpointCorrupt(f"{where}: size {len(data)} bytes, manifest says {entry.size} (truncated?)")
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != entry.sha256:
-            raise CheckpointCorrupt(f"{where}: sha256 {digest[:12]}... does not match manifest {entry.sha256[:12]}...")
-        out[name] = data
-    return out
+    return {name: read_verified_file(store, manifest, name) for name in manifest.files}
+
+
+def read_verified_file(store: ObjectStore, manifest: Manifest, name: str) -> bytes:
+    """The bytes of file ``name`` of ``manifest``'s checkpoint once its size and sha256 match;
+    CheckpointCorrupt when it is not listed, missing, truncated/extended or differs."""
+    entry = manifest.files.get(name)
+    key = file_key(manifest.step, name)
+    where = f"{store.uri}/{key}"
+    if entry is None:
+        raise CheckpointCorrupt(f"{where}: not listed in the manifest")
+    try:
+        data = store.get_bytes(key)
+    except ObjectNotFound as exc:
+        raise CheckpointCorrupt(f"{where}: missing") from exc
+    if len(data) != entry.size:
+        raise CheckpointCorrupt(f"{where}: size {len(data)} bytes, manifest says {entry.size} (truncated?)")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != entry.sha256:
+        raise CheckpointCorrupt(f"{where}: sha256 {digest[:12]}... does not match manifest {entry.sha256[:12]}...")
+    return data
 
 
 def list_checkpoint_steps(store: ObjectStore) -> list[int]:
