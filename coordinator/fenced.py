@@ -13,6 +13,7 @@ import json
 import redis
 
 from shoal.coordinator.errors import StaleEpoch
+from shoal.core.durable import confirm
 from shoal.events.keys import JobKeys
 from shoal.storage.latest import FORWARD_SET_LUA
 
@@ -86,13 +87,15 @@ class FencedWriter:
 
     def __init__(self, client: redis.Redis, keys: JobKeys, token: str, epoch: int):
         self._script = client.register_script(_APPLY)
+        self._client = client
         self.keys = keys
         self.token = token
         self.epoch = epoch
 
     def commit(self, batch: FencedBatch) -> None:
         """Apply ``batch`` atomically; raises StaleEpoch if we no longer hold the job.
-        Other Redis errors propagate as redis-py exceptions (the loop handles them)."""
+        Other Redis errors propagate as redis-py exceptions (the loop handles them), among
+        them NotReplicated (``shoal.core.durable``) when no replica confirmed the write."""
         if not batch.ops:
             return
         try:
@@ -101,6 +104,8 @@ class FencedWriter:
             if _stale(exc):
                 raise StaleEpoch(f"job {self.keys.job_id}: write with epoch {self.epoch} refused ({exc})") from exc
             raise
+        # under Sentinel: a replica must hold it before it counts (NotReplicated: an outage)
+        confirm(self._client, f"job {self.keys.job_id}: fenced write of epoch {self.epoch}")
 
 
 def _stale(exc: redis.ResponseError) -> bool:

@@ -25,6 +25,7 @@ from shoal.coordinator.balance import encode_entry, parse_registry, plan_handoff
 from shoal.coordinator.decide import Decision, EventInput, StepSeen, Tick, decide
 from shoal.coordinator.errors import StaleEpoch
 from shoal.coordinator.fenced import FencedBatch, FencedWriter
+from shoal.core.durable import confirm
 from shoal.coordinator.lease import LeaseScripts
 from shoal.coordinator.persist import decision_batch, load_state
 from shoal.coordinator.states import CoordState
@@ -131,6 +132,10 @@ class Coordinator:
         for keys in jobs:
             self.leases.queue_hold(pipe, keys, self.token, self.lease_ms)
         epochs = pipe.execute() if jobs else []
+        taken = [k.job_id for k, e in zip(jobs, epochs) if int(e or 0) > 0
+                 and (k.job_id not in self.leads or self.leads[k.job_id].epoch != int(e))]
+        if taken:  # a takeover's epoch must survive a fail-over before we lead with it
+            confirm(self.client, f"lease takeover of {', '.join(taken)}")
         held = set()
         for keys, epoch in zip(jobs, epochs):
             epoch = int(epoch or 0)
@@ -339,7 +344,8 @@ class Coordinator:
         if is_entry:
             state = replace(state, status=replace(state.status, applied=source_id))
             decision = replace(decision, state=state)
-        batch = decision_batch(lead.keys, lead.state, decision, kind=kind, source_id=source_id, now_ms=now, epoch=lead.epoch)
+        batch = decision_batch(lead.keys, lead.state, decision, kind=kind, source_id=source_id, now_ms=now, epoch=lead.epoch,
+                               coordinator=self.instance_id)
         if is_entry:
             batch.add("XACK", lead.keys.events, COORDINATOR_GROUP, source_id)
         if not self._commit(lead, batch):
@@ -357,7 +363,7 @@ class Coordinator:
         batch = FencedBatch(keys)
         batch.xadd(keys.dead, bus.dead_letter_fields(fields, reason, sid), maxlen=DEAD_MAXLEN)
         batch.hset(keys.state, {"applied": sid})
-        entry = ControlEntry(ts_ms=now, epoch=lead.epoch, kind="dead_letter", source_id=sid,
+        entry = ControlEntry(ts_ms=now, epoch=lead.epoch, coordinator=self.instance_id, kind="dead_letter", source_id=sid,
                              job_state=status.state.value, generation=status.generation,
                              reason=f"dead-lettered {sid}: {reason}")
         batch.xadd(keys.control, entry.to_fields(), maxlen=CONTROL_MAXLEN)

@@ -31,7 +31,8 @@ def load_state(client: redis.Redis, keys: JobKeys) -> CoordState:
 
 
 def decision_batch(
-    keys: JobKeys, old: CoordState, decision: Decision, *, kind: str, source_id: str, now_ms: int, epoch: int
+    keys: JobKeys, old: CoordState, decision: Decision, *, kind: str, source_id: str, now_ms: int, epoch: int,
+    coordinator: str = "",
 ) -> FencedBatch:
     """Writes for ``decision``: status, changed workers, actions and a control-log entry."""
     new = decision.state
@@ -64,16 +65,18 @@ def decision_batch(
                                    traceback=action.traceback, exit_code=action.exit_code, signal=action.signal)
             batch.xadd(keys.failures, failure.to_fields(), maxlen=FAILURES_MAXLEN)
     if decision.changed:
-        entry = control_entry(decision, kind=kind, source_id=source_id, now_ms=now_ms, epoch=epoch)
+        entry = control_entry(decision, kind=kind, source_id=source_id, now_ms=now_ms, epoch=epoch,
+                              coordinator=coordinator)
         batch.xadd(keys.control, entry.to_fields(), maxlen=CONTROL_MAXLEN)
     return batch
 
 
-def control_entry(decision: Decision, *, kind: str, source_id: str, now_ms: int, epoch: int) -> ControlEntry:
+def control_entry(decision: Decision, *, kind: str, source_id: str, now_ms: int, epoch: int,
+                  coordinator: str = "") -> ControlEntry:
     """The control stream's entry of ``decision``: what it applied, the job's state after it,
     the reason, and the typed membership change of the generation it planned, if any."""
     status = decision.state.status
     change = next((a.change for a in decision.actions if isinstance(a, Publish) and a.change is not None), None)
-    return ControlEntry(ts_ms=now_ms, epoch=epoch, kind=kind, source_id=source_id, job_state=status.state.value,
+    return ControlEntry(ts_ms=now_ms, epoch=epoch, coordinator=coordinator, kind=kind, source_id=source_id, job_state=status.state.value,
                         generation=status.generation, reason=decision.reason,
                         **(change.fields() if change is not None else {}))

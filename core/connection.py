@@ -3,12 +3,20 @@
 ``REDIS_URL`` (redis://, rediss://, with user/password) selects the server; when it is not
 set the CLI starts or reuses the embedded server (see :mod:`shoal.ops.embedded`). URLs are
 never printed with their password: use :func:`redact_url`.
+
+A Redis under Sentinel is named ``redis+sentinel://[user:password@]h1:p1,h2:p2,h3:p3/<service>[/<db>]``
+(``rediss+sentinel://`` for TLS to the data nodes): the client asks the sentinels which node is
+the primary of ``<service>`` and asks again after a fail-over; the password is the data nodes'
+(and, by default, the sentinels': ``?sentinel_password=`` sets theirs apart). Such a client
+also knows that the deployment has replicas: :func:`replicas_to_wait` is 1 (see
+:mod:`shoal.core.durable`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -20,7 +28,8 @@ ENV_URL = "REDIS_URL"
 
 
 #: Query parameters redis-py takes as secrets (``?password=`` works like ``user:password@``).
-_SECRET_PARAMS = frozenset({"password", "ssl_password"})
+_SECRET_PARAMS = frozenset({"password", "ssl_password", "sentinel_password"})
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 
 
 def redact_url(url: str) -> str:
@@ -61,18 +70,21 @@ def connect(url: str, *, timeout: float = 5.0, check: bool = True, ride_out: flo
                         retry_on_error=list(errors))
     try:
         parts = urlsplit(url)
-        db = parts.path.strip("/")
-        if parts.scheme in ("redis", "rediss") and db and not db.isdigit():
-            raise ValueError(f"the database {db!r} is not a number")  # redis-py would use 0 instead
-        client = redis.Redis.from_url(
-            url,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            health_check_interval=30,
-            **retrying,
-        )
-        # an unknown or bad query parameter (e.g. ``?ssl_certreqs=``) fails here, not at the first command
-        client.connection_pool.connection_class(**client.connection_pool.connection_kwargs)
+        if parts.scheme in SENTINEL_SCHEMES:
+            client = _sentinel_client(parts, timeout, retrying)
+        else:
+            db = parts.path.strip("/")
+            if parts.scheme in ("redis", "rediss") and db and not db.isdigit():
+                raise ValueError(f"the database {db!r} is not a number")  # redis-py would use 0 instead
+            client = redis.Redis.from_url(
+                url,
+                socket_timeout=timeout,
+                socket_connect_timeout=timeout,
+                health_check_interval=30,
+                **retrying,
+            )
+            # an unknown or bad query parameter (e.g. ``?ssl_certreqs=``) fails here, not at the first command
+            client.connection_pool.connection_class(**client.connection_pool.connection_kwargs)
     except (ValueError, TypeError, redis.RedisError) as exc:
         raise ConnectionFailed(f"bad Redis URL {redact_url(url)}: {exc}") from exc
     if check:
@@ -85,6 +97,73 @@ def connect(url: str, *, timeout: float = 5.0, check: bool = True, ride_out: flo
     return client
 
 
+def _sentinel_client(parts, timeout: float, retrying: dict) -> redis.Redis:
+    """The primary of the URL's service, found (and found again after a fail-over) through
+    its sentinels."""
+    from redis.sentinel import Sentinel
+
+    userinfo, _at, hosts = parts.netloc.rpartition("@")
+    user, _colon, password = userinfo.partition(":")
+    nodes = []
+    for hostport in hosts.split(","):
+        host, colon, port = hostport.rpartition(":")
+        if not colon or not port.isdigit() or not host:
+            raise ValueError(f"sentinel address {hostport!r} is not host:port")
+        nodes.append((host.strip("[]"), int(port)))
+    path = [p for p in parts.path.split("/") if p]
+    if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError("the path must be /<service> or /<service>/<db number>")
+    params = dict(parse_qsl(parts.query))
+    unknown = set(params) - {"sentinel_password"}
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {', '.join(sorted(unknown))} (only sentinel_password)")
+    auth = {"username": unquote(user) or None, "password": unquote(password) or None}
+    sentinel_auth = {"password": params.get("sentinel_password", auth["password"]),
+                     "username": auth["username"] if "sentinel_password" not in params else None}
+    sentinel = Sentinel(nodes, sentinel_kwargs=dict(socket_timeout=timeout, socket_connect_timeout=timeout,
+                                                    **{k: v for k, v in sentinel_auth.items() if v}),
+                        socket_timeout=timeout, socket_connect_timeout=timeout)
+    client = sentinel.master_for(path[0], db=int(path[1]) if len(path) == 2 else 0, socket_timeout=timeout,
+                                 socket_connect_timeout=timeout, health_check_interval=30,
+                                 connection_class=_sentinel_classes()[parts.scheme == "rediss+sentinel"],
+                                 **{k: v for k, v in auth.items() if v}, **retrying)
+    client.shoal_replicas = 1  # see replicas_to_wait
+    return client
+
+
+@functools.cache
+def _sentinel_classes() -> tuple[type, type]:
+    """redis-py's Sentinel connections (plain, TLS) that ask the sentinels for the primary on
+    every socket connect. redis-py's own ask only in ``connect()``: a reconnect from inside a
+    command's retry (``connect_check_health``) reuses the address the connection had, so a
+    worker riding out a fail-over kept dialling the dead primary for its whole ride-out (60 s
+    seen) while a replica had been promoted 2 s after the kill."""
+    from redis.sentinel import SentinelManagedConnection, SentinelManagedSSLConnection
+
+    class Rediscover:
+        def _connect(self):
+            if self.connection_pool.is_master:
+                self.host, self.port = self.connection_pool.get_master_address()
+            return super()._connect()
+
+    class Plain(Rediscover, SentinelManagedConnection):
+        pass
+
+    class TLS(Rediscover, SentinelManagedSSLConnection):
+        pass
+
+    return Plain, TLS
+
+
+def replicas_to_wait(client: redis.Redis) -> int:
+    """How many replicas a durable write waits for on ``client``'s server: 1 under Sentinel
+    (``redis+sentinel://``), 0 otherwise; ``SHOAL_REDIS_WAIT_REPLICAS`` overrides."""
+    env = os.environ.get("SHOAL_REDIS_WAIT_REPLICAS", "")
+    if env.isdigit():
+        return int(env)
+    return int(getattr(client, "shoal_replicas", 0))
+
+
 def without_retries(client: redis.Redis, *, timeout: float | None = None) -> redis.Redis:
     """A client to the same server (same URL, credentials, TLS, timeouts) whose commands fail
     at once instead of riding out an outage: for best-effort writes from a hot path, such as
@@ -92,11 +171,20 @@ def without_retries(client: redis.Redis, *, timeout: float | None = None) -> red
     replaces the socket and connect timeouts (a call that must return within a bound even when
     the server is blackholed, such as the commit fence)."""
     pool = client.connection_pool
-    kwargs = {k: v for k, v in pool.connection_kwargs.items() if k not in ("retry", "retry_on_error", "retry_on_timeout")}
+    kwargs = {k: v for k, v in pool.connection_kwargs.items()
+              if k not in ("retry", "retry_on_error", "retry_on_timeout", "connection_pool")}
     if timeout is not None:
         kwargs.update(socket_timeout=timeout, socket_connect_timeout=timeout)
-    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class,
-                                                            retry=Retry(NoBackoff(), 0), **kwargs))
+    if hasattr(pool, "sentinel_manager"):  # under Sentinel: the same service, found the same way
+        from redis.sentinel import SentinelConnectionPool
+
+        fresh = SentinelConnectionPool(pool.service_name, pool.sentinel_manager, retry=Retry(NoBackoff(), 0),
+                                       connection_class=pool.connection_class, **kwargs)
+    else:
+        fresh = redis.ConnectionPool(connection_class=pool.connection_class, retry=Retry(NoBackoff(), 0), **kwargs)
+    out = redis.Redis(connection_pool=fresh)
+    out.shoal_replicas = getattr(client, "shoal_replicas", 0)
+    return out
 
 
 def server_run_id(client: redis.Redis) -> str:

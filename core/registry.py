@@ -9,6 +9,7 @@ import redis
 from redis.client import Pipeline
 
 from shoal.events.keys import JOBS, job_keys
+from shoal.core.durable import confirm
 from shoal.core.errors import ConfigError, ShoalError
 from shoal.core.jobspec import JobSpec
 
@@ -23,13 +24,15 @@ def create_job(client: redis.Redis, spec: JobSpec, *, also: Callable[[Pipeline],
 
     ``also(pipe)`` adds more writes (e.g. ``shoal submit``'s launch units) to the same
     MULTI/EXEC transaction: either the job is registered with all of them, or nothing is
-    written (WATCH on the spec key makes a concurrent create of the same name lose)."""
+    written (WATCH on the spec key makes a concurrent create of the same name lose). Under
+    Sentinel it returns once a replica holds the registration (NotReplicated otherwise)."""
     keys = job_keys(spec.name)
     exists = JobExists(f"job {spec.name!r} already exists (use 'shoal delete {spec.name}' first)")
     if also is None:
         if not client.set(keys.spec, spec.to_json(), nx=True):
             raise exists
         client.sadd(JOBS, spec.name)
+        confirm(client, f"registration of job {spec.name}")
         return spec.name
     with client.pipeline(transaction=True) as pipe:
         try:
@@ -43,6 +46,7 @@ def create_job(client: redis.Redis, spec: JobSpec, *, also: Callable[[Pipeline],
             pipe.execute()
         except redis.WatchError:
             raise exists from None
+    confirm(client, f"registration of job {spec.name}")
     return spec.name
 
 

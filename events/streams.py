@@ -96,6 +96,8 @@ class ControlEntry(FlatEntry):
     ts_ms: int = 0
     #: Fencing epoch of the coordinator replica that decided it.
     epoch: int = 0
+    #: That replica's instance id (``shoal coordinator --id``): each epoch belongs to one.
+    coordinator: str = ""
     #: What it applied: a worker event's ``kind`` (join, ready, leave, left, exited,
     #: start_failed, step_failed, completed, stop, checkpoint, eval), ``tick`` (a timer:
     #: heartbeat and step timeouts, settling joins), or ``dead_letter``.

@@ -205,7 +205,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         if raw is None:
             raise ConfigError(f"job {args.job!r} does not exist")
         spec = JobSpec.from_stored(raw)
-        url = url_from_env() or f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/0"
+        url = url_from_env() or _embedded_url(client)
         run_dir = Path(args.run_dir or default_run_dir().parent / "agent" / args.job)
         agent = NodeAgent(client, url, args.job, args.workers, run_dir=run_dir,
                           max_restarts=spec.max_restarts if args.max_restarts is None else args.max_restarts,
@@ -216,6 +216,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
         return agent.run()
 
 
+def _embedded_url(client) -> str:
+    """The URL of the embedded server ``client`` talks to (no ``REDIS_URL``: always a plain
+    loopback server)."""
+    return f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/0"
+
+
 def _agent_queue(args: argparse.Namespace) -> int:
     """The node agent as an RQ worker on the launch queue: each launch unit it takes runs
     ``shoal.launch.run_launch`` (a NodeAgent for that job) in RQ's forked work horse."""
@@ -223,7 +229,7 @@ def _agent_queue(args: argparse.Namespace) -> int:
     from shoal.ops.launch import launch_worker
 
     with redis_client(start_embedded=False) as client:
-        url = url_from_env() or f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/0"
+        url = url_from_env() or _embedded_url(client)
         os.environ["REDIS_URL"] = url  # work horses inherit it: run_launch connects with it
         if args.node:
             os.environ["SHOAL_NODE"] = args.node

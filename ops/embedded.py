@@ -13,6 +13,8 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,6 +96,7 @@ def start_server(
     password: str | None = None,
     timeout: float = 10.0,
     fsync: str = "everysec",
+    extra: list[str] | None = None,
 ) -> EmbeddedServer:
     """Start a server in ``run_dir`` on loopback (loading the AOF already there, if any);
     raises ConnectionFailed if it does not answer PING within ``timeout`` (the server's log
@@ -112,6 +115,7 @@ def start_server(
         "--logfile", "server.log",
         "--daemonize", "no",
         "--protected-mode", "yes",
+        *(extra or []),
     ]
     if password:
         # a password on the command line is visible in ps: use a config file only we can read
@@ -151,3 +155,136 @@ def ensure_server(run_dir: Path | None = None) -> EmbeddedServer:
         except (ValueError, redis.RedisError):
             port_file.unlink(missing_ok=True)
     return start_server(run_dir)
+
+
+# --- a highly available set: a primary, replicas and sentinels ---------------------------------
+SERVICE = "shoal"
+
+
+@dataclass
+class HASet:
+    """A primary, ``replicas`` replicas and ``sentinels`` sentinels of the embedded binary on
+    loopback (free ports), for tests, benches and ``shoal demo --ha``. :attr:`url` is the
+    ``redis+sentinel://`` URL of its service; :meth:`primary` asks the sentinels which data
+    node is the primary now; :meth:`kill_primary` SIGKILLs it (a fail-over follows)."""
+
+    run_dir: Path
+    nodes: list[EmbeddedServer]
+    sentinels: list[EmbeddedServer]
+    down_after_ms: int
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{hosts}/{SERVICE}/0"
+
+    def primary(self, timeout: float = 30.0) -> EmbeddedServer:
+        """The data node the sentinels name as the primary (waits up to ``timeout`` for a
+        quorum that names a live one)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for s in self.sentinels:
+                try:
+                    host, port = redis.Redis(host="127.0.0.1", port=s.port, socket_timeout=1
+                                             ).sentinel_get_master_addr_by_name(SERVICE)
+                except (redis.RedisError, TypeError, ValueError):
+                    continue
+                node = next((n for n in self.nodes if n.port == int(port)), None)
+                if node is not None and node.proc is not None and node.proc.poll() is None:
+                    return node
+            if time.monotonic() > deadline:
+                raise ConnectionFailed(f"no sentinel of {self.run_dir} names a live primary")
+            time.sleep(0.05)
+
+    def kill_primary(self) -> EmbeddedServer:
+        node = self.primary()
+        node.kill()
+        return node
+
+    def wait_failover(self, old: EmbeddedServer, timeout: float = 30.0) -> EmbeddedServer:
+        """The new primary once the sentinels promoted one other than ``old``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            node = self.primary(timeout=max(0.1, deadline - time.monotonic()))
+            if node is not old:
+                return node
+            if time.monotonic() > deadline:
+                raise ConnectionFailed("no fail-over within the timeout")
+            time.sleep(0.05)
+
+    def replicas(self) -> list[EmbeddedServer]:
+        """The live data nodes other than the primary."""
+        primary = self.primary()
+        return [n for n in self.nodes if n is not primary and n.proc is not None and n.proc.poll() is None]
+
+    @contextmanager
+    def frozen(self, nodes: list[EmbeddedServer]) -> Iterator[None]:
+        """SIGSTOP ``nodes`` for the block (SIGCONT after): to their peers, links cut."""
+        for n in nodes:
+            os.kill(n.proc.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for n in nodes:
+                if n.proc.poll() is None:
+                    os.kill(n.proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        for s in self.sentinels + self.nodes:
+            s.stop()
+
+    def __enter__(self) -> "HASet":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_ha(run_dir: Path, *, replicas: int = 2, sentinels: int = 3, down_after_ms: int = 1000,
+             appendonly: bool = False, timeout: float = 20.0) -> HASet:
+    """Start an :class:`HASet` under ``run_dir`` (quorum: a majority of the sentinels); returns
+    once every replica is in sync and every sentinel sees the primary and the others."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    nodes: list[EmbeddedServer] = []
+    sents: list[EmbeddedServer] = []
+    ha = HASet(run_dir, nodes, sents, down_after_ms)
+    try:
+        primary = start_server(run_dir / "node0", appendonly=appendonly)
+        nodes.append(primary)
+        for i in range(1, replicas + 1):
+            nodes.append(start_server(run_dir / f"node{i}", appendonly=appendonly,
+                                      extra=["--replicaof", "127.0.0.1", str(primary.port)]))
+        quorum = sentinels // 2 + 1
+        for i in range(sentinels):
+            d = run_dir / f"sentinel{i}"
+            d.mkdir(parents=True, exist_ok=True)
+            port = free_port()
+            conf = d / "sentinel.conf"  # a sentinel rewrites its config file: it must be writable
+            conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {d}\nlogfile sentinel.log\n"
+                            f"sentinel monitor {SERVICE} 127.0.0.1 {primary.port} {quorum}\n"
+                            f"sentinel down-after-milliseconds {SERVICE} {down_after_ms}\n"
+                            f"sentinel failover-timeout {SERVICE} {max(3000, 3 * down_after_ms)}\n"
+                            f"sentinel parallel-syncs {SERVICE} 1\n")
+            proc = subprocess.Popen([str(server_binary()), str(conf), "--sentinel"], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            sents.append(EmbeddedServer(run_dir=d, port=port, proc=proc, owned=True))
+        deadline = time.monotonic() + timeout
+        while True:  # replicas in sync, every sentinel sees them and its peers
+            try:
+                info = redis.Redis(host="127.0.0.1", port=primary.port, socket_timeout=1).info("replication")
+                ready = info.get("connected_slaves", 0) == replicas and all(
+                    info.get(f"slave{i}", {}).get("state") == "online" for i in range(replicas))
+                for s in sents:
+                    m = redis.Redis(host="127.0.0.1", port=s.port, socket_timeout=1).sentinel_master(SERVICE)
+                    ready = (ready and int(m["num-slaves"]) == replicas
+                             and int(m["num-other-sentinels"]) == sentinels - 1)
+            except (redis.RedisError, KeyError, ValueError):
+                ready = False
+            if ready:
+                return ha
+            if time.monotonic() > deadline:
+                raise ConnectionFailed(f"the HA set under {run_dir} did not come up within {timeout:.0f} s")
+            time.sleep(0.05)
+    except BaseException:
+        ha.stop()
+        raise

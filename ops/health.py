@@ -168,9 +168,39 @@ def check_agent(client: redis.Redis, *, name: str | None, max_age_s: float, host
 
 
 def check_redis(client: redis.Redis) -> Verdict:
-    """PING, then the server's role and whether AOF is on (informational)."""
+    """PING, then the server's role and whether AOF is on (informational). Under Sentinel
+    (a ``redis+sentinel://`` URL) the sentinels' view too: the primary, its replicas in sync,
+    the sentinels and the quorum; unhealthy when no replica is in sync (durable writes, which
+    wait for one, would all fail) or the sentinels cannot reach a quorum."""
     client.ping()
     info = client.info("persistence")
     aof = "AOF on" if str(info.get("aof_enabled", "0")) == "1" else "AOF off"
-    role = client.info("replication").get("role", "?")
-    return Verdict(True, f"redis: healthy ({role}, {aof})")
+    replication = client.info("replication")
+    role = replication.get("role", "?")
+    pool = client.connection_pool
+    if not hasattr(pool, "sentinel_manager"):
+        return Verdict(True, f"redis: healthy ({role}, {aof})")
+    return _sentinel_verdict(pool.sentinel_manager, pool.service_name, replication, aof)
+
+
+def _sentinel_verdict(manager, service: str, replication: dict, aof: str) -> Verdict:
+    host, port = manager.discover_master(service)
+    in_sync = sum(1 for k, v in replication.items() if k.startswith("slave") and isinstance(v, dict)
+                  and v.get("state") == "online")
+    views = []
+    for sentinel in manager.sentinels:
+        try:
+            views.append(sentinel.sentinel_master(service))
+        except redis.RedisError:
+            continue
+    if not views:
+        return Verdict(False, f"redis: no sentinel of service {service} answers")
+    quorum = int(views[0].get("quorum", 0))
+    ok_quorum = len(views) >= quorum
+    text = (f"primary {host}:{port} ({aof}), {in_sync} replica(s) in sync, {len(views)} of "
+            f"{int(views[0].get('num-other-sentinels', 0)) + 1} sentinel(s) answer, quorum {quorum}")
+    if in_sync == 0:
+        return Verdict(False, f"redis: {text}: no replica in sync, durable writes would fail")
+    if not ok_quorum:
+        return Verdict(False, f"redis: {text}: fewer sentinels than the quorum, no fail-over possible")
+    return Verdict(True, f"redis: healthy under Sentinel: {text}")

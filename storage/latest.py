@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import redis
 
+from shoal.core.durable import confirm
 from shoal.events.keys import job_keys
 from shoal.events.models import LatestPointer as _WirePointer
 from shoal.storage.errors import LatestRegression, PointerCorrupt, translated
@@ -61,10 +62,12 @@ def publish_latest(r: redis.Redis, job_id: str, pointer: LatestPointer) -> None:
     """Move the job's pointer to ``pointer`` unless it names a higher step already.
 
     Raises LatestRegression (pointer untouched) when it does, StorageUnavailable when Redis
-    fails, ValueError for an invalid job id."""
+    fails (or, under Sentinel, no replica confirmed the move), ValueError for an invalid job id."""
     key = job_keys(job_id).latest
     with translated(f"publish LATEST of job {job_id}"):
         current = int(r.eval(CAS_LUA, 1, key, *cas_args(pointer)))
+        if current < 0:  # moved: under Sentinel it counts once a replica holds it
+            confirm(r, f"LATEST of job {job_id}")
     if current >= 0:
         raise LatestRegression(f"job {job_id} LATEST is at step {current}; refusing to move it back to {pointer.step}")
 

@@ -17,6 +17,7 @@ import redis
 
 from shoal.events.keys import JobKeys
 from shoal.events.models import Heartbeat
+from shoal.core.durable import confirm
 from shoal.core.connection import without_retries
 
 log = logging.getLogger("shoal.worker.heartbeat")
@@ -125,7 +126,8 @@ class Heartbeater:
         self._busy_since = (time.monotonic() if since is None else since) if on else None
 
     def beat(self, *, client: redis.Redis | None = None) -> bool:
-        """One beat now; False once this worker is evicted. Raises redis.RedisError."""
+        """One beat now; False once this worker is evicted. Raises redis.RedisError (among
+        them NotReplicated, ``shoal.core.durable``: no replica confirmed it)."""
         with self._lock:
             value, pid = self._value.model_dump_json(), self._value.pid
         sent = time.monotonic()
@@ -135,6 +137,10 @@ class Heartbeater:
                                      self._keys.workers],
                                args=[self.worker_id, value, self._ttl_ms, busy_ms, pid], client=client))
         if ok:
+            # under Sentinel a beat counts once a replica holds it: one acknowledged by a primary
+            # cut off from its replicas (soon demoted, its writes dropped) proves nothing
+            confirm(client if client is not None else self._fast, f"heartbeat of {self.worker_id}",
+                    timeout_ms=max(1, int(self.fence_timeout * 1000)))
             self.confirmed_at = max(self.confirmed_at, sent)
         elif not self.evicted:
             self.evicted = True

@@ -6,6 +6,7 @@ worker; the worker never writes coordinator state.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 
@@ -27,9 +28,12 @@ from shoal.events.models import (
     ShardTable,
     StepFailed,
 )
+from shoal.core.durable import NotReplicated, confirm
 from shoal.core.errors import ShoalError
 from shoal.events.records import WorkerRecord
 from shoal.worker.placement import Placement
+
+log = logging.getLogger("shoal.worker.membership")
 
 
 class MembershipError(ShoalError):
@@ -122,7 +126,26 @@ class Membership:
 
     def next_table(self, after_generation: int, timeout: float) -> ShardTable | None:
         """The newest table with a generation above ``after_generation``, waiting up to
-        ``timeout`` s for one to be published; None when none came."""
+        ``timeout`` s for one to be published; None when none came.
+
+        Under Sentinel a table counts once a replica holds it: one that only a primary cut off
+        from its replicas acknowledged may vanish in the fail-over, and a coordinator then
+        publishes that generation again with other members; training in it would commit steps
+        nobody else knows. So it is returned only after :func:`~shoal.core.durable.confirm`;
+        if no replica confirms it, None, and the next call reads it again."""
+        cursor = self._gen_cursor
+        table = self._newer_table(after_generation, timeout)
+        if table is None:
+            return None
+        try:
+            confirm(self.client, f"generation {table.generation} of job {self.job_id}")
+        except NotReplicated as exc:
+            log.warning("%s; waiting for a replica or a fail-over", exc)
+            self._gen_cursor = cursor
+            return None
+        return table
+
+    def _newer_table(self, after_generation: int, timeout: float) -> ShardTable | None:
         cur = self.current_table()
         if cur is not None and cur.generation > after_generation:
             return cur

@@ -1,0 +1,147 @@
+"""Sentinel fail-overs under a running job (issue 29): an HA set of the embedded binary (a
+primary, 2 replicas, 3 sentinels), 2 coordinators, 3 workers with checkpoints, everything
+connected through a ``redis+sentinel://`` URL.
+
+- (a) the primary is killed with SIGKILL at about step 40;
+- (b) "lost tail": a worker is killed at about step 40 and at once the replicas are cut off
+  (frozen) for 1.5 s, so the generation switch that follows lands only on the primary; then
+  the primary is killed. The switch's writes were acknowledged by the primary and are lost:
+  nothing may have acted on them (the coordinator's fenced writes, the workers' tables and
+  commit fences wait for a replica: ``shoal.core.durable``).
+
+Each run checks, from outside the processes:
+
+- every committed step and every sample exactly once (the workers' ledgers);
+- the survivors keep their processes, and their final parameters are bit-identical;
+- the Redis LATEST pointer, sampled every 50 ms through the fail-over, never moves back;
+- along the control stream the new primary holds, the fencing epochs never go back and each
+  belongs to one coordinator; the epoch key is at least the last of them;
+- training resumes within 5 s of the promotion.
+
+(The same with a network partition, the primary, a coordinator and a worker cut off together
+while clients still reach that primary, is ``tests/multihost/test_redis_partition.py``.)
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+
+from shoal.core.connection import connect
+from shoal.core.registry import create_job
+from shoal.events.keys import job_keys
+from shoal.events.streams import ControlEntry
+from shoal.ops.embedded import HASet, start_ha
+from shoal.ops.localproc import LocalProcs
+from shoal.storage.latest import LatestPointer
+from shoal.worker import ledger
+from tests.helpers import ControlWatcher, job_spec
+
+pytestmark = pytest.mark.slow
+
+STEPS, DIGITS, AT = 100, 5000, 40
+
+
+def _fail_primary(ha: HASet, procs: LocalProcs, workers: list, lost_tail: bool) -> tuple[float, float]:
+    """Kill the primary (after a worker and a 1.5 s cut of the replicas for the lost tail);
+    returns (when the primary died, when a replica was promoted), wall-clock."""
+    if lost_tail:
+        replicas = ha.replicas()
+        workers[2].signal(signal.SIGKILL)
+        with ha.frozen(replicas):
+            time.sleep(1.5)
+            old = ha.kill_primary()
+            killed = time.time()
+    else:
+        old = ha.kill_primary()
+        killed = time.time()
+    ha.wait_failover(old)
+    return killed, time.time()
+
+
+def _run(tmp_path, lost_tail: bool) -> None:
+    with start_ha(tmp_path / "ha", down_after_ms=1000) as ha:
+        client = connect(ha.url, ride_out=60, timeout=10)
+        job = "failover"
+        create_job(client, job_spec(job, entrypoint="tests.entrypoints:slow_digits", global_batch_size=48,
+                                    max_steps=STEPS, epochs=2, min_workers=2, max_workers=3,
+                                    checkpoint_uri=f"file://{tmp_path / 'ckpt'}", checkpoint_interval=10))
+        keys = job_keys(job)
+        watch = ControlWatcher(client, job)
+        latest: list[int] = []
+        done = threading.Event()
+
+        def sample() -> None:  # the Redis LATEST pointer every 50 ms, through the fail-over
+            sampler = connect(ha.url, ride_out=60, timeout=10)
+            while not done.is_set():
+                raw = sampler.get(keys.latest)
+                if raw:
+                    latest.append(LatestPointer.from_json(raw).step)
+                done.wait(0.05)
+
+        env = {"SHOAL_TEST_STEP_DELAY": "0.05", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger"),
+               "SHOAL_EXPORT_DIR": str(tmp_path / "final")}
+        thread = threading.Thread(target=sample, daemon=True)
+        thread.start()
+        with LocalProcs(ha.url, tmp_path / "logs", extra_env=env) as procs:
+            procs.coordinator("coord1")
+            procs.coordinator("coord2")
+            workers = [procs.worker(job, f"p{i}") for i in range(3)]
+            try:
+                watch.wait_for(lambda d: d.world_size == 3, 120)
+                deadline = time.monotonic() + 120
+                # just after a checkpoint's LATEST moved: the next one is 10 steps away
+                while not latest or latest[-1] < AT:
+                    assert time.monotonic() < deadline, f"step {AT} not checkpointed"
+                    time.sleep(0.02)
+                survivors = workers[:2] if lost_tail else workers
+                pids = {w.pid for w in survivors}
+                killed, promoted = _fail_primary(ha, procs, workers, lost_tail)
+                watch.wait_for(lambda d: d.job_state in ("completed", "failed"), 240)
+                assert watch.seen[-1].job_state == "completed", watch.seen[-1].reason
+                assert all(w.wait(60) == 0 for w in survivors)
+            except BaseException:
+                for p in procs.procs:
+                    print(f"===== {p.name}\n{p.log_tail(40)}")
+                raise
+            finally:
+                done.set()
+                thread.join(5)
+            control = [ControlEntry.from_fields(f) for _sid, f in client.xrange(keys.control)]
+            epoch_key = int(client.get(keys.epoch) or 0)
+
+    entries = ledger.read(tmp_path / "ledger")
+    verdict = ledger.verify(entries, DIGITS)
+    assert verdict.ok, verdict.problem
+    assert verdict.steps == STEPS
+    assert {e["pid"] for e in entries if e["step"] == STEPS} == pids  # the same processes finished it
+    finals = [torch.load(p, weights_only=True) for p in sorted((tmp_path / "final").glob("final-*.pt"))]
+    assert len(finals) == len(pids) and all(torch.equal(f[k], finals[0][k]) for f in finals for k in f)
+    assert latest and all(a <= b for a, b in zip(latest, latest[1:])), latest
+    epochs = [d.epoch for d in control]
+    assert all(a <= b for a, b in zip(epochs, epochs[1:])), epochs
+    owners: dict[int, set[str]] = defaultdict(set)
+    for d in control:
+        owners[d.epoch].add(d.coordinator)
+    assert all(len(o) == 1 and "" not in o for o in owners.values()), dict(owners)
+    assert epoch_key >= max(epochs)
+    steps = sorted({e["step"]: e["t"] for e in entries}.items())
+    resumed = min(t for _s, t in steps if t > promoted)
+    stall = max(b[1] - a[1] for a, b in zip(steps, steps[1:]))
+    print(f"kill -9 of the primary -> promotion {promoted - killed:.2f} s -> next committed step "
+          f"{resumed - promoted:.2f} s after it; longest stall between steps {stall:.2f} s; "
+          f"epochs {dict((e, sorted(o)) for e, o in owners.items())}")
+    assert resumed - promoted < 5.0
+
+
+def test_a_killed_primary_loses_nothing(tmp_path) -> None:
+    _run(tmp_path, lost_tail=False)
+
+
+def test_a_switch_only_the_dead_primary_saw_is_never_acted_on(tmp_path) -> None:
+    _run(tmp_path, lost_tail=True)
