@@ -13,7 +13,7 @@ import json
 import redis
 
 from shoal.coordinator.errors import StaleEpoch
-from shoal.core.durable import confirm
+from shoal.core.durable import execute_confirmed
 from shoal.events.keys import JobKeys
 from shoal.storage.latest import FORWARD_SET_LUA
 
@@ -98,14 +98,16 @@ class FencedWriter:
         them NotReplicated (``shoal.core.durable``) when no replica confirmed the write."""
         if not batch.ops:
             return
+        # under Sentinel a replica must hold it before it counts (NotReplicated: an outage),
+        # confirmed on the connection that wrote it
+        pipe = self._client.pipeline(transaction=False)
+        self._script(keys=batch.keys, args=[self.token, str(self.epoch), json.dumps(batch.ops)], client=pipe)
         try:
-            self._script(keys=batch.keys, args=[self.token, str(self.epoch), json.dumps(batch.ops)])
+            execute_confirmed(self._client, pipe, f"job {self.keys.job_id}: fenced write of epoch {self.epoch}")
         except redis.ResponseError as exc:
             if _stale(exc):
                 raise StaleEpoch(f"job {self.keys.job_id}: write with epoch {self.epoch} refused ({exc})") from exc
             raise
-        # under Sentinel: a replica must hold it before it counts (NotReplicated: an outage)
-        confirm(self._client, f"job {self.keys.job_id}: fenced write of epoch {self.epoch}")
 
 
 def _stale(exc: redis.ResponseError) -> bool:

@@ -25,7 +25,7 @@ from shoal.coordinator.balance import encode_entry, parse_registry, plan_handoff
 from shoal.coordinator.decide import Decision, EventInput, StepSeen, Tick, decide
 from shoal.coordinator.errors import StaleEpoch
 from shoal.coordinator.fenced import FencedBatch, FencedWriter
-from shoal.core.durable import confirm
+from shoal.core.durable import execute_confirmed
 from shoal.coordinator.lease import LeaseScripts
 from shoal.coordinator.persist import decision_batch, load_state
 from shoal.coordinator.states import CoordState
@@ -131,11 +131,8 @@ class Coordinator:
         pipe = self.client.pipeline(transaction=False)
         for keys in jobs:
             self.leases.queue_hold(pipe, keys, self.token, self.lease_ms)
-        epochs = pipe.execute() if jobs else []
-        taken = [k.job_id for k, e in zip(jobs, epochs) if int(e or 0) > 0
-                 and (k.job_id not in self.leads or self.leads[k.job_id].epoch != int(e))]
-        if taken:  # a takeover's epoch must survive a fail-over before we lead with it
-            confirm(self.client, f"lease takeover of {', '.join(taken)}")
+        # under Sentinel a lease (a takeover's epoch above all) counts once a replica holds it
+        epochs = execute_confirmed(self.client, pipe, "lease renewal") if jobs else []
         held = set()
         for keys, epoch in zip(jobs, epochs):
             epoch = int(epoch or 0)

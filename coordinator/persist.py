@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import redis
 
+from shoal.core.durable import execute_confirmed
 from shoal.coordinator.decide import Decision, Forget, Publish, RecordFailure, ReplyJoin, SetLatest, Watch
 from shoal.coordinator.fenced import FencedBatch
 from shoal.coordinator.states import CoordState
@@ -18,11 +19,13 @@ from shoal.events.keys import CONTROL_MAXLEN, FAILURES_MAXLEN, GENERATIONS_MAXLE
 
 def load_state(client: redis.Redis, keys: JobKeys) -> CoordState:
     """The job's state as last written by a leader (empty state for a new job). A worker
-    record that does not parse raises ValueError (see ``WorkerRecord.from_json``)."""
+    record that does not parse raises ValueError (see ``WorkerRecord.from_json``); under
+    Sentinel, NotReplicated when no replica holds what was read."""
     pipe = client.pipeline(transaction=False)
     pipe.hgetall(keys.state)
     pipe.hgetall(keys.workers)
-    status_raw, workers_raw = pipe.execute()
+    # under Sentinel: only a state a replica holds (a cut-off primary's may be dropped)
+    status_raw, workers_raw = execute_confirmed(client, pipe, f"state of job {keys.job_id}")
     workers = {}
     for raw in workers_raw.values():
         rec = WorkerRecord.from_json(raw)

@@ -159,6 +159,10 @@ def ensure_server(run_dir: Path | None = None) -> EmbeddedServer:
 
 # --- a highly available set: a primary, replicas and sentinels ---------------------------------
 SERVICE = "shoal"
+#: every data node of an HA set: a replica that must resync in full after a fail-over starts at
+#: once (the default waits 5 s for more replicas to share the transfer; until it is in sync, a
+#: set left with one replica confirms no durable write)
+HA_NODE_OPTIONS = ["--repl-diskless-sync-delay", "0"]
 
 
 @dataclass
@@ -249,11 +253,11 @@ def start_ha(run_dir: Path, *, replicas: int = 2, sentinels: int = 3, down_after
     sents: list[EmbeddedServer] = []
     ha = HASet(run_dir, nodes, sents, down_after_ms)
     try:
-        primary = start_server(run_dir / "node0", appendonly=appendonly)
+        primary = start_server(run_dir / "node0", appendonly=appendonly, extra=HA_NODE_OPTIONS)
         nodes.append(primary)
         for i in range(1, replicas + 1):
             nodes.append(start_server(run_dir / f"node{i}", appendonly=appendonly,
-                                      extra=["--replicaof", "127.0.0.1", str(primary.port)]))
+                                      extra=[*HA_NODE_OPTIONS, "--replicaof", "127.0.0.1", str(primary.port)]))
         quorum = sentinels // 2 + 1
         for i in range(sentinels):
             d = run_dir / f"sentinel{i}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import redis
 
-from shoal.core.durable import confirm
+from shoal.core.durable import confirm, execute_confirmed
 from shoal.events.keys import job_keys
 from shoal.events.models import LatestPointer as _WirePointer
 from shoal.storage.errors import LatestRegression, PointerCorrupt, translated
@@ -74,8 +74,11 @@ def publish_latest(r: redis.Redis, job_id: str, pointer: LatestPointer) -> None:
 
 def read_pointer(r: redis.Redis, job_id: str) -> LatestPointer | None:
     """The job's pointer, None when unset. PointerCorrupt when malformed,
-    StorageUnavailable when Redis fails."""
+    StorageUnavailable when Redis fails (or, under Sentinel, no replica holds what was read:
+    it may vanish in a fail-over)."""
     key = job_keys(job_id).latest
     with translated(f"read LATEST of job {job_id}"):
-        raw = r.get(key)
+        # under Sentinel a read counts once a replica holds what it saw: a value only a cut-off
+        # primary acknowledged (to be dropped at its demotion) must not send a resume forward
+        (raw,) = execute_confirmed(r, r.pipeline(transaction=False).get(key), f"read of LATEST of job {job_id}")
     return None if raw is None else LatestPointer.from_json(raw)

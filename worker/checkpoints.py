@@ -16,6 +16,7 @@ import torch
 from shoal.core.faults import FaultPlan
 from shoal.storage.async_saver import AsyncCheckpointer
 from shoal.storage.errors import CheckpointCorrupt, NoCheckpoint
+from shoal.core.durable import execute_confirmed
 from shoal.storage.latest import LatestPointer
 from shoal.storage.resume import resume
 from shoal.storage.rng import capture_rng, restore_rng
@@ -51,7 +52,9 @@ class Checkpoints:
         """The step the job's Redis LATEST pointer names: retention must keep it (while the
         coordinator is away the pointer lags the store's LATEST). Redis errors propagate,
         so that retention is skipped rather than guessing."""
-        raw = self.membership.client.get(self.membership.keys.latest)
+        client = self.membership.client  # not a value a fail-over may drop (under Sentinel)
+        (raw,) = execute_confirmed(client, client.pipeline(transaction=False).get(self.membership.keys.latest),
+                                   "read of LATEST")
         return [LatestPointer.from_json(raw).step] if raw else []
 
     def _phase(self, phase: str, step: int) -> None:

@@ -17,7 +17,7 @@ import redis
 
 from shoal.events.keys import JobKeys
 from shoal.events.models import Heartbeat
-from shoal.core.durable import confirm
+from shoal.core.durable import execute_confirmed
 from shoal.core.connection import without_retries
 
 log = logging.getLogger("shoal.worker.heartbeat")
@@ -133,14 +133,17 @@ class Heartbeater:
         sent = time.monotonic()
         since = self._busy_since
         busy_ms = int((sent - since) * 1000) if since is not None else -1
-        ok = bool(self._script(keys=[self._keys.heartbeat(self.worker_id), self._keys.last_seen, self._keys.busy,
-                                     self._keys.workers],
-                               args=[self.worker_id, value, self._ttl_ms, busy_ms, pid], client=client))
+        # under Sentinel a beat counts once a replica holds it, confirmed on the connection that
+        # sent it: one acknowledged by a primary cut off from its replicas (soon demoted, its
+        # writes dropped) proves nothing, and neither does its answer (evicted or not)
+        target = client if client is not None else self._script.registered_client
+        pipe = target.pipeline(transaction=False)
+        self._script(keys=[self._keys.heartbeat(self.worker_id), self._keys.last_seen, self._keys.busy,
+                           self._keys.workers],
+                     args=[self.worker_id, value, self._ttl_ms, busy_ms, pid], client=pipe)
+        ok = bool(execute_confirmed(target, pipe, f"heartbeat of {self.worker_id}",
+                                    timeout_ms=max(1, int(self.fence_timeout * 1000)))[0])
         if ok:
-            # under Sentinel a beat counts once a replica holds it: one acknowledged by a primary
-            # cut off from its replicas (soon demoted, its writes dropped) proves nothing
-            confirm(client if client is not None else self._fast, f"heartbeat of {self.worker_id}",
-                    timeout_ms=max(1, int(self.fence_timeout * 1000)))
             self.confirmed_at = max(self.confirmed_at, sent)
         elif not self.evicted:
             self.evicted = True

@@ -28,7 +28,7 @@ from shoal.events.models import (
     ShardTable,
     StepFailed,
 )
-from shoal.core.durable import NotReplicated, confirm
+from shoal.core.durable import NotReplicated, execute_confirmed
 from shoal.core.errors import ShoalError
 from shoal.events.records import WorkerRecord
 from shoal.worker.placement import Placement
@@ -131,19 +131,24 @@ class Membership:
         Under Sentinel a table counts once a replica holds it: one that only a primary cut off
         from its replicas acknowledged may vanish in the fail-over, and a coordinator then
         publishes that generation again with other members; training in it would commit steps
-        nobody else knows. So it is returned only after :func:`~shoal.core.durable.confirm`;
-        if no replica confirms it, None, and the next call reads it again."""
+        nobody else knows. So the table returned is the job's current one (the shard key, which
+        the coordinator writes with every publish) read in one pipeline with its confirmation
+        (:func:`~shoal.core.durable.execute_confirmed`); if no replica confirms it, None, and
+        the next call reads it again."""
         cursor = self._gen_cursor
-        table = self._newer_table(after_generation, timeout)
-        if table is None:
+        if self._newer_table(after_generation, timeout) is None:
             return None
+        # read again with its confirmation, on one connection: the job's newest table
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(self.keys.shard)
         try:
-            confirm(self.client, f"generation {table.generation} of job {self.job_id}")
+            (raw,) = execute_confirmed(self.client, pipe, f"generation table of job {self.job_id}")
         except NotReplicated as exc:
             log.warning("%s; waiting for a replica or a fail-over", exc)
             self._gen_cursor = cursor
             return None
-        return table
+        table = ShardTable.model_validate_json(raw) if raw else None
+        return table if table is not None and table.generation > after_generation else None
 
     def _newer_table(self, after_generation: int, timeout: float) -> ShardTable | None:
         cur = self.current_table()

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import redis
 
-from shoal.ops.embedded import server_binary
+from shoal.ops.embedded import HA_NODE_OPTIONS, server_binary
 from shoal.ops.localproc import LocalProcs, Proc
 from shoal.core.procs import pid_runs
 
@@ -57,6 +57,8 @@ _NAME = re.compile(rf"^{PREFIX}(\d+)-[a-z0-9]+$")
 #: every command of the harness is bounded by this (seconds)
 CMD_TIMEOUT = 10.0
 REDIS_PORT = 6379
+SENTINEL_PORT = 26379
+HA_SERVICE = "shoal"
 
 
 class NetUnavailable(RuntimeError):
@@ -285,6 +287,94 @@ class Net:
         url = f"redis://{host.ip}:{REDIS_PORT}/0"
         self.env["REDIS_URL"] = url
         return url
+
+    def start_ha(self, primary: Host, replicas: list[Host], sentinels: list[Host], *,
+                 down_after_ms: int = 1000, timeout: float = 30.0) -> str:
+        """A Sentinel HA set of the embedded binary: a primary on ``primary``, one replica on
+        each of ``replicas``, one sentinel on each of ``sentinels`` (quorum: a majority), each
+        bound to its host's address, each with a unix socket for the test itself
+        (:meth:`ha_client`); returns the ``redis+sentinel://`` URL (also put in :attr:`env` as
+        ``REDIS_URL``) once the replicas are in sync and every sentinel sees all of them."""
+        binary = str(server_binary())
+        self.data_sockets: dict[str, Path] = {}
+        self.sentinel_sockets: list[Path] = []
+        for host in [primary, *replicas]:
+            run_dir = self.log_dir / f"redis-{host.name}"
+            run_dir.mkdir(parents=True, exist_ok=True)
+            sock = self.data_sockets[host.name] = self._sock_dir / f"{host.name}.sock"
+            argv = [binary, "--bind", host.ip, "--port", str(REDIS_PORT), "--dir", str(run_dir),
+                    "--unixsocket", str(sock), "--unixsocketperm", "700", "--appendonly", "no", "--save", "",
+                    "--protected-mode", "no", "--daemonize", "no", *HA_NODE_OPTIONS]
+            if host is not primary:
+                argv += ["--replicaof", primary.ip, str(REDIS_PORT)]
+            host.popen(f"redis-{host.name}", argv, dict(os.environ), role="redis")
+        quorum = len(sentinels) // 2 + 1
+        for host in sentinels:
+            run_dir = self.log_dir / f"sentinel-{host.name}"
+            run_dir.mkdir(parents=True, exist_ok=True)
+            sock = self._sock_dir / f"s-{host.name}.sock"
+            self.sentinel_sockets.append(sock)
+            conf = run_dir / "sentinel.conf"  # rewritten by the sentinel: writable
+            conf.write_text(f"port {SENTINEL_PORT}\nbind {host.ip}\nunixsocket {sock}\nunixsocketperm 700\n"
+                            f"dir {run_dir}\nprotected-mode no\n"
+                            f"sentinel monitor {HA_SERVICE} {primary.ip} {REDIS_PORT} {quorum}\n"
+                            f"sentinel down-after-milliseconds {HA_SERVICE} {down_after_ms}\n"
+                            f"sentinel failover-timeout {HA_SERVICE} {max(3000, 3 * down_after_ms)}\n")
+            host.popen(f"sentinel-{host.name}", [binary, str(conf), "--sentinel"], dict(os.environ), role="redis")
+
+        def ready() -> bool:
+            try:
+                info = self._unix(self.data_sockets[primary.name]).info("replication")
+                ok = info.get("connected_slaves", 0) == len(replicas) and all(
+                    info.get(f"slave{i}", {}).get("state") == "online" for i in range(len(replicas)))
+                for sock in self.sentinel_sockets:
+                    m = self._unix(sock).sentinel_master(HA_SERVICE)
+                    ok = ok and int(m["num-slaves"]) == len(replicas) and int(m["num-other-sentinels"]) == len(sentinels) - 1
+                return ok
+            except (redis.RedisError, OSError, KeyError, ValueError):
+                return False
+
+        _wait_until(ready, timeout, "the HA set (replicas in sync, sentinels seeing each other)")
+        hosts = ",".join(f"{h.ip}:{SENTINEL_PORT}" for h in sentinels)
+        url = f"redis+sentinel://{hosts}/{HA_SERVICE}/0"
+        self.env["REDIS_URL"] = url
+        return url
+
+    @staticmethod
+    def _unix(sock: Path) -> redis.Redis:
+        return redis.Redis(unix_socket_path=str(sock), socket_timeout=5, socket_connect_timeout=2)
+
+    def ha_primary(self) -> str | None:
+        """The host whose data node the sentinels name as the primary now (a majority of them
+        agreeing), asked over their unix sockets; None when they do not agree."""
+        names: list[str] = []
+        for sock in self.sentinel_sockets:
+            try:
+                addr = self._unix(sock).sentinel_get_master_addr_by_name(HA_SERVICE)
+            except (redis.RedisError, OSError):
+                continue
+            ip = addr[0].decode() if addr and isinstance(addr[0], bytes) else (addr[0] if addr else None)
+            names += [h.name for h in self.hosts.values() if h.ip == ip]
+        best = max(set(names), key=names.count, default=None)
+        return best if best is not None and names.count(best) > len(self.sentinel_sockets) // 2 else None
+
+    def ha_client(self, host: str | None = None) -> redis.Redis:
+        """A client of the HA set's data node on ``host`` (default: the primary the sentinels
+        name) for the test process, over its unix socket; it confirms durable reads and
+        writes like a ``redis+sentinel://`` client (``shoal.core.durable``)."""
+        name = host or self.ha_primary()
+        if name is None:
+            raise redis.ConnectionError("the sentinels name no primary")
+        client = self._unix(self.data_sockets[name])
+        client.shoal_replicas = 1
+        return client
+
+    def isolate(self, group: list[Host]) -> None:
+        """Partition ``group`` from every other host, both ways (inside it, all is well)."""
+        for a in group:
+            for b in self.hosts.values():
+                if b not in group:
+                    self.partition(a, b)
 
     def client(self) -> redis.Redis:
         """A client of the network's Redis for the test process, over its unix socket."""

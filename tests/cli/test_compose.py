@@ -1,9 +1,11 @@
-"""The deployment files: compose.yaml, Dockerfile, deploy/ (env, redis.conf, ACL recipe, scripts).
+"""The deployment files: compose.yaml, compose.ha.yaml (Redis under Sentinel), Dockerfile,
+deploy/ (env, redis.conf, ACL recipe, scripts).
 
 Plain-YAML tests always run. ``docker-compose config`` (or ``docker compose config``) runs when
 the tool exists; otherwise those tests are skipped with the reason. The Redis config and the
 ACL recipe are exercised against the embedded Redis-compatible server (valkey) shipped with
-the project.
+the project, and so is deploy/redis-ha.sh: it forms a Sentinel set (a primary, 2 replicas, 3
+sentinels) that fails over and whose members come back in their roles.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
+HA_COMPOSE = ROOT / "compose.ha.yaml"
 DEPLOY = ROOT / "deploy"
 
 SECRETS = ("REDIS_PASSWORD", "S3_ACCESS_KEY", "S3_SECRET_KEY")
@@ -193,7 +196,7 @@ def compose_tool() -> list[str] | None:
     return None
 
 
-def run_config(tmp_path: Path, env_values: dict[str, str]) -> subprocess.CompletedProcess:
+def run_config(tmp_path: Path, env_values: dict[str, str], files: tuple[Path, ...] = (COMPOSE,)) -> subprocess.CompletedProcess:
     tool = compose_tool()
     if tool is None:
         pytest.skip("neither docker-compose nor `docker compose` is installed (apt-get install docker-compose)")
@@ -202,7 +205,7 @@ def run_config(tmp_path: Path, env_values: dict[str, str]) -> subprocess.Complet
     # the caller's environment must not supply (or override) the credentials under test
     env = {k: v for k, v in os.environ.items() if k not in SECRETS and k != "S3_ENDPOINT"}
     return subprocess.run(
-        [*tool, "--env-file", str(env_file), "-f", str(COMPOSE), "config"],
+        [*tool, "--env-file", str(env_file), *(a for f in files for a in ("-f", str(f))), "config"],
         capture_output=True,
         text=True,
         env=env,
@@ -233,6 +236,124 @@ def test_compose_refuses_to_start_without_credentials(tmp_path: Path, missing: s
     assert f"set {missing} in .env" in res.stderr + res.stdout
     for value in TEST_ENV.values():
         assert value not in res.stderr  # the other secrets are not echoed in the error
+
+
+# --- compose.ha.yaml: Redis under Sentinel ------------------------------------------------------
+
+DATA_NODES = ("redis", "redis-1", "redis-2")  # the initial primary first
+SENTINEL_SERVICES = ("sentinel-0", "sentinel-1", "sentinel-2")
+SHOAL_SERVICES = ("coordinator-a", "coordinator-b", "agent", "submit")
+HA_URL = "redis+sentinel://default:{pw}@sentinel-0:26379,sentinel-1:26379,sentinel-2:26379/shoal/0"
+
+
+def ha_source() -> dict:
+    return yaml.safe_load(HA_COMPOSE.read_text())
+
+
+def env_of(service: dict) -> dict:
+    env = service.get("environment") or {}
+    return dict(e.split("=", 1) for e in env) if isinstance(env, list) else env
+
+
+def sentinel_url_parts(url: str) -> tuple[str, list[tuple[str, int]]]:
+    """(service, sentinels) of a redis+sentinel:// URL, as shoal's client reads it (nothing dialled)."""
+    from shoal.core.connection import connect
+
+    pool = connect(url, check=False).connection_pool
+    return pool.service_name, [(s.connection_pool.connection_kwargs["host"], s.connection_pool.connection_kwargs["port"])
+                               for s in pool.sentinel_manager.sentinels]
+
+
+def check_ha_invariants(services: dict, base: dict) -> None:
+    """What must hold in the merged (compose.yaml + compose.ha.yaml) config: 1 primary and 2
+    replicas, 3 sentinels (quorum 2, down-after 1000 ms, failover-timeout 3000 ms), each
+    member announcing its service name, with its own volume and the image the single Redis
+    used; every shoal service on the sentinels' URL, waiting for them to be healthy."""
+    members = {name: command_list(svc) for name, svc in services.items()
+               if command_list(svc)[:2] == ["sh", "/shoal-deploy/redis-ha.sh"]}
+    assert sorted(n for n, cmd in members.items() if cmd[2:] == ["server"]) == sorted(DATA_NODES)
+    assert sorted(n for n, cmd in members.items() if cmd[2:] == ["sentinel"]) == sorted(SENTINEL_SERVICES)
+    data_volumes = set()
+    for name in members:
+        svc = services[name]
+        env = env_of(svc)
+        assert svc["image"] == base["services"]["redis"]["image"], name
+        assert env["SHOAL_ANNOUNCE_HOST"] == name
+        assert env["SHOAL_REDIS_NODES"].split() == [f"{n}:6379" for n in DATA_NODES], name
+        assert env["SHOAL_SENTINELS"].split() == [f"{n}:26379" for n in SENTINEL_SERVICES], name
+        assert env.get("SHOAL_REDIS_SERVICE", "shoal") == "shoal"
+        assert svc.get("healthcheck") and svc.get("restart") == "unless-stopped", name
+        volumes = [v if isinstance(v, str) else f"{v.get('source')}:{v['target']}" for v in svc.get("volumes", [])]
+        assert any(v.split(":")[1] == "/shoal-deploy/redis-ha.sh" and v.split(":")[0].endswith("deploy/redis-ha.sh")
+                   for v in volumes), (name, volumes)
+        data = [v.split(":")[0] for v in volumes if v.split(":")[1] == "/data"]
+        assert len(data) == 1 and data[0] not in data_volumes, (name, volumes)  # state of its own
+        data_volumes.add(data[0])
+        if name in SENTINEL_SERVICES:
+            assert (env["SHOAL_SENTINEL_QUORUM"], env["SHOAL_SENTINEL_DOWN_AFTER_MS"],
+                    env["SHOAL_SENTINEL_FAILOVER_TIMEOUT_MS"]) == ("2", "1000", "3000")
+    for name, svc in services.items():
+        for host, published in published_ports(svc):
+            assert host == "127.0.0.1", f"{name} publishes port {published} on {host or 'every interface'}"
+    shoal = [name for name, svc in base["services"].items() if svc.get("image") == "shoal:local"]
+    assert sorted(shoal) == sorted(SHOAL_SERVICES)
+    for name in shoal:
+        url = env_of(services[name])["REDIS_URL"]
+        service, sentinels = sentinel_url_parts(_INTERP.sub("pw", url))
+        assert service == "shoal" and sentinels == [(n, 26379) for n in SENTINEL_SERVICES], (name, url)
+        for sentinel in SENTINEL_SERVICES:
+            assert services[name]["depends_on"][sentinel]["condition"] == "service_healthy", name
+
+
+def test_ha_compose_source() -> None:
+    ha, base = ha_source(), compose_source()
+    assert set(ha["services"]) == {*DATA_NODES, *SENTINEL_SERVICES, *SHOAL_SERVICES}
+    assert set(ha["services"]) - set(base["services"]) == {"redis-1", "redis-2", *SENTINEL_SERVICES}
+    for name in SHOAL_SERVICES:  # compose.yaml keeps the single-Redis URL; the override replaces it
+        url = ha["services"][name]["environment"]["REDIS_URL"]
+        assert url == HA_URL.format(pw="${REDIS_PASSWORD:?set REDIS_PASSWORD in .env}"), name
+    merged = {name: {**base["services"].get(name, {}), **svc,
+                     "environment": {**env_of(base["services"].get(name, {})), **env_of(svc)},
+                     "volumes": [*svc.get("volumes", []), *base["services"].get(name, {}).get("volumes", [])],
+                     "depends_on": {**base["services"].get(name, {}).get("depends_on", {}), **svc.get("depends_on", {})}}
+              for name, svc in ha["services"].items()}
+    check_ha_invariants(merged, base)
+    for name, svc in ha["services"].items():
+        assert "ports" not in svc, f"{name}: no port of the Sentinel set is published"
+
+
+def test_no_credential_literal_in_ha_compose() -> None:
+    text = HA_COMPOSE.read_text()
+    secretish = re.compile(r"PASSWORD|SECRET|ACCESS_KEY|TOKEN|AUTH", re.I)
+    for name, svc in ha_source()["services"].items():
+        for key, value in env_of(svc).items():
+            if secretish.search(key):
+                assert _INTERP.fullmatch(str(value)), f"{name}.environment.{key} is not a ${{...}} reference"
+    refs = re.findall(r"\$\{(REDIS_PASSWORD|S3_ACCESS_KEY|S3_SECRET_KEY)([^}]*)\}", text)
+    assert refs and {n for n, _ in refs} == {"REDIS_PASSWORD"}
+    assert all(rest == ":?set REDIS_PASSWORD in .env" for _n, rest in refs), refs
+    for line in (DEPLOY / "env.example").read_text().splitlines():
+        if "=" in line and not line.startswith("#"):
+            assert line.split("=", 1)[1] not in text
+
+
+def test_ha_compose_config_renders(tmp_path: Path) -> None:
+    res = run_config(tmp_path, TEST_ENV, (COMPOSE, HA_COMPOSE))
+    assert res.returncode == 0, res.stderr
+    services = yaml.safe_load(res.stdout)["services"]
+    check_ha_invariants(services, compose_source())
+    pw = TEST_ENV["REDIS_PASSWORD"]
+    for name in SHOAL_SERVICES:
+        assert services[name]["environment"]["REDIS_URL"] == HA_URL.format(pw=pw)
+        assert services[name]["environment"]["S3_SECRET_KEY"] == TEST_ENV["S3_SECRET_KEY"]
+    for name in (*DATA_NODES, *SENTINEL_SERVICES):
+        assert services[name]["environment"]["REDIS_PASSWORD"] == services[name]["environment"]["REDISCLI_AUTH"] == pw
+
+
+def test_ha_compose_refuses_to_start_without_the_redis_password(tmp_path: Path) -> None:
+    res = run_config(tmp_path, {k: v for k, v in TEST_ENV.items() if k != "REDIS_PASSWORD"}, (COMPOSE, HA_COMPOSE))
+    assert res.returncode != 0
+    assert "set REDIS_PASSWORD in .env" in res.stderr + res.stdout
 
 
 # --- deploy/preflight.sh (needs only sh) -------------------------------------------------------
@@ -404,3 +525,151 @@ def test_acl_recipe_confines_the_worker(tmp_path: Path) -> None:
         assert admin.get("shoal:{other}:spec") == b"x"
     finally:
         server.stop()
+
+
+# --- deploy/redis-ha.sh: a Sentinel set of real servers -------------------------------------------
+
+
+class HAMembers:
+    """Members of a Sentinel set started the way compose.ha.yaml and deploy/k8s start them
+    (``sh deploy/redis-ha.sh server|sentinel``), on loopback with free ports, with the
+    embedded server's binaries in place of the image's redis-server and redis-cli."""
+
+    def __init__(self, tmp: Path) -> None:
+        cli = server_binary().with_name("valkey-cli")
+        if not cli.exists():
+            pytest.skip(f"no valkey-cli beside {server_binary()}")
+        self.tmp = tmp
+        self.pw = TEST_ENV["REDIS_PASSWORD"]
+        self.ports = {**{f"node{i}": free_port() for i in range(3)}, **{f"sentinel{i}": free_port() for i in range(3)}}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "REDIS_PASSWORD": self.pw,
+            "REDIS_SERVER": str(server_binary()), "REDIS_CLI": str(cli), "SHOAL_BIND": "127.0.0.1",
+            "SHOAL_ANNOUNCE_HOST": "127.0.0.1", "SHOAL_REDIS_CONF": str(DEPLOY / "redis.conf"),
+            "SHOAL_REDIS_NODES": " ".join(f"127.0.0.1:{self.ports[f'node{i}']}" for i in range(3)),
+            "SHOAL_SENTINELS": " ".join(f"127.0.0.1:{self.ports[f'sentinel{i}']}" for i in range(3)),
+        }
+        self.url = (f"redis+sentinel://default:{self.pw}@"
+                    + ",".join(f"127.0.0.1:{self.ports[f'sentinel{i}']}" for i in range(3)) + "/shoal/0")
+
+    def start(self, name: str, *, fresh: bool = False) -> None:
+        state = self.tmp / name
+        if fresh:
+            shutil.rmtree(state, ignore_errors=True)
+        state.mkdir(exist_ok=True)
+        env = {**self.env, "SHOAL_PORT": str(self.ports[name]), "SHOAL_STATE_DIR": str(state)}
+        with open(self.tmp / f"{name}.log", "a") as log:
+            self.procs[name] = subprocess.Popen(
+                ["sh", str(DEPLOY / "redis-ha.sh"), "server" if name.startswith("node") else "sentinel"],
+                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_until(lambda: self._answers(name), 15, lambda: f"{name} to answer: {self.log(name)}")
+
+    def stop(self, name: str, *, kill: bool = False) -> None:
+        proc = self.procs.pop(name)
+        proc.kill() if kill else proc.terminate()
+        proc.wait(15)
+
+    def stop_all(self) -> None:
+        for name in list(self.procs):
+            self.stop(name, kill=True)
+
+    def client(self, name: str) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.ports[name], password=self.pw, socket_timeout=2,
+                           retry=Retry(NoBackoff(), 0))
+
+    def log(self, name: str) -> str:
+        path = self.tmp / f"{name}.log"
+        return path.read_text(errors="replace")[-800:] if path.exists() else ""
+
+    def _answers(self, name: str) -> bool:
+        assert self.procs[name].poll() is None, f"{name} exited: {self.log(name)}"
+        try:
+            return bool(self.client(name).ping())
+        except redis.ConnectionError:
+            return False
+
+    def replication(self, name: str) -> dict:
+        try:
+            return self.client(name).info("replication")
+        except redis.RedisError:
+            return {}
+
+    def primary_port(self, sentinel: str) -> int | None:
+        try:
+            return int(self.client(sentinel).sentinel_get_master_addr_by_name("shoal")[1])
+        except (redis.RedisError, TypeError):
+            return None
+
+    def conf(self, name: str) -> list[str]:
+        return (self.tmp / name / "redis-ha.conf").read_text().splitlines()
+
+
+@pytest.mark.slow
+def test_redis_ha_script_forms_a_sentinel_set_that_fails_over_and_keeps_roles(tmp_path: Path) -> None:
+    """deploy/redis-ha.sh with the embedded server: the set forms (shoal's `health redis` view:
+    2 replicas in sync, 3 sentinels, quorum 2); after a kill -9 of the primary a replica is
+    promoted and the Redis config files record the new roles; a restarted replica comes back
+    as a replica of the new primary; a sentinel and a data node that lost their state learn
+    the current primary from the others instead of taking the initial one."""
+    from shoal.core.connection import connect
+    from shoal.ops.health import check_redis
+
+    ha = HAMembers(tmp_path)
+    try:
+        for name in ("node0", "node1", "node2", "sentinel0", "sentinel1", "sentinel2"):
+            ha.start(name)
+        assert not any(line.startswith("replicaof") for line in ha.conf("node0"))
+        p0 = ha.ports["node0"]
+        assert f"replicaof 127.0.0.1 {p0}" in ha.conf("node1") and f"replicaof 127.0.0.1 {p0}" in ha.conf("node2")
+
+        def healthy() -> str | None:
+            try:
+                verdict = check_redis(connect(ha.url, timeout=2))
+            except Exception:  # noqa: BLE001 (not formed yet)
+                return None
+            return verdict.reason if verdict.healthy and "3 of 3 sentinel(s) answer" in verdict.reason \
+                and "2 replica(s) in sync" in verdict.reason else None
+
+        reason = wait_until(healthy, 30, lambda: f"the set to form: {ha.log('sentinel0')}")
+        assert f"primary 127.0.0.1:{p0}" in reason and "quorum 2" in reason
+        client = connect(ha.url)
+        client.set("shoal:test", "before")
+        assert client.execute_command("WAIT", 2, 2000) == 2
+        password_free = [ha.log(n) for n in ha.procs]
+
+        ha.stop("node0", kill=True)
+        new = wait_until(lambda: (p := ha.primary_port("sentinel1")) not in (None, p0) and p, 30,
+                         lambda: f"a promotion: {ha.log('sentinel1')}")
+        promoted = next(n for n in ("node1", "node2") if ha.ports[n] == new)
+        other = next(n for n in ("node1", "node2") if n != promoted)
+
+        def write() -> bool:
+            try:
+                return bool(client.set("shoal:test", "after"))
+            except redis.RedisError:  # the sentinels do not all name the new primary yet
+                return False
+
+        wait_until(write, 30, "a write through the sentinels")
+        # Sentinel's CONFIG REWRITE keeps the roles in the files the members restart from
+        wait_until(lambda: not any(line.startswith("replicaof") for line in ha.conf(promoted))
+                   and f"replicaof 127.0.0.1 {new}" in ha.conf(other), 30, lambda: f"{ha.conf(other)}")
+
+        ha.stop(other)
+        ha.start(other)
+        wait_until(lambda: ha.replication(other).get("master_port") == new
+                   and ha.replication(other).get("master_link_status") == "up", 30,
+                   lambda: f"{other} back as a replica of {new}: {ha.log(other)}")
+
+        ha.stop("sentinel2", kill=True)
+        ha.start("sentinel2", fresh=True)
+        assert ha.primary_port("sentinel2") == new, ha.log("sentinel2")
+        ha.start("node0", fresh=True)  # the old primary, its volume lost: a replica of the new one
+        wait_until(lambda: ha.replication("node0").get("master_port") == new
+                   and ha.replication("node0").get("master_link_status") == "up", 30,
+                   lambda: f"node0 as a replica of {new}: {ha.log('node0')}")
+        assert ha.client("node0").get("shoal:test") == b"after"
+        assert f"starting as a replica of 127.0.0.1:{new} (sentinels)" in (tmp_path / "node0.log").read_text()
+        assert all(ha.pw not in text for text in password_free)
+    finally:
+        ha.stop_all()

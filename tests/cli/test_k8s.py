@@ -8,6 +8,10 @@ token mounted and no API permission granted, restricted security contexts, every
 the shoal image a valid ``shoal`` command line (parsed with the CLI's own parser), every
 ``$(VAR)``, Secret key, ConfigMap, ServiceAccount, Service selector and probe port resolving,
 two coordinator replicas, and the copies of deploy/ scripts identical to the originals.
+The overlays with the ``redis-sentinel`` component (prod, ha) run Redis under Sentinel: one
+primary and 2 replicas, 3 sentinels with quorum 2, every shoal pod on a ``redis+sentinel://``
+URL naming those sentinels, and ``deploy/redis-ha.sh`` given the environment of each member
+writes the config and command line the topology needs.
 """
 
 from __future__ import annotations
@@ -73,13 +77,68 @@ def source_files() -> list[Path]:
     return sorted(K8S.rglob("*.yaml"))
 
 
+def _includes_sentinel(overlay: str) -> bool:
+    k = yaml.safe_load((K8S / "overlays" / overlay / "kustomization.yaml").read_text())
+    if any(c.rstrip("/").endswith("components/redis-sentinel") for c in k.get("components", [])):
+        return True
+    return any(_includes_sentinel(Path(r).name) for r in k.get("resources", []) if r.startswith("../") and
+               (K8S / "overlays" / Path(r).name / "kustomization.yaml").exists())
+
+
+#: the overlays with Redis under Sentinel (components/redis-sentinel), and those without
+HA_OVERLAYS = [o for o in OVERLAYS if _includes_sentinel(o)]
+SINGLE_OVERLAYS = [o for o in OVERLAYS if o not in HA_OVERLAYS]
+SENTINEL_SERVICE = "shoal"
+
+
+def sentinel_hosts(url: str) -> list[tuple[str, int]]:
+    """(host, port) of each sentinel of a ``redis+sentinel://`` URL, parsed by shoal's own
+    client code (core/connection.py; nothing is dialled), which also checks the service."""
+    from shoal.core.connection import connect
+
+    client = connect(_VAR.sub("x", url), check=False)
+    pool = client.connection_pool
+    assert pool.service_name == SENTINEL_SERVICE, url
+    return [(s.connection_pool.connection_kwargs["host"], s.connection_pool.connection_kwargs["port"])
+            for s in pool.sentinel_manager.sentinels]
+
+
+def stateful_pod(objs, host: str) -> tuple[dict, dict]:
+    """The StatefulSet and governing Service behind the pod DNS name ``<sts>-<i>.<service>``."""
+    m = re.fullmatch(r"(.+)-(\d+)\.([a-z0-9-]+)", host)
+    assert m, f"{host} is not a StatefulSet pod's stable name <statefulset>-<i>.<service>"
+    sts = {o["metadata"]["name"]: o for o in objs if o["kind"] == "StatefulSet"}.get(m.group(1))
+    assert sts, f"{host}: no StatefulSet {m.group(1)}"
+    assert int(m.group(2)) < sts["spec"]["replicas"], f"{host}: {named(sts)} has {sts['spec']['replicas']} pods"
+    assert sts["spec"]["serviceName"] == m.group(3), f"{host}: {named(sts)} is governed by {sts['spec']['serviceName']}"
+    svc = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == m.group(3))
+    return sts, svc
+
+
+def pod_env(container: dict, pod_name: str, secrets: dict[str, str]) -> dict[str, str]:
+    """The environment the kubelet gives ``container`` of pod ``pod_name``: ``$(VAR)`` expanded
+    from the variables before it, fieldRef metadata.name, and ``secrets`` for secretKeyRefs."""
+    import os
+
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    for e in container.get("env", []):
+        if "value" in e:
+            env[e["name"]] = _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), e["value"])
+        elif "fieldRef" in e["valueFrom"]:
+            assert e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", e
+            env[e["name"]] = pod_name
+        else:
+            env[e["name"]] = secrets[e["valueFrom"]["secretKeyRef"]["key"]]
+    return env
+
+
 @pytest.fixture(params=OVERLAYS)
 def objs(request) -> tuple[dict, ...]:
     return render(request.param)
 
 
 def test_overlays_exist_and_render():
-    assert {"dev", "prod"} <= set(OVERLAYS)
+    assert {"dev", "prod", "ha"} <= set(OVERLAYS)
     for overlay in OVERLAYS:
         kinds = {o["kind"] for o in render(overlay)}
         assert {"Namespace", "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "StatefulSet",
@@ -312,7 +371,12 @@ def test_references_resolve(objs):
                 port = c.get(probe, {}).get("httpGet", {}).get("port")
                 assert port is None or port in ports, (named(w), probe, port)
             for e in c.get("env", []):
-                if e["name"] == "REDIS_URL":
+                if e["name"] == "REDIS_URL" and e["value"].startswith("redis+sentinel://"):
+                    for host, port in sentinel_hosts(e["value"]):
+                        pod, svc = stateful_pod(objs, host)
+                        assert svc["spec"]["clusterIP"] == "None", (named(w), host)
+                        assert port in [p["port"] for p in svc["spec"]["ports"]], (named(w), host, port)
+                elif e["name"] == "REDIS_URL":
                     host = re.match(r"^redis://[^@]+@([^:/]+):(\d+)/\d+$", e["value"])
                     assert host and host.group(1) in by_kind["Service"], e["value"]
     for svc in by_kind["Service"].values():
@@ -325,6 +389,9 @@ def test_references_resolve(objs):
 def test_configmap_copies_equal_the_compose_files():
     cms = {o["metadata"]["name"]: o for o in render(OVERLAYS[0]) if o["kind"] == "ConfigMap"}
     deploy = ROOT / "deploy"
+    for overlay in HA_OVERLAYS:
+        ha = {o["metadata"]["name"]: o for o in render(overlay) if o["kind"] == "ConfigMap"}
+        assert ha["redis-ha-scripts"]["data"]["redis-ha.sh"] == (deploy / "redis-ha.sh").read_text(), overlay
     assert cms["redis-conf"]["data"]["redis.conf"] == (deploy / "redis.conf").read_text()
     assert cms["shoal-deploy-scripts"]["data"]["preflight.sh"] == (deploy / "preflight.sh").read_text()
     assert cms["shoal-deploy-scripts"]["data"]["minio-init.sh"] == (deploy / "minio-init.sh").read_text()
@@ -386,3 +453,163 @@ def test_env_references_name_earlier_variables(objs):
                 for var in _VAR.findall(e.get("value", "")):
                     assert var in defined, f"{named(w)}/{c['name']}: {e['name']} uses $({var}) before it is defined"
                 defined.add(e["name"])
+
+
+# --- Redis under Sentinel (components/redis-sentinel) -------------------------------------------
+
+TEST_SECRETS = {"REDIS_PASSWORD": "0f1e2d3c4b5a69788796a5b4c3d2e1f0", "S3_ACCESS_KEY": "shoal-1a2b",
+                "S3_SECRET_KEY": "9f8e7d6c5b4a3928", "SHOAL_API_TOKEN": "t" * 32}
+SHOAL_WORKLOADS = {"shoal-coordinator", "shoal-agent", "shoal-serve", "shoal-submit"}
+
+
+def _workloads(objs, kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objs if o["kind"] == kind}
+
+
+def _shoal_redis_urls(objs) -> dict[str, str]:
+    """workload/container -> REDIS_URL of every container that runs shoal."""
+    out = {}
+    for w, spec in pod_specs(objs):
+        for c in containers(spec):
+            if (c.get("command") or [""])[0] == "shoal":
+                env = {e["name"]: e.get("value") for e in c.get("env", [])}
+                out[f"{w['metadata']['name']}/{c['name']}"] = env.get("REDIS_URL")
+    return out
+
+
+def test_which_overlays_run_redis_under_sentinel():
+    """dev keeps the single Redis; prod and ha run the Sentinel set."""
+    assert "dev" in SINGLE_OVERLAYS and {"prod", "ha"} <= set(HA_OVERLAYS)
+    for overlay in SINGLE_OVERLAYS:
+        objs = render(overlay)
+        sts = _workloads(objs, "StatefulSet")
+        assert sts["redis"]["spec"]["replicas"] == 1 and "redis-sentinel" not in sts, overlay
+        urls = _shoal_redis_urls(objs)
+        assert {k.split("/")[0] for k in urls} == SHOAL_WORKLOADS
+        assert all(u.startswith("redis://") for u in urls.values()), (overlay, urls)
+
+
+@pytest.mark.parametrize("overlay", HA_OVERLAYS)
+def test_sentinel_topology(overlay):
+    """A primary and 2 replicas (the StatefulSet `redis`), 3 sentinels with quorum 2, every
+    shoal pod on the same redis+sentinel:// URL of service `shoal` naming the 3 sentinels by
+    their stable names, no Service that could route a client to a replica, stable names
+    that resolve before the pods are ready, and the sentinel's config on a writable volume."""
+    objs = render(overlay)
+    sts = _workloads(objs, "StatefulSet")
+    services = _workloads(objs, "Service")
+    redis, sentinel = sts["redis"], sts["redis-sentinel"]
+    assert redis["spec"]["replicas"] == 3 and sentinel["spec"]["replicas"] == 3
+    assert "redis" not in services, "a Service over every data node would send writes to replicas"
+    for name in ("redis-headless", "redis-sentinel"):
+        assert services[name]["spec"]["clusterIP"] == "None" and services[name]["spec"]["publishNotReadyAddresses"]
+    assert redis["spec"]["serviceName"] == "redis-headless" and sentinel["spec"]["serviceName"] == "redis-sentinel"
+    single = _workloads(render(SINGLE_OVERLAYS[0]), "StatefulSet")["redis"]["spec"]["template"]["spec"]
+    base_image = containers(single, init=False)[0]["image"]  # the image the single Redis runs
+    for w in (redis, sentinel):
+        assert {c["image"] for c in containers(w["spec"]["template"]["spec"])} == {base_image}, named(w)
+
+    expected = [(f"redis-sentinel-{i}.redis-sentinel", 26379) for i in range(3)]
+    urls = _shoal_redis_urls(objs)
+    assert {k.split("/")[0] for k in urls} == SHOAL_WORKLOADS
+    assert len(set(urls.values())) == 1, urls
+    url = next(iter(urls.values()))
+    assert url.startswith("redis+sentinel://default:$(REDIS_PASSWORD)@") and url.endswith("/shoal/0"), url
+    assert sentinel_hosts(url) == expected
+
+    node = containers(redis["spec"]["template"]["spec"], init=False)[0]
+    env = pod_env(node, "redis-1", TEST_SECRETS)
+    assert env["SHOAL_REDIS_NODES"].split() == [f"redis-{i}.redis-headless:6379" for i in range(3)]
+    assert env["SHOAL_SENTINELS"].split() == [f"{h}:{p}" for h, p in expected]
+    assert env["SHOAL_ANNOUNCE_HOST"] == "redis-1.redis-headless"
+    spec = sentinel["spec"]["template"]["spec"]
+    init = next(c for c in spec["initContainers"] if c["name"] == "config")
+    ienv = pod_env(init, "redis-sentinel-2", TEST_SECRETS)
+    assert (ienv["SHOAL_SENTINEL_QUORUM"], ienv["SHOAL_SENTINEL_DOWN_AFTER_MS"],
+            ienv["SHOAL_SENTINEL_FAILOVER_TIMEOUT_MS"]) == ("2", "1000", "3000")
+    assert ienv["SHOAL_ANNOUNCE_HOST"] == "redis-sentinel-2.redis-sentinel"
+    assert ienv["SHOAL_REDIS_NODES"] == env["SHOAL_REDIS_NODES"] and ienv["SHOAL_SENTINELS"] == env["SHOAL_SENTINELS"]
+    # the init container writes the config into an emptyDir that the sentinel reads (and rewrites)
+    run = containers(spec, init=False)[0]
+    assert run["command"] == ["redis-server", f"{ienv['SHOAL_STATE_DIR']}/sentinel.conf", "--sentinel"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for c in (init, run):
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == ienv["SHOAL_STATE_DIR"])
+        assert "emptyDir" in volumes[mount["name"]] and not mount.get("readOnly"), c["name"]
+    pdbs = _workloads(objs, "PodDisruptionBudget")
+    assert pdbs["redis-sentinel"]["spec"]["maxUnavailable"] == 1  # 2 of 3 left: still a quorum
+    assert pdbs["redis"]["spec"]["maxUnavailable"] == 1  # a primary and a replica left to confirm writes
+
+
+def _member_script(objs, tmp_path: Path) -> tuple[Path, Path]:
+    """deploy/redis-ha.sh as the pod sees it (the ConfigMap's copy) and a bin directory in
+    which nobody answers redis-cli (a first start), every name resolves, and redis-server
+    prints its arguments instead of serving."""
+    cm = next(o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "redis-ha-scripts")
+    script = tmp_path / "redis-ha.sh"
+    script.write_text(cm["data"]["redis-ha.sh"])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in (("redis-cli", "exit 1"), ("getent", "exit 0"), ("redis-server", 'printf "%s\\n" "$@"')):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return script, bin_dir
+
+
+@pytest.mark.parametrize("overlay", HA_OVERLAYS)
+def test_sentinel_members_start_with_the_topology(overlay, tmp_path):
+    """Each member's command and environment as the kubelet gives them, run through the
+    ConfigMap's deploy/redis-ha.sh on a first start (no member answers yet): redis-0 starts as
+    the primary, redis-1 and redis-2 as its replicas, each announcing its stable name; each
+    sentinel's config monitors service `shoal` at redis-0 with quorum 2, resolves and
+    announces host names, and carries the password only from the Secret."""
+    objs = render(overlay)
+    sts = _workloads(objs, "StatefulSet")
+    pw = TEST_SECRETS["REDIS_PASSWORD"]
+
+    script, bin_dir = _member_script(objs, tmp_path)
+
+    def run(container: dict, pod: str, spec: dict, state: Path):
+        argv = list(container["command"])
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["mountPath"]: volumes.get(m["name"], {}) for m in container["volumeMounts"]}
+        assert argv[0] == "sh" and mounts[str(Path(argv[1]).parent)]["configMap"]["name"] == "redis-ha-scripts"
+        env = pod_env(container, pod, TEST_SECRETS)
+        env.update(PATH=f"{bin_dir}:{env['PATH']}", SHOAL_STATE_DIR=str(state))
+        state.mkdir()
+        res = subprocess.run(["sh", str(script), *argv[2:]], env=env, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        return res, env
+
+    spec = sts["redis"]["spec"]["template"]["spec"]
+    node = containers(spec, init=False)[0]
+    # the settings a data node includes (when the file exists) are where the pod mounts them
+    conf_volume = next(v["name"] for v in spec["volumes"] if v.get("configMap", {}).get("name") == "redis-conf")
+    conf_dir = next(m["mountPath"] for m in node["volumeMounts"] if m["name"] == conf_volume)
+    assert f"${{SHOAL_REDIS_CONF:-{conf_dir}/redis.conf}}" in script.read_text()
+    for i in range(3):
+        res, _env = run(node, f"redis-{i}", spec, tmp_path / f"redis-{i}")
+        conf = (tmp_path / f"redis-{i}" / "redis-ha.conf").read_text().splitlines()
+        argv = res.stdout.splitlines()
+        assert argv[0] == str(tmp_path / f"redis-{i}" / "redis-ha.conf")
+        replicaof = [line for line in conf if line.startswith("replicaof ")]
+        assert replicaof == ([] if i == 0 else ["replicaof redis-0.redis-headless 6379"]), (i, conf)
+        pairs = dict(zip(argv[1::2], argv[2::2]))
+        assert pairs["--replica-announce-ip"] == f"redis-{i}.redis-headless"
+        assert pairs["--requirepass"] == pairs["--masterauth"] == pw
+        assert pairs["--appendonly"] == "yes" and pairs["--port"] == "6379"
+        assert pw not in res.stderr
+
+    spec = sts["redis-sentinel"]["spec"]["template"]["spec"]
+    init = next(c for c in spec["initContainers"] if c["name"] == "config")
+    for i in range(3):
+        res, _env = run(init, f"redis-sentinel-{i}", spec, tmp_path / f"sentinel-{i}")
+        conf = (tmp_path / f"sentinel-{i}" / "sentinel.conf").read_text().splitlines()
+        for line in ("port 26379", "sentinel resolve-hostnames yes", "sentinel announce-hostnames yes",
+                     f"sentinel announce-ip redis-sentinel-{i}.redis-sentinel", "sentinel announce-port 26379",
+                     "sentinel monitor shoal redis-0.redis-headless 6379 2",
+                     "sentinel down-after-milliseconds shoal 1000", "sentinel failover-timeout shoal 3000",
+                     f"sentinel auth-pass shoal {pw}", f"requirepass {pw}"):
+            assert line in conf, (line, conf)
+        assert conf.index("sentinel resolve-hostnames yes") < conf.index("sentinel monitor shoal redis-0.redis-headless 6379 2")
+        assert res.stdout == "" and pw not in res.stderr  # writes the config only: the sentinel container runs it
