@@ -96,6 +96,19 @@ primary_from_nodes() {  # the data nodes' own view: a primary with replicas, els
     echo "${with_replicas:-${named:-$alone}}"
 }
 
+follower_with_data() {  # a data node that replicates from $me and holds keys (named on stdout)
+    for n in $nodes; do
+        [ "$n" = "$me" ] && continue
+        info=$(ask "$n" info replication)
+        if [ "$(field role "$info")" = slave ] &&
+            [ "$(field master_host "$info"):$(field master_port "$info")" = "$me" ] &&
+            ask "$n" info keyspace | grep -q '^db[0-9]*:keys='; then
+            echo "$n"
+            return
+        fi
+    done
+}
+
 wait_resolvable() {  # a sentinel refuses to start on a name that does not resolve (yet)
     command -v getent >/dev/null 2>&1 || return 0
     tries=0
@@ -121,10 +134,15 @@ case "$mode" in
                 from="the data nodes"
                 primary=$(primary_from_nodes)
                 if [ "$primary" = "$me" ]; then
-                    # a replica still follows this node, whose state is gone: an empty primary
-                    # would make it drop its copy. Wait until the sentinels promote another.
-                    log "other data nodes replicate from $me, which has no state in $state: not starting as an empty primary"
-                    exit 1
+                    # a replica follows this node (which has no state): on a first start one
+                    # that came up sooner and holds nothing yet; but one that holds data means
+                    # this node lost its own, and as an empty primary it would make the
+                    # replica drop its copy. Then wait until the sentinels promote another.
+                    follower=$(follower_with_data)
+                    if [ -n "$follower" ]; then
+                        log "$follower replicates from $me and holds data, but $me has no state in $state: not starting as an empty primary"
+                        exit 1
+                    fi
                 fi
             fi
             if [ -z "$primary" ]; then
@@ -156,7 +174,10 @@ case "$mode" in
         sed -e '/^requirepass /d' -e '/^masterauth /d' -e '/^primaryauth /d' -e '/^user default /d' \
             "$conf" >"$conf.tmp"
         mv "$conf.tmp" "$conf"
-        set -- "$conf" --port "$port" --appendonly yes \
+        # repl-diskless-sync-delay 0: a replica that needs a full copy (a new one, or one that
+        # cannot go on partially after a fail-over) gets it at once, not 5 s later; shoal's
+        # data is small, and until a replica is in sync no durable write is confirmed
+        set -- "$conf" --port "$port" --appendonly yes --repl-diskless-sync-delay 0 \
             --requirepass "$REDIS_PASSWORD" --masterauth "$REDIS_PASSWORD" \
             --replica-announce-ip "$SHOAL_ANNOUNCE_HOST" --replica-announce-port "$port"
         if [ -n "${SHOAL_BIND:-}" ]; then

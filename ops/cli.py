@@ -580,7 +580,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from shoal.ops.demo import run_demo
 
-    return run_demo(duration=args.duration, epochs=args.epochs, report=args.report or None)
+    return run_demo(duration=args.duration, epochs=args.epochs, report=args.report or None, ha=args.ha)
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
@@ -721,6 +721,9 @@ def _add_run_commands(sub: argparse._SubParsersAction) -> None:
     dm.add_argument("--epochs", type=int, default=40, help="epochs of the demo job (default 40)")
     dm.add_argument("--report", metavar="PATH", default="report.png",
                     help="write the run's report (shoal report) here at the end ('' : none)")
+    dm.add_argument("--ha", action="store_true",
+                    help="Redis under Sentinel (a primary, 2 replicas, 3 sentinels) and 2 coordinators; "
+                         "the primary is kill -9'd mid-training")
     dm.set_defaults(func=cmd_demo)
 
     sv = sub.add_parser("serve", help="the HTTP API and the live web dashboard",

@@ -27,7 +27,8 @@ from shoal.coordinator.decide import format_metrics
 from shoal.events.keys import job_keys
 from shoal.events.models import ShardTable
 from shoal.events.streams import ControlEntry
-from shoal.ops.embedded import start_server
+from shoal.core.connection import connect
+from shoal.ops.embedded import HASet, start_ha, start_server
 from shoal.core.registry import create_job
 from shoal.core.jobspec import JobSpec
 from shoal.ops.localproc import LocalProcs
@@ -125,14 +126,23 @@ def _progress(s: dict, t0: float, total_steps: int) -> str:
     return f"[{time.monotonic() - t0:5.1f}s] [{bar:<30}] step {step}/{total_steps} loss {loss_s} workers {len(active)}"
 
 
-def run_demo(duration: float | None = None, epochs: int = 8, report: str | None = "report.png") -> int:
+def run_demo(duration: float | None = None, epochs: int = 8, report: str | None = "report.png",
+             ha: bool = False) -> int:
+    """``ha``: Redis is a Sentinel set (a primary, 2 replicas, 3 sentinels), two coordinator
+    replicas run, and after the worker's kill the Redis primary is ``kill -9``'d too."""
     job = "demo"
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="shoal-demo-") as tmp:
         tmpdir = Path(tmp)
-        server = start_server(tmpdir / "redis", appendonly=True)
-        print(f"embedded Redis at {server.url} (AOF on, in {tmpdir / 'redis'})")
-        client = redis.Redis.from_url(server.url, socket_timeout=10)
+        if ha:
+            server = start_ha(tmpdir / "redis-ha")
+            print(f"embedded Redis HA set: primary 127.0.0.1:{server.primary().port}, 2 replicas, 3 sentinels "
+                  f"({server.url})")
+            client = connect(server.url, ride_out=60, timeout=10)
+        else:
+            server = start_server(tmpdir / "redis", appendonly=True)
+            print(f"embedded Redis at {server.url} (AOF on, in {tmpdir / 'redis'})")
+            client = redis.Redis.from_url(server.url, socket_timeout=10)
         spec = JobSpec(name=job, entrypoint="shoal.examples.digits:build", global_batch_size=64, epochs=epochs,
                        min_workers=2, max_workers=3, heartbeat_interval=0.3, heartbeat_ttl=1.5, max_restarts=3, seed=1,
                        eval_every_epochs=1)
@@ -142,8 +152,11 @@ def run_demo(duration: float | None = None, epochs: int = 8, report: str | None 
         feed = ControlFeed(client, job, t0, console)
         procs = LocalProcs(server.url, tmpdir / "logs", extra_env={"SHOAL_LEDGER_DIR": str(tmpdir / "ledger")})
         killed = None
+        failover: tuple[float, float, int] | None = None  # (killed, promoted: wall time; step)
         try:
             procs.coordinator("coordinator")
+            if ha:
+                procs.coordinator("coordinator2")
             agent = procs.start("agent", "agent", job, "--workers", "3", "--backoff", "1", "--run-dir", str(tmpdir / "agent"))
             print("started a coordinator and a node agent with 3 workers (training shoal.examples.digits)")
             state = "pending"
@@ -159,6 +172,8 @@ def run_demo(duration: float | None = None, epochs: int = 8, report: str | None 
                     console.line(f"--- kill -9 {victim['worker_id']} (pid {victim['pid']}) at step {max(steps)}")
                     killed = (time.time(), s["generation"])
                     procs_signal(victim["pid"], signal.SIGKILL)
+                elif ha and failover is None and steps and max(steps) >= total_steps * 0.5:
+                    failover = _fail_over(server, console, max(steps))
             feed.pump(100)
             agent.wait(30)
             final = job_status(client, job)
@@ -183,6 +198,12 @@ def run_demo(duration: float | None = None, epochs: int = 8, report: str | None 
                 seconds, kept = recovery
                 print(f"recovery after kill {seconds:.2f} s from the kill to the first step committed in a newer generation "
                       f"(workers' ledgers); {len(kept)} survivor(s) kept their processes ({', '.join(kept)})")
+            if failover is not None:
+                gone, promoted, at = failover
+                after = [e["t"] for e in entries if e["t"] >= promoted]
+                resumed = f"{min(after) - promoted:.2f} s after it" if after else "none after it"
+                print(f"Redis fail-over     primary killed at step {at}: a replica promoted {promoted - gone:.2f} s "
+                      f"later; first step committed {resumed}")
             print(f"first failure       {final['first_failure'] or '-'}")
             print(f"samples used exactly once per epoch: {'yes' if verdict.ok else 'NO: ' + verdict.problem}")
             if report:
@@ -192,6 +213,18 @@ def run_demo(duration: float | None = None, epochs: int = 8, report: str | None 
             procs.stop_all()
             client.close()
             server.stop()
+
+
+def _fail_over(ha: HASet, console: Console, step: int) -> tuple[float, float, int]:
+    """``kill -9`` the HA set's primary; returns once the sentinels promoted a replica."""
+    old = ha.primary()
+    console.line(f"--- kill -9 the Redis primary (127.0.0.1:{old.port}, pid {old.proc.pid}) at step {step}")
+    old.kill()
+    killed = time.time()
+    new = ha.wait_failover(old)
+    promoted = time.time()
+    console.line(f"--- the sentinels promoted 127.0.0.1:{new.port} {promoted - killed:.2f} s after the kill")
+    return killed, promoted, step
 
 
 def recovery_after_kill(entries: list[dict], killed_at: float, generation: int) -> tuple[float, list[str]] | None:

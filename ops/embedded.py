@@ -163,6 +163,10 @@ SERVICE = "shoal"
 #: once (the default waits 5 s for more replicas to share the transfer; until it is in sync, a
 #: set left with one replica confirms no durable write)
 HA_NODE_OPTIONS = ["--repl-diskless-sync-delay", "0"]
+#: the sentinels' ``down-after-milliseconds``: 1000 promotes a replica ~2.2 s after a kill, but
+#: on a loaded 2-core machine a sentinel's first ping of a just-promoted primary was answered
+#: late, and it failed over a second time (seen in the chaos soak); 2000 promotes in ~3.2 s
+DOWN_AFTER_MS = 2000
 
 
 @dataclass
@@ -176,6 +180,7 @@ class HASet:
     nodes: list[EmbeddedServer]
     sentinels: list[EmbeddedServer]
     down_after_ms: int
+    appendonly: bool = False
 
     @property
     def url(self) -> str:
@@ -233,6 +238,14 @@ class HASet:
                 if n.proc.poll() is None:
                     os.kill(n.proc.pid, signal.SIGCONT)
 
+    def rejoin(self, old: EmbeddedServer, primary: EmbeddedServer) -> EmbeddedServer:
+        """Start the dead data node ``old`` again, on its port, as a replica of ``primary``
+        (its data replaced by the primary's): the set is whole again for the next fail-over."""
+        node = start_server(old.run_dir, port=old.port, appendonly=self.appendonly,
+                            extra=[*HA_NODE_OPTIONS, "--replicaof", "127.0.0.1", str(primary.port)])
+        self.nodes[self.nodes.index(old)] = node
+        return node
+
     def stop(self) -> None:
         for s in self.sentinels + self.nodes:
             s.stop()
@@ -244,14 +257,14 @@ class HASet:
         self.stop()
 
 
-def start_ha(run_dir: Path, *, replicas: int = 2, sentinels: int = 3, down_after_ms: int = 1000,
+def start_ha(run_dir: Path, *, replicas: int = 2, sentinels: int = 3, down_after_ms: int = DOWN_AFTER_MS,
              appendonly: bool = False, timeout: float = 20.0) -> HASet:
     """Start an :class:`HASet` under ``run_dir`` (quorum: a majority of the sentinels); returns
     once every replica is in sync and every sentinel sees the primary and the others."""
     run_dir.mkdir(parents=True, exist_ok=True)
     nodes: list[EmbeddedServer] = []
     sents: list[EmbeddedServer] = []
-    ha = HASet(run_dir, nodes, sents, down_after_ms)
+    ha = HASet(run_dir, nodes, sents, down_after_ms, appendonly)
     try:
         primary = start_server(run_dir / "node0", appendonly=appendonly, extra=HA_NODE_OPTIONS)
         nodes.append(primary)

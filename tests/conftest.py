@@ -44,6 +44,7 @@ HEAVY = (
     "tests/processes/test_hung_peer.py",
     "tests/processes/test_large_join.py",
     "tests/processes/test_load_many_jobs.py",
+    "tests/processes/test_demo_ha.py",
     "tests/processes/test_redis_failover.py",  # 6 Redis processes, 2 coordinators, 3 workers
     "tests/processes/test_prefetch_processes.py",
     "tests/processes/test_redis_loss.py",

@@ -13,7 +13,10 @@ Every fault is injected from outside, with real signals, into real processes:
   is declared failed or exits, and the same generation goes on once the stall is over;
 - ``coordinator_kill``: SIGKILL the replica holding the job's lease (a new replica is
   started at once, so two always run; the standby takes over);
-- ``redis_restart``: SIGKILL Redis and start it again from its AOF on the same port;
+- ``redis_failover``: SIGKILL the Redis primary (the soak's Redis is a Sentinel set: a
+  primary, 2 replicas, 3 sentinels); once the sentinels promoted a replica, the killed node
+  comes back as a replica of the new primary, so the set stays whole for the next one. (A
+  single server restarted from its AOF, or empty, has its own tests: test_redis_loss.py);
 - ``worker_join``: start one more worker process outside the agent (up to ``max_workers``).
 
 Worker faults need two Active workers and the previous worker fault recovered: losing every
@@ -35,7 +38,7 @@ from shoal.events.keys import JobKeys
 from shoal.events.records import WorkerRecord
 from shoal.events.states import PLANNED, WorkerState
 
-KINDS = ("worker_kill", "worker_segv", "worker_stop", "worker_slow", "coordinator_kill", "redis_restart", "worker_join")
+KINDS = ("worker_kill", "worker_segv", "worker_stop", "worker_slow", "coordinator_kill", "redis_failover", "worker_join")
 WORKER_FAULTS = ("worker_kill", "worker_segv", "worker_stop", "worker_slow")
 #: the workers' fault rule behind ``worker_slow``: the soak sets it for every worker, with S
 #: past the heartbeat TTL (see :func:`slow_step_rule`)
@@ -89,16 +92,15 @@ class Injected:
 
 @dataclass
 class Injector:
-    """Performs faults on the soak's processes. ``procs`` is the soak's LocalProcs, ``server``
-    its embedded Redis; ``restart_redis``/``new_coordinator``/``new_worker`` are callbacks of
-    the soak (they own the processes)."""
+    """Performs faults on the soak's processes. ``fail_over``/``new_coordinator``/``new_worker``
+    are callbacks of the soak (it owns the processes); ``fail_over`` returns what it did."""
 
     client: redis.Redis
     keys: JobKeys
     ttl: float
     max_workers: int
     coordinators: dict  #: replica name -> Proc, kept current by the soak
-    restart_redis: callable
+    fail_over: callable
     new_coordinator: callable
     new_worker: callable
     done: list[Injected] = field(default_factory=list)
@@ -166,9 +168,8 @@ class Injector:
             proc.wait(10)
             self.coordinators.pop(proc.name, None)
             self.new_coordinator()
-        elif kind == "redis_restart":
-            target = "redis"
-            self.restart_redis()
+        elif kind == "redis_failover":
+            target = self.fail_over()
             gen = -1
         else:
             target = self.new_worker().name

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import redis
 
-from shoal.ops.embedded import HA_NODE_OPTIONS, server_binary
+from shoal.ops.embedded import DOWN_AFTER_MS, HA_NODE_OPTIONS, server_binary
 from shoal.ops.localproc import LocalProcs, Proc
 from shoal.core.procs import pid_runs
 
@@ -289,7 +289,7 @@ class Net:
         return url
 
     def start_ha(self, primary: Host, replicas: list[Host], sentinels: list[Host], *,
-                 down_after_ms: int = 1000, timeout: float = 30.0) -> str:
+                 down_after_ms: int = DOWN_AFTER_MS, timeout: float = 30.0) -> str:
         """A Sentinel HA set of the embedded binary: a primary on ``primary``, one replica on
         each of ``replicas``, one sentinel on each of ``sentinels`` (quorum: a majority), each
         bound to its host's address, each with a unix socket for the test itself

@@ -1,6 +1,8 @@
 """``shoal chaos``: a training job under random faults, then a check of its end state.
 
-The soak starts its own Redis (AOF, ``appendfsync always``) in a run directory, a local
+The soak starts its own Redis under Sentinel (a primary, 2 replicas, 3 sentinels; AOF,
+``appendfsync always``) in a run directory, every process connected through its
+``redis+sentinel://`` URL, a local
 checkpoint store, two coordinator replicas, and a node agent with ``workers`` workers of the
 digits example in float64 (restarts unlimited). For ``duration`` seconds it injects a fault
 every ``min_gap``..``max_gap`` seconds (default 2..5; kinds in a seeded, shuffled cycle, so each kind comes
@@ -35,7 +37,7 @@ from shoal.ops.chaos.inject import KINDS, Injected, Injector, next_kind, slow_st
 from shoal.ops.chaos.sampler import Sampler, Samples
 from shoal.ops.chaos.verdict import LOCAL, Profile, Verdict, judge, load_finals
 from shoal.core.connection import connect
-from shoal.ops.embedded import start_server
+from shoal.ops.embedded import start_ha
 from shoal.core.registry import create_job
 from shoal.core.jobspec import JobSpec
 from shoal.ops.localproc import LocalProcs
@@ -130,8 +132,7 @@ def run_chaos(cfg: ChaosConfig, out=print) -> Verdict:
 def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
     rng = random.Random(cfg.seed)
     steps = default_steps(cfg)
-    server = start_server(root / "redis", appendonly=True, fsync="always")
-    port = server.port
+    server = start_ha(root / "redis-ha", appendonly=True)
     client = connect(server.url, ride_out=60)
     job = "chaos"
     keys = job_keys(job)
@@ -141,7 +142,7 @@ def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
     env = {**worker_env(root, cfg), "SHOAL_FAULTS": slow_step_rule(cfg.ttl)}
     steer = PaceSteer(root / "pace", steps, cfg.step_pace)
     out(f"shoal chaos: {cfg.duration:.0f} s of faults, seed {cfg.seed}, {cfg.workers} workers under an agent, "
-        f"2 coordinators, Redis with AOF; job of {steps} steps; run dir {root}")
+        f"2 coordinators, Redis under Sentinel (a primary, 2 replicas, 3 sentinels); job of {steps} steps; run dir {root}")
     state = {"server": server, "coords": 0, "joiners": 0}
     procs = LocalProcs(server.url, root / "logs", extra_env=env)
     reference = Background(lambda: reference_parameters(steps, cfg.seed))
@@ -153,15 +154,20 @@ def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
         coordinators[name] = procs.coordinator(name, "--lease-ttl", "1")
         return coordinators[name]
 
-    def restart_redis():
-        state["server"].kill()
-        state["server"] = start_server(root / "redis", port=port, appendonly=True, fsync="always")
+    def fail_over() -> str:
+        ha = state["server"]
+        old = ha.kill_primary()
+        killed = time.monotonic()
+        new = ha.wait_failover(old)
+        took = time.monotonic() - killed
+        ha.rejoin(old, new)
+        return f"primary :{old.port} killed; :{new.port} promoted after {took:.2f} s"
 
     def new_worker():
         state["joiners"] += 1
         return procs.worker(job, f"joiner{state['joiners']}")
 
-    injector = Injector(client, keys, cfg.ttl, spec.max_workers, coordinators, restart_redis, new_coordinator, new_worker)
+    injector = Injector(client, keys, cfg.ttl, spec.max_workers, coordinators, fail_over, new_coordinator, new_worker)
     sampler = Sampler(connect(server.url, ride_out=60), keys, open_store(ckpt))
     started = time.monotonic()
     completed = False

@@ -553,7 +553,8 @@ class HAMembers:
         self.url = (f"redis+sentinel://default:{self.pw}@"
                     + ",".join(f"127.0.0.1:{self.ports[f'sentinel{i}']}" for i in range(3)) + "/shoal/0")
 
-    def start(self, name: str, *, fresh: bool = False) -> None:
+    def start(self, name: str, *, fresh: bool = False, refused: bool = False) -> None:
+        """Start ``name`` and wait until it answers (``refused``: until it exits 1 instead)."""
         state = self.tmp / name
         if fresh:
             shutil.rmtree(state, ignore_errors=True)
@@ -563,6 +564,9 @@ class HAMembers:
             self.procs[name] = subprocess.Popen(
                 ["sh", str(DEPLOY / "redis-ha.sh"), "server" if name.startswith("node") else "sentinel"],
                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        if refused:
+            assert self.procs.pop(name).wait(30) == 1, self.log(name)
+            return
         wait_until(lambda: self._answers(name), 15, lambda: f"{name} to answer: {self.log(name)}")
 
     def stop(self, name: str, *, kill: bool = False) -> None:
@@ -608,17 +612,20 @@ class HAMembers:
 @pytest.mark.slow
 def test_redis_ha_script_forms_a_sentinel_set_that_fails_over_and_keeps_roles(tmp_path: Path) -> None:
     """deploy/redis-ha.sh with the embedded server: the set forms (shoal's `health redis` view:
-    2 replicas in sync, 3 sentinels, quorum 2); after a kill -9 of the primary a replica is
+    2 replicas in sync, 3 sentinels, quorum 2), also when a replica starts before the initial
+    primary (compose starts them together); after a kill -9 of the primary a replica is
     promoted and the Redis config files record the new roles; a restarted replica comes back
     as a replica of the new primary; a sentinel and a data node that lost their state learn
-    the current primary from the others instead of taking the initial one."""
+    the current primary from the others instead of taking the initial one; and a primary that
+    lost its state while no sentinel answers does not start empty under replicas with data."""
     from shoal.core.connection import connect
     from shoal.ops.health import check_redis
 
     ha = HAMembers(tmp_path)
     try:
-        for name in ("node0", "node1", "node2", "sentinel0", "sentinel1", "sentinel2"):
+        for name in ("node1", "node0", "node2", "sentinel0", "sentinel1", "sentinel2"):
             ha.start(name)
+        assert "starting as the primary" in (tmp_path / "node0.log").read_text()
         assert not any(line.startswith("replicaof") for line in ha.conf("node0"))
         p0 = ha.ports["node0"]
         assert f"replicaof 127.0.0.1 {p0}" in ha.conf("node1") and f"replicaof 127.0.0.1 {p0}" in ha.conf("node2")
@@ -632,6 +639,15 @@ def test_redis_ha_script_forms_a_sentinel_set_that_fails_over_and_keeps_roles(tm
                 and "2 replica(s) in sync" in verdict.reason else None
 
         reason = wait_until(healthy, 30, lambda: f"the set to form: {ha.log('sentinel0')}")
+
+        def sentinels_know_all() -> bool:  # a replica the sentinels do not know is not moved in a fail-over
+            try:
+                views = [ha.client(f"sentinel{i}").sentinel_master("shoal") for i in range(3)]
+            except redis.RedisError:
+                return False
+            return all(int(v["num-slaves"]) == 2 and int(v["num-other-sentinels"]) == 2 for v in views)
+
+        wait_until(sentinels_know_all, 30, lambda: f"the sentinels to know the set: {ha.log('sentinel0')}")
         assert f"primary 127.0.0.1:{p0}" in reason and "quorum 2" in reason
         client = connect(ha.url)
         client.set("shoal:test", "before")
@@ -671,5 +687,14 @@ def test_redis_ha_script_forms_a_sentinel_set_that_fails_over_and_keeps_roles(tm
         assert ha.client("node0").get("shoal:test") == b"after"
         assert f"starting as a replica of 127.0.0.1:{new} (sentinels)" in (tmp_path / "node0.log").read_text()
         assert all(ha.pw not in text for text in password_free)
+
+        # no sentinel answers, and the primary comes back without its state: its replicas hold
+        # data, so it refuses to start as an empty primary (they would drop their copy)
+        for name in ("sentinel0", "sentinel1", "sentinel2"):
+            ha.stop(name)
+        ha.stop(promoted, kill=True)
+        ha.start(promoted, fresh=True, refused=True)
+        assert "not starting as an empty primary" in ha.log(promoted)
+        assert ha.client(other).get("shoal:test") == b"after"
     finally:
         ha.stop_all()

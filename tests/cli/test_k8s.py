@@ -598,6 +598,7 @@ def test_sentinel_members_start_with_the_topology(overlay, tmp_path):
         assert pairs["--replica-announce-ip"] == f"redis-{i}.redis-headless"
         assert pairs["--requirepass"] == pairs["--masterauth"] == pw
         assert pairs["--appendonly"] == "yes" and pairs["--port"] == "6379"
+        assert pairs["--repl-diskless-sync-delay"] == "0"  # a replica that needs a full copy gets it at once
         assert pw not in res.stderr
 
     spec = sts["redis-sentinel"]["spec"]["template"]["spec"]

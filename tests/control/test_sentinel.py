@@ -13,6 +13,9 @@ fail-over confirmed by a replica (``shoal.core.durable``).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -110,3 +113,22 @@ def test_sentinel_urls_are_checked_and_redacted() -> None:
             connect(bad)
     with pytest.raises(ConnectionFailed, match="cannot reach Redis"):
         connect("redis+sentinel://127.0.0.1:1/shoal", timeout=0.5)
+
+
+def _health(url: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shoal", "health", "redis"], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, REDIS_URL=url))
+
+
+def test_shoal_health_redis_reports_the_sentinel_view(ha) -> None:
+    ok = _health(ha.url)
+    primary = ha.primary()
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert (f"healthy under Sentinel: primary 127.0.0.1:{primary.port} (AOF off), 2 replica(s) in sync, "
+            f"3 of 3 sentinel(s) answer, quorum 2") in ok.stdout
+    for node in ha.replicas():
+        node.kill()
+    bad = _health(ha.url)
+    assert bad.returncode != 0 and "0 replica(s) in sync" in bad.stdout + bad.stderr
+    assert "no replica in sync, durable writes would fail" in bad.stdout + bad.stderr
+    assert "Traceback" not in bad.stderr

@@ -65,7 +65,7 @@ def _fail_primary(ha: HASet, procs: LocalProcs, workers: list, lost_tail: bool) 
 
 
 def _run(tmp_path, lost_tail: bool) -> None:
-    with start_ha(tmp_path / "ha", down_after_ms=1000) as ha:
+    with start_ha(tmp_path / "ha") as ha:
         client = connect(ha.url, ride_out=60, timeout=10)
         job = "failover"
         create_job(client, job_spec(job, entrypoint="tests.entrypoints:slow_digits", global_batch_size=48,
