@@ -41,6 +41,7 @@ from shoal.core.jobspec import JobSpec
 from shoal.storage.code_package import CodePackage, CodePackageError, unpack
 from shoal.worker import placement
 from shoal.worker.errors import ReplicaGroupLost
+from shoal.worker.lifeline import AGENT_PID_ENV, STOPPED_IN_OUTAGE_EXIT
 from shoal.worker.membership import JoinRejected
 from shoal.events.states import is_terminal
 
@@ -263,8 +264,10 @@ class NodeAgent:
         env.update(self.extra_env)
         if self.placement is not None:  # its GPU alone, the backend and device (shoal.worker.placement)
             env.update(placement.slot_env(self.placement, slot.index, len(self.slots), self.slot_gpus[slot.index]))
+        # AGENT_PID_ENV: the worker knows it has an agent, and that it is orphaned once its
+        # parent is no longer this process (shoal.worker.lifeline)
         env.update({"REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1",
-                    "SHOAL_WORKER_ID_FILE": str(slot.id_file(self.run_dir))})
+                    "SHOAL_WORKER_ID_FILE": str(slot.id_file(self.run_dir)), AGENT_PID_ENV: str(os.getpid())})
         if self.code_dir is not None:  # like Ray's working_dir: the cwd, and first on sys.path
             env["PYTHONPATH"] = os.pathsep.join([str(self.code_dir), *filter(None, [env.get("PYTHONPATH")])])
         slot.id_file(self.run_dir).unlink(missing_ok=True)
@@ -336,16 +339,21 @@ class NodeAgent:
                         failure_report(slot.log_file(self.run_dir), slot.log_start, lines=1))
             return
         sig = -rc if rc < 0 else None
+        # asked to stop (SIGTERM) while Redis was unreachable, it could not leave the job: not
+        # a crash and not to be restarted (it was asked to stop), but reported, so that the
+        # coordinator re-plans without it once Redis is back (shoal.worker.lifeline)
+        stopped = rc == STOPPED_IN_OUTAGE_EXIT
         try:
-            over = self._draining or self._job_over()
+            over = self._draining or (not stopped and self._job_over())
         except _REDIS_DOWN:
             over = False  # Redis is down: assume the job goes on (the restart waits for Redis)
-        will_restart = not over and slot.restarts < self.max_restarts
-        slot.gave_up = not over and not will_restart
+        will_restart = not over and not stopped and slot.restarts < self.max_restarts
+        slot.gave_up = not over and not stopped and not will_restart
         # a signal leaves no traceback; the log tail then is only the last ordinary line
         tail = failure_report(slot.log_file(self.run_dir), slot.log_start) if rc > 0 else ""
         how = f"signal {signal.Signals(sig).name}" if sig else f"exit code {rc}"
-        log.warning("slot %d: worker %s (pid %d) died with %s%s", slot.index, wid, proc.pid, how,
+        log.warning("slot %d: worker %s (pid %d) %s with %s%s", slot.index, wid, proc.pid,
+                    "stopped during a Redis outage without leaving the job" if stopped else "died", how,
                     "; restarting" if will_restart else ("; giving up" if slot.gave_up else ""))
         if wid:
             ev: WorkerExited | WorkerStartFailed = WorkerExited(

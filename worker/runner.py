@@ -16,6 +16,7 @@ import redis
 
 from shoal.core.jobspec import JobSpec
 from shoal.worker.heartbeat import Heartbeater
+from shoal.worker.lifeline import Lifeline, StopRequest, agent_pid
 from shoal.worker.membership import Membership
 from shoal.events.states import WorkerState, is_terminal
 
@@ -37,14 +38,21 @@ def collective_timeout(spec: JobSpec) -> float:
 
 
 class WorkerRunner:
-    """Set ``stop`` (e.g. from a SIGTERM handler) to request a drain."""
+    """Set ``stop`` (e.g. from a SIGTERM handler) to request a drain.
+
+    :meth:`run` called from the main thread (the worker process's program) also starts a
+    :class:`~shoal.worker.lifeline.Lifeline`: it ends the process when its node agent is gone
+    and Redis has not answered for the orphan bound, or when ``stop`` was set and Redis has
+    not answered for a few seconds (a drain cannot leave through Redis)."""
 
     def __init__(self, membership: Membership, spec: JobSpec, *, join_timeout: float = 30.0):
         self.membership = membership
         self.spec = spec
         self.join_timeout = join_timeout
-        self.stop = threading.Event()
+        self.stop = StopRequest()
         self.hb: Heartbeater | None = None
+        #: started by :meth:`run` in the main thread (None until then, or in another thread)
+        self.lifeline: Lifeline | None = None
         #: bounds every collective of a group (a backstop: the coordinator evicts a hung peer
         #: - heartbeat TTL - or a stuck step - ``step_timeout`` - first, and the survivors
         #: abort their collectives with it at once; until then a slow peer is waited for)
@@ -125,8 +133,16 @@ class WorkerRunner:
         """Join, then iterate until :meth:`run_once` returns an exit code. A Redis outage
         (connection refused, timed out) never ends the process: the iteration is tried again
         with a backoff (0.5 s doubling to ``REDIS_BACKOFF_MAX_S``), logged once when it starts
-        and once when Redis answers again; the model and optimizer stay in memory."""
-        self.start()
+        and once when Redis answers again; the model and optimizer stay in memory - unless
+        this worker is orphaned or asked to stop meanwhile (:mod:`shoal.worker.lifeline`)."""
+        if threading.current_thread() is threading.main_thread():
+            self.lifeline = Lifeline(self.membership.client, self.stop, agent=agent_pid()).start()
+        try:
+            self.start()
+        except BaseException:
+            if self.lifeline is not None:
+                self.lifeline.close()
+            raise
         down_since: float | None = None
         pause = 0.5
         try:
@@ -146,6 +162,10 @@ class WorkerRunner:
                 if code is not None:
                     return code
         finally:
-            self.cleanup()
-            if self.hb is not None:
-                self.hb.stop()
+            try:
+                self.cleanup()
+                if self.hb is not None:
+                    self.hb.stop()
+            finally:
+                if self.lifeline is not None:  # the exit code is the loop's from here on
+                    self.lifeline.close()
