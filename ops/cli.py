@@ -555,10 +555,12 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     from shoal.ops.chaos.network import UNAVAILABLE
 
     holds = {k: v for k, v in (("min_hold", args.min_hold), ("max_hold", args.max_hold)) if v is not None}
+    if args.ha and not args.network:
+        raise ConfigError("--ha applies to --network (the local soak always runs Redis under Sentinel)")
     if holds and not args.network:
         raise ConfigError("--min-hold/--max-hold apply to --network only (local faults are not held)")
     cfg = ChaosConfig(duration=args.duration, seed=args.seed, workers=args.workers, steps=args.steps,
-                      run_dir=Path(args.run_dir) if args.run_dir else None, network=args.network,
+                      run_dir=Path(args.run_dir) if args.run_dir else None, network=args.network, ha=args.ha,
                       min_gap=args.min_gap, max_gap=args.max_gap, **holds)
     if cfg.gaps()[0] > cfg.gaps()[1] or cfg.min_hold > cfg.max_hold:
         raise ConfigError(f"a minimum above its maximum: gaps {cfg.gaps()}, holds ({cfg.min_hold:g}, {cfg.max_hold:g})")
@@ -845,6 +847,9 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
     ch.add_argument("--min-hold", type=_positive_float, default=None,
                     help="--network: seconds each fault is held before it is healed, at least (default 2)")
     ch.add_argument("--max-hold", type=_positive_float, default=None, help="--network: ... at most (default 5)")
+    ch.add_argument("--ha", action="store_true",
+                    help="--network: Redis under Sentinel (a data node and a sentinel on each of 3 hosts), with one "
+                         "more fault: redis_isolate (the primary, a coordinator and a worker node cut off together)")
     ch.set_defaults(func=cmd_chaos)
 
     co = sub.add_parser("completion", help="print the shell completion script (bash, zsh or fish)",

@@ -23,6 +23,15 @@ seconds, and goes on:
 - ``leader_redis_cut``: the coordinator replica holding the job's lease and Redis cannot
   reach each other (the standby must take over).
 
+With ``--ha`` Redis is a Sentinel set instead (a data node and a sentinel on each of ``r1``,
+``r2``, ``r3``; every process connects through the ``redis+sentinel://`` URL; "Redis" in the
+faults above is the host of the primary the sentinels name at the time), and one more kind:
+
+- ``redis_isolate``: the primary's host, one coordinator replica and one worker node are cut
+  off together from every other host: inside, the old primary still acknowledges writes;
+  outside, the sentinels promote a replica once the hold outlasts their down-after time. Only
+  writes a replica confirmed may count (``shoal.core.durable``).
+
 The job is paced as in the local soak, steered every :data:`STEER_EVERY` seconds on the step
 the workers' ledgers last committed; once the window closes, the pause is released and the
 steps left run at full speed.
@@ -80,7 +89,10 @@ from shoal.events.states import WorkerState
 
 NET_KINDS = ("peer_partition", "oneway_partition", "node_redis_cut", "redis_blackhole", "node_delay_20ms",
              "node_loss_5pct", "node_link_down", "leader_redis_cut")
+#: with ``--ha`` (Redis under Sentinel): one more kind
+HA_KINDS = NET_KINDS + ("redis_isolate",)
 PROFILE = Profile(NET_KINDS, NET_KINDS, "heal -> first committed step after it")
+HA_PROFILE = Profile(HA_KINDS, HA_KINDS, "heal -> first committed step after it")
 DELAY_MS = 20.0
 LOSS_PERCENT = 5
 #: after a heal, the next fault waits for a step committed after it, this long at most (s)
@@ -100,7 +112,7 @@ class NetInjector:
     client: redis.Redis
     keys: JobKeys
     nodes: list[Host]
-    redis_host: Host
+    redis_host: Host | None  #: None: the HA set's primary, whichever it is (``net.ha_primary``)
     coordinators: dict[str, Host]  #: replica id (= host name) -> host
     done: list[Injected] = field(default_factory=list)
     current: Injected | None = None
@@ -132,9 +144,20 @@ class NetInjector:
                     if a is not b and (kind == "oneway_partition" or a.name < b.name) and held - {a.name, b.name}]
         return [(n,) for n in self.nodes if held - {n.name}]
 
+    def redis(self) -> Host:
+        """The host of Redis (under Sentinel: of the primary now)."""
+        if self.redis_host is not None:
+            return self.redis_host
+        name = self.net.ha_primary()
+        if name is None:
+            raise RuntimeError("the sentinels name no primary")
+        return self.net.hosts[name]
+
     def allowed(self, kind: str) -> bool:
-        if kind == "redis_blackhole":
-            return True
+        if kind in ("redis_blackhole", "redis_isolate"):
+            if self.redis_host is None and self.net.ha_primary() is None:
+                return False  # a fail-over under way
+            return kind == "redis_blackhole" or bool(self.targets(kind))
         if kind == "leader_redis_cut":
             return self.leader() is not None
         return bool(self.targets(kind))
@@ -144,12 +167,20 @@ class NetInjector:
             raise RuntimeError(f"{self.current.kind} is still injected")
         net, nodes = self.net, ()
         if kind == "redis_blackhole":
-            net.loss(self.redis_host, 100)
-            target, nodes = "redis: every frame to and from it dropped", tuple(n.name for n in self.nodes)
+            redis_host = self.redis()
+            net.loss(redis_host, 100)
+            target, nodes = f"redis ({redis_host.name}): every frame to and from it dropped", tuple(n.name for n in self.nodes)
         elif kind == "leader_redis_cut":
-            leader = self.leader()
-            net.partition(leader, self.redis_host)
-            target = f"{leader.name} <-> redis cut (the leader)"
+            leader, redis_host = self.leader(), self.redis()
+            net.partition(leader, redis_host)
+            target = f"{leader.name} <-> redis ({redis_host.name}) cut (the leader)"
+        elif kind == "redis_isolate":
+            redis_host = self.redis()
+            (node,) = rng.choice(self.targets(kind))
+            coordinator = self.coordinators[rng.choice(sorted(self.coordinators))]
+            net.isolate([redis_host, coordinator, node])
+            nodes = tuple(n.name for n in self.nodes)  # all lose the primary: the others until the promotion
+            target = f"{redis_host.name} (the primary), {coordinator.name} and {node.name} cut off from the rest"
         else:
             pick = rng.choice(self.targets(kind))
             nodes = tuple(h.name for h in pick)
@@ -162,8 +193,9 @@ class NetInjector:
             else:
                 (node,) = pick
                 if kind == "node_redis_cut":
-                    net.partition(node, self.redis_host)
-                    target = f"{node.name} <-> redis cut"
+                    redis_host = self.redis()
+                    net.partition(node, redis_host)
+                    target = f"{node.name} <-> redis ({redis_host.name}) cut"
                 elif kind == "node_delay_20ms":
                     net.delay(node, DELAY_MS)
                     target = f"{node.name} +{DELAY_MS:g} ms each way"
@@ -193,6 +225,26 @@ class NetInjector:
             healed_ms = (f.healed or time.time()) * 1000
             f.hits = tuple(sorted({wid for ts, wid in declared if self.node_of.get(wid) in f.nodes
                                    and self.joined_ms.get(wid, 0) <= healed_ms and ts >= f.t * 1000 - 1}))
+
+
+class FollowingClient:
+    """The soak's own client of an HA set: each command goes, over its unix socket, to the data
+    node the sentinels name as the primary at that moment (no network fault cuts it)."""
+
+    def __init__(self, net: Net):
+        self._net = net
+        self._clients: dict[str, redis.Redis] = {}
+
+    def _current(self) -> redis.Redis:
+        name = self._net.ha_primary()
+        if name is None:
+            raise redis.ConnectionError("the sentinels name no primary (a fail-over under way)")
+        if name not in self._clients:
+            self._clients[name] = self._net.ha_client(name)
+        return self._clients[name]
+
+    def __getattr__(self, attr: str):
+        return getattr(self._current(), attr)
 
 
 @contextlib.contextmanager
@@ -247,18 +299,27 @@ def run_network(cfg: ChaosConfig, out=print) -> Verdict:
         finally:
             with _shielded():  # the job is over (or abandoned): its processes need not drain long
                 net.close(timeout=3.0)
-        return conclude(cfg, root, out, profile=PROFILE, **run)
+        return conclude(cfg, root, out, profile=HA_PROFILE if cfg.ha else PROFILE, **run)
 
 
 def _soak(cfg: ChaosConfig, net: Net, root: Path, out) -> dict:
     """The hosts, the processes and the fault window; what :func:`conclude` needs."""
     rng = random.Random(cfg.seed)
     steps = default_steps(cfg)
-    redis_host = net.add_host("redis")
+    kinds = HA_KINDS if cfg.ha else NET_KINDS
+    if cfg.ha:
+        redis_host = None
+        data = [net.add_host(f"r{i}") for i in (1, 2, 3)]
+    else:
+        redis_host = net.add_host("redis")
     coordinators = {name: net.add_host(name) for name in ("coord1", "coord2")}
     nodes = [net.add_host(f"n{i + 1}") for i in range(cfg.workers)]
-    net.start_redis(redis_host)
-    client = net.client()
+    if cfg.ha:
+        net.start_ha(data[0], data[1:], data)
+        client = FollowingClient(net)
+    else:
+        net.start_redis(redis_host)
+        client = net.client()
     job = "chaos"
     keys = job_keys(job)
     ckpt = f"file://{root / 'ckpt'}"
@@ -269,7 +330,8 @@ def _soak(cfg: ChaosConfig, net: Net, root: Path, out) -> dict:
     steer = PaceSteer(root / "pace", steps, cfg.step_pace, every=STEER_EVERY)
     ledger_dir = root / "ledger"
     min_gap, max_gap = cfg.gaps()
-    out(f"shoal chaos --network: {cfg.duration:.0f} s of network faults, seed {cfg.seed}; Redis, 2 coordinators and "
+    what = "Redis under Sentinel (a data node and a sentinel on each of r1, r2, r3)" if cfg.ha else "Redis"
+    out(f"shoal chaos --network: {cfg.duration:.0f} s of network faults, seed {cfg.seed}; {what}, 2 coordinators and "
         f"{len(nodes)} worker nodes (an agent with one worker each), each its own network namespace ({net.tag}-*); "
         f"faults held {cfg.min_hold:g}-{cfg.max_hold:g} s, {min_gap:g}-{max_gap:g} s apart; job of {steps} steps; "
         f"run dir {root}")
@@ -280,7 +342,7 @@ def _soak(cfg: ChaosConfig, net: Net, root: Path, out) -> dict:
                       "--backoff", "0.1", "--backoff-max", str(cfg.agent_backoff_max),
                       "--run-dir", str(root / f"agent-{n.name}"), env=env) for n in nodes]
     injector = NetInjector(net, client, keys, nodes, redis_host, coordinators)
-    sampler = Sampler(net.client(), keys, open_store(ckpt))
+    sampler = Sampler(FollowingClient(net) if cfg.ha else net.client(), keys, open_store(ckpt))
     try:
         if not wait_state(client, keys, ("running",), 120):
             raise RuntimeError(f"the job did not start training; the logs are in {net.log_dir}\n{net.dump(10)}")
@@ -317,7 +379,7 @@ def _soak(cfg: ChaosConfig, net: Net, root: Path, out) -> dict:
             if now < next_at:
                 time.sleep(0.05)
                 continue
-            kind = next_kind(cycle, NET_KINDS, injector.allowed, rng)
+            kind = next_kind(cycle, kinds, injector.allowed, rng)
             if kind is None:
                 next_at = now + 0.5
                 continue

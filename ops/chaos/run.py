@@ -71,6 +71,7 @@ class ChaosConfig:
     network: bool = False  #: ``shoal chaos --network``: across network namespaces, network faults
     min_hold: float = 2.0  #: ``network``: each fault is held this long at least ...
     max_hold: float = 5.0  #: ... and at most, then healed
+    ha: bool = False  #: ``network``: Redis under Sentinel, with the ``redis_isolate`` fault
 
     def gaps(self) -> tuple[float, float]:
         lo, hi = GAPS[self.network]

@@ -24,7 +24,7 @@ import sys
 import pytest
 
 from shoal.ops.chaos.netns import ETC_NETNS, namespaces, unavailable_reason
-from shoal.ops.chaos.network import NET_KINDS
+from shoal.ops.chaos.network import HA_KINDS, NET_KINDS
 from tests.helpers import ROOT, run_cli
 
 #: the first line names the namespaces it makes: ``(shn<pid>-*)``
@@ -67,6 +67,24 @@ def test_sixty_seconds_of_network_chaos_pass_with_every_fault_kind(tmp_path) -> 
     for kind, n in summary["faults"].items():
         assert n["injected"] >= 1 and n["survived"] == n["injected"], (kind, n)
         assert re.search(rf"^{kind} +{n['injected']} +{n['survived']}$", done.stdout, re.M), kind  # the table
+
+
+@pytest.mark.slow
+@pytest.mark.soak  # ~3 min; the default suite keeps under 15 min (tests/multihost/test_redis_partition.py is there)
+def test_network_chaos_under_sentinel_isolates_the_primary_and_passes(tmp_path) -> None:
+    _needs_namespaces()
+    run_dir = tmp_path / "run"
+    done = run_cli(_env(tmp_path), "chaos", "--network", "--ha", "--duration", "120", "--seed", "3", "--run-dir",
+                   str(run_dir), "--min-hold", "3", "--max-hold", "6", timeout=1200)
+    report = done.stdout + done.stderr
+    print(report)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    failed = [f"{c['name']}: {c['detail']}" for c in summary["checks"] if not c["ok"]]
+    assert summary["ok"] and not failed, failed
+    assert set(summary["faults"]) == set(HA_KINDS)
+    isolated = summary["faults"]["redis_isolate"]
+    assert isolated["injected"] >= 1 and isolated["survived"] == isolated["injected"], isolated
+    assert "Redis under Sentinel" in done.stdout and "chaos soak PASSED" in done.stdout, report
 
 
 @pytest.mark.slow
