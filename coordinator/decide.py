@@ -536,13 +536,23 @@ def _on_checkpointed(state: CoordState, ev: Checkpointed, now_ms: int, spec: Job
 
 def _on_ready(state: CoordState, ev: Ready, rec: WorkerRecord, now_ms: int, spec: JobSpec, epoch: int) -> Decision:
     wid = rec.worker_id
+    if rec.state == WorkerState.ACTIVE and ev.generation == state.status.generation:
+        # a member that stays active through a switch (a generation that only removed others)
+        # says so too: the generation formed, its formation clock stops (else the job would
+        # fail formation_timeout after a removal-only switch with nobody joining)
+        status = _formed(state.status) if _forming(state.status) else state.status
+        status, redone = _resumed(status, ev.generation, ev.step)
+        if status == state.status:
+            return _unchanged(state, f"ready from {wid} in generation {ev.generation}: already active")
+        reason = f"{wid} active in generation {ev.generation}"
+        return Decision(replace(state, status=status), (), f"{reason}; {redone}" if redone else reason)
     if rec.state != WorkerState.SYNCING:
         return _unchanged(state, f"ready from {wid} ignored: it is {rec.state.value}")
     if ev.generation != state.status.generation:
         return _unchanged(state, f"ready from {wid} for generation {ev.generation} ignored: current is {state.status.generation}")
     reason = f"{wid} active in generation {ev.generation}"
     state = _move(state, wid, WorkerState.ACTIVE, reason, now_ms)
-    if state.status.unformed_since_ms or state.status.rendezvous_error or state.status.formation_failures:
+    if _forming(state.status):
         state = replace(state, status=_formed(state.status))  # the generation formed
     status, redone = _resumed(state.status, ev.generation, ev.step)
     state = replace(state, status=status)
@@ -693,6 +703,11 @@ def _formation_failed(state: CoordState, spec: JobSpec, now_ms: int) -> Decision
               f"{status.rendezvous_error or 'none reported'}")
     status = replace(_set_job(status, JobState.FAILED, now_ms), reason=reason)
     return Decision(replace(state, status=status), (), reason)
+
+
+def _forming(status: JobStatus) -> bool:
+    """Whether the formation clock runs (or an error or back-off of a formation is recorded)."""
+    return bool(status.unformed_since_ms or status.rendezvous_error or status.formation_failures)
 
 
 def _formed(status: JobStatus) -> JobStatus:

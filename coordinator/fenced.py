@@ -42,6 +42,10 @@ return #ops
 ALLOWED = frozenset({"SETLATEST", "HSET", "HDEL", "SET", "DEL", "XADD", "XACK", "XTRIM", "ZADD", "ZREM", "RPUSH", "EXPIRE", "PEXPIRE"})
 
 
+#: field-value pairs per HSET of a batch (see :meth:`FencedBatch.hset`)
+HSET_PAIRS = 1000
+
+
 class FencedBatch:
     """Commands to apply atomically under the fence. Values are strings (JSON where structured)."""
 
@@ -63,10 +67,16 @@ class FencedBatch:
         return self
 
     def hset(self, key: str, mapping: dict[str, str]) -> "FencedBatch":
-        flat: list[str] = []
-        for k, v in mapping.items():
-            flat += [k, v]
-        return self.add("HSET", key, *flat) if flat else self
+        """HSET of ``mapping``, in commands of at most :data:`HSET_PAIRS` pairs: the script
+        calls each with Lua's ``unpack``, which takes at most ~8,000 values (a generation
+        adding 4,000 workers at once failed there, half applied)."""
+        items = list(mapping.items())
+        for start in range(0, len(items), HSET_PAIRS):
+            flat: list[str] = []
+            for k, v in items[start:start + HSET_PAIRS]:
+                flat += [k, v]
+            self.add("HSET", key, *flat)
+        return self
 
     def xadd(self, key: str, fields: dict[str, str], maxlen: int | None = None) -> "FencedBatch":
         args: list[str | int] = []

@@ -31,3 +31,15 @@ def test_a_fenced_latest_write_never_moves_the_pointer_back(r: redis.Redis, job_
     r.set(keys.latest, "not json")  # an unparsable value is replaced
     _write(writer, 5)
     assert LatestPointer.from_json(r.get(keys.latest)).step == 5
+
+
+def test_a_fenced_batch_writes_a_hash_of_thousands_of_fields_whole(r: redis.Redis, job_id: str) -> None:
+    """A generation adding 5,000 workers writes their 5,000 records in one fenced batch (Lua's
+    unpack takes ~8,000 values: one HSET of them all failed, half applied)."""
+    keys = job_keys(job_id)
+    r.set(keys.lease, "tok")
+    r.set(keys.epoch, "1")
+    writer = FencedWriter(r, keys, "tok", 1)
+    records = {f"w{i}": f'{{"worker_id": "w{i}"}}' for i in range(5000)}
+    writer.commit(FencedBatch(keys).hset(keys.workers, records).add("SET", keys.base + ":after", "1"))
+    assert r.hlen(keys.workers) == 5000 and r.get(keys.base + ":after") == b"1"

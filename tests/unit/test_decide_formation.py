@@ -176,3 +176,26 @@ def test_a_joiner_whose_backend_differs_from_the_members_is_refused_with_one_lin
 def test_a_reader_takes_an_unknown_or_missing_classification_as_transient(value, expected) -> None:
     assert FormationError.parse(value) is expected
     assert expected.configuration is (expected is not FormationError.TRANSIENT)
+
+
+def test_a_switch_that_only_removes_members_forms_when_the_survivors_say_ready() -> None:
+    """Members active before a generation that only drops another stay active; their ready
+    must still stop the formation clock, or the job fails formation_timeout later although
+    it trains (found by the 16,384-worker bench: nobody joined after the kills)."""
+    spec = SPEC.model_copy(update={"formation_timeout": 60})
+    s = _members(spec)
+    g = s.status.generation
+    for i, wid in enumerate(("w0", "w1", "w2")):
+        s = decide(s, _ev(Ready(job_id="j", worker_id=wid, generation=g, step=0), f"{10 + i}-0"), T0 + 10 + i, spec).state
+    assert s.status.unformed_since_ms == 0
+    exited = WorkerExited(job_id="j", worker_id="w2", exit_code=-9, signal=9)
+    d = decide(s, _ev(exited, "20-0"), T0 + 1000, spec)
+    assert d.state.status.generation == g + 1 and d.state.status.unformed_since_ms == T0 + 1000
+    s = d.state
+    for i, wid in enumerate(("w0", "w1")):  # still active: a removal-only switch
+        assert s.workers[wid].state.value == "Active"
+        s = decide(s, _ev(Ready(job_id="j", worker_id=wid, generation=g + 1, step=5), f"{30 + i}-0"),
+                   T0 + 1100 + i, spec).state
+    assert s.status.unformed_since_ms == 0
+    later = decide(s, Tick(), T0 + 1000 + 61_000, spec)
+    assert later.state.status.state == JobState.RUNNING, later.reason
