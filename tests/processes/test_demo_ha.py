@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.soak]  # ~25 s: behind --soak (the suite keeps near 15 min); (a) covers the fail-over
 
 
 def test_the_ha_demo_kills_the_primary_and_the_job_carries_on(tmp_path) -> None:
