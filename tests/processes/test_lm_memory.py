@@ -24,6 +24,7 @@ def _peaks(r, redis_url, run_dir, name: str, shard_size: int) -> dict[str, float
     peaks: dict[str, float] = {}
 
     def watch_memory(watch, procs, workers) -> None:
+        deadline = time.monotonic() + 300
         while True:
             s = job_status(r, name)
             for w in s["workers"]:
@@ -31,6 +32,10 @@ def _peaks(r, redis_url, run_dir, name: str, shard_size: int) -> dict[str, float
                     peaks[w["worker_id"]] = max(peaks.get(w["worker_id"], 0.0), w["peak_rss_mb"])
             if s["state"] in ("completed", "failed"):
                 return
+            # a worker lost (seen once: the OOM killer, with another test's processes beside
+            # two 6 GB workers) pauses the job for good: say so instead of waiting forever
+            assert s["state"] != "paused", f"a worker was lost: {s['first_failure']}"
+            assert time.monotonic() < deadline, f"job {name} still {s['state']} after 300 s"
             time.sleep(0.1)
 
     run_job(r, redis_url, run_dir, job_spec(name, JOB, shard_size=shard_size), 2, ENV, watch_memory)
