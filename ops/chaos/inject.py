@@ -126,6 +126,12 @@ class Injector:
 
     def allowed(self, kind: str) -> bool:
         if kind in WORKER_FAULTS:
+            # after a fail-over the coordinator needs a moment back: a SIGSTOP held only TTL + 1 s
+            # could end before anyone can declare the worker failed (seen: never detected, and
+            # every later worker fault waited for a generation that never came)
+            last = next((f for f in reversed(self.done) if f.kind == "redis_failover"), None)
+            if last is not None and time.time() < last.t + 3 * self.ttl:
+                return False
             return self.worker_fault_allowed()
         if kind == "worker_join":
             planned = [w for w in self.workers().values() if w.state in PLANNED]
