@@ -180,3 +180,24 @@ def run_ranks(module: str, mode: str, n: int, job_id: str, env: dict[str, str], 
             if p.poll() is None:
                 p.kill()
     return results
+
+
+def check_failover_history(control: list, epoch_key: int, latest: list[int], entries: list[dict],
+                           promoted: float) -> tuple[dict, float, float]:
+    """What a Redis fail-over under a job must leave (issue 29): the LATEST samples never move
+    back; along the control stream the new primary holds (``control``, ControlEntry) the fencing
+    epochs never go back and each belongs to one coordinator; the epoch key is at least the
+    last of them. Returns (epoch -> coordinators, seconds from ``promoted`` to the next committed
+    step, the longest spell between two committed steps), from the ledger ``entries``."""
+    assert latest and all(a <= b for a, b in zip(latest, latest[1:])), latest
+    epochs = [d.epoch for d in control]
+    assert all(a <= b for a, b in zip(epochs, epochs[1:])), epochs
+    owners: dict[int, set[str]] = {}
+    for d in control:
+        owners.setdefault(d.epoch, set()).add(d.coordinator)
+    assert all(len(o) == 1 and "" not in o for o in owners.values()), owners
+    assert epoch_key >= max(epochs)
+    steps = sorted({e["step"]: e["t"] for e in entries}.items())
+    resumed = min(t for _s, t in steps if t > promoted) - promoted
+    stall = max(b[1] - a[1] for a, b in zip(steps, steps[1:]))
+    return owners, resumed, stall
