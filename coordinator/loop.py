@@ -53,14 +53,36 @@ class JobLead:
     attempts: dict[str, int] = field(default_factory=dict)
     last_trim_ms: int = 0
     last_reclaim_ms: int = 0
-    #: Redis ms when this replica took the job. Heartbeats older than that are counted from
-    #: it: after a Redis outage or a takeover, workers get a full TTL to be seen again.
+    #: Redis ms when this replica took the job (also after a Redis outage: it reloads every
+    #: lead). Workers get :func:`return_grace_ms` from then to be seen again (:attr:`seen_floor_ms`).
     taken_ms: int = 0
     last_progress_ms: int = 0
 
     @property
     def epoch(self) -> int:
         return self.writer.epoch
+
+    @property
+    def seen_floor_ms(self) -> int:
+        """The earliest a heartbeat counts from: a worker silent for the TTL is failed only
+        once it also had :func:`return_grace_ms` since this replica took the job to show itself."""
+        return self.taken_ms - int(self.spec.heartbeat_ttl * 1000) + return_grace_ms(self.spec)
+
+
+def return_grace_ms(spec: JobSpec) -> int:
+    """How long after this replica took a job (a takeover, or its return from a Redis outage)
+    a live worker is sure to have beaten: two beat intervals and a second, at most the TTL.
+
+    Workers could not beat while Redis was gone (or a fail-over had no primary yet), so a
+    heartbeat from before that proves nothing. But a worker's beat that fails is tried again
+    one interval later with no client back-off, and an attempt waits at most an interval and
+    a second (``worker/heartbeat.py``), so once Redis is back every live worker beats within
+    an interval, or two and a second when an attempt hung on the server that was gone. A full TTL from the return, as before, made a
+    worker killed just before a fail-over wait TTL + the outage to be failed (16,384
+    workers, a Sentinel fail-over: TTL + 4.3 s); with this grace it is failed at its TTL, or
+    the grace after the return when that is later."""
+    ttl_ms = int(spec.heartbeat_ttl * 1000)
+    return min(ttl_ms, int(2 * spec.heartbeat_interval * 1000) + 1000)
 
 
 @dataclass
@@ -115,6 +137,7 @@ class Coordinator:
         self._balance_after_ms = 0
         self._balance_reason = ""
         self._seen: dict[str, int] = {}
+        self._next_check = 0.0  # monotonic: when _keep_up next looks at the clock
         self.faults = FaultPlan.for_coordinator()
 
     # ---- leadership -------------------------------------------------------------------------
@@ -253,8 +276,10 @@ class Coordinator:
             self._last_tick_ms = now
         return handled
 
-    def run(self, stop: threading.Event, *, max_backoff: float = 5.0) -> None:
-        """Loop until ``stop`` is set. Redis outages: log once, back off, reload state."""
+    def run(self, stop: threading.Event, *, max_backoff: float = 1.0) -> None:
+        """Loop until ``stop`` is set. Redis outages: log once, back off (0.1 s doubling to
+        ``max_backoff``: a replica is promoted 2-3 s after its primary died, and every second
+        of back-off after that is a second more before dead workers are failed), reload state."""
         backoff = 0.1
         down_since: float | None = None
         while not stop.is_set():
@@ -302,7 +327,27 @@ class Coordinator:
             if lead.keys.job_id not in self.leads:
                 break
             self._apply_entry(lead, sid, fields, now)
+            now = self._keep_up(now)
         return len(entries)
+
+    def _keep_up(self, now: int) -> int:
+        """Between two entries of a batch: renew the leases and tick when they are due, and
+        return the server time (``now`` until a tick interval passed). A batch of a large
+        switch's ``Ready``s (each a fenced write, under Sentinel with its ``WAIT``) can take
+        seconds: ticking only between batches delayed the detection of dead workers by up
+        to 1.35 s at 16,384 workers, and the lease was renewed only between batches."""
+        mono = time.monotonic()
+        if mono < self._next_check:
+            return now
+        self._next_check = mono + self.tick_ms / 1000
+        now = server_ms(self.client)
+        if now - self._last_lease_ms >= self.lease_ms // 3:
+            self.refresh_leases(now)
+            self._last_lease_ms = now
+        if now - self._last_tick_ms >= self.tick_ms:
+            self.tick(now)
+            self._last_tick_ms = now
+        return now
 
     def _apply_entry(self, lead: JobLead, sid: str, fields: dict, now: int) -> None:
         keys = lead.keys
@@ -407,7 +452,8 @@ class Coordinator:
         for lead, stale, busy in zip(leads, stale_lists, busy_lists):
             if lead.keys.job_id not in self.leads:
                 continue
-            last_seen = {(w.decode() if isinstance(w, bytes) else w): max(int(score), lead.taken_ms) for w, score in stale}
+            floor = lead.seen_floor_ms
+            last_seen = {(w.decode() if isinstance(w, bytes) else w): max(int(score), floor) for w, score in stale}
             # like heartbeats, a step counts as busy from our own taking of the job at the earliest
             busy_since = {(w.decode() if isinstance(w, bytes) else w): max(int(score), lead.taken_ms) for w, score in busy}
             sample = progress.get(lead.keys.job_id)

@@ -9,7 +9,8 @@ import redis
 from redis.client import Pipeline
 
 from shoal.events.keys import JOBS, job_keys
-from shoal.core.durable import confirm
+from shoal.core.connection import replicas_to_wait
+from shoal.core.durable import NotReplicated, execute_confirmed
 from shoal.core.errors import ConfigError, ShoalError
 from shoal.core.jobspec import JobSpec
 
@@ -32,7 +33,7 @@ def create_job(client: redis.Redis, spec: JobSpec, *, also: Callable[[Pipeline],
         if not client.set(keys.spec, spec.to_json(), nx=True):
             raise exists
         client.sadd(JOBS, spec.name)
-        confirm(client, f"registration of job {spec.name}")
+        _confirm_registered(client, spec)
         return spec.name
     with client.pipeline(transaction=True) as pipe:
         try:
@@ -46,8 +47,24 @@ def create_job(client: redis.Redis, spec: JobSpec, *, also: Callable[[Pipeline],
             pipe.execute()
         except redis.WatchError:
             raise exists from None
-    confirm(client, f"registration of job {spec.name}")
+    _confirm_registered(client, spec)
     return spec.name
+
+
+def _confirm_registered(client: redis.Redis, spec: JobSpec) -> None:
+    """Under Sentinel: read the registration back with its confirmation on one connection
+    (:func:`~shoal.core.durable.execute_confirmed`). A confirmation sent apart from the writes
+    could run on a replica promoted in between and vouch for a registration only the old
+    primary saw; the read shows whether the server that confirms holds it. NotReplicated
+    when no replica confirmed it or it is gone (lost in a fail-over: submit it again)."""
+    if replicas_to_wait(client) <= 0:
+        return
+    keys = job_keys(spec.name)
+    what = f"registration of job {spec.name}"
+    stored, listed = execute_confirmed(client, client.pipeline(transaction=False).get(keys.spec)
+                                       .sismember(JOBS, spec.name), what)
+    if stored is None or not listed or JobSpec.from_stored(stored) != spec:
+        raise NotReplicated(f"{what}: not on the primary that confirmed it (lost in a Redis fail-over); submit it again")
 
 
 def delete_job(client: redis.Redis, job_id: str, *, batch: int = 500, lease_wait: float = 30.0) -> int:

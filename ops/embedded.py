@@ -228,9 +228,18 @@ class HASet:
 
     @contextmanager
     def frozen(self, nodes: list[EmbeddedServer]) -> Iterator[None]:
-        """SIGSTOP ``nodes`` for the block (SIGCONT after): to their peers, links cut."""
+        """SIGSTOP ``nodes`` for the block (SIGCONT after), and close the primary's replication
+        links to them (``CLIENT KILL TYPE replica``; they cannot reconnect while stopped): what
+        the primary acknowledges during the block never reaches them. A SIGSTOP alone cuts
+        nothing: the replication stream keeps filling the stopped replicas' socket buffers, and
+        they apply it on SIGCONT, also when the primary died meanwhile (seen: the "lost tail"
+        of a fail-over test was not lost)."""
+        primary = self.primary()
         for n in nodes:
             os.kill(n.proc.pid, signal.SIGSTOP)
+        if primary not in nodes:
+            redis.Redis(host="127.0.0.1", port=primary.port, socket_timeout=5).execute_command(
+                "CLIENT", "KILL", "TYPE", "replica")
         try:
             yield
         finally:

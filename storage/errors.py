@@ -13,6 +13,7 @@ and object name; URLs are the endpoint without user info.
 from __future__ import annotations
 
 import errno
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -113,11 +114,9 @@ def _storage_error_for(what: str, exc: Exception) -> StorageError | None:
 
         if isinstance(exc, urllib3.exceptions.HTTPError):
             return StorageUnavailable(f"{what}: S3 endpoint unreachable: {type(exc).__name__}")
-    if module.startswith("redis"):
-        import redis
-
-        if isinstance(exc, redis.RedisError):
-            return StorageUnavailable(f"{what}: Redis error: {exc}")
+    redis = sys.modules.get("redis")  # loaded by whoever raised one (shoal's NotReplicated is one too)
+    if redis is not None and isinstance(exc, redis.RedisError):
+        return StorageUnavailable(f"{what}: Redis error: {exc}")
     if isinstance(exc, FileNotFoundError):
         return ObjectNotFound(f"{what}: no such file")
     if isinstance(exc, PermissionError):

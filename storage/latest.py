@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import redis
 
-from shoal.core.durable import confirm, execute_confirmed
+from shoal.core.durable import execute_confirmed
 from shoal.events.keys import job_keys
 from shoal.events.models import LatestPointer as _WirePointer
 from shoal.storage.errors import LatestRegression, PointerCorrupt, translated
@@ -65,9 +65,13 @@ def publish_latest(r: redis.Redis, job_id: str, pointer: LatestPointer) -> None:
     fails (or, under Sentinel, no replica confirmed the move), ValueError for an invalid job id."""
     key = job_keys(job_id).latest
     with translated(f"publish LATEST of job {job_id}"):
-        current = int(r.eval(CAS_LUA, 1, key, *cas_args(pointer)))
-        if current < 0:  # moved: under Sentinel it counts once a replica holds it
-            confirm(r, f"LATEST of job {job_id}")
+        # under Sentinel the move counts once a replica holds it, confirmed on the connection
+        # that made it: confirmed apart, a fail-over between the two could let the promoted
+        # replica vouch for a move only the old primary saw (and retention would then prune
+        # the checkpoint the surviving pointer names)
+        (current,) = execute_confirmed(r, r.pipeline(transaction=False).eval(CAS_LUA, 1, key, *cas_args(pointer)),
+                                       f"LATEST of job {job_id}")
+        current = int(current)
     if current >= 0:
         raise LatestRegression(f"job {job_id} LATEST is at step {current}; refusing to move it back to {pointer.step}")
 

@@ -86,7 +86,11 @@ class Heartbeater:
     def __init__(self, client: redis.Redis, keys: JobKeys, worker_id: str, *, interval: float, ttl: float, pid: int = 0,
                  fence_timeout: float | None = None, fence_wait: float = 30.0):
         self._script = client.register_script(_BEAT)
-        self._fast = without_retries(client)
+        #: the thread's beats wait at most an interval and a second: once Redis is back (or a
+        #: replica was promoted) a live worker beats within about two intervals and a second,
+        #: the grace a coordinator back from an outage gives it (``coordinator/loop.py``,
+        #: ``return_grace_ms``), even when an attempt hung on a server that was gone
+        self._fast = without_retries(client, timeout=interval + 1.0)
         #: the training thread's own beat (:meth:`still_member`) waits at most this long on
         #: Redis: a blackholed server must not hold a step for the socket timeout, longer than
         #: the peers' collective timeout (default: a quarter of the TTL, at most 1 s)

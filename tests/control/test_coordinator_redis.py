@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -11,12 +12,14 @@ import redis
 
 from shoal.coordinator.errors import StaleEpoch
 from shoal.coordinator.fenced import FencedBatch
-from shoal.coordinator.loop import Coordinator
+from shoal.coordinator.loop import Coordinator, return_grace_ms, server_ms
 from shoal.events import bus
 from shoal.events.keys import COORDINATOR_GROUP, job_keys
+from shoal.events.states import LIVE
 from shoal.events.models import JoinRequest, Ready
 from shoal.ops.embedded import server_binary
 from shoal.core.registry import create_job
+from shoal.worker.heartbeat import Heartbeater
 from shoal.worker.membership import Membership
 from tests.helpers import job_spec
 
@@ -161,3 +164,67 @@ def test_keys_deleted_under_a_running_coordinator_do_not_kill_it(r, redis_url, j
     t.join(10)
     assert got is not None  # still serving other jobs
     assert job_id not in c.leads
+
+
+def test_after_an_outage_a_silent_worker_is_failed_after_the_grace_not_a_full_ttl(r, redis_url, job_id) -> None:
+    """A coordinator back from a Redis outage (or a takeover) reloads its leads. A worker whose
+    last beat is long gone (it died before the outage) is failed once the return grace passed
+    (two beat intervals and a second, 2 s here), not a full TTL (4 s) after the return; a worker
+    that beats on is kept."""
+    keys = job_keys(job_id)
+    spec = job_spec(job_id, SIMULATED_JOB, min_workers=1, heartbeat_ttl=4.0, heartbeat_interval=0.5)
+    create_job(r, spec)
+    c = Coordinator(redis.Redis.from_url(redis_url), instance_id="c", tick_interval=0.05)
+    c.run_once(block_ms=1)
+    quiet, beating = _join_all(redis_url, job_id, 2, c)
+    beats = {w: Heartbeater(redis.Redis.from_url(redis_url), keys, w, interval=0.5, ttl=4.0) for w in (quiet, beating)}
+    for hb in beats.values():
+        hb.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not all(c.leads[job_id].state.workers[w].state in LIVE for w in (quiet, beating)):
+            assert time.monotonic() < deadline, c.leads[job_id].state.workers
+            c.run_once(block_ms=20)
+        beats[quiet].stop()
+        now = server_ms(r)
+        r.zadd(keys.last_seen, {quiet: now - 60_000}, xx=True)  # it died a minute ago, before the outage
+        c.leads.clear()  # what run() does on a ConnectionError; the next iteration takes the job again
+        c._last_lease_ms = 0
+        c.run_once(block_ms=1)
+        taken = c.leads[job_id].taken_ms
+        while c.leads[job_id].state.workers[quiet].state in LIVE:
+            assert time.monotonic() < deadline, "the silent worker was never failed"
+            c.run_once(block_ms=20)
+        failed_at = server_ms(r)
+        assert c.leads[job_id].state.workers[beating].state in LIVE
+    finally:
+        for hb in beats.values():
+            hb.stop()
+    grace = return_grace_ms(spec)
+    assert grace == 2000
+    assert grace <= failed_at - taken < grace + 700 < 4000, (failed_at - taken, grace)
+
+
+def test_a_long_batch_of_entries_still_ticks_and_renews_the_lease(r, redis_url, job_id, monkeypatch) -> None:
+    """Applying a batch can take seconds (a large switch's Readys, each a fenced write and
+    under Sentinel a WAIT): ticks (failure detection) and lease renewals go on between its
+    entries, not only between batches."""
+    keys = job_keys(job_id)
+    create_job(r, job_spec(job_id, SIMULATED_JOB))
+    c = Coordinator(redis.Redis.from_url(redis_url), instance_id="c", lease_ttl=1.5, tick_interval=0.05, batch=100)
+    c.run_once(block_ms=1)
+    assert job_id in c.leads
+    for i in range(100):
+        r.xadd(keys.events, {"filler": str(i)})
+    seen: list[tuple[int, int]] = []
+
+    def slow(lead, sid, fields, now) -> None:  # 20 ms an entry: the batch takes 2 s, longer than the lease
+        time.sleep(0.02)
+        seen.append((c.stats.ticks, r.pttl(keys.lease)))
+
+    monkeypatch.setattr(c, "_apply_entry", slow)
+    c.run_once(block_ms=50)
+    assert len(seen) == 100
+    assert seen[-1][0] - seen[0][0] >= 10, seen  # ~40 tick intervals passed inside the batch
+    assert min(ttl for _t, ttl in seen) > 0, seen  # the lease never lapsed
+    assert job_id in c.leads

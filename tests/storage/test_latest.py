@@ -88,3 +88,19 @@ def test_unreachable_redis_is_storage_unavailable(job_id: str) -> None:
 def test_invalid_job_id_rejected(r: redis.Redis) -> None:
     with pytest.raises(ValueError):
         publish_latest(r, "bad{id}", LatestPointer(step=1, store="x"))
+
+
+def test_no_replica_confirming_is_storage_unavailable(r: redis.Redis, job_id: str, monkeypatch) -> None:
+    """Under Sentinel (here: one replica asked of a server that has none) a move or a read no
+    replica confirmed is StorageUnavailable, as an unreachable Redis is, and nothing after it
+    counts on it; the move itself may stay on the server (WAIT is no transaction), so a retry
+    is a compare-and-set that changes nothing."""
+    monkeypatch.setenv("SHOAL_REDIS_WAIT_REPLICAS", "1")
+    ptr = LatestPointer(step=7, store="x")
+    with pytest.raises(StorageUnavailable, match="0 of 1 replica"):
+        publish_latest(r, job_id, ptr)
+    with pytest.raises(StorageUnavailable, match="0 of 1 replica"):
+        read_pointer(r, job_id)
+    monkeypatch.setenv("SHOAL_REDIS_WAIT_REPLICAS", "0")
+    assert read_pointer(r, job_id) == ptr
+    publish_latest(r, job_id, ptr)  # the retry: the same pointer again is no regression
