@@ -881,12 +881,21 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
     actions: list[Action] = []
     changed = False
     removals = False
-    ranks = published_ranks(state, spec)  # before this tick's first failure changes the membership
+    before = state  # the ranks are the published ones, before this tick's first failure
+    ranks: dict[str, int] = {}
+
+    def rank_of(wid: str) -> int:
+        # only when a worker fails: sorting every member costs milliseconds at 16,384, and a
+        # coordinator ticks every 100 ms, also between the entries of a switch's Readys
+        if not ranks:
+            ranks.update(published_ranks(before, spec))
+        return ranks.get(wid, -1)
+
     for wid, seen in sorted(tick.last_seen.items()):
         rec = state.workers.get(wid)
         if rec is None or rec.state not in LIVE or now_ms - seen <= ttl_ms:
             continue
-        rank = ranks.get(wid, -1)
+        rank = rank_of(wid)
         why = f"{_failed(wid, rank)} no heartbeat for {now_ms - seen} ms (ttl {ttl_ms} ms)"
         state, more = _fail(state, wid, FailureCause.HEARTBEAT_TIMEOUT, rank, why, now_ms)
         actions += more
@@ -897,7 +906,7 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
         rec = state.workers.get(wid)
         if rec is None or rec.state not in LIVE or now_ms - since <= step_ms:
             continue
-        rank = ranks.get(wid, -1)
+        rank = rank_of(wid)
         why = (f"{_failed(wid, rank)} step timeout: its step has been busy for {(now_ms - since) / 1000:.1f} s "
                f"(step_timeout {spec.step_timeout:g} s) while its heartbeat is alive")
         state, more = _fail(state, wid, FailureCause.STEP_TIMEOUT, rank, why, now_ms)
