@@ -805,7 +805,7 @@ def print_one_job(row: dict) -> None:
     if row["ha"]:
         print(f"failover: primary killed {row['primary_killed_after_s']} s after the kills, a replica promoted "
               f"{row['failover_s']} s later, the coordinator back {row['coordinator_back_after_s']} s after the primary died "
-              f"(it counts every heartbeat from there); probe writes failed for {row['probe_outage_s']} s")
+              f"(workers get the return grace from there); probe writes failed for {row['probe_outage_s']} s")
     print(f"detect_p50={row['detect_p50_s']}s detect_p99={row['detect_p99_s']}s detect_max={row['detect_max_s']}s "
           f"ttl+1s={ttl + 1:g}s within={row['detect_p99_s'] <= ttl + 1}"
           + (f" (from the coordinator's return: p99 {row['detect_after_return_p99_s']}s)" if row["ha"] else ""))

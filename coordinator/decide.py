@@ -73,6 +73,7 @@ from shoal.events.models import (
     Ready,
     ShardTable,
     StepFailed,
+    STOPPED_IN_OUTAGE_EXIT,
     StopJob,
     WorkerExited,
     WorkerStartFailed,
@@ -613,6 +614,10 @@ def _on_exited(state: CoordState, ev: WorkerExited, rec: WorkerRecord, now_ms: i
     if rec.state == WorkerState.DRAINING and ev.exit_code == 0:
         state = _move(state, wid, WorkerState.LEFT, f"{wid} exited cleanly while draining", now_ms)
         actions: list[Action] = [Forget(wid)]
+    elif ev.exit_code == STOPPED_IN_OUTAGE_EXIT:  # asked to stop while it could not leave: a leave, not a failure
+        why = f"{wid} was asked to stop during a Redis outage and ended without leaving ({how}): it left"
+        state = _move(state, wid, WorkerState.LEFT, why, now_ms)
+        actions = [Forget(wid)]
     else:
         state, actions = _fail(state, wid, FailureCause.EXITED, rank, why, now_ms, ev)
     if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:

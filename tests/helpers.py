@@ -182,13 +182,24 @@ def run_ranks(module: str, mode: str, n: int, job_id: str, env: dict[str, str], 
     return results
 
 
+def generation_tables(client: redis.Redis, job: str) -> dict[int, int]:
+    """Generation -> world size of every table in the job's generations stream."""
+    tables = [ShardTable.model_validate_json(f[b"data"]) for _sid, f in client.xrange(job_keys(job).generations)]
+    return {t.generation: t.world_size for t in tables}
+
+
 def check_failover_history(control: list, epoch_key: int, latest: list[int], entries: list[dict],
-                           promoted: float) -> tuple[dict, float, float]:
+                           promoted: float, tables: dict[int, int]) -> tuple[dict, float, float]:
     """What a Redis fail-over under a job must leave (issue 29): the LATEST samples never move
     back; along the control stream the new primary holds (``control``, ControlEntry) the fencing
     epochs never go back and each belongs to one coordinator; the epoch key is at least the
-    last of them. Returns (epoch -> coordinators, seconds from ``promoted`` to the next committed
-    step, the longest spell between two committed steps), from the ledger ``entries``."""
+    last of them; every generation a step was committed in is a table the new primary holds
+    (``tables``, :func:`generation_tables`), of the world size the step ran with (workers train
+    only in a table a replica confirmed). Returns (epoch -> coordinators, seconds from
+    ``promoted`` to the next committed step, the longest spell between two committed steps),
+    from the ledger ``entries``."""
+    trained = {(e["generation"], e["world"]) for e in entries}
+    assert all(tables.get(g) == w for g, w in trained), (sorted(trained), tables)
     moves = [v for i, v in enumerate(latest) if not i or v != latest[i - 1]]
     assert latest and all(a <= b for a, b in zip(moves, moves[1:])), f"LATEST moved back: {' > '.join(map(str, moves))}"
     epochs = [d.epoch for d in control]

@@ -65,6 +65,7 @@ from collections.abc import Callable
 import redis
 
 from shoal.core.connection import without_retries
+from shoal.events.models import STOPPED_IN_OUTAGE_EXIT  # noqa: F401 - part of this module's interface (the agent, tests)
 
 log = logging.getLogger("shoal.worker.lifeline")
 
@@ -81,9 +82,6 @@ ORPHAN_REDIS_ENV = "SHOAL_ORPHAN_REDIS_S"
 STOP_REDIS_S = 2.0
 #: Exit code of an orphan that ended because Redis was unreachable for the bound.
 ORPHANED_EXIT = 76
-#: Exit code of a worker that was asked to stop while Redis was unreachable and ended
-#: without leaving the job (its node agent does not restart it).
-STOPPED_IN_OUTAGE_EXIT = 77
 #: How often the lifeline looks at its agent and its clocks.
 POLL_S = 0.1
 #: Between two probes of Redis while they are wanted, and the longest a probe waits.

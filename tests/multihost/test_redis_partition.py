@@ -39,7 +39,7 @@ from shoal.ops.chaos.verdict import compare_to_reference
 from shoal.storage.errors import StorageError
 from shoal.storage.latest import read_pointer
 from shoal.worker import ledger
-from tests.helpers import check_failover_history, wait_until
+from tests.helpers import check_failover_history, generation_tables, wait_until
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("nft") is None, reason="fault injection needs nftables ('nft')")]
@@ -110,6 +110,7 @@ def test_a_primary_cut_off_with_a_coordinator_and_a_worker_loses_nothing(net: Ne
         final = net.ha_client()
         control = [ControlEntry.from_fields(f) for _sid, f in final.xrange(keys.control)]
         epoch_key = int(final.get(keys.epoch) or 0)
+        tables = generation_tables(final, job)
     except BaseException:
         print(net.dump(40))
         for f in sorted(tmp_path.glob("agent-n*/slot-*.log")):
@@ -132,7 +133,7 @@ def test_a_primary_cut_off_with_a_coordinator_and_a_worker_loses_nothing(net: Ne
     equal, close, eq_detail, close_detail = compare_to_reference(finals, reference_parameters(STEPS, SEED))
     assert equal, eq_detail
     assert close, close_detail
-    owners, resumed, stall = check_failover_history(control, epoch_key, latest, entries, promoted)
+    owners, resumed, stall = check_failover_history(control, epoch_key, latest, entries, promoted, tables)
     assert len(owners) >= 2, owners  # the majority's coordinator took the job
     print(f"promotion -> next committed step {resumed:.2f} s; heal -> {t_heal - t_cut:.1f} s after "
           f"the cut; longest stall {stall:.2f} s; epochs {dict((e, sorted(o)) for e, o in owners.items())}")

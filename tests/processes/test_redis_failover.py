@@ -43,7 +43,7 @@ from shoal.ops.localproc import LocalProcs
 from shoal.storage.errors import StorageUnavailable
 from shoal.storage.latest import read_pointer
 from shoal.worker import ledger
-from tests.helpers import ControlWatcher, check_failover_history, job_spec
+from tests.helpers import ControlWatcher, check_failover_history, generation_tables, job_spec
 
 pytestmark = pytest.mark.slow
 
@@ -145,6 +145,7 @@ def _run(tmp_path, lost_tail: bool) -> None:
                 thread.join(5)
             control = [ControlEntry.from_fields(f) for _sid, f in client.xrange(keys.control)]
             epoch_key = int(client.get(keys.epoch) or 0)
+            tables = generation_tables(client, job)
 
     entries = ledger.read(tmp_path / "ledger")
     verdict = ledger.verify(entries, DIGITS)
@@ -153,7 +154,7 @@ def _run(tmp_path, lost_tail: bool) -> None:
     assert {e["pid"] for e in entries if e["step"] == STEPS} == pids  # the same processes finished it
     finals = [torch.load(p, weights_only=True) for p in sorted((tmp_path / "final").glob("final-*.pt"))]
     assert len(finals) == len(pids) and all(torch.equal(f[k], finals[0][k]) for f in finals for k in f)
-    owners, resumed, stall = check_failover_history(control, epoch_key, latest, entries, promoted)
+    owners, resumed, stall = check_failover_history(control, epoch_key, latest, entries, promoted, tables)
     print(f"kill -9 of the primary -> promotion {promoted - killed:.2f} s -> next committed step "
           f"{resumed:.2f} s after it; longest stall between steps {stall:.2f} s; "
           f"epochs {dict((e, sorted(o)) for e, o in owners.items())}; LATEST seen "

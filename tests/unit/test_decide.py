@@ -10,7 +10,7 @@ from shoal.coordinator.decide import SETTLE_MS, EventInput, Forget, Publish, Rec
 from shoal.coordinator.states import CoordState
 from shoal.events.records import WorkerRecord
 from shoal.events.states import FailureCause, IllegalTransition, JobState, WorkerState
-from shoal.events.models import JoinRequest, LeaveRequest, Left, Ready, StopJob, WorkerExited
+from shoal.events.models import STOPPED_IN_OUTAGE_EXIT, JoinRequest, LeaveRequest, Left, Ready, StopJob, WorkerExited
 from shoal.core.jobspec import JobSpec
 
 SPEC = JobSpec(name="j", entrypoint="simulate", min_workers=2, max_workers=3, global_batch_size=10, heartbeat_ttl=2.0, heartbeat_interval=0.5)
@@ -450,3 +450,16 @@ def test_each_new_generation_says_who_joined_and_who_was_removed_and_why() -> No
     assert _change(d) == (2, False, ("w3",), (), ())  # w0 was a member all along: not a joiner
     d = decide(d.state, Tick(last_seen={"w0": T0}), T0 + 9000, spec)  # w0's heartbeat stops
     assert _change(d) == (0, True, (), ("w0",), ("heartbeat_timeout",))
+
+
+def test_a_worker_stopped_during_an_outage_left_and_is_no_failure() -> None:
+    """Exit code 77 (``shoal.worker.lifeline``): asked to stop (SIGTERM) while Redis was gone,
+    it could not send its leave. It is re-planned away like a worker that left: not failed, not
+    the job's first failure."""
+    s = three_workers()
+    d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w0", exit_code=STOPPED_IN_OUTAGE_EXIT)), T0 + 5, SPEC)
+    assert d.state.workers["w0"].state == WorkerState.LEFT
+    assert not d.state.status.first_failure
+    assert tables(d)[0].world_size == 2
+    d = decide(d.state, _ev(WorkerExited(job_id="j", worker_id="w1", exit_code=76)), T0 + 6, SPEC)  # an orphan's end is one
+    assert d.state.workers["w1"].state == WorkerState.FAILED and "exit code 76" in d.state.status.first_failure
