@@ -597,7 +597,13 @@ def _on_exited(state: CoordState, ev: WorkerExited, rec: WorkerRecord, now_ms: i
         # recorded: the worker is planned no more)
         why = f"{_failed(wid, rec.rank)} {ended}"
         status = state.status
-        if status.first_failure_worker == wid:
+        if ev.exit_code == STOPPED_IN_OUTAGE_EXIT:
+            # it was asked to stop while Redis was gone (its beats stopped with it): no root
+            # cause of anything, and not the job's first failure
+            why = f"{wid} was asked to stop during a Redis outage and ended without leaving ({how})"
+            if status.first_failure_worker == wid:
+                status = replace(status, first_failure="", first_failure_traceback="", first_failure_worker="")
+        elif status.first_failure_worker == wid:
             status = replace(status, first_failure=why, first_failure_traceback=ev.traceback)
         workers = {**state.workers, wid: replace(rec, reason=why, cause=FailureCause.EXITED)}
         state = replace(state, status=status, workers=workers)
@@ -616,6 +622,8 @@ def _on_exited(state: CoordState, ev: WorkerExited, rec: WorkerRecord, now_ms: i
         actions: list[Action] = [Forget(wid)]
     elif ev.exit_code == STOPPED_IN_OUTAGE_EXIT:  # asked to stop while it could not leave: a leave, not a failure
         why = f"{wid} was asked to stop during a Redis outage and ended without leaving ({how}): it left"
+        if rec.state == WorkerState.ACTIVE:  # the drain it could not announce
+            state = _move(state, wid, WorkerState.DRAINING, why, now_ms)
         state = _move(state, wid, WorkerState.LEFT, why, now_ms)
         actions = [Forget(wid)]
     else:

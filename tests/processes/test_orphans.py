@@ -27,6 +27,7 @@ import redis
 from shoal.core.registry import create_job
 from shoal.events.keys import job_keys
 from shoal.events.models import Heartbeat
+from shoal.events.records import JobStatus
 from shoal.ops.embedded import start_server
 from shoal.ops.localproc import LocalProcs, Proc
 from shoal.worker import lifeline as lf
@@ -390,3 +391,7 @@ def test_sigterm_during_a_redis_outage_ends_the_worker_within_seconds(tmp_path) 
         assert agent_log.count("started worker pid") == 1, "the agent restarted a stopped worker"
         ControlWatcher(node.client, node.job).wait_for(
             lambda d: node.wid in d.reason and f"exit code {lf.STOPPED_IN_OUTAGE_EXIT}" in d.reason, 60)
+        # asked to stop, not a crash: never the job's first failure, nothing dead-lettered
+        keys = job_keys(node.job)
+        assert JobStatus.from_hash(node.client.hgetall(keys.state)).first_failure_worker != node.wid
+        assert node.client.xlen(keys.dead) == 0

@@ -456,10 +456,23 @@ def test_a_worker_stopped_during_an_outage_left_and_is_no_failure() -> None:
     """Exit code 77 (``shoal.worker.lifeline``): asked to stop (SIGTERM) while Redis was gone,
     it could not send its leave. It is re-planned away like a worker that left: not failed, not
     the job's first failure."""
-    s = three_workers()
+    s = decide(three_workers(), _ev(Ready(job_id="j", worker_id="w0", generation=1)), T0 + 1, SPEC).state
+    assert s.workers["w0"].state == WorkerState.ACTIVE  # and w1, w2 Syncing: both ways to Left
     d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w0", exit_code=STOPPED_IN_OUTAGE_EXIT)), T0 + 5, SPEC)
-    assert d.state.workers["w0"].state == WorkerState.LEFT
+    assert d.state.workers["w0"].state == WorkerState.LEFT and tables(d)[0].world_size == 2
+    d = decide(d.state, _ev(WorkerExited(job_id="j", worker_id="w2", exit_code=STOPPED_IN_OUTAGE_EXIT)), T0 + 5, SPEC)
+    assert d.state.workers["w2"].state == WorkerState.LEFT and tables(d)[0].paused  # 1 < min_workers
     assert not d.state.status.first_failure
-    assert tables(d)[0].world_size == 2
     d = decide(d.state, _ev(WorkerExited(job_id="j", worker_id="w1", exit_code=76)), T0 + 6, SPEC)  # an orphan's end is one
     assert d.state.workers["w1"].state == WorkerState.FAILED and "exit code 76" in d.state.status.first_failure
+
+
+def test_a_worker_stopped_during_an_outage_is_no_first_failure_after_its_heartbeat_expired() -> None:
+    """The race the other way: the heartbeat TTL failed it before its agent's report of exit
+    77 arrived. The report takes the job's first failure back."""
+    s = three_workers()
+    d = decide(s, Tick(last_seen={"w0": T0}), T0 + 60_000, SPEC)
+    assert d.state.workers["w0"].state == WorkerState.FAILED and d.state.status.first_failure_worker == "w0"
+    d = decide(d.state, _ev(WorkerExited(job_id="j", worker_id="w0", exit_code=STOPPED_IN_OUTAGE_EXIT)), T0 + 60_001, SPEC)
+    assert not d.state.status.first_failure and not d.state.status.first_failure_worker
+    assert "asked to stop during a Redis outage" in d.state.workers["w0"].reason
