@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 
 import redis
 
@@ -88,9 +89,20 @@ class Membership:
         last = self.client.xrevrange(self.keys.generations, count=1)
         self._gen_cursor = last[0][0].decode() if last else "0-0"
         self.send(req)
-        got = self.client.blpop([self.keys.join_reply(req.event_id)], timeout=max(1, int(timeout)))
-        if got is None:
-            raise JoinTimeout(f"no coordinator answered the join of job {self.job_id!r} within {timeout:.0f} s")
+        # the reply is awaited in blocks of at most a second and half the client's socket
+        # timeout: one BLPOP of the whole timeout outlives the socket timeout whenever no
+        # coordinator answers (a partition, a lost request), and each socket timeout then
+        # re-sent it through the client's ride-out retries (and, under Sentinel, a discovery
+        # of the primary), so the join's own timeout was not kept (seen: over 3 minutes)
+        socket_timeout = self.client.connection_pool.connection_kwargs.get("socket_timeout") or 2.0
+        block = max(0.1, min(1.0, socket_timeout / 2))
+        deadline = time.monotonic() + max(1.0, timeout)
+        got = None
+        while got is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise JoinTimeout(f"no coordinator answered the join of job {self.job_id!r} within {timeout:.0f} s")
+            got = self.client.blpop([self.keys.join_reply(req.event_id)], timeout=round(min(block, max(0.1, left)), 2))
         reply = JoinReply.model_validate_json(got[1])
         if not reply.accepted:
             raise JoinRejected(reply.reason)

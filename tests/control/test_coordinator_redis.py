@@ -228,3 +228,17 @@ def test_a_long_batch_of_entries_still_ticks_and_renews_the_lease(r, redis_url, 
     assert seen[-1][0] - seen[0][0] >= 10, seen  # ~40 tick intervals passed inside the batch
     assert min(ttl for _t, ttl in seen) > 0, seen  # the lease never lapsed
     assert job_id in c.leads
+
+
+def test_a_join_nobody_answers_ends_at_its_own_timeout(r, redis_url, job_id) -> None:
+    """No coordinator: the join ends with JoinTimeout at its timeout, not at the client's socket
+    timeout and ride-out retries (the reply is awaited in blocks well inside the socket timeout)."""
+    from shoal.core.connection import connect
+    from shoal.worker.membership import JoinTimeout
+
+    create_job(r, job_spec(job_id, SIMULATED_JOB))
+    client = connect(redis_url, timeout=1.0, ride_out=60)  # a socket timeout shorter than the join's
+    started = time.monotonic()
+    with pytest.raises(JoinTimeout):
+        Membership(client, job_id).join(3)
+    assert 3 <= time.monotonic() - started < 5
