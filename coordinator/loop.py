@@ -247,9 +247,7 @@ class Coordinator:
         """Refresh leases if due, apply pending and new events, tick if due. Returns the
         number of stream entries processed. Redis errors propagate (``run`` handles them)."""
         now = server_ms(self.client)
-        if now - self._last_lease_ms >= self.lease_ms // 3 or not self._last_lease_ms:
-            self.refresh_leases(now)
-            self._last_lease_ms = now
+        self._renew_if_due(now)
         handled = 0
         for lead in list(self.leads.values()):
             if lead.needs_reclaim:
@@ -270,11 +268,18 @@ class Coordinator:
                 lead = by_stream.get(stream)
                 if lead is not None and lead.keys.job_id in self.leads:
                     handled += self._apply_entries(lead, entries)
-        now = server_ms(self.client)
+        self._tick_if_due(server_ms(self.client))
+        return handled
+
+    def _renew_if_due(self, now: int) -> None:
+        if now - self._last_lease_ms >= self.lease_ms // 3 or not self._last_lease_ms:
+            self.refresh_leases(now)
+            self._last_lease_ms = now
+
+    def _tick_if_due(self, now: int) -> None:
         if now - self._last_tick_ms >= self.tick_ms:
             self.tick(now)
             self._last_tick_ms = now
-        return handled
 
     def run(self, stop: threading.Event, *, max_backoff: float = 1.0) -> None:
         """Loop until ``stop`` is set. Redis outages: log once, back off (0.1 s doubling to
@@ -340,12 +345,8 @@ class Coordinator:
         if mono < self._next_check:
             return now
         now = server_ms(self.client)
-        if now - self._last_lease_ms >= self.lease_ms // 3:
-            self.refresh_leases(now)
-            self._last_lease_ms = now
-        if now - self._last_tick_ms >= self.tick_ms:
-            self.tick(now)
-            self._last_tick_ms = now
+        self._renew_if_due(now)
+        self._tick_if_due(now)
         # at most a fifth of a batch's time in these checks: a tick of a 16,384-member job
         # costs tens of ms, and ticking every 100 ms between Readys slowed a switch 3-fold
         self._next_check = time.monotonic() + max(self.tick_ms / 1000, 4 * (time.monotonic() - mono))
