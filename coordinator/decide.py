@@ -44,6 +44,7 @@ import json
 import statistics
 from dataclasses import dataclass, field, replace
 
+from shoal.coordinator import watchdog
 from shoal.coordinator.owners import plan_owners
 from shoal.coordinator.shards import plan_ranges
 from shoal.coordinator.states import CoordState
@@ -442,17 +443,18 @@ def _record(wid: str, rank: int, reason: str, exited: WorkerExited | None) -> Re
     return RecordFailure(wid, rank, reason, exited.exit_code, exited.signal, exited.traceback)
 
 
-def saw_step(status: JobStatus, seen: StepSeen) -> JobStatus:
-    """``status`` once ``seen`` was reported: ``high_step`` rises to a higher step reported by
-    a generation no older than the one that reported it. A report from an older generation is
-    stale (a late checkpoint event, a heartbeat of a member lost before the job resumed below
-    it) and changes nothing."""
+def saw_step(status: JobStatus, seen: StepSeen, now_ms: int = 0) -> JobStatus:
+    """``status`` once ``seen`` was reported (at ``now_ms``): ``high_step`` rises to a higher
+    step reported by a generation no older than the one that reported it, and a watchdog
+    spell below it ends. A report from an older generation is stale (a late checkpoint event,
+    a heartbeat of a member lost before the job resumed below it) and changes nothing."""
     if seen.generation < status.high_step_generation or seen.step <= status.high_step:
         return status
-    return replace(status, high_step=seen.step, high_step_generation=seen.generation)
+    return replace(status, high_step=seen.step, high_step_generation=seen.generation,
+                   high_step_ms=now_ms or status.high_step_ms, stall=watchdog.committed(status.stall, seen.step))
 
 
-def _resumed(status: JobStatus, generation: int, step: int | None) -> tuple[JobStatus, str]:
+def _resumed(status: JobStatus, generation: int, step: int | None, now_ms: int = 0) -> tuple[JobStatus, str]:
     """A member starts ``generation`` at ``step`` (its ``ready``). When that is below the
     highest step a previous generation committed, every replica of the newer state is gone:
     the steps in between are redone. Returns the new status and the reason ("" : nothing
@@ -460,7 +462,7 @@ def _resumed(status: JobStatus, generation: int, step: int | None) -> tuple[JobS
     if step is None:
         return status, ""
     if step >= status.high_step or status.high_step_generation >= generation:
-        return saw_step(status, StepSeen(generation, step)), ""
+        return saw_step(status, StepSeen(generation, step), now_ms), ""
     high = status.high_step
     origin = ("from scratch" if step == 0 else f"from the checkpoint of step {step}" if status.latest_step == step
               else "from a checkpoint")
@@ -523,7 +525,7 @@ def _on_completed(state: CoordState, ev: JobCompleted, now_ms: int, spec: JobSpe
 
 def _on_checkpointed(state: CoordState, ev: Checkpointed, now_ms: int, spec: JobSpec, epoch: int) -> Decision:
     # a checkpoint is of a committed step
-    state = replace(state, status=saw_step(state.status, StepSeen(ev.generation, ev.step)))
+    state = replace(state, status=saw_step(state.status, StepSeen(ev.generation, ev.step), now_ms))
     if ev.step <= state.status.latest_step:
         return _unchanged(state, f"checkpoint of step {ev.step} ignored: LATEST is at step {state.status.latest_step}")
     pointer = LatestPointer(step=ev.step, store=ev.store, generation=ev.generation).to_json()
@@ -542,7 +544,7 @@ def _on_ready(state: CoordState, ev: Ready, rec: WorkerRecord, now_ms: int, spec
         # says so too: the generation formed, its formation clock stops (else the job would
         # fail formation_timeout after a removal-only switch with nobody joining)
         status = _formed(state.status) if _forming(state.status) else state.status
-        status, redone = _resumed(status, ev.generation, ev.step)
+        status, redone = _resumed(status, ev.generation, ev.step, now_ms)
         if status == state.status:
             return _unchanged(state, f"ready from {wid} in generation {ev.generation}: already active")
         reason = f"{wid} active in generation {ev.generation}"
@@ -555,7 +557,7 @@ def _on_ready(state: CoordState, ev: Ready, rec: WorkerRecord, now_ms: int, spec
     state = _move(state, wid, WorkerState.ACTIVE, reason, now_ms)
     if _forming(state.status):
         state = replace(state, status=_formed(state.status))  # the generation formed
-    status, redone = _resumed(state.status, ev.generation, ev.step)
+    status, redone = _resumed(state.status, ev.generation, ev.step, now_ms)
     state = replace(state, status=status)
     return Decision(state, (), f"{reason}; {redone}" if redone else reason)
 
@@ -646,8 +648,11 @@ def _on_step_failed(state: CoordState, ev: StepFailed, rec: WorkerRecord, now_ms
     # once: a peer that died is reported by its agent within moments, and the new generation
     # should not include it. A member that is alive is kept (one whose step is stuck is
     # evicted by the step timeout, not here).
+    # the progress watchdog counts who reports failing which step (coordinator/watchdog.py)
+    stall = watchdog.step_failed(state.status.stall, ev.step, wid, ev.error, now_ms, local=ev.local)
+    state = replace(state, status=replace(state.status, stall=stall))
     if state.status.step_failed_ms:
-        return _unchanged(state, f"{said}; a new generation is already due")
+        return Decision(state, (), f"{said}; a new generation is already due")
     failure = f"step {ev.step} of generation {ev.generation} failed on {wid} ({' '.join(ev.error.split())[:200]})"
     status = replace(state.status, step_failed_ms=now_ms, step_failure=failure)
     return Decision(replace(state, status=status), (),
@@ -928,7 +933,9 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
         changed = removals = True
     status = state.status
     for seen in tick.steps.values():  # no decision of its own: kept in the status
-        status = saw_step(status, seen)
+        status = saw_step(status, seen, now_ms)
+    if tick.step_times:
+        status = replace(status, step_ms=int(1000 * statistics.median(tick.step_times.values())))
     state = replace(state, status=status)
     if tick.step_times:
         state, flagged = _flag_stragglers(state, tick.step_times, spec.straggler_factor, now_ms)
@@ -940,6 +947,14 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
     step_failed = bool(failed_at) and now_ms - failed_at >= SETTLE_MS
     retry = state.status.formation_retry_ms
     reform = bool(retry) and now_ms >= retry
+    if step_failed and not removals and not reform:
+        state, more, said, failed = _watch_progress(state, spec, now_ms, rank_of)
+        actions += more
+        if failed:
+            return Decision(state, tuple(actions), said, changed=True)
+        if said:  # members restarted: the plan below leaves them out
+            reasons.append(said)
+            removals = True
     if removals or (pending and now_ms - pending >= SETTLE_MS) or step_failed or reform:
         if reasons:
             why = "; ".join(reasons)
@@ -956,6 +971,34 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
         actions += more
         return Decision(state, tuple(actions), reason, changed=True)
     return Decision(state, tuple(actions), "; ".join(reasons) or "tick", changed=changed)
+
+
+def _watch_progress(state: CoordState, spec: JobSpec, now_ms: int,
+                    rank_of) -> tuple[CoordState, list[Action], str, bool]:
+    """A failed step is about to get the same members a new generation: count it for the
+    progress watchdog (``coordinator.watchdog``) and act on its verdict - restart the members
+    that keep failing the step (failed with cause ``stuck``; their agents start them again),
+    or fail the job. Returns the state, the actions, the reason ("" : the same-members
+    generation goes ahead) and whether the job failed."""
+    status = state.status
+    if _plan_digest(member_ids(state, spec), False) != status.plan_digest:
+        return state, [], "", False  # the membership changes with this plan anyway: not the same members
+    status = replace(status, stall=watchdog.same_members_again(status.stall, status.generation))
+    state = replace(state, status=status)
+    verdict = watchdog.judge(status, {w.worker_id for w in state.in_state(PLANNED)}, now_ms)
+    if verdict is None:
+        return state, [], "", False
+    if verdict.fail:
+        status = replace(_set_job(status, JobState.FAILED, now_ms), reason=verdict.reason, step_failed_ms=0)
+        return replace(state, status=status), [], verdict.reason, True
+    actions: list[Action] = []
+    for wid in verdict.stuck:
+        rank = rank_of(wid)
+        why = f"{_failed(wid, rank)} stuck: {verdict.reason}"
+        state, more = _fail(state, wid, FailureCause.STUCK, rank, why, now_ms)
+        actions += more
+    stall = watchdog.restarted(state.status.stall, now_ms)
+    return replace(state, status=replace(state.status, stall=stall)), actions, verdict.reason, False
 
 
 def _flag_stragglers(state: CoordState, step_times: dict[str, float], factor: float, now_ms: int) -> tuple[CoordState, str]:

@@ -15,7 +15,9 @@ Rules are comma-separated ``WHO@N:PHASE:ACTION``. Workers read ``SHOAL_FAULTS``:
   ``ckpt_before_event``    the store's LATEST moved, the ``checkpoint`` event not yet sent,
                            so the Redis LATEST pointer has not moved either;
   ``rendezvous``           a generation switch: every member met at the Redis barrier, this
-                           one has not yet published its address for the process group.
+                           one has not yet published its address for the process group;
+  ``finish``               the job's last step committed here (N: that step), before the final
+                           evaluation, checkpoint and report of the completion.
 
 Coordinators read ``SHOAL_COORD_FAULTS``: WHO is an event kind (``checkpoint``, ``join``...)
 or ``*``, N counts the events of that kind this process has applied (1 = the first), and
@@ -27,7 +29,9 @@ ACTION: ``kill`` (SIGKILL self), ``segv`` (SIGSEGV self: a native crash), ``exit
 (``os._exit(N)``), ``raise`` (an exception from that point: a crash with a traceback in the
 training thread, a failed save in the checkpoint thread), ``stop=S`` (SIGSTOP self for S
 seconds; a helper process sends SIGCONT), ``sleep=S`` (the calling thread sleeps S seconds:
-a member that is slow, not hung - its heartbeats go on).
+a member that is slow, not hung - its heartbeats go on), ``abort`` (workers, ``mid_step``
+only: this member gives the step up itself, every time it meets that step - a member whose
+step can never commit, as a broken group made it at 5e93599; the progress watchdog's case).
 
 A rule fires at most once per process, except a rule armed by a signal: N given as ``usr1``
 (``*@usr1:mid_step:sleep=4``) fires at its phase once after each SIGUSR1 the process receives,
@@ -49,7 +53,7 @@ from dataclasses import dataclass
 from shoal.core.errors import ConfigError
 
 WORKER_PHASES = ("before_step", "mid_step", "after_commit", "ckpt_write", "ckpt_before_latest", "ckpt_before_event",
-                 "rendezvous")
+                 "rendezvous", "finish")
 COORDINATOR_PHASES = ("before_apply", "after_apply")
 WORKER_ENV = "SHOAL_FAULTS"
 COORDINATOR_ENV = "SHOAL_COORD_FAULTS"
@@ -57,6 +61,10 @@ COORDINATOR_ENV = "SHOAL_COORD_FAULTS"
 
 class InjectedFault(RuntimeError):
     """The ``raise`` action."""
+
+
+class InjectedAbort(RuntimeError):
+    """The ``abort`` action: the worker gives its step up (nothing applied) and reports it."""
 
 
 class BadFaultRule(ConfigError):
@@ -88,8 +96,11 @@ def parse(text: str, phases: tuple[str, ...] = WORKER_PHASES) -> list[Rule]:
         if phase not in phases:
             raise BadFaultRule(f"bad fault rule {raw!r}: phase must be one of {', '.join(phases)}")
         kind, _, arg = action.partition("=")
-        if not ((action in ("kill", "segv", "raise")) or (kind in ("exit", "stop", "sleep") and _is_number(arg))):
-            raise BadFaultRule(f"bad fault rule {raw!r}: action must be kill, segv, raise, exit=N, stop=S or sleep=S")
+        if not ((action in ("kill", "segv", "raise", "abort")) or (kind in ("exit", "stop", "sleep") and _is_number(arg))):
+            raise BadFaultRule(f"bad fault rule {raw!r}: action must be kill, segv, raise, abort, exit=N, stop=S or "
+                               "sleep=S")
+        if action == "abort" and phase != "mid_step":
+            raise BadFaultRule(f"bad fault rule {raw!r}: abort is a mid_step action")
         rules.append(rule)
     return rules
 
@@ -137,7 +148,8 @@ class FaultPlan:
             return
         for rule in self._rules.get((phase, n), ()):
             if rule not in self._fired and rule.who in ("*", who):
-                self._fired.add(rule)
+                if rule.action != "abort":  # an abort fires every time its step is met
+                    self._fired.add(rule)
                 _fire(rule, f"{who}@{n}:{phase}")
         if self._armed:
             for rule in self._rules.get((phase, ON_USR1), ()):
@@ -172,6 +184,8 @@ def _fire(rule: Rule, where: str) -> None:
         os.kill(pid, signal.SIGSEGV)
     if rule.action == "raise":
         raise InjectedFault(f"injected fault at {where}")
+    if rule.action == "abort":
+        raise InjectedAbort(f"injected abort at {where}")
     kind, _, arg = rule.action.partition("=")
     if kind == "exit":
         os._exit(int(float(arg)))

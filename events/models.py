@@ -209,6 +209,9 @@ class StepFailed(EventBase):
     #: with ``rendezvous``: a :class:`FormationError` value classifying ``error`` ("" : not
     #: classified, read as transient)
     formation_error: Annotated[str, Field(max_length=64)] = ""
+    #: the step was given up by this worker itself (its group was aborted here, its commit
+    #: fence refused), not failed by a peer: the progress watchdog restarts such members first
+    local: bool = False
 
 
 class JobCompleted(EventBase):
@@ -432,6 +435,9 @@ class Heartbeat(_Wire):
     generation: int = 0
     #: Seconds of its last step, wall clock, waits included (None: no step yet).
     step_time: float | None = None
+    #: Seconds from its last committed step to this beat (None: none yet): the beat's
+    #: ``last_seen`` score (Redis time) minus this is when it last committed, on Redis's clock.
+    since_commit: float | None = None
     #: Loss of its last committed step (None: none yet).
     loss: float | None = None
     #: Digest of its parameters, published at each generation switch and every few steps

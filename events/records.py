@@ -11,7 +11,7 @@ declaration; writing is generic over the declared fields.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from enum import Enum
 from typing import Annotated
 
@@ -25,8 +25,47 @@ def _plain(value: object) -> object:
 
 
 def _text(value: object) -> str:
-    """A hash field's value: enums as their value, numbers in decimal."""
+    """A hash field's value: enums as their value, numbers in decimal, a nested record as
+    its JSON."""
+    if is_dataclass(value):
+        return json.dumps(asdict(value), separators=(",", ":"))
     return str(_plain(value))
+
+
+def _json_object(value: object) -> object:
+    """A nested record's hash value (its JSON) as the dict pydantic validates; an empty or
+    unreadable one as its defaults (a record written before the field existed)."""
+    if isinstance(value, (str, bytes)):
+        try:
+            value = json.loads(value) if value else {}
+        except ValueError:
+            return {}
+    return value
+
+
+@dataclass(frozen=True)
+class Stall:
+    """The progress watchdog's view of a running job (``JobStatus.stall``): a spell in which
+    the members keep failing committed ``step`` + 1 and the same members get generation after
+    generation, while nothing commits beyond ``step``. Written and read only by
+    ``shoal.coordinator.watchdog``; an empty one (``step`` -1) is no spell."""
+
+    #: the committed step whose next step keeps failing (-1: no spell)
+    step: int = -1
+    #: Redis ms of the spell's first failure
+    since_ms: int = 0
+    #: generations of the same members planned after a failure of that step, in this round
+    generations: int = 0
+    #: the generation whose failure was counted last (another member's report of it counts nothing)
+    counted_generation: int = 0
+    #: worker id -> failures of that step it reported in this spell, and of those, the ones
+    #: it gave up itself (``StepFailed.local``: its group aborted here, its fence refused)
+    reporters: dict[str, int] = field(default_factory=dict)
+    local: dict[str, int] = field(default_factory=dict)
+    #: the newest failure's error, one line, for people
+    error: str = ""
+    #: rounds in which the watchdog already restarted the members that kept failing it
+    restarts: int = 0
 
 
 @dataclass(frozen=True)
@@ -178,6 +217,14 @@ class JobStatus:
     shard_owners: str = ""
     #: Elastic HSDP: the number of the next replica group formed (its id: ``r<n>``).
     next_replica: int = 0
+    #: The progress watchdog's spell (``Stall``; stored as JSON in one field).
+    stall: Annotated[Stall, BeforeValidator(_json_object)] = field(default_factory=Stall)
+    #: Redis ms at which ``high_step`` last rose (0: not yet): how long the job has gone
+    #: without a new committed step, as the coordinator saw it.
+    high_step_ms: int = 0
+    #: The members' median step time as last sampled, ms (0: not sampled yet): the watchdog's
+    #: time bound is a multiple of it.
+    step_ms: int = 0
 
     def to_hash(self) -> dict[str, str]:
         """The ``state`` hash's fields: every value a string (integers in decimal)."""

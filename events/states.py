@@ -47,7 +47,7 @@ WORKER_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
 class FailureCause(str, Enum):
     """Why a worker ended Failed: what decisions read (the record's ``reason`` is for people).
 
-    Moves: a worker is failed with HEARTBEAT_TIMEOUT, STEP_TIMEOUT, EXITED or REPLICA_GROUP; a
+    Moves: a worker is failed with HEARTBEAT_TIMEOUT, STEP_TIMEOUT, EXITED, REPLICA_GROUP or STUCK; a
     HEARTBEAT_TIMEOUT becomes EXITED when the node agent's report of the process's end arrives
     after it (the report names the root cause). Nothing else changes a cause."""
 
@@ -64,6 +64,10 @@ class FailureCause(str, Enum):
     #: Elastic HSDP: another member of its replica group failed or left, and a replica group
     #: goes whole (its shard group cannot go on without that member); it was alive.
     REPLICA_GROUP = "replica_group"
+    #: The progress watchdog: it kept aborting the same step, generation after generation of
+    #: the same members, while the job's committed step did not advance; it was alive. Its
+    #: process is started again (exit code 75), not rejoined with its state.
+    STUCK = "stuck"
 
     @classmethod
     def parse(cls, value: object) -> "FailureCause":
@@ -128,6 +132,8 @@ class RemovalCause(str, Enum):
     STEP_TIMEOUT = "step_timeout"
     #: Its replica group lost another member (elastic HSDP).
     REPLICA_GROUP = "replica_group"
+    #: The progress watchdog restarted it: it kept aborting the same step.
+    STUCK = "stuck"
     #: Failed, for a reason this version does not name.
     FAILED = "failed"
     #: It asked to leave (SIGTERM) or left: not a failure.

@@ -104,11 +104,28 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
             "reason": rec.reason,
             "ranges": [list(r) for r in member.ranges] if member else [],
         })
+    since_commit = last_commit_age(records, hbs, last_seen, now_ms)
+    if since_commit is None and status.high_step_ms and status.high_step:  # no live member committed yet (all restarted)
+        since_commit = max(0.0, (now_ms - status.high_step_ms) / 1000)
+    # the watchdog counts a churn: the same members re-planned after failures of one step
+    churning = status.stall.step >= 0 and status.stall.generations >= CHURN_GENERATIONS
+    stalled = (not ended and since_commit is not None
+               and since_commit > (CHURN_FLOOR_S if churning else
+                                   no_commit_threshold(beats, _heartbeat_interval(spec_raw))))
     return {
         "job_id": job_id,
         "state": status.state.value,
-        "progress": _progress(beats, max(status.high_step, _summary_step(status.summary)), ended,
+        "progress": _progress(beats, max(status.high_step, _summary_step(status.summary)), ended or stalled,
                               completed=status.state.value == "completed"),
+        # seconds since the newest committed step any member reported (None: none yet, or ended),
+        # and whether that is longer than a few step times: then no rate or ETA is shown
+        "last_commit_age_s": None if ended or since_commit is None else round(since_commit, 1),
+        "no_commit": stalled,
+        # the progress watchdog's spell (coordinator/watchdog.py): the step that keeps failing,
+        # in how many generations of the same members, who reported it (None: none)
+        "stall": ({"step": status.stall.step, "generations": status.stall.generations,
+                   "reporters": dict(status.stall.reporters), "restarts": status.stall.restarts,
+                   "last_error": status.stall.error} if churning and not ended else None),
         "generation": status.generation,
         "world_size": table.world_size if table else 0,
         "shard_size": table.shard_size if table else 1,
@@ -201,6 +218,46 @@ def _duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
+#: A running job shows "no commit for N s" (and no steps/s or ETA) once its newest commit is
+#: older than this many of its median step time, and at least NO_COMMIT_FLOOR_S and two
+#: heartbeat intervals (a beat reports its worker's last commit up to an interval late).
+NO_COMMIT_STEPS = 5
+NO_COMMIT_FLOOR_S = 5.0
+#: ... or, while the progress watchdog counts this many generations of the same members re-
+#: planned after failures of one step (``JobStatus.stall``), once it is older than a second.
+CHURN_GENERATIONS = 2
+CHURN_FLOOR_S = 1.0
+
+
+def last_commit_age(records: dict[str, WorkerRecord], beats_raw: list, last_seen: dict[str, int],
+                    now_ms: int) -> float | None:
+    """Seconds since the newest committed step of any live member, on Redis's clock: each
+    heartbeat says how long before its beat (``last_seen``) its worker last committed. None
+    when no live member has committed yet."""
+    newest = None
+    for (wid, rec), raw in zip(records.items(), beats_raw):
+        hb = parse_heartbeat(raw)
+        if hb is None or hb.since_commit is None or rec.state not in LIVE or wid not in last_seen:
+            continue
+        at = last_seen[wid] - hb.since_commit * 1000
+        newest = at if newest is None else max(newest, at)
+    return None if newest is None else max(0.0, (now_ms - newest) / 1000)
+
+
+def no_commit_threshold(beats: list[Heartbeat], heartbeat_interval: float) -> float:
+    """Seconds without a commit after which a running job is shown as not committing."""
+    times = sorted(hb.step_time for hb in beats if hb.step_time)
+    step = times[len(times) // 2] if times else 0.0
+    return max(NO_COMMIT_FLOOR_S, 2 * heartbeat_interval + 1.0, NO_COMMIT_STEPS * step)
+
+
+def _heartbeat_interval(spec_raw: bytes) -> float:
+    try:
+        return float(json.loads(spec_raw).get("heartbeat_interval") or 2.0)
+    except (ValueError, TypeError, AttributeError):
+        return 2.0
+
+
 def median_rate(beats: list[Heartbeat]) -> float | None:
     """Steps per second of the median member, from each heartbeat's recent step time."""
     times = sorted(hb.step_time for hb in beats if hb.step_time)
@@ -261,6 +318,11 @@ def format_status(s: dict) -> str:
     where += f"  epoch {p['epoch']}" if p["epoch"] else ""
     where += f"  {p['steps_per_s']:g} steps/s" if p["steps_per_s"] else ""
     where += f"  ETA {_duration(p['eta_s'])}" if p["eta_s"] is not None else ""
+    where += f"  no commit for {_duration(s['last_commit_age_s'])}" if s.get("no_commit") else ""
+    if s.get("stall"):
+        st = s["stall"]
+        where += (f" (step {st['step']} failed in {st['generations']} generation(s) of the same members; "
+                  f"reported by {', '.join(f'{w} {n}x' for w, n in sorted(st['reporters'].items()))})")
     lines = [
         f"job {s['job_id']}: {s['state']}  generation {s['generation']}  world size {s['world_size']}",
         where,

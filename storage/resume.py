@@ -40,6 +40,7 @@ def resume(
     failure, StorageError when the store fails. Redis trouble never fails a resume."""
     warn = on_warning if on_warning is not None else ignore_warning
     start: int | None = None
+    unsaid = ""
     if r is not None and job_id is not None:
         try:
             pointer = read_pointer(r, job_id)
@@ -47,7 +48,9 @@ def resume(
             warn(f"Redis LATEST pointer unusable ({exc}); using the store's LATEST")
             pointer = None
         if pointer is None:
-            warn(f"job {job_id} has no Redis LATEST pointer; using {store.uri}/LATEST")
+            # said only if the store has a checkpoint after all (Redis lost the pointer): a new
+            # job has neither, and that is no warning
+            unsaid = f"job {job_id} has no Redis LATEST pointer; using {store.uri}/LATEST"
         elif pointer.store != store.uri:
             warn(f"Redis LATEST pointer names store {pointer.store}, not {store.uri}; ignoring it")
         else:
@@ -57,4 +60,7 @@ def resume(
             return load_latest(store, start_step=start, hmac_key=hmac_key, on_warning=warn)
         except NoCheckpoint as exc:
             warn(f"nothing verifies at or below the Redis pointer's step {start} ({exc}); using {store.uri}/LATEST")
-    return load_latest(store, hmac_key=hmac_key, on_warning=warn)
+    loaded = load_latest(store, hmac_key=hmac_key, on_warning=warn)
+    if unsaid:
+        warn(unsaid)
+    return loaded

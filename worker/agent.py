@@ -325,11 +325,11 @@ class NodeAgent:
             except _REDIS_DOWN:
                 over = False
             if not over:
-                # elastic HSDP: its replica group lost a member; not a crash: start it again
-                # at once, nothing spent, and it joins a new replica group
+                # not a crash (shoal.worker.restart): its HSDP replica group lost a member, or
+                # the progress watchdog restarted it; start it again at once, nothing spent
                 slot.start_at = time.monotonic()
-                log.info("slot %d: worker %s (pid %d) left with its replica group; starting it again", slot.index,
-                         wid, proc.pid)
+                log.info("slot %d: worker %s (pid %d) asked to be started again (its replica group went, or the "
+                         "progress watchdog restarted it); starting it again", slot.index, wid, proc.pid)
                 return
         if rc == JoinRejected.exit_code and not wid:
             # the job refused it (at max_workers, or already ended): not a crash, and starting

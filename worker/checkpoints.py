@@ -68,6 +68,7 @@ class Checkpoints:
         try:
             state, manifest = resume(self.store, self.membership.client, self.membership.job_id, on_warning=log.warning)
         except NoCheckpoint:
+            log.info("no checkpoint yet in %s: starting at step 0", self.store.uri)
             return None
         layout = f"sharded over {state.shards}" if isinstance(state, ShardedCheckpoint) else "full"
         if isinstance(engine, ShardedEngine):

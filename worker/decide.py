@@ -272,9 +272,11 @@ class Committed:
 @dataclass(frozen=True)
 class Aborted:
     """:class:`TrainStep` was aborted (a collective failed, or the commit fence refused):
-    nothing was applied."""
+    nothing was applied. ``local``: this process gave it up itself (its group was aborted
+    here, its fence refused), rather than a peer failing it."""
 
     error: str
+    local: bool = False
 
 
 Input = Tick | Rejoined | TableFetched | TableWaited | BarrierPolled | Formed | FormFailed | Committed | Aborted
@@ -322,6 +324,8 @@ class ReportFailure:
     error: str
     rendezvous: bool = False
     kind: FormationError | None = None
+    #: see :class:`Aborted`
+    local: bool = False
 
 
 @dataclass(frozen=True)
@@ -653,7 +657,7 @@ def _committed(s: TrainerState, c: Committed, now: float) -> Choice:
 def _aborted(s: TrainerState, a: Aborted, now: float) -> Choice:
     g, step = s.group, s.step
     # the cursor stays: the same global batch is redone in the next generation
-    failed = (LeaveGroup(), ReportFailure(g, step, a.error))
+    failed = (LeaveGroup(), ReportFailure(g, step, a.error, local=a.local))
     s, wait = _wait(replace(s, aborted_rank0=(g, s.table.world_size) if s.saver else None), g, now)
     return Choice(s, failed + wait, f"step {step} aborted in generation {g}: {a.error}", logging.WARNING)
 

@@ -403,7 +403,7 @@ class StepEngine(StepCommon):
             self._forward_backward(local, ahead, global_count)
         except CollectiveFailed as exc:  # the generation's launch (an aborted group)
             self._abandon(buffers)
-            raise StepAborted(f"step aborted, nothing applied: {exc}") from exc
+            raise StepAborted(f"step aborted, nothing applied: {exc}", local=exc.local) from exc
         except Exception as exc:  # noqa: BLE001 - user code; translated
             self._abandon(buffers)
             raise UserCodeError(f"training step raised {type(exc).__name__}: {exc} (at {raised_at(exc)})") from exc
@@ -416,7 +416,7 @@ class StepEngine(StepCommon):
             self.reducer.complete()
         except CollectiveFailed as exc:
             self._abandon(buffers)
-            raise StepAborted(f"step aborted, nothing applied: {exc}") from exc
+            raise StepAborted(f"step aborted, nothing applied: {exc}", local=exc.local) from exc
         except Exception as exc:  # noqa: BLE001 - a gradient after its bucket went, a bad .grad
             self._abandon(buffers)
             raise UserCodeError(f"gradient reduction failed: {exc} (at {raised_at(exc)})") from exc

@@ -29,9 +29,14 @@ class WorkerError(ShoalError):
 
     default_formation_error = FormationError.TRANSIENT
 
-    def __init__(self, *args: object, formation_error: FormationError | None = None) -> None:
+    def __init__(self, *args: object, formation_error: FormationError | None = None, local: bool = False) -> None:
         super().__init__(*args)
         self.formation_error = formation_error or self.default_formation_error
+        #: this process gave the operation up itself - its group was aborted here (an
+        #: eviction it was told of, the job's end), its commit fence refused - rather than a
+        #: peer failing it (a closed connection, a timeout): what the progress watchdog reads
+        #: to tell a member that keeps aborting a step from the peers it takes down with it
+        self.local = local
 
 
 class RendezvousFailed(WorkerError):

@@ -100,6 +100,8 @@ class Heartbeater:
         #: confirmed beat, before it gives the step up (:class:`CutOff`)
         self.fence_wait = fence_wait
         self._busy_since: float | None = None
+        #: monotonic time of this worker's last committed step (None: none yet)
+        self._committed_at: float | None = None
         self._keys = keys
         self._ttl_ms = int(ttl * 1000)
         self.interval = interval
@@ -122,6 +124,12 @@ class Heartbeater:
         with self._lock:
             self._value = self._value.model_copy(update=fields)
 
+    def committed(self, at: float) -> None:
+        """This worker committed a step at monotonic time ``at``: every beat from now on says
+        how long ago (``Heartbeat.since_commit``), so a reader computes the job's last commit
+        on Redis's clock (the beat's ``last_seen`` score minus it), whatever the step timers say."""
+        self._committed_at = at
+
     def busy(self, on: bool, *, since: float | None = None) -> None:
         """The current step is (``on``) or is no longer busy with its own work - data, forward,
         backward, user code; not waiting on peers. Published with the next beat. ``since``
@@ -132,9 +140,12 @@ class Heartbeater:
     def beat(self, *, client: redis.Redis | None = None) -> bool:
         """One beat now; False once this worker is evicted. Raises redis.RedisError (among
         them NotReplicated, ``shoal.core.durable``: no replica confirmed it)."""
-        with self._lock:
-            value, pid = self._value.model_dump_json(), self._value.pid
         sent = time.monotonic()
+        with self._lock:
+            beat = self._value
+            if self._committed_at is not None:
+                beat = beat.model_copy(update={"since_commit": round(max(0.0, sent - self._committed_at), 3)})
+            value, pid = beat.model_dump_json(), beat.pid
         since = self._busy_since
         busy_ms = int((sent - since) * 1000) if since is not None else -1
         # under Sentinel a beat counts once a replica holds it, confirmed on the connection that

@@ -192,9 +192,9 @@ class Membership:
         self.send(Left(job_id=self.job_id, worker_id=self.worker_id))
 
     def step_failed(self, generation: int, step: int, error: str, *, rendezvous: bool = False,
-                    formation_error: FormationError | None = None) -> None:
+                    formation_error: FormationError | None = None, local: bool = False) -> None:
         self.send(StepFailed(job_id=self.job_id, worker_id=self.worker_id, generation=generation, step=step,
-                             error=error[:2000], rendezvous=rendezvous,
+                             error=error[:2000], rendezvous=rendezvous, local=local,
                              formation_error=formation_error.value if rendezvous and formation_error else ""))
 
     def checkpointed(self, step: int, store: str, generation: int) -> None:

@@ -59,7 +59,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -342,7 +342,7 @@ class Group:
         if self.closed:
             raise CollectiveFailed(f"{what}: not in a process group")
         if self.abort_reason:
-            raise CollectiveFailed(f"{what}: aborted ({self.abort_reason})")
+            raise CollectiveFailed(f"{what}: aborted ({self.abort_reason})", local=True)
 
     # ---- waiting --------------------------------------------------------------------------------
     def _wait(self, work: object, what: str, timeout: float | None = None) -> None:
@@ -356,7 +356,7 @@ class Group:
         with self._lock:
             if self.abort_reason:
                 self._abandoned.append(work)
-                raise CollectiveFailed(f"{what}: aborted ({self.abort_reason})")
+                raise CollectiveFailed(f"{what}: aborted ({self.abort_reason})", local=True)
             self._waiting = done
 
         def on_done(_f: object) -> None:
@@ -383,11 +383,11 @@ class Group:
             with self._lock:
                 self._waiting = None
         if not completed:
-            if not finished:
+            if not finished:  # a peer that hangs: not this process's own doing
                 self.request_abort(f"{what} took longer than {timeout:.0f} s")
             with self._lock:
                 self._abandoned.append(work)
-            raise CollectiveFailed(f"{what}: aborted ({self.abort_reason or 'no reason'})")
+            raise CollectiveFailed(f"{what}: aborted ({self.abort_reason or 'no reason'})", local=finished)
         try:
             if completed[0] is not None:
                 raise completed[0]
@@ -779,25 +779,33 @@ def join_group(
 
 def new_standalone_group(client: redis.Redis, prefix: str, rank: int, world_size: int, timeout: float, *,
                          job_id: str, generation: int, device: torch.device, name: str,
-                         collective_timeout: float | None = None, iface: str | None = None) -> Group:
+                         collective_timeout: float | None = None, iface: str | None = None,
+                         abort: Callable[[], str] | None = None) -> Group:
     """A gloo group of ``world_size`` ranks that torch does not register (for one generation
     of an HSDP job: a cross-replica group), meeting under the store prefix ``prefix``.
     Blocks like :func:`join_group` (RendezvousFailed/RendezvousTimeout on failure); its owner
-    closes it (:meth:`Group.close`)."""
+    closes it (:meth:`Group.close`). ``abort`` (any thread may make it return a reason) ends
+    the rendezvous at once with RendezvousFailed, and an abort asked for while it was being
+    formed holds for the group formed."""
     what = f"rendezvous of {name} (rank {rank}/{world_size})"
     advertised = _advertise(client, iface)
-    store = RedisStore(client, prefix, timeout=timeout, max_wait=timeout, rank=rank, world_size=world_size)
+    store = RedisStore(client, prefix, timeout=timeout, max_wait=timeout, rank=rank, world_size=world_size,
+                       abort=abort)
     try:
         torch_group = tc.new_gloo_group(store, rank, world_size, min(CONNECT_TIMEOUT_S, timeout),
                                         address=advertised.address if advertised.iface else "")
     except Exception as exc:  # noqa: BLE001 - translated
-        err = translate_error(exc, what, rendezvous=True)
-        if _connect_failure(exc):
+        why = abort() if abort is not None else ""
+        err = RendezvousFailed(f"{what}: aborted ({why})") if why else translate_error(exc, what, rendezvous=True)
+        if not why and _connect_failure(exc):
             err = type(err)(connect_failure(str(exc), what, advertised), formation_error=err.formation_error)
         raise err from exc
     group = Group(job_id, generation, rank, world_size, "gloo", device, store, collective_timeout or timeout,
                   torch_group, registered=False, name=name)
     tc.set_timeout(torch_group, torch.device("cpu"), group.timeout)
+    why = abort() if abort is not None else ""
+    if why:
+        group.request_abort(why)
     return group
 
 

@@ -361,6 +361,8 @@ class GradientReducer:
                 self._waited += 1
                 self._launch_ready()
         pg.wait_sends()
+        with self._lock:  # the completed works pin the group's sockets open: drop them now, not at the next
+            self._pending, self._waited = [], 0  # begin (a member leaving before it must close them at once)
 
     def abandon(self) -> None:
         """After a failure (anywhere from :meth:`begin` on): disarm the hooks; collectives

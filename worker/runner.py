@@ -18,7 +18,8 @@ from shoal.core.jobspec import JobSpec
 from shoal.worker.heartbeat import Heartbeater
 from shoal.worker.lifeline import Lifeline, StopRequest, agent_pid
 from shoal.worker.membership import Membership
-from shoal.events.states import WorkerState, is_terminal
+from shoal.events.states import FailureCause, WorkerState, is_terminal
+from shoal.worker.restart import exit_for_restart
 
 log = logging.getLogger("shoal.worker")
 
@@ -100,6 +101,8 @@ class WorkerRunner:
         * The coordinator declared this live process failed (it was frozen, cut off from
           Redis or its peers, or its step passed the step timeout) and the job still runs:
           rejoin at once; the next generation catches its state up like a joiner's.
+        * The progress watchdog failed it as stuck (it kept failing the same step): the
+          process ends for its agent to start it again (:mod:`shoal.worker.restart`).
         * The job lost its record of this process (Redis lost its data): wait up to
           ``LOST_JOB_WAIT_S`` for it to be registered again (the node agent does that from
           the spec it holds), then rejoin.
@@ -112,6 +115,8 @@ class WorkerRunner:
         if doc is not None:
             if doc.state != WorkerState.FAILED or is_terminal(self.membership.job_state()):
                 return False
+            if doc.cause == FailureCause.STUCK:  # the watchdog wants a fresh process, not this state
+                exit_for_restart(f"restarted by the coordinator's progress watchdog ({doc.reason})")
             log.warning("declared failed by the coordinator while alive (%s); rejoining job %s as a new member, "
                         "state kept", doc.reason or doc.cause, self.membership.job_id)
             if self.hb is not None:

@@ -133,6 +133,7 @@ class ShardedEngine(StepCommon):
         #: the cross-replica reduces of the step in flight, and their failures
         self._pending: list[PendingReduce] = []
         self._errors: list[str] = []
+        self._local_error = False
         #: what runs once the model is sharded (a checkpoint to resume from)
         self._after_shard: list[Callable[[], None]] = []
 
@@ -199,7 +200,7 @@ class ShardedEngine(StepCommon):
             self._pending.append(cross.all_reduce_async(reduce_output, dist.ReduceOp.SUM,
                                                         "cross-replica all-reduce of a gradient shard"))
         except CollectiveFailed as exc:
-            self._errors.append(str(exc))
+            self._fail(exc)
 
     # --- the step -----------------------------------------------------------------------------
     def step(self, local_indices: Sequence[int] | np.ndarray, global_count: int, generation: int, *,
@@ -220,7 +221,7 @@ class ShardedEngine(StepCommon):
         base = generation if base_generation is None else base_generation
         local = [int(i) for i in local_indices]
         buffers = [b.detach().clone() for b in self.model.buffers()]
-        self._pending, self._errors = [], []
+        self._pending, self._errors, self._local_error = [], [], False
         ahead = float(max(0, generation - base))
         t0 = time.perf_counter()
         #: (ahead, loss sum, count), summed across replica groups by an all-reduce that goes
@@ -240,9 +241,10 @@ class ShardedEngine(StepCommon):
             try:
                 pending.wait()
             except CollectiveFailed as exc:
-                self._errors.append(str(exc))
+                self._fail(exc)
                 self.cross.abandon(self._pending[i + 1:])
                 break
+        self._pending = []  # waited for or abandoned (kept by the group): nothing pins the cross group now
         squares = [tc.local(p.grad).float().pow(2).sum() for p in self.model.parameters() if p.grad is not None]
         norm2 = torch.stack(squares).sum().to(tail.dtype) if squares else torch.zeros((), dtype=tail.dtype)
         vote = torch.cat([tail, torch.tensor([1.0 if self._errors else 0.0], dtype=tail.dtype, device=self.device),
@@ -251,14 +253,14 @@ class ShardedEngine(StepCommon):
             self.shard_group.all_reduce(vote, what="the replica group's vote on the step")
         except CollectiveFailed as exc:
             self._abandon(buffers)
-            raise StepAborted(f"step aborted, nothing applied: {exc}") from exc
+            raise StepAborted(f"step aborted, nothing applied: {exc}", local=exc.local) from exc
         t2 = time.perf_counter()
         ahead_sum, loss_sum, reduced, failed, grad_sq = vote.tolist()  # the one host read
         self._settle()
         if failed > 0:
             self._rollback_step(buffers)
             why = self._errors[0] if self._errors else "another member of this replica group failed its cross-replica all-reduce"
-            raise StepAborted(f"step aborted, nothing applied: {why}")
+            raise StepAborted(f"step aborted, nothing applied: {why}", local=self._local_error)
         if int(round(reduced)) != global_count:
             self._rollback_step(buffers)
             raise InconsistentStep(f"ranks processed {int(round(reduced))} samples, expected a global batch of "
@@ -332,7 +334,14 @@ class ShardedEngine(StepCommon):
             self._pending.append(cross.all_reduce_async(tail, dist.ReduceOp.SUM,
                                                         "cross-replica all-reduce of the step's loss and count"))
         except CollectiveFailed as exc:
-            self._errors.append(str(exc))
+            self._fail(exc)
+
+    def _fail(self, exc: CollectiveFailed) -> None:
+        """A cross-replica collective of this step failed here: kept for the vote (the first
+        failure's origin says whether this process gave it up itself)."""
+        if not self._errors:
+            self._local_error = exc.local
+        self._errors.append(str(exc))
 
     def _pad_batch(self) -> Any:
         """A one-sample batch (the dataset's first sample) for a pass that weighs nothing."""

@@ -19,20 +19,38 @@ this worker's own replica group loses a member, or this worker is evicted, it ex
 (:class:`~shoal.worker.errors.ReplicaGroupLost`): its agent starts it again and it joins a new
 replica group.
 
+An eviction aborts exactly the collectives it concerns (:meth:`on_table`). Data parallelism:
+the group of the generation the evicted member belonged to, formed or being formed (a newer
+generation's group is never touched: :func:`~shoal.worker.process_group.request_abort` checks
+the generation). HSDP: that generation's cross-replica group, formed or being formed - never
+the shard group, which outlives generations and which only the loss of a member of this
+worker's own replica group concerns (and that ends the process). At 5e93599 a table that
+arrived after a failed step had already dropped the cross group aborted the process's current
+group instead - the shard group - and the abort outlived the generation it was meant for:
+every later step of that replica group failed its vote, for good (issue 34). A shard group
+that survives a switch is proven usable before it is trained on: :meth:`_form_hsdp` ends with
+one collective over it that checks every member starts from the same step; an aborted or
+broken shard group ends the process (its agent starts it again in a new replica group).
+
 Threads: :meth:`on_table`, :meth:`on_ended` run on the watcher's thread and
-:meth:`on_evicted` on the heartbeat's; they only read ``group`` (replaced, never mutated) and
-call :func:`~shoal.worker.process_group.request_abort` (or a group's ``request_abort``),
-which any thread may, or end the process. Everything else runs on the training thread.
+:meth:`on_evicted` on the heartbeat's; they only read ``group``, ``replica`` (replaced, never
+mutated), the group objects and the cross group's forming flag (under ``_lock``), and call a
+group's ``request_abort`` or :func:`~shoal.worker.process_group.request_abort`, which any
+thread may, or end the process. Everything else runs on the training thread.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
+import torch.distributed as dist
 
 from shoal.core.faults import FaultPlan
 from shoal.core.jobspec import JobSpec
@@ -47,6 +65,7 @@ from shoal.worker.engine import StepEngine
 from shoal.worker.errors import CollectiveFailed, ReplicaGroupLost, RendezvousFailed, StateMismatch
 from shoal.worker.membership import Membership
 from shoal.worker.placement import Placement
+from shoal.worker.restart import exit_for_restart
 from shoal.worker.store import legacy_rendezvous
 from shoal.worker.transfer import catch_up_state, state_bytes, transfer_timeout
 from shoal.worker.watcher import GenerationWatcher
@@ -92,6 +111,10 @@ class GenerationSwitch:
         self.replica: tuple[str, frozenset[str]] = ("", frozenset())
         self.shard_group: pg.Group | None = None
         self.cross: pg.Group | None = None
+        #: the cross-replica group being formed: [generation, abort reason] (None: none is);
+        #: the watcher's thread sets the reason, the rendezvous reads it (under ``_lock``)
+        self._cross_forming: list | None = None
+        self._lock = threading.Lock()
 
     def start(self) -> None:
         """Once joined: the barrier and the watcher thread (the client's pool gives the
@@ -109,27 +132,44 @@ class GenerationSwitch:
     # ---- the other threads' hooks ------------------------------------------------------------
 
     def on_table(self, table: ShardTable) -> None:
-        """(The watcher's thread.) A newer table that evicts a member of our group: abort the
-        group's collectives now - that peer is hung, cut off or dead, and will not come. A
-        wait at an older generation's barrier ends at once (this one supersedes it). HSDP: a
-        table that evicts a member of this worker's own replica group ends the process."""
+        """(The watcher's thread.) A newer table that evicts a member of our generation: abort
+        the collectives we share with it now - that peer is hung, cut off or dead, and will
+        not come. A wait at an older generation's barrier ends at once (this one supersedes
+        it). Only the evicted members' generation's group is aborted (see the module
+        docstring); HSDP: a table that evicts a member of this worker's own replica group ends
+        the process once its shard group exists (aborts its rendezvous before)."""
         if self.barrier is not None:
             self.barrier.wake(newer=table.generation)
         generation, members = self.group
         if table.generation <= generation or not table.evicted:
             return
+        if not self.hsdp:
+            gone = [w for w in table.evicted if w in members]
+            if gone:  # the group formed, or being formed (its rendezvous waits for that peer)
+                pg.request_abort(generation, f"generation {table.generation} evicted {', '.join(gone)}")
+            return
         group_id, replica = self.replica
         lost = [w for w in table.evicted if w in replica]
         if lost:
-            self.exit_regroup(f"generation {table.generation} evicted {', '.join(lost)} of replica group {group_id}")
-        gone = [w for w in table.evicted if w in members]
-        if gone:  # the group formed, or being formed (its rendezvous waits for that peer)
-            why = f"generation {table.generation} evicted {', '.join(gone)}"
+            why = f"generation {table.generation} evicted {', '.join(lost)} of replica group {group_id}"
+            if self.shard_group is not None:
+                self.exit_regroup(why)
+            pg.request_abort(generation, why)  # the shard group being formed waits for that member
+        gone = [w for w in table.evicted if w in members and w not in replica]
+        if gone:
+            self._abort_cross(generation, f"generation {table.generation} evicted {', '.join(gone)}")
+
+    def _abort_cross(self, generation: int, why: str) -> None:
+        """(Any thread.) Abort ``generation``'s cross-replica group, formed or being formed;
+        nothing when this worker holds none of that generation (it left it already)."""
+        with self._lock:
+            forming = self._cross_forming
+            if forming is not None and forming[0] == generation and not forming[1]:
+                forming[1] = why
+                log.warning("aborting the rendezvous of generation %d's cross-replica group: %s", generation, why)
             cross = self.cross
-            if cross is not None:
-                cross.request_abort(why)
-            else:
-                pg.request_abort(generation, why)
+        if cross is not None and cross.generation == generation:
+            cross.request_abort(why)
 
     def on_ended(self, state: str) -> None:
         """(The watcher's thread.) The job failed: a group still being formed (its rendezvous
@@ -140,9 +180,11 @@ class GenerationSwitch:
             self.barrier.wake()
         generation, _members = self.group
         if generation and state == "failed":
-            cross = self.cross
-            if cross is not None:
-                cross.request_abort("the job failed")
+            if self.hsdp:
+                self._abort_cross(generation, "the job failed")
+                shard_group = self.shard_group
+                if shard_group is not None:  # the process ends next: nothing outlives it
+                    shard_group.request_abort("the job failed")
             pg.request_abort(generation, "the job failed")
 
     def on_evicted(self) -> None:
@@ -163,14 +205,7 @@ class GenerationSwitch:
         """(Any thread.) End this process for its node agent to start again: its replica
         group's shard group cannot go on (:class:`ReplicaGroupLost`). Nothing of it is lost:
         the other replica groups hold the same state and heal the new group."""
-        log.warning("%s: this replica group goes whole; exiting (code %d) for the node agent to start this worker "
-                    "again in a new replica group", why, ReplicaGroupLost.exit_code)
-        for handler in logging.getLogger().handlers:
-            try:
-                handler.flush()
-            except Exception:  # noqa: BLE001 - best effort: the process ends next
-                pass
-        os._exit(ReplicaGroupLost.exit_code)
+        exit_for_restart(f"{why}: this replica group goes whole, and this worker joins a new one")
 
     # ---- the switch's steps ------------------------------------------------------------------
 
@@ -231,7 +266,10 @@ class GenerationSwitch:
         """HSDP's form: the replica group's shard group on its first generation (and the
         model sharded over it), this generation's cross-replica group of this member's shard
         index, and the catch-up over it: a new replica group receives every shard from the
-        most advanced one. All of a replica group's members start from the same step."""
+        most advanced one. Then the replica group votes over its shard group
+        (:meth:`_vote_on_form`): it goes on only when every member formed and starts from the
+        same step - a member that could not form its cross group must not leave the others
+        inside the first step's FSDP collectives, which nothing can cancel."""
         me = table.member(self.membership.worker_id)
         engine = self.engine
         m = self.membership
@@ -255,28 +293,75 @@ class GenerationSwitch:
             elif me.group != self.replica[0]:  # the coordinator never moves a member: a bug
                 self.exit_regroup(f"generation {table.generation} puts this worker in replica group {me.group}, "
                                   f"not {self.replica[0]}")
+        except (RendezvousFailed, CollectiveFailed, StateMismatch, ValueError) as exc:
+            return FormFailed(str(exc), formation_error(exc))
+        failure: Exception | None = None
+        got = {"step": step, "cursor": cursor}
+        src = 0
+        try:
             cross = None
             if replicas > 1:
-                cross = pg.new_standalone_group(
-                    m.client, m.keys.cross_rendezvous(table.generation, me.shard), me.replica, replicas,
-                    self.rdzv_timeout, job_id=m.job_id, generation=table.generation, device=engine.device,
-                    name=f"generation {table.generation}'s cross-replica group of shard {me.shard}",
-                    iface=self.iface,
-                    collective_timeout=max(self.collective_timeout,
-                                           transfer_timeout(state_bytes(engine.model, engine.optimizer))))
-            self.cross = cross
+                forming = [table.generation, ""]
+                with self._lock:
+                    self._cross_forming = forming
+                try:
+                    cross = pg.new_standalone_group(
+                        m.client, m.keys.cross_rendezvous(table.generation, me.shard), me.replica, replicas,
+                        self.rdzv_timeout, job_id=m.job_id, generation=table.generation, device=engine.device,
+                        name=f"generation {table.generation}'s cross-replica group of shard {me.shard}",
+                        iface=self.iface, abort=lambda: forming[1],
+                        collective_timeout=max(self.collective_timeout,
+                                               transfer_timeout(state_bytes(engine.model, engine.optimizer))))
+                finally:
+                    with self._lock:
+                        self._cross_forming = None
+                        self.cross = cross  # from here an eviction aborts it directly
             engine.set_cross(cross)
-            extra = {"step": step, "cursor": cursor, **engine.state_extras()}
-            src, got = 0, extra
             if cross is not None:  # one replica group: nothing to heal from
+                extra = {"step": step, "cursor": cursor, **engine.state_extras()}
                 src, got, _behind = catch_up_state(engine.model, engine.optimizer, extra, step,
                                                    lr_scheduler=engine.lr_scheduler, group=cross)
         except (RendezvousFailed, CollectiveFailed, StateMismatch, ValueError) as exc:
+            failure = exc
+        others = self._vote_on_form(table.generation, failure is not None, int(got["step"]), int(got["cursor"]))
+        if failure is not None or others:
             self.leave()
-            return FormFailed(str(exc), formation_error(exc))
+            if failure is not None:
+                return FormFailed(str(failure), formation_error(failure))
+            return FormFailed(f"generation {table.generation}: {others}")
         # every member of a replica group takes its table ranges at once (FSDP's collectives go
         # in lock-step within the group): nobody sits the first step out
         return Formed(int(got["step"]), int(got["cursor"]), src * table.shard_size, (), time.monotonic() - t0)
+
+    def _vote_on_form(self, generation: int, failed: bool, step: int, cursor: int) -> str:
+        """The replica group's vote at the end of a switch, over its shard group (every member
+        reaches it, whether its own part of the switch worked or not): "" when every member
+        formed, else why not. It also proves the shard group usable before it is trained on -
+        not aborted, and one collective over it goes through - and that every member starts
+        ``generation`` from the same step and cursor. A shard group that is not usable, or
+        members whose states differ, end the process (:meth:`exit_regroup`): its agent starts
+        it again in a new replica group, healed from the others. One all-reduce of five
+        numbers per switch."""
+        group = self.shard_group
+        why = group.abort_reason
+        if not why:
+            vote = torch.tensor([1.0 if failed else 0.0, step, -step, cursor, -cursor], dtype=torch.float64,
+                                device=self.engine.device)
+            try:
+                group.all_reduce(vote, dist.ReduceOp.MAX, what=f"the replica group's vote on generation {generation}")
+            except CollectiveFailed as exc:
+                why = str(exc)
+            else:
+                others, high, low, ahead, behind = vote.tolist()
+                if others > 0:
+                    return f"another member of replica group {self.replica[0]} could not form it"
+                if high != -low or ahead != -behind:
+                    why = (f"its members start generation {generation} from different states (steps {int(-low)}-"
+                           f"{int(high)}, cursors {int(-behind)}-{int(ahead)})")
+        if why:
+            self.exit_regroup(f"the shard group of replica group {self.replica[0]} cannot train in generation "
+                              f"{generation}: {why}")
+        return ""
 
     def leave(self, *, background: bool = False) -> None:
         """Leave the generation's group: data parallelism, the process's group
@@ -285,7 +370,8 @@ class GenerationSwitch:
         if not self.hsdp:
             pg.leave_group(background=background)
             return
-        cross, self.cross = self.cross, None
+        with self._lock:
+            cross, self.cross = self.cross, None
         self.engine.set_cross(None)
         if cross is not None:
             cross.close(background=background)

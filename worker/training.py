@@ -52,8 +52,9 @@ from pathlib import Path
 import torch
 
 from shoal.core.connection import without_retries
-from shoal.core.faults import FaultPlan
+from shoal.core.faults import FaultPlan, InjectedAbort
 from shoal.core.jobspec import JobSpec
+from shoal.events.states import is_terminal
 from shoal.worker import placement
 from shoal.worker import process_group as pg
 from shoal.worker.allocator import return_freed_tensors
@@ -102,6 +103,17 @@ from shoal.worker.sharded_engine import ShardedEngine
 from shoal.worker.switch import GenerationSwitch
 from shoal.worker.tensorboard import TensorBoardLog
 from shoal.worker.userapi import TrainingSetup, load_entrypoint
+
+#: How long a member other than rank 0 that finished waits for rank 0's report of the job's
+#: completion before it reports it itself (seconds; at least 3 heartbeat TTLs): time for rank
+#: 0's final evaluation and checkpoint.
+COMPLETION_WAIT_S = 30.0
+
+
+def completion_wait(spec: JobSpec) -> float:
+    """See :data:`COMPLETION_WAIT_S`."""
+    return max(COMPLETION_WAIT_S, 3 * spec.heartbeat_ttl)
+
 
 def peak_rss_mb() -> float:
     """This process's peak resident memory so far, MiB (Linux reports KiB)."""
@@ -234,9 +246,9 @@ class TrainingWorker(WorkerRunner):
         try:
             member = self.hb.still_member()
         except CutOff as exc:
-            raise StepAborted(str(exc)) from exc
+            raise StepAborted(str(exc), local=True) from exc
         if not member:
-            raise StepAborted("evicted by the coordinator (declared failed): this step is not applied")
+            raise StepAborted("evicted by the coordinator (declared failed): this step is not applied", local=True)
 
     def cleanup(self) -> None:
         if self.switch is not None:
@@ -314,8 +326,10 @@ class TrainingWorker(WorkerRunner):
                 self.membership.leave("SIGTERM")
             case SendLeft():
                 self.membership.left()
-            case ReportFailure(generation=generation, step=step, error=error, rendezvous=rendezvous, kind=kind):
-                self.membership.step_failed(generation, step, error, rendezvous=rendezvous, formation_error=kind)
+            case ReportFailure(generation=generation, step=step, error=error, rendezvous=rendezvous, kind=kind,
+                               local=local):
+                self.membership.step_failed(generation, step, error, rendezvous=rendezvous, formation_error=kind,
+                                            local=local)
             case FetchTable():
                 return TableFetched(self.membership.current_table())
             case WaitTable(after=after):
@@ -351,7 +365,11 @@ class TrainingWorker(WorkerRunner):
         self.faults.at(wid, act.step, "before_step")
         batch, ranges, local = self.input.step(act, self.state.table, self.state.member, wid)
         started = time.monotonic()
-        self.faults.at(wid, act.step, "mid_step")
+        try:
+            self.faults.at(wid, act.step, "mid_step")
+        except InjectedAbort as exc:  # this member gives the step up itself (core/faults.py)
+            self._not_busy()
+            return Aborted(f"step aborted, nothing applied: {exc}", local=True)
         try:
             result = self.engine.step(local, batch.count, act.generation, base_generation=act.base,
                                       **({"world_size": act.world} if self.spec.shard_size > 1 else {}))
@@ -359,7 +377,7 @@ class TrainingWorker(WorkerRunner):
             self._not_busy()
             # returned, not handled here: once this frame is gone nothing pins the broken
             # group, so leaving it closes its sockets and peers still inside the collective fail now
-            return Aborted(str(exc))
+            return Aborted(str(exc), local=exc.local)
         self._not_busy()
         scaler = self.engine.scaler
         fp16 = {} if scaler is None else {"loss_scale": result.loss_scale, "skipped": result.skipped,
@@ -382,6 +400,7 @@ class TrainingWorker(WorkerRunner):
         if act.digest:
             fields["digest"] = state_digest(self.engine.model)
         self.hb.update(**fields)
+        self.hb.committed(time.monotonic())
 
     def _save(self, act: SaveCheckpoint) -> None:
         """Rank 0's checkpoint, or in HSDP this member's part of its replica group's (the
@@ -414,6 +433,7 @@ class TrainingWorker(WorkerRunner):
         self.switch.announce(act, publish)
 
     def _finish(self, act: Finish) -> None:
+        self.faults.at(self.membership.worker_id, act.step, "finish")
         summary = {"step": act.step, "cursor": act.cursor, "digest": state_digest(self.engine.model)}
         if self.setup.eval_fn is not None:
             metrics = self.evaluator.metrics(act.step, act.cursor)
@@ -428,9 +448,30 @@ class TrainingWorker(WorkerRunner):
         if export:  # tests and tools compare final weights across runs
             Path(export).mkdir(parents=True, exist_ok=True)
             torch.save(self.engine.full_state_dict(), Path(export) / f"final-{self.membership.worker_id}.pt")
-        if act.report:
-            self.membership.completed(act.step, summary)
         if self.hb is not None:
             self.hb.update(step=act.step, digest=summary["digest"])
             self.hb.beat()
+        if act.report:
+            self.membership.completed(act.step, summary)
+        else:
+            self._complete_unless_reported(act.step, summary)
         log.info("finished: %s", json.dumps(summary))
+
+    def _complete_unless_reported(self, step: int, summary: dict) -> None:
+        """A member other than rank 0 that committed the job's last step: rank 0 reports the
+        completion once its final checkpoint is written; this member waits for the job to end
+        (its heartbeat goes on: a member that finished is never declared failed) and reports
+        it itself when that has not happened within :func:`completion_wait` - a rank 0 that
+        is stuck, or died after the step, must not hide a finished job (issue 34)."""
+        wait = completion_wait(self.spec)
+        deadline = time.monotonic() + wait
+        watcher = self.switch.watcher
+        while time.monotonic() < deadline and not self.stop.is_set():
+            if is_terminal(watcher.job_state):
+                return
+            self.stop.wait(0.1)
+        if is_terminal(watcher.job_state):
+            return
+        log.warning("the job is not complete %.0f s after its last step (%d) was committed here: reporting its "
+                    "completion from this member", wait, step)
+        self.membership.completed(step, summary)

@@ -318,9 +318,11 @@ def test_a_failed_step_gives_the_same_members_a_new_generation_once_the_settle_w
     d = decide(s, _ev(StepFailed(job_id="j", worker_id="w0", generation=gen, step=5, error="Timed out\nwaiting")), T0, SPEC)
     assert d.changed and not tables(d) and d.state.status.step_failed_ms == T0
     assert "step 5 of generation 1 failed on w0 (Timed out waiting)" in d.reason
-    # the other members' reports of the same step change nothing more
+    # the other members' reports of the same step plan nothing more (the progress watchdog
+    # only counts who reported it)
     d = decide(d.state, _ev(StepFailed(job_id="j", worker_id="w2", generation=gen, step=5, error="x")), T0 + 10, SPEC)
-    assert not d.changed and "already due" in d.reason
+    assert not d.actions and "already due" in d.reason and d.state.status.step_failed_ms == T0
+    assert d.state.status.stall.reporters == {"w0": 1, "w2": 1} and d.state.status.stall.step == 5
     assert not tables(decide(d.state, Tick(), T0 + SETTLE_MS - 1, SPEC))
     d = decide(d.state, Tick(), T0 + SETTLE_MS, SPEC)
     (t,) = tables(d)

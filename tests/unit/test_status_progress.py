@@ -60,3 +60,38 @@ def test_every_cli_option_and_argument_has_help_text() -> None:
 
     walk(build_parser(), "shoal")
     assert not missing, missing
+
+
+def test_a_running_job_that_has_not_committed_for_a_few_step_times_shows_no_rate_and_no_eta() -> None:
+    """Issue 34: the members' own step timers said "8.9 steps/s, ETA 0.1 s" for a job that had
+    not committed for minutes. Each heartbeat says how long before its beat its worker last
+    committed; the job's last commit is the newest of those, on Redis's clock."""
+    r = fakeredis.FakeRedis()
+    keys = job_keys("p")
+    create_job(r, JobSpec(name="p", entrypoint="simulate", heartbeat_interval=0.5))
+    sec, usec = r.time()
+    now = int(sec) * 1000 + int(usec) // 1000
+    for w in ("w0", "w1"):
+        r.hset(keys.workers, w, WorkerRecord(w, WorkerState.ACTIVE, pid=5).to_json())
+        r.zadd(keys.last_seen, {w: now - 100})
+    r.hset(keys.state, mapping={"state": "running", "generation": "9"})
+
+    def beat(w: str, since: float) -> None:
+        r.set(keys.heartbeat(w), Heartbeat(worker_id=w, step=80, step_time=0.11, total_steps=300,
+                                           since_commit=since).model_dump_json())
+
+    beat("w0", 0.2)
+    beat("w1", 0.3)  # committed just now: a rate and an ETA
+    s = job_status(r, "p")
+    assert not s["no_commit"] and s["progress"]["eta_s"] is not None and s["last_commit_age_s"] < 1.0
+    beat("w0", 40.0)
+    beat("w1", 41.0)  # nothing for 40 s, whatever the step timers say
+    s = job_status(r, "p")
+    assert s["no_commit"] and s["progress"]["steps_per_s"] is None and s["progress"]["eta_s"] is None
+    assert 40.0 <= s["last_commit_age_s"] <= 41.0
+    text = format_status(s)
+    assert "no commit for 40s" in text and "ETA" not in text and "steps/s" not in text
+    # an ended job shows neither
+    r.hset(keys.state, "state", "completed")
+    s = job_status(r, "p")
+    assert not s["no_commit"] and s["last_commit_age_s"] is None

@@ -185,6 +185,8 @@ class JobView {
     if (p.epoch) parts.push(`epoch ${p.epoch}`);
     if (p.steps_per_s) parts.push(`${p.steps_per_s} steps/s`);
     if (p.eta_s !== null && p.eta_s !== undefined) parts.push(`ETA ${duration(p.eta_s)}`);
+    if (s.no_commit) parts.push(`no commit for ${duration(s.last_commit_age_s)}`
+                                + (s.stall ? ` (step ${s.stall.step} failed in ${s.stall.generations} generation(s))` : ""));
     parts.push(`generation ${s.generation}`, `world size ${s.world_size}`);
     parts.push(`coordinator ${s.leader || "none"} (epoch ${s.epoch})`);
     if (s.failures) parts.push(`${s.failures} failure(s)`);
