@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 
 from shoal.coordinator import watchdog
 from shoal.coordinator.owners import plan_owners
+from shoal.coordinator.replicas import plan_groups
 from shoal.coordinator.shards import plan_ranges
 from shoal.coordinator.states import CoordState
 from shoal.events.records import JobStatus, WorkerRecord
@@ -245,56 +246,20 @@ def member_ids(state: CoordState, spec: JobSpec) -> list[str]:
 
 
 def _replica_groups(state: CoordState, spec: JobSpec, now_ms: int) -> tuple[CoordState, list[Action], str]:
-    """Elastic HSDP's groups before a plan. A replica group that lost a member (failed, left,
-    draining) goes whole: its other live members are failed with cause ``replica_group`` (they
-    exit and their agents restart them; their peers abort collectives with them: they are in
-    the table's ``evicted``). Then planned workers without a group form new ones of
-    ``shard_size``, members of one node together first, by id. Returns the state, the Forget
-    actions of the evicted and a note for the reason ("" : nothing changed)."""
-    s = spec.shard_size
-    workers = dict(state.workers)
-    groups: dict[str, list[WorkerRecord]] = {}
-    for rec in workers.values():
-        if rec.replica_group:
-            groups.setdefault(rec.replica_group, []).append(rec)
-    actions: list[Action] = []
-    notes = []
-    for gid in sorted(groups, key=_id_order):
-        members = groups[gid]
-        gone = [r.worker_id for r in members if r.state not in PLANNED]
-        if not gone:
-            continue
-        for rec in members:
-            if rec.state in PLANNED:
-                why = f"{rec.worker_id} evicted with its replica group {gid} ({', '.join(sorted(gone, key=_id_order))} gone)"
-                workers[rec.worker_id] = rec.failed(FailureCause.REPLICA_GROUP, -1, why, now_ms)
-                actions.append(Forget(rec.worker_id))
-                notes.append(why)
-    free = sorted((r for r in workers.values() if r.state in PLANNED and not r.replica_group),
-                  key=lambda r: (r.node or r.host, _id_order(r.worker_id)))
-    by_node: dict[str, list[WorkerRecord]] = {}
-    for rec in free:
-        by_node.setdefault(rec.node or rec.host, []).append(rec)
-    chunks: list[list[WorkerRecord]] = []
-    rest: list[WorkerRecord] = []
-    for node in sorted(by_node):
-        recs = by_node[node]
-        whole = len(recs) - len(recs) % s
-        chunks += [recs[i:i + s] for i in range(0, whole, s)]
-        rest += recs[whole:]
-    rest.sort(key=lambda r: _id_order(r.worker_id))
-    whole = len(rest) - len(rest) % s
-    chunks += [rest[i:i + s] for i in range(0, whole, s)]
+    """Elastic HSDP's groups before a plan (``coordinator.replicas``: a group that lost a
+    member goes whole, groups of one node first, leftovers wait a moment for node-mates, a
+    cross-node group is regrouped by node when it can be). Returns the state, the Forget
+    actions of the evicted and regrouped and a note for the reason ("" : nothing changed)."""
     status = state.status
-    for chunk in chunks:
-        gid = f"r{status.next_replica}"
-        status = replace(status, next_replica=status.next_replica + 1)
-        for shard, rec in enumerate(sorted(chunk, key=lambda r: _id_order(r.worker_id))):
-            workers[rec.worker_id] = replace(rec, replica_group=gid, shard=shard)
-        notes.append(f"replica group {gid}: {', '.join(sorted((r.worker_id for r in chunk), key=_id_order))}")
-    if not actions and not chunks:
-        return state, [], ""
-    return replace(state, status=status, workers=workers), actions, "; ".join(notes)
+    room = len(state.in_state(PLANNED)) < spec.max_workers
+    g = plan_groups(state.workers, spec.shard_size, status.next_replica, now_ms, room=room,
+                    regroup_until_ms=status.regroup_until_ms)
+    status = replace(status, next_replica=g.next_replica, regroup_at_ms=g.regroup_at_ms,
+                     regroup_until_ms=g.regroup_until_ms)
+    if not g.changed:
+        return replace(state, status=status), [], ""
+    actions: list[Action] = [Forget(w) for w in g.evicted + g.regrouped]
+    return replace(state, status=status, workers=g.workers), actions, "; ".join(g.notes)
 
 
 def _plan_digest(ids: list[str], paused: bool) -> str:
@@ -337,8 +302,8 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
             hsdp = {"group": state.workers[wid].replica_group, "replica": rank // s, "shard": rank % s} if s > 1 else {}
             members.append(Member(worker_id=wid, rank=rank, ranges=ranges, **hsdp))
     # the members dropped by a failure decided now: peers still in a group with them abort
-    evicted = sorted((w for w, r in state.workers.items() if r.state == WorkerState.FAILED and r.changed_ms == now_ms),
-                     key=_id_order)
+    evicted = sorted((w for w, r in state.workers.items() if r.state == WorkerState.FAILED and r.changed_ms == now_ms
+                      and r.cause != FailureCause.REGROUPED), key=_id_order)  # a regroup is an orderly switch
     if paused:
         reason = f"{why}; paused: {len(ids)} < min_workers={spec.min_workers}"
     else:
@@ -947,6 +912,8 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
     step_failed = bool(failed_at) and now_ms - failed_at >= SETTLE_MS
     retry = state.status.formation_retry_ms
     reform = bool(retry) and now_ms >= retry
+    regroup_at = state.status.regroup_at_ms
+    regroup = bool(regroup_at) and now_ms >= regroup_at  # workers waited for node-mates long enough
     if step_failed and not removals and not reform:
         state, more, said, failed = _watch_progress(state, spec, now_ms, rank_of)
         actions += more
@@ -955,7 +922,7 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
         if said:  # members restarted: the plan below leaves them out
             reasons.append(said)
             removals = True
-    if removals or (pending and now_ms - pending >= SETTLE_MS) or step_failed or reform:
+    if removals or (pending and now_ms - pending >= SETTLE_MS) or step_failed or reform or regroup:
         if reasons:
             why = "; ".join(reasons)
         elif step_failed:
@@ -964,6 +931,8 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
             failures = state.status.formation_failures
             why = (f"generation {state.status.generation} could not form ({state.status.rendezvous_error[:200]}); "
                    f"same members after a {formation_backoff_ms(failures) / 1000:g} s back-off ({failures} failed in a row)")
+        elif regroup and not pending:
+            why = "waited for node-mates"
         else:
             why = "joins settled"
         # a failed step or formation needs a fresh generation even when the members are the same

@@ -225,6 +225,12 @@ class JobStatus:
     #: The members' median step time as last sampled, ms (0: not sampled yet): the watchdog's
     #: time bound is a multiple of it.
     step_ms: int = 0
+    #: Elastic HSDP: Redis ms at which workers waiting for node-mates (a settle window, or a
+    #: cross-node group being regrouped) are planned again (0: none wait).
+    regroup_at_ms: int = 0
+    #: ... and until when a regroup's restarted members are awaited: meanwhile workers on their
+    #: nodes do not form cross-node groups (0: no regroup under way).
+    regroup_until_ms: int = 0
 
     def to_hash(self) -> dict[str, str]:
         """The ``state`` hash's fields: every value a string (integers in decimal)."""

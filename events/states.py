@@ -68,6 +68,11 @@ class FailureCause(str, Enum):
     #: the same members, while the job's committed step did not advance; it was alive. Its
     #: process is started again (exit code 75), not rejoined with its state.
     STUCK = "stuck"
+    #: Elastic HSDP: its replica group spanned nodes and was dissolved so that its members
+    #: regroup with node-mates (``coordinator.decide``); it was alive and healthy. Not a
+    #: failure: no failure is recorded and its peers do not abort collectives with it; its
+    #: process is started again (exit code 75) and joins a group on its own node.
+    REGROUPED = "regrouped"
 
     @classmethod
     def parse(cls, value: object) -> "FailureCause":
@@ -134,6 +139,8 @@ class RemovalCause(str, Enum):
     REPLICA_GROUP = "replica_group"
     #: The progress watchdog restarted it: it kept aborting the same step.
     STUCK = "stuck"
+    #: Its replica group spanned nodes and was regrouped by node (elastic HSDP; not a failure).
+    REGROUPED = "regrouped"
     #: Failed, for a reason this version does not name.
     FAILED = "failed"
     #: It asked to leave (SIGTERM) or left: not a failure.
@@ -141,7 +148,7 @@ class RemovalCause(str, Enum):
 
     @property
     def failure(self) -> bool:
-        return self is not RemovalCause.LEFT
+        return self not in (RemovalCause.LEFT, RemovalCause.REGROUPED)
 
     @classmethod
     def parse(cls, value: str) -> "RemovalCause":

@@ -561,9 +561,17 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         raise ConfigError("--min-hold/--max-hold apply to --network only (local faults are not held)")
     cfg = ChaosConfig(duration=args.duration, seed=args.seed, workers=args.workers, steps=args.steps,
                       run_dir=Path(args.run_dir) if args.run_dir else None, network=args.network, ha=args.ha,
-                      min_gap=args.min_gap, max_gap=args.max_gap, **holds)
+                      min_gap=args.min_gap, max_gap=args.max_gap, shard_size=args.shard_size, **holds)
     if cfg.gaps()[0] > cfg.gaps()[1] or cfg.min_hold > cfg.max_hold:
         raise ConfigError(f"a minimum above its maximum: gaps {cfg.gaps()}, holds ({cfg.min_hold:g}, {cfg.max_hold:g})")
+    if args.shard_size > 1 and args.network:
+        pass  # --workers counts nodes; each runs one replica group
+    elif args.shard_size > 1 and args.workers % args.shard_size:
+        raise ConfigError(f"--workers ({args.workers}) must be a multiple of --shard-size ({args.shard_size}): whole "
+                          "replica groups")
+    if args.shard_size > 1 and not args.network and args.workers < 2 * args.shard_size:
+        raise ConfigError(f"--shard-size {args.shard_size} needs at least two replica groups: --workers "
+                          f"{2 * args.shard_size} or more")
     if args.network and args.workers < 3:
         raise ConfigError(f"--network needs at least 3 worker nodes (--workers), got {args.workers}")
     try:
@@ -847,6 +855,10 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
     ch.add_argument("--min-hold", type=_positive_float, default=None,
                     help="--network: seconds each fault is held before it is healed, at least (default 2)")
     ch.add_argument("--max-hold", type=_positive_float, default=None, help="--network: ... at most (default 5)")
+    ch.add_argument("--shard-size", type=_positive_int, default=1,
+                    help="elastic HSDP: replica groups of this many workers (default 1: data parallelism); "
+                         "--workers must be a multiple of it and hold two groups at least (with --network: each "
+                         "worker node runs one group)")
     ch.add_argument("--ha", action="store_true",
                     help="--network: Redis under Sentinel (a data node and a sentinel on each of 3 hosts), with one "
                          "more fault: redis_isolate (the primary, a coordinator and a worker node cut off together)")

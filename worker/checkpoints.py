@@ -38,6 +38,7 @@ class Checkpoints:
         self.store = store
         self.membership = membership
         self.faults = faults or FaultPlan([])
+        self.keep = keep
         self._pending_generation = 0
         self.saver = AsyncCheckpointer(store, keep_last=keep, on_saved=self._saved,
                                        on_error=lambda exc: log.error("checkpoint failed, LATEST not moved: %s", exc),
@@ -72,7 +73,7 @@ class Checkpoints:
             return None
         layout = f"sharded over {state.shards}" if isinstance(state, ShardedCheckpoint) else "full"
         if isinstance(engine, ShardedEngine):
-            engine.after_shard(lambda: restore_into(engine, state))
+            engine.after_shard(lambda: self._load_when_sharded(engine, state))
             log.info("resuming from %s step %d (cursor %s, a %s checkpoint) once the model is sharded",
                      self.store.uri, state.step, state.data_cursor, layout)
         else:
@@ -80,6 +81,23 @@ class Checkpoints:
             log.info("resumed from %s step %d (cursor %s, a %s checkpoint)", self.store.uri, state.step,
                      state.data_cursor, layout)
         return state.step, int(state.data_cursor)
+
+    def _load_when_sharded(self, engine: ShardedEngine, state) -> None:
+        """(Once the replica group formed.) Load ``state``, the checkpoint chosen at start. A
+        group can take a while to form, and retention may have removed that checkpoint
+        meanwhile (measured in the HSDP chaos soak: 9 s later, ``shard-0-of-2.bin: missing``,
+        and the worker died): then the newest checkpoint that verifies now is loaded instead,
+        and ``engine.resumed_at`` says which step and cursor the member starts from."""
+        try:
+            restore_into(engine, state)
+            return
+        except CheckpointCorrupt as exc:
+            log.warning("the checkpoint of step %d is gone since this worker started (%s; retention keeps the newest "
+                        "%d): loading the newest one instead", state.step, exc, self.keep)
+        newer, _manifest = resume(self.store, self.membership.client, self.membership.job_id, on_warning=log.warning)
+        restore_into(engine, newer)
+        engine.resumed_at = (newer.step, int(newer.data_cursor))
+        log.info("resumed from %s step %d (cursor %s) instead", self.store.uri, newer.step, newer.data_cursor)
 
     def save(self, engine: StepEngine | ShardedEngine, *, step: int, cursor: int, epoch: int, generation: int,
              world_size: int, wait: bool, shard: int = 0) -> None:

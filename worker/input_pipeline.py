@@ -16,7 +16,9 @@ see :mod:`shoal.worker.prefetch`). Not thread-safe: the training thread alone ca
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+import torch
 
 from shoal.core.jobspec import JobSpec
 from shoal.events.models import Member, ShardTable
@@ -30,6 +32,23 @@ from shoal.worker.stream_order import DEFAULT_WINDOW
 from shoal.worker.userapi import TrainingSetup
 
 log = logging.getLogger("shoal.worker")
+
+
+def training_tensors(engine) -> Iterator:
+    """What a forked loader frees (it never reads them): the model's parameters, buffers and
+    gradients, the optimizer's state and the engine's gradient buckets."""
+    model, optimizer = engine.model, engine.optimizer
+    for p in model.parameters():
+        yield p
+        if p.grad is not None:
+            yield p.grad
+    yield from model.buffers()
+    for state in optimizer.state.values():
+        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+    reducer = getattr(engine, "reducer", None)
+    for bucket in getattr(reducer, "buckets", ()) or ():
+        yield bucket.flat
+
 
 Ranges = tuple[tuple[int, int, int], ...]
 
@@ -64,7 +83,7 @@ class InputPipeline:
             workers=spec.loader_workers if setup.loader_workers is None else setup.loader_workers,
             steps=spec.prefetch_steps if setup.prefetch_steps is None else setup.prefetch_steps,
             end=self.order.cursor_after(self.total_steps),  # nothing past the last step is fetched
-            order=self.order)
+            order=self.order, release=lambda: training_tensors(engine))
         if self.stream is not None:
             self.prefetch.owned_at = self.stream.reading
         engine.fetcher = self.prefetch.fetch

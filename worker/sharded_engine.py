@@ -136,6 +136,9 @@ class ShardedEngine(StepCommon):
         self._local_error = False
         #: what runs once the model is sharded (a checkpoint to resume from)
         self._after_shard: list[Callable[[], None]] = []
+        #: (step, cursor) of a checkpoint loaded in place of the one chosen at start, which
+        #: retention removed before the replica group formed (None: as chosen)
+        self.resumed_at: tuple[int, int] | None = None
 
     @classmethod
     def from_setup(cls, setup: TrainingSetup, *, device: torch.device | str = "cpu", precision: str = "fp32",

@@ -290,6 +290,8 @@ class GenerationSwitch:
                     pg.leave_group()  # the next try forms the shard group anew, on a fresh prefix
                     self.shard_group = None
                     raise
+                if engine.resumed_at is not None:  # another checkpoint than the one chosen at start
+                    step, cursor = engine.resumed_at
             elif me.group != self.replica[0]:  # the coordinator never moves a member: a bug
                 self.exit_regroup(f"generation {table.generation} puts this worker in replica group {me.group}, "
                                   f"not {self.replica[0]}")

@@ -21,7 +21,11 @@ seconds, and goes on:
 - ``node_loss_5pct``: 5 % of the frames to and from one worker node are dropped at random;
 - ``node_link_down``: one worker node's switch port goes down (the cable is pulled);
 - ``leader_redis_cut``: the coordinator replica holding the job's lease and Redis cannot
-  reach each other (the standby must take over).
+  reach each other (the standby must take over);
+- ``coordinator_stop``: the coordinator replica holding the job's lease is SIGSTOPped for the
+  hold (at most :data:`STALL_MAX_S`), and an Active worker on a node the fault names is
+  ``kill -9``ed inside the stall: the survivors' step fails before any table says why (the
+  local soak's kind of the same name; issue 34).
 
 With ``--ha`` Redis is a Sentinel set instead (a data node and a sentinel on each of ``r1``,
 ``r2``, ``r3``; every process connects through the ``redis+sentinel://`` URL; "Redis" in the
@@ -51,6 +55,7 @@ harness start (``netns.sweep``).
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import signal
 import subprocess
@@ -88,7 +93,9 @@ from shoal.storage.uri import open_store
 from shoal.events.states import WorkerState
 
 NET_KINDS = ("peer_partition", "oneway_partition", "node_redis_cut", "redis_blackhole", "node_delay_20ms",
-             "node_loss_5pct", "node_link_down", "leader_redis_cut")
+             "node_loss_5pct", "node_link_down", "leader_redis_cut", "coordinator_stop")
+#: the longest a ``coordinator_stop`` holds the leader stopped (s): a stall, not an outage
+STALL_MAX_S = 3.0
 #: with ``--ha`` (Redis under Sentinel): one more kind
 HA_KINDS = NET_KINDS + ("redis_isolate",)
 PROFILE = Profile(NET_KINDS, NET_KINDS, "heal -> first committed step after it")
@@ -114,10 +121,13 @@ class NetInjector:
     nodes: list[Host]
     redis_host: Host | None  #: None: the HA set's primary, whichever it is (``net.ha_primary``)
     coordinators: dict[str, Host]  #: replica id (= host name) -> host
+    #: replica id -> its process (``coordinator_stop`` signals it)
+    coordinator_procs: dict = field(default_factory=dict)
     done: list[Injected] = field(default_factory=list)
     current: Injected | None = None
     node_of: dict[str, str] = field(default_factory=dict)  #: worker id -> node name
     joined_ms: dict[str, int] = field(default_factory=dict)  #: worker id -> when it joined (server ms)
+    _stopped: object = None  #: the coordinator process a ``coordinator_stop`` holds stopped
 
     def observe(self) -> dict[str, WorkerRecord]:
         """The job's worker records (and which node each ran on, remembered)."""
@@ -160,6 +170,9 @@ class NetInjector:
             return kind == "redis_blackhole" or bool(self.targets(kind))
         if kind == "leader_redis_cut":
             return self.leader() is not None
+        if kind == "coordinator_stop":
+            leader = self.leader()
+            return leader is not None and leader.name in self.coordinator_procs and bool(self.targets(kind))
         return bool(self.targets(kind))
 
     def inject(self, kind: str, rng: random.Random) -> Injected:
@@ -174,6 +187,22 @@ class NetInjector:
             leader, redis_host = self.leader(), self.redis()
             net.partition(leader, redis_host)
             target = f"{leader.name} <-> redis ({redis_host.name}) cut (the leader)"
+        elif kind == "coordinator_stop":
+            leader = self.leader()
+            proc = self.coordinator_procs[leader.name]
+            (node,) = rng.choice(self.targets(kind))
+            victims = sorted((wid, rec.pid) for wid, rec in self.observe().items()
+                             if rec.node == node.name and rec.state == WorkerState.ACTIVE)
+            proc.signal(signal.SIGSTOP)
+            self._stopped = proc
+            target = f"{leader.name} stopped"
+            if victims:
+                time.sleep(rng.uniform(0.1, 0.5))  # inside the stall: nothing to await
+                wid, pid = rng.choice(victims)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                target += f"; {wid} (pid {pid}) on {node.name} killed inside the stall"
+            nodes = (node.name,)
         elif kind == "redis_isolate":
             redis_host = self.redis()
             (node,) = rng.choice(self.targets(kind))
@@ -212,6 +241,9 @@ class NetInjector:
 
     def heal(self) -> None:
         self.net.heal()
+        stopped, self._stopped = self._stopped, None
+        if stopped is not None:
+            stopped.signal(signal.SIGCONT)
         if self.current is not None:
             self.current.healed = time.time()
             self.current = None
@@ -323,7 +355,7 @@ def _soak(cfg: ChaosConfig, net: Net, root: Path, out) -> dict:
     job = "chaos"
     keys = job_keys(job)
     ckpt = f"file://{root / 'ckpt'}"
-    create_job(client, job_spec(cfg, steps, ckpt, len(nodes), job))
+    create_job(client, job_spec(cfg, steps, ckpt, len(nodes) * cfg.shard_size, job))
     env = {**worker_env(root, cfg), "SHOAL_HOME": str(root / "home")}
     # steered on a longer interval than the local soak's: each interval then spans several
     # faults held for seconds (a stall at each); at the window's end the pause is released
@@ -331,17 +363,21 @@ def _soak(cfg: ChaosConfig, net: Net, root: Path, out) -> dict:
     ledger_dir = root / "ledger"
     min_gap, max_gap = cfg.gaps()
     what = "Redis under Sentinel (a data node and a sentinel on each of r1, r2, r3)" if cfg.ha else "Redis"
+    per_node = f"{cfg.shard_size} workers each, one HSDP replica group" if cfg.shard_size > 1 else "one worker each"
     out(f"shoal chaos --network: {cfg.duration:.0f} s of network faults, seed {cfg.seed}; {what}, 2 coordinators and "
-        f"{len(nodes)} worker nodes (an agent with one worker each), each its own network namespace ({net.tag}-*); "
+        f"{len(nodes)} worker nodes (an agent with {per_node}), each its own network namespace ({net.tag}-*); "
         f"faults held {cfg.min_hold:g}-{cfg.max_hold:g} s, {min_gap:g}-{max_gap:g} s apart; job of {steps} steps; "
         f"run dir {root}")
-    reference = Background(lambda: reference_parameters(steps, cfg.seed))
+    reference = Background(lambda: reference_parameters(steps, cfg.seed, cfg.batch))
     coords = [host.shoal(name, "coordinator", "--id", name, "--no-launcher", "--lease-ttl", "1", env=env)
               for name, host in coordinators.items()]
-    agents = [n.shoal(f"agent-{n.name}", "agent", job, "--workers", "1", "--node", n.name, "--max-restarts", "100000",
+    # elastic HSDP: one replica group per node (its shard group's all-gathers stay on the node)
+    agents = [n.shoal(f"agent-{n.name}", "agent", job, "--workers", str(cfg.shard_size), "--node", n.name,
+                      "--max-restarts", "100000",
                       "--backoff", "0.1", "--backoff-max", str(cfg.agent_backoff_max),
                       "--run-dir", str(root / f"agent-{n.name}"), env=env) for n in nodes]
-    injector = NetInjector(net, client, keys, nodes, redis_host, coordinators)
+    injector = NetInjector(net, client, keys, nodes, redis_host, coordinators,
+                           coordinator_procs={c.name: c for c in coords})
     sampler = Sampler(FollowingClient(net) if cfg.ha else net.client(), keys, open_store(ckpt))
     try:
         if not wait_state(client, keys, ("running",), 120):
@@ -384,6 +420,8 @@ def _soak(cfg: ChaosConfig, net: Net, root: Path, out) -> dict:
                 next_at = now + 0.5
                 continue
             hold = rng.uniform(cfg.min_hold, cfg.max_hold)
+            if kind == "coordinator_stop":  # a stall, not an outage
+                hold = min(hold, STALL_MAX_S)
             f = injector.inject(kind, rng)
             heal_at = time.monotonic() + hold
             out(f"  {time.monotonic() - started:6.1f} s  {f.kind:<17} {f.target}, held {hold:.1f} s")

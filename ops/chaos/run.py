@@ -51,6 +51,9 @@ from shoal.events.states import is_terminal
 ENTRYPOINT = "shoal.examples.digits:build_double_paced"
 REFERENCE = "shoal.examples.digits:build_double"  #: the same arithmetic, without the pause
 BATCH = 64
+#: elastic HSDP's global batch: every rank of every world size the soak can reach splits it
+#: evenly (shard_size x 1..3 replica groups of 2)
+HSDP_BATCH = 48
 #: Steps per second the default job length assumes; the pace steering makes it so.
 TARGET_RATE = 20.0
 
@@ -72,6 +75,11 @@ class ChaosConfig:
     min_hold: float = 2.0  #: ``network``: each fault is held this long at least ...
     max_hold: float = 5.0  #: ... and at most, then healed
     ha: bool = False  #: ``network``: Redis under Sentinel, with the ``redis_isolate`` fault
+    shard_size: int = 1  #: elastic HSDP's replica group size (1: data parallelism)
+
+    @property
+    def batch(self) -> int:
+        return BATCH if self.shard_size == 1 else HSDP_BATCH
 
     def gaps(self) -> tuple[float, float]:
         lo, hi = GAPS[self.network]
@@ -90,10 +98,11 @@ def default_steps(cfg: ChaosConfig) -> int:
 
 def job_spec(cfg: ChaosConfig, steps: int, ckpt: str, max_workers: int, job: str = "chaos") -> JobSpec:
     """The soak's job: the paced float64 digits example, restarts unlimited, TTL ``cfg.ttl``,
-    a checkpoint every 25 steps in ``ckpt``."""
-    return JobSpec(name=job, entrypoint=ENTRYPOINT, global_batch_size=BATCH, seed=cfg.seed, max_steps=steps, epochs=10_000,
-                   min_workers=1, max_workers=max_workers, heartbeat_interval=0.2, heartbeat_ttl=cfg.ttl,
-                   max_restarts=1000, checkpoint_uri=ckpt, checkpoint_interval=25, checkpoint_keep=3)
+    a checkpoint every 25 steps in ``ckpt``; elastic HSDP with ``cfg.shard_size`` > 1."""
+    return JobSpec(name=job, entrypoint=ENTRYPOINT, global_batch_size=cfg.batch, seed=cfg.seed, max_steps=steps,
+                   epochs=10_000, min_workers=cfg.shard_size, max_workers=max_workers, heartbeat_interval=0.2,
+                   heartbeat_ttl=cfg.ttl, max_restarts=1000, checkpoint_uri=ckpt, checkpoint_interval=25,
+                   checkpoint_keep=3, shard_size=cfg.shard_size)
 
 
 def worker_env(root: Path, cfg: ChaosConfig) -> dict[str, str]:
@@ -103,14 +112,14 @@ def worker_env(root: Path, cfg: ChaosConfig) -> dict[str, str]:
             "SHOAL_STEP_PACE": str(cfg.step_pace), "SHOAL_STEP_PACE_FILE": str(root / "pace")}
 
 
-def reference_parameters(steps: int, seed: int) -> dict:
+def reference_parameters(steps: int, seed: int, batch: int = BATCH) -> dict:
     """The failure-free run: one process, the same global batches, no collectives."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         setup = load_entrypoint(REFERENCE, seed)
         engine = StepEngine.from_setup(setup, require_group=False)
-        order = DataOrder(len(setup.dataset), seed, BATCH)
+        order = DataOrder(len(setup.dataset), seed, batch)
         cursor = 0
         for _ in range(steps):
             batch = order.batch(cursor)
@@ -138,15 +147,16 @@ def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
     job = "chaos"
     keys = job_keys(job)
     ckpt = f"file://{root / 'ckpt'}"
-    spec = job_spec(cfg, steps, ckpt, cfg.workers + 1, job)
+    spec = job_spec(cfg, steps, ckpt, cfg.workers + cfg.shard_size, job)
     create_job(client, spec)
     env = {**worker_env(root, cfg), "SHOAL_FAULTS": slow_step_rule(cfg.ttl)}
     steer = PaceSteer(root / "pace", steps, cfg.step_pace)
-    out(f"shoal chaos: {cfg.duration:.0f} s of faults, seed {cfg.seed}, {cfg.workers} workers under an agent, "
+    layout = f"elastic HSDP in replica groups of {cfg.shard_size}, " if cfg.shard_size > 1 else ""
+    out(f"shoal chaos: {cfg.duration:.0f} s of faults, seed {cfg.seed}, {layout}{cfg.workers} workers under an agent, "
         f"2 coordinators, Redis under Sentinel (a primary, 2 replicas, 3 sentinels); job of {steps} steps; run dir {root}")
     state = {"server": server, "coords": 0, "joiners": 0}
     procs = LocalProcs(server.url, root / "logs", extra_env=env)
-    reference = Background(lambda: reference_parameters(steps, cfg.seed))
+    reference = Background(lambda: reference_parameters(steps, cfg.seed, cfg.batch))
     coordinators: dict = {}
 
     def new_coordinator():
@@ -168,7 +178,8 @@ def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
         state["joiners"] += 1
         return procs.worker(job, f"joiner{state['joiners']}")
 
-    injector = Injector(client, keys, cfg.ttl, spec.max_workers, coordinators, fail_over, new_coordinator, new_worker)
+    injector = Injector(client, keys, cfg.ttl, spec.max_workers, coordinators, fail_over, new_coordinator, new_worker,
+                        shard_size=cfg.shard_size)
     sampler = Sampler(connect(server.url, ride_out=60), keys, open_store(ckpt))
     started = time.monotonic()
     completed = False
@@ -233,7 +244,7 @@ def conclude(cfg: ChaosConfig, root: Path, out, *, steps: int, reference: "Backg
     finals = load_finals(root / "final")
     if last_step != steps:
         out(f"the job stopped at step {last_step} of {steps}: computing the failure-free run of {last_step} steps...")
-        ref = reference_parameters(last_step, cfg.seed) if last_step else None
+        ref = reference_parameters(last_step, cfg.seed, cfg.batch) if last_step else None
     else:
         out("waiting for the failure-free reference run...")
         ref = reference.result()

@@ -125,7 +125,7 @@ def recovery_times(faults: list[Injected], entries: list[dict], timed: tuple[str
         n[0] += 1
         since = max(f.t, f.healed)
         # a slow step is waited for in the same generation; a lost worker needs a newer one
-        same_ok = ("worker_join", "coordinator_kill", "worker_slow")
+        same_ok = ("worker_join", "coordinator_kill", "coordinator_stop", "worker_slow")
         after = next((t for t, g in times if t > since and (f.generation < 0 or f.kind in same_ok
                                                              or g > f.generation)), None)
         if after is not None:

@@ -51,7 +51,7 @@ def _left(tag: str) -> list[str]:
 def test_sixty_seconds_of_network_chaos_pass_with_every_fault_kind(tmp_path) -> None:
     _needs_namespaces()
     run_dir = tmp_path / "run"
-    # held 2-3 s, 1-1.5 s apart: the eight kinds of the first shuffled cycle all fit in 60 s
+    # held 2-3 s, 1-1.5 s apart: the nine kinds of the first shuffled cycle all fit in 60 s
     done = run_cli(_env(tmp_path), "chaos", "--network", "--duration", "60", "--seed", "7", "--run-dir", str(run_dir),
                    "--min-hold", "2", "--max-hold", "3", "--min-gap", "1", "--max-gap", "1.5", timeout=900)
     report = done.stdout + done.stderr

@@ -104,3 +104,58 @@ def test_below_min_workers_in_whole_groups_the_job_pauses() -> None:
     t = _table(d)
     assert t.paused and d.state.status.state == JobState.PAUSED
     assert d.state.workers["w0"].cause == FailureCause.REPLICA_GROUP
+
+
+def test_workers_that_do_not_fill_a_group_on_their_node_wait_for_node_mates_before_crossing_nodes() -> None:
+    """Issue 34: the first workers to join came from two nodes, and formed a group across them
+    although each node had two workers a second later."""
+    from shoal.coordinator.replicas import NODE_SETTLE_MS
+
+    s = _join(_join(CoordState(), 0, T0, "a"), 1, T0 + 5, "b")  # one from each node first
+    d = decide(s, Tick(), T0 + 5 + SETTLE_MS, SPEC)
+    assert not [a for a in d.actions if isinstance(a, Publish)]  # they wait for node-mates
+    assert d.state.status.regroup_at_ms == T0 + 5 + NODE_SETTLE_MS
+    s = _join(_join(d.state, 2, T0 + 900, "a"), 3, T0 + 1000, "b")  # the node-mates come
+    t = _table(decide(s, Tick(), T0 + 1000 + SETTLE_MS, SPEC))
+    assert [(m.worker_id, m.group) for m in t.members] == [("w0", "r0"), ("w2", "r0"), ("w1", "r1"), ("w3", "r1")]
+    # nobody comes: past the window they form a group across nodes
+    s = _join(_join(CoordState(), 0, T0, "a"), 1, T0 + 5, "b")
+    assert not [a for a in decide(s, Tick(), T0 + 5 + NODE_SETTLE_MS - 1, SPEC).actions if isinstance(a, Publish)]
+    d = decide(s, Tick(), T0 + 5 + NODE_SETTLE_MS, SPEC)
+    assert [(m.worker_id, m.group) for m in _table(d).members] == [("w0", "r0"), ("w1", "r0")]
+    assert "across nodes a, b" in d.reason and d.state.status.regroup_at_ms == 0
+
+
+def test_a_cross_node_group_is_regrouped_once_its_nodes_have_node_mates_and_another_group_holds_the_state() -> None:
+    from shoal.coordinator.replicas import NODE_SETTLE_MS
+    from shoal.events.models import Ready
+
+    s = CoordState()
+    for n, node in enumerate(["a", "a", "c", "b"]):  # r0: w0, w1 on a; w2 (c) and w3 (b) wait, then cross
+        s = _join(s, n, T0 + n, node)
+    d = decide(s, Tick(), T0 + 3 + NODE_SETTLE_MS, SPEC)
+    t = _table(d)
+    assert [(m.worker_id, m.group) for m in t.members] == [("w0", "r0"), ("w1", "r0"), ("w2", "r1"), ("w3", "r1")]
+    s = d.state
+    for w in ("w0", "w1", "w2", "w3"):  # the generation formed: r0 holds the state
+        s = decide(s, _ev(Ready(job_id="j", worker_id=w, generation=t.generation, step=0), f"r{w}-0"), T0 + 3000, SPEC).state
+    # a node-mate for each member of the cross-node group: c and b each get one (the sixth
+    # worker reaches max_workers: planned at once)
+    s = _join(s, 4, T0 + 4000, "c")
+    d = decide(s, _ev(JoinRequest(job_id="j", host="b", pid=105, node="b"), "5-0"), T0 + 4001, SPEC)
+    t = _table(d)
+    assert [m.worker_id for m in t.members] == ["w0", "w1"]  # r1 dissolved; w4, w5 wait for its members
+    for w in ("w2", "w3"):
+        assert (d.state.workers[w].state, d.state.workers[w].cause) == (WorkerState.FAILED, FailureCause.REGROUPED)
+        assert Forget(w) in d.actions
+    assert t.evicted == []  # an orderly switch: nobody aborts collectives with them
+    change = next(a.change for a in d.actions if isinstance(a, Publish))
+    assert change.removed == ("w2", "w3") and [c.value for c in change.causes] == ["regrouped", "regrouped"]
+    assert not d.state.status.first_failure  # not a failure
+    # their agents start them again: each joins on its own node and meets its node-mate
+    s = _join(d.state, 6, T0 + 8000, "c")
+    t = _table(decide(s, _ev(JoinRequest(job_id="j", host="b", pid=107, node="b"), "7-0"), T0 + 8001, SPEC))
+    groups: dict[str, set[str]] = {}
+    for m in t.members:
+        groups.setdefault(m.group, set()).add(m.worker_id)
+    assert sorted(map(sorted, groups.values())) == [["w0", "w1"], ["w4", "w6"], ["w5", "w7"]]
