@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Elastic HSDP's engine on one GPU (the GPU check's ``hsdp`` part): 3 processes share the GPU,
 each its own replica group of shard_size 1 - a 1-rank NCCL shard group made by shoal's
-``join_group``, FSDP2 over it (``ShardedEngine.shard``) - and one gloo cross-replica group over
-the 3 (``new_standalone_group``) carrying the CUDA gradient shards from FSDP's all-reduce hook.
+``Rendezvous.join``, FSDP2 over it (``ShardedEngine.shard``) - and one gloo cross-replica group over
+the 3 (``Rendezvous.standalone``) carrying the CUDA gradient shards from FSDP's all-reduce hook.
 After 8 steps of a global batch of 48 digits the 3 replicas must be bit-identical and allclose
 to one process training the plain model on the same global batches.
 
@@ -54,12 +54,12 @@ def _member(replica: int, url: str, device: str, out: str) -> None:
     client = redis.Redis.from_url(url)
     dev = torch.device(device)
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    shard_group = pg.join_group(client, "smoke", 1, 0, 1, 60.0, backend=backend, device=dev,
-                                prefix=f"smoke:replica{replica}")
+    rendezvous = pg.Rendezvous(client, "smoke", backend=backend)
+    shard_group = rendezvous.join(1, 0, 1, 60.0, device=dev, prefix=f"smoke:replica{replica}")
     engine = ShardedEngine.from_setup(_setup(device), device=dev)
     engine.shard(shard_group)
-    cross = pg.new_standalone_group(client, "smoke:cross", replica, REPLICAS, 60.0, job_id="smoke", generation=1,
-                                    device=dev, name="the cross-replica group")
+    cross = rendezvous.standalone("smoke:cross", replica, REPLICAS, 60.0, generation=1, device=dev,
+                                  name="the cross-replica group")
     engine.set_cross(cross)
     per = BATCH // REPLICAS
     for step in range(STEPS):
@@ -71,7 +71,7 @@ def _member(replica: int, url: str, device: str, out: str) -> None:
     # H200: 2 runs in 6, after every member had saved)
     engine.set_cross(None)
     cross.close()
-    pg.leave_group()
+    rendezvous.close_joined()
 
 
 def _one_process(device: str) -> dict[str, torch.Tensor]:

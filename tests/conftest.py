@@ -40,6 +40,7 @@ HEAVY = (
     "tests/processes/test_fp16_processes.py",
     "tests/processes/test_hsdp.py",
     "tests/processes/test_hsdp_checkpoint.py",
+    "tests/processes/test_hsdp_stall.py",  # recovery within 1 s of a coordinator's return
     "tests/processes/test_lm_memory.py",  # 2 x 6 GB, then 2 x 3.3 GB
     "tests/processes/test_hung_peer.py",
     "tests/processes/test_large_join.py",
@@ -52,6 +53,7 @@ HEAVY = (
     "tests/processes/test_slow_peer.py",
     "tests/processes/test_streaming_processes.py",
     "tests/processes/test_training_elastic.py",
+    "tests/processes/test_watchdog.py",
 )
 
 

@@ -145,10 +145,84 @@ def _to_device(obj: Any, device: torch.device) -> Any:
 
 class StepCommon:
     """What every step engine shares (:class:`StepEngine`, data parallel, and
-    :class:`~shoal.worker.sharded_engine.ShardedEngine`, elastic HSDP): reading a micro-batch,
-    the callbacks due before an update, rolling back a step's gradients and buffers, and
-    evaluating. Needs ``model``, ``optimizer``, ``dataset``, ``collate_fn``, ``fetcher``,
-    ``device`` and ``_before_update`` (a list) on the engine."""
+    :class:`~shoal.worker.sharded_engine.ShardedEngine`, elastic HSDP) - the step's parts that
+    do not depend on how the gradient is reduced: the user's objects and their checks
+    (its constructor), reading a micro-batch, the loss of one (:meth:`_loss`, the one place user
+    code runs in forward), the clipping factor, the optimizer and scheduler tail
+    (:meth:`_update`, the one place they run), the callbacks due before an update, rolling back
+    a step's gradients and buffers, and evaluating."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Any, *,
+              loss_fn: Callable[[Any, Any], torch.Tensor] | None, step_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None,
+              lr_scheduler: Any | None, collate_fn: Callable[[list[Any]], Any] | None, micro_batch: int | None,
+              device: torch.device | str, precision: str, max_grad_norm: float | None) -> None:
+        """Check and keep the user's objects and the options every engine reads (ValueError
+        naming the bad one); the model moves to ``device`` here, before any optimizer state
+        exists."""
+        if (loss_fn is None) == (step_fn is None):
+            raise ValueError("give exactly one of loss_fn and step_fn")
+        if micro_batch is not None and micro_batch <= 0:
+            raise ValueError(f"micro_batch must be positive, got {micro_batch}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
+        self.precision = check_precision(precision)
+        self.device = torch.device(device)
+        self.model = model.to(self.device)
+        self.optimizer = optimizer
+        self.dataset = dataset
+        self.loss_fn = loss_fn
+        self.step_fn = step_fn
+        self.lr_scheduler = lr_scheduler
+        self.collate_fn = collate_fn or default_collate
+        #: Where :meth:`fetch_batch` takes collated batches from instead of reading the dataset
+        #: (the training worker installs its :class:`~shoal.worker.prefetch.Prefetcher`'s
+        #: ``fetch``): called with a micro-batch's dataset indices, returns their collated batch
+        #: on the CPU (pinned for a CUDA device); None: read and collate inline.
+        self.fetcher: Callable[[list[int]], Any] | None = None
+        self.micro_batch = micro_batch
+        self.max_grad_norm = max_grad_norm
+        self._before_update: list[Callable[[], None]] = []
+        #: Called in every step once its collectives succeeded, right before anything is
+        #: applied; raising StepAborted there rolls the step back like a failed collective
+        #: (the training worker's fence: a member the coordinator evicted commits nothing).
+        self.commit_guard: Callable[[], None] | None = None
+        #: Called when this step's own work (data, forward, backward) is done and it is about
+        #: to wait on its peers (the training worker's progress report: a slow peer is
+        #: waited for, a step stuck in its own work is the one to evict).
+        self.before_collectives: Callable[[], None] | None = None
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        """The summed loss of one micro-batch (the user's ``step_fn``, or ``loss_fn`` on the
+        model's output), under the engine's autocast. TypeError unless a scalar tensor."""
+        with autocast(self.precision, self.device):
+            if self.step_fn is not None:
+                loss = self.step_fn(self.model, batch)
+            else:
+                inputs, targets = batch
+                loss = self.loss_fn(self.model(inputs), targets)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise TypeError("the loss must be a scalar tensor: the SUM of per-sample losses (reduction='sum')")
+        return loss
+
+    def _clip_coef(self, grad_norm: float | None) -> float | None:
+        """The factor the reduced gradient is multiplied by (``max_grad_norm``), or None."""
+        if self.max_grad_norm is None or grad_norm is None or not math.isfinite(grad_norm) \
+                or grad_norm <= self.max_grad_norm:
+            return None
+        return self.max_grad_norm / (grad_norm + 1e-6)
+
+    def _update(self, *, skip: bool = False) -> None:
+        """Step the optimizer (unless ``skip``: an fp16 overflow) and the LR scheduler, then
+        drop the gradients. UserCodeError (naming the file and line) when either raises."""
+        try:
+            if not skip:
+                self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        except Exception as exc:  # noqa: BLE001 - user optimizer/scheduler
+            raise UserCodeError(f"optimizer step raised {type(exc).__name__}: {exc} (at {raised_at(exc)})") from exc
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def before_update(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` once in the next :meth:`step`, once its collectives are over and before
@@ -207,12 +281,13 @@ class StepCommon:
 class StepEngine(StepCommon):
     """Runs world-size-invariant, atomic training steps for one model/optimizer.
 
-    Build it once per worker process (it survives generation changes: it always uses the
-    current process group of :mod:`shoal.worker.process_group`). ``device`` defaults to the current
-    group's device, or :func:`~shoal.worker.process_group.device_for` the default backend. The
-    model is moved to ``device`` here, before any optimizer state exists. ``require_group=False``
-    allows a purely local run (no collectives) when no process group is joined - for tests and
-    single-process use; with the default ``True``, stepping outside a group raises StepAborted.
+    Build it once per worker process (it survives generation changes: its owner - the data-
+    parallel layout, :mod:`shoal.worker.layout_dp` - hands it each generation's group as
+    :attr:`group`, and takes it back when the generation ends). ``device`` defaults to
+    :func:`~shoal.worker.process_group.device_for` the default backend. The model is moved to
+    ``device`` here, before any optimizer state exists. ``require_group=False`` allows a purely
+    local run (no collectives) while :attr:`group` is None - for tests and single-process use;
+    with the default ``True``, stepping without a group raises StepAborted.
 
     Exactly one of ``loss_fn`` (``loss_fn(outputs, targets)`` = SUM of per-sample losses, the
     batch being ``(inputs, targets)``) and ``step_fn`` (``step_fn(model, batch)`` = that sum)
@@ -243,35 +318,17 @@ class StepEngine(StepCommon):
         max_grad_norm: float | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         overlap: bool = True,
+        group: pg.Group | None = None,
     ) -> None:
-        if (loss_fn is None) == (step_fn is None):
-            raise ValueError("give exactly one of loss_fn and step_fn")
-        if micro_batch is not None and micro_batch <= 0:
-            raise ValueError(f"micro_batch must be positive, got {micro_batch}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
-        self.precision = check_precision(precision)
-        if device is None:
-            group = pg.current_group()
-            device = group.device if group else pg.device_for(pg.default_backend())
-        self.device = torch.device(device)
-        self.model = model.to(self.device)
-        self.optimizer = optimizer
-        self.dataset = dataset
-        self.loss_fn = loss_fn
-        self.step_fn = step_fn
-        self.lr_scheduler = lr_scheduler
-        self.collate_fn = collate_fn or default_collate
-        #: Where :meth:`fetch_batch` takes collated batches from instead of reading the dataset
-        #: (the training worker installs its :class:`~shoal.worker.prefetch.Prefetcher`'s
-        #: ``fetch``): called with a micro-batch's dataset indices, returns their collated batch
-        #: on the CPU (pinned for a CUDA device); None: read and collate inline.
-        self.fetcher: Callable[[list[int]], Any] | None = None
-        self.micro_batch = micro_batch
+        super().__init__(model, optimizer, dataset, loss_fn=loss_fn, step_fn=step_fn, lr_scheduler=lr_scheduler,
+                   collate_fn=collate_fn, micro_batch=micro_batch,
+                   device=device if device is not None else pg.device_for(pg.default_backend()),
+                   precision=precision, max_grad_norm=max_grad_norm)
+        #: the group this engine's steps reduce over (None: none; see the class docstring)
+        self.group: pg.Group | None = group
         self.require_group = require_group
-        self.max_grad_norm = max_grad_norm
         self.overlap = overlap
         #: the fp16 loss scale (None unless fp16): replicated state, see :meth:`state_extras`
         self.scaler: LossScale | None = LossScale() if precision == "fp16" else None
@@ -280,15 +337,6 @@ class StepEngine(StepCommon):
             raise ValueError("the model has no trainable parameters")
         #: the gradient's buckets, their hooks and their all-reduces (see its contract)
         self.reducer = GradientReducer(params, self.device, bucket_cap_mb, tail=_TAIL)
-        self._before_update: list[Callable[[], None]] = []
-        #: Called in every step once its collectives succeeded, right before anything is
-        #: applied; raising StepAborted there rolls the step back like a failed collective
-        #: (the training worker's fence: a member the coordinator evicted commits nothing).
-        self.commit_guard: Callable[[], None] | None = None
-        #: Called when this step's own work (data, forward, backward) is done and it is about
-        #: to wait on its peers (the training worker's progress report: a slow peer is
-        #: waited for, a step stuck in its own work is the one to evict).
-        self.before_collectives: Callable[[], None] | None = None
 
     @property
     def bucket_count(self) -> int:
@@ -332,6 +380,7 @@ class StepEngine(StepCommon):
         max_grad_norm: float | None = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         overlap: bool = True,
+        group: pg.Group | None = None,
     ) -> "StepEngine":
         """An engine for a validated :class:`~worker.userapi.TrainingSetup` (the keyword
         options as in the constructor; the training worker passes the job spec's)."""
@@ -350,6 +399,7 @@ class StepEngine(StepCommon):
             max_grad_norm=max_grad_norm,
             bucket_cap_mb=bucket_cap_mb,
             overlap=overlap,
+            group=group,
         )
 
     # --- the step -------------------------------------------------------------------------
@@ -385,12 +435,13 @@ class StepEngine(StepCommon):
         local = [int(i) for i in local_indices]
         if len(local) > global_count:
             raise ValueError(f"local slice of {len(local)} samples exceeds the global batch {global_count}")
-        distributed = dist.is_initialized()
+        group = self.group
+        distributed = group is not None
         if not distributed and self.require_group:
-            raise StepAborted("step: not in a process group (join_group first)")
+            raise StepAborted("step: not in a process group (no group for this generation)")
 
         buffers = [b.detach().clone() for b in self.model.buffers()]
-        self.reducer.begin(distributed)
+        self.reducer.begin(group)
         one_collective = base_generation is not None
         ahead = float(max(0, generation - base_generation)) if one_collective else 0.0
         # the two-collective form's MAX operand; a fill, not a copy from the host (that would
@@ -438,17 +489,7 @@ class StepEngine(StepCommon):
         starts = list(range(0, len(local), mb))
         total = torch.zeros((), dtype=self.reducer.dtype, device=self.device)
         for k, start in enumerate(starts):
-            batch = self.fetch_batch(local[start : start + mb])
-            with autocast(self.precision, self.device):
-                if self.step_fn is not None:
-                    loss = self.step_fn(self.model, batch)
-                else:
-                    inputs, targets = batch
-                    loss = self.loss_fn(self.model(inputs), targets)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise TypeError(
-                    "the loss must be a scalar tensor: the SUM of per-sample losses (reduction='sum')"
-                )
+            loss = self._loss(self.fetch_batch(local[start : start + mb]))
             total += loss.detach()  # on the device: no host sync per micro-batch
             if k == len(starts) - 1:  # the last micro-batch: its backward launches the buckets
                 self._write_tail(ahead, total, len(local))
@@ -512,9 +553,8 @@ class StepEngine(StepCommon):
         else:
             max_generation = int(gen.item())
         skipped = scale is not None and not math.isfinite(grad_norm)
-        if self.max_grad_norm is not None and not skipped and math.isfinite(grad_norm) \
-                and grad_norm > self.max_grad_norm:
-            coef = self.max_grad_norm / (grad_norm + 1e-6)
+        coef = None if skipped else self._clip_coef(grad_norm)
+        if coef is not None:
             for g in grads:
                 g.mul_(coef)
         if self.scaler is not None:
@@ -522,15 +562,7 @@ class StepEngine(StepCommon):
         if skipped:
             log.info("fp16 overflow: step skipped on every rank, loss scale %g -> %g", scale, self.scaler.scale)
         self.reducer.unflatten_grads()
-        try:
-            if not skipped:
-                self.optimizer.step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        except Exception as exc:  # noqa: BLE001 - user optimizer/scheduler
-            raise UserCodeError(f"optimizer step raised {type(exc).__name__}: {exc} (at {raised_at(exc)})") from exc
-        finally:
-            self.optimizer.zero_grad(set_to_none=True)
+        self._update(skip=skipped)
         return StepResult(
             loss=loss_sum / global_count,
             loss_sum=loss_sum,

@@ -6,7 +6,7 @@ Outside errors (torch.distributed, redis-py) are translated into these in one pl
 * :class:`RendezvousFailed` / :class:`RendezvousTimeout` - the group of a generation could not
   be formed; report it and wait for the next generation.
 * :class:`CollectiveFailed` - a collective raised (a peer died, was killed, or the group is
-  broken). The process group must be left (:func:`shoal.worker.process_group.leave_group`).
+  broken). The generation's groups must be left (:meth:`shoal.worker.layout.Layout.leave`).
 * :class:`StepAborted` - the step was NOT applied (no optimizer step, grads zeroed, buffers
   restored); redo the same step (same cursor) in the next generation.
 * :class:`InconsistentStep` - a StepAborted raised by every rank when the ranks disagreed on

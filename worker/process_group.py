@@ -1,20 +1,24 @@
-"""Joining and leaving the torch.distributed process group of one generation.
+"""Process groups as objects: making a generation's groups, their collectives, aborting them.
 
 A *generation* is one fixed membership of the job (world size, rank of each worker), chosen by
-the coordinator. Every worker of generation ``g`` calls :func:`join_group` with the rank the
-coordinator gave it; the call returns once all ``world_size`` ranks have connected (gloo/nccl
-rendezvous through :class:`shoal.worker.store.RedisStore` under
-``job_keys(job).rendezvous(g)``). When the generation ends - a peer died, a worker joins,
-the coordinator publishes a new table - every member calls :func:`leave_group` and then
-joins the next generation. Generations must strictly increase within a process: a prefix is
-never reused (re-using one after ``destroy_process_group`` can hang).
+the coordinator. A worker process owns one :class:`Rendezvous` for its job; it makes every
+group the process joins - torch's registered default group of a generation
+(:meth:`Rendezvous.join`: a data-parallel generation's group, or an HSDP replica group's
+shard group) and standalone gloo groups (:meth:`Rendezvous.standalone`: an HSDP generation's
+cross-replica groups) - each meeting through :class:`shoal.worker.store.RedisStore` under its
+own store prefix, and returns it as a :class:`Group` object. Nothing here keeps a "current
+group": the group's owner (a training layout, :mod:`shoal.worker.layout`) holds it, hands it to
+whatever runs collectives on it (the step engine, the reducer, the state transfer) and closes it
+when its generation ends. Generations strictly increase within a process: a prefix is never
+reused (re-using one after ``destroy_process_group`` can hang). This module holds no mutable
+state of its own (``tests/packaging/test_layout.py`` checks).
 
 Backend and device: what the worker's placement chose (:mod:`shoal.worker.placement`: NCCL
 when every worker of the node has a GPU of its own, else gloo, with the model on the GPU when
 one is visible); without one, nccl when CUDA is available, gloo otherwise. gloo all-reduces
 and broadcasts CUDA tensors, but its point-to-point send and receive take host memory only:
-:func:`isend`, :func:`recv` and :func:`recv_many` stage a CUDA tensor through a host copy
-when the group is gloo.
+:meth:`Group.isend`, :meth:`Group.recv` and :meth:`Group.recv_many` stage a CUDA tensor
+through a host copy when the group is gloo.
 
 The address gloo advertises to the peers (:func:`choose_address`): the interface named by the
 ``iface`` option (``--iface`` / ``SHOAL_IFACE``); else an interface the user named in
@@ -27,31 +31,33 @@ advertised, where it came from, and the option that changes it.
 
 Aborting. A collective never decides that a peer failed (its timeout, derived from the job's
 ``step_timeout``, is only a backstop): the coordinator does, from heartbeats and step
-progress, and publishes a table naming the members it ``evicted``. Any thread may then call
-:func:`request_abort` for the generation they shared: every wait of this module is on an
-event that the work's completion *or* an abort sets, so a collective in flight with a hung,
-partitioned or dead peer returns at once with CollectiveFailed, and every later one of that
-group fails before it starts. gloo cannot cancel a collective in flight (``abort()`` and
-``shutdown()`` leave it blocked), so the aborted group is *abandoned*: removed from torch at
-once (the next generation's group forms immediately, on its own store prefix) and freed by a
-thread once its stuck work ends (a peer closing, or the group's timeout). Tensors handed to
-an abandoned collective may still be written by it: callers must not reuse them
-(:func:`aborted` tells; the step engine allocates a new bucket). An NCCL group is aborted
-(``ncclCommAbort``) before it is dropped, so a dead NCCL peer never hangs the survivors.
+progress, and publishes a table naming the members it ``evicted``. Any thread may then abort
+exactly the group concerned: :meth:`Group.request_abort` on the object, or
+:meth:`Rendezvous.request_abort` for the registered group of one generation still being
+joined (an abort asked for while a group forms holds for the group formed). Every wait of a
+group is on an event that the work's completion *or* an abort sets, so a collective in flight
+with a hung, partitioned or dead peer returns at once with CollectiveFailed, and every later one
+of that group fails before it starts; an abort lives and dies with its group object, never
+with a generation number that a later group could share. gloo cannot cancel a collective in
+flight (``abort()`` and ``shutdown()`` leave it blocked), so an aborted group is *abandoned*:
+removed from torch at once (the next generation's group forms immediately, on its own store
+prefix) and freed by a thread once its stuck work ends (a peer closing, or the group's
+timeout). Tensors handed to an abandoned collective may still be written by it: callers must
+not reuse them (``Group.abort_reason`` tells; the step engine allocates a new bucket). An NCCL
+group is aborted (``ncclCommAbort``) before it is dropped, so a dead NCCL peer never hangs the
+survivors.
 
 This module is the one place where torch.distributed and redis-py errors of the training side
-are translated (:func:`translate_error`); the collective wrappers :func:`all_reduce` (and
-:func:`all_reduce_async`, whose :class:`PendingReduce` waits the same way), :func:`broadcast`
-and :func:`barrier`, and the point-to-point :func:`isend` (reaped by the next
-:func:`all_reduce`), :func:`recv` and :func:`recv_many`, raise only
-:class:`~worker.errors.CollectiveFailed`.
+are translated (:func:`translate_error`); a group's collectives (:meth:`Group.all_reduce`,
+:meth:`Group.all_reduce_async` whose :class:`PendingReduce` waits the same way,
+:meth:`Group.broadcast`, :meth:`Group.barrier`) and its point-to-point transfers
+(:meth:`Group.isend`, reaped by the next all-reduce, :meth:`Group.recv`,
+:meth:`Group.recv_many`) raise only :class:`~worker.errors.CollectiveFailed`.
 """
-
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import logging
 import os
 import re
@@ -154,10 +160,13 @@ def redis_local_address(client: redis.Redis) -> str:
     return name[0] if isinstance(name, tuple) and name else ""
 
 
-def choose_address(client: redis.Redis, iface: str | None = None) -> Advertised:
+def choose_address(client: redis.Redis, iface: str | None = None,
+                   host_address: Callable[[], str] | None = None) -> Advertised:
     """The address gloo should advertise, and why (see the module docstring for the order).
     ``iface`` (default: ``SHOAL_IFACE``) names the interface outright. RendezvousFailed, one
-    line, when the named interface does not exist or has no IPv4 address."""
+    line, when the named interface does not exist or has no IPv4 address. ``host_address``:
+    what the host name resolves to (default: :func:`host_name_address`; a caller that asks
+    often caches it - a resolver that times out must not slow every rendezvous)."""
     iface = iface or os.environ.get(IFACE_ENV) or ""
     if iface:
         address = interface_address(iface)
@@ -177,14 +186,12 @@ def choose_address(client: redis.Redis, iface: str | None = None) -> Advertised:
         found = interface_of(local)
         if found:
             return Advertised(local, found, "the connection to Redis")
-    return Advertised(_host_name_address(), "", "the host name; Redis is reached over loopback"
+    return Advertised((host_address or host_name_address)(), "", "the host name; Redis is reached over loopback"
                       if local.startswith("127.") else "the host name")
 
 
-@functools.lru_cache(maxsize=1)
-def _host_name_address() -> str:
-    """What the host name resolves to (what gloo advertises by default); looked up once: a
-    resolver that times out must not slow every rendezvous."""
+def host_name_address() -> str:
+    """What the host name resolves to (what gloo advertises by default)."""
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
@@ -244,13 +251,6 @@ def translate_error(exc: BaseException, what: str, *, rendezvous: bool = False) 
     return CollectiveFailed(f"{what}: {first}", formation_error=kind)
 
 
-#: How long a generation's group may take to connect once its members met at the barrier:
-#: each store wait for a peer's address, and each of gloo's connect attempts (it makes up to
-#: four, so a peer that cannot be reached - a wrong interface - ends the rendezvous in ~20 s).
-#: A member slower than that to publish its address gets a new generation of the same members.
-CONNECT_TIMEOUT_S = 5.0
-
-
 #: Seconds a wait on NCCL work sleeps between polls (an abort ends it at once).
 NCCL_POLL_S = 0.0005
 TEARDOWN_TIMEOUT = 10.0
@@ -285,17 +285,18 @@ class Group:
     """One process group and everything with its lifetime: the torch ``ProcessGroup`` object,
     its abort flag, the collective a thread waits on, its posted sends and abandoned work.
 
-    Two kinds: the registered default group of a generation (:func:`join_group`; a
+    Two kinds: the registered default group of a generation (:meth:`Rendezvous.join`; a
     data-parallel generation's group, or the shard group of an HSDP replica group), dropped
     with ``destroy_process_group``; and standalone gloo groups torch never registers
-    (:func:`new_standalone_group`; an HSDP generation's cross-replica group), dropped by
+    (:meth:`Rendezvous.standalone`; an HSDP generation's cross-replica group), dropped by
     their owner. Every collective of this class is started on the torch object's own methods
     (:mod:`shoal.worker.torch_compat`) and waited for abortably (:meth:`request_abort`, from
     any thread, ends every wait at once); each raises only CollectiveFailed. Not thread-safe
     beyond that: one thread starts collectives (an autograd hook counts as that thread)."""
 
     def __init__(self, job_id: str, generation: int, rank: int, world_size: int, backend: str, device: torch.device,
-                 store: object, timeout: float, torch_group: object, *, registered: bool, name: str = "") -> None:
+                 store: object, timeout: float, torch_group: object, *, registered: bool, name: str = "",
+                 teardowns: "Teardowns | None" = None) -> None:
         self.job_id = job_id
         self.generation = generation
         self.rank = rank
@@ -308,6 +309,8 @@ class Group:
         self.timeout = timeout
         self.torch_group = torch_group
         self.registered = registered
+        #: where a group dropped in the background is freed (its rendezvous's)
+        self.teardowns = teardowns
         #: for messages: ``generation 4`` or ``generation 4 cross-replica group of shard 1``
         self.name = name or f"generation {generation}"
         self._lock = threading.Lock()
@@ -567,7 +570,7 @@ class Group:
         keep += self._abandoned
         self._pending_sends, self._abandoned = [], []
         if background:
-            _free_later(keep, wait=not aborted)
+            (self.teardowns or Teardowns()).free_later(keep, wait=not aborted)
         else:
             keep.clear()
 
@@ -622,204 +625,245 @@ class _AllOf:
             w.wait()
 
 
-_teardowns: list[threading.Thread] = []
+class Teardowns:
+    """Groups dropped in the background, freed by short-lived threads (one set per
+    :class:`Rendezvous`): :meth:`wait` waits for them (a synchronous leave does, before the
+    next group forms)."""
+
+    def __init__(self) -> None:
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def wait(self, timeout: float = TEARDOWN_TIMEOUT) -> bool:
+        """Wait up to ``timeout`` s in total for groups dropped in the background to be freed;
+        True when none is pending."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if not self._threads:
+                    return True
+                t = self._threads[0]
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                return False
+            with self._lock:
+                if self._threads and self._threads[0] is t:
+                    self._threads.pop(0)
+
+    def free_later(self, box: list, *, wait: bool = True) -> None:
+        """Drop the references in ``box`` (the caller keeps no other) from a thread
+        (``wait=False``: :meth:`wait` does not wait for it - an aborted group's, which lasts
+        until its stuck collective ends)."""
+
+        def run() -> None:
+            try:
+                box.clear()  # the last reference: the C++ destructor runs in this thread
+            except Exception:  # noqa: BLE001 - a broken group may complain while being torn down
+                log.warning("freeing a process group failed; continuing", exc_info=True)
+
+        t = threading.Thread(target=run, name="pg-teardown", daemon=True)
+        with self._lock:
+            self._threads[:] = [x for x in self._threads if x.is_alive()]
+            if wait:
+                self._threads.append(t)
+        t.start()
 
 
-def wait_teardown(timeout: float = TEARDOWN_TIMEOUT) -> bool:
-    """Wait up to ``timeout`` s in total for groups dropped in the background to be freed;
-    True when none is pending."""
-    deadline = time.monotonic() + timeout
-    while _teardowns:
-        t = _teardowns[0]
-        t.join(max(0.0, deadline - time.monotonic()))
-        if t.is_alive():
-            return False
-        _teardowns.pop(0)
-    return True
-
-
-def _free_later(box: list, *, wait: bool = True) -> None:
-    """Drop the references in ``box`` (the caller keeps no other) from a thread
-    (``wait=False``: one :func:`wait_teardown` does not wait for - an aborted group's, which
-    lasts until its stuck collective ends)."""
-
-    def run() -> None:
-        try:
-            box.clear()  # the last reference: the C++ destructor runs in this thread
-        except Exception:  # noqa: BLE001 - a broken group may complain while being torn down
-            log.warning("freeing a process group failed; continuing", exc_info=True)
-
-    t = threading.Thread(target=run, name="pg-teardown", daemon=True)
-    _teardowns[:] = [x for x in _teardowns if x.is_alive()]
-    if wait:
-        _teardowns.append(t)
-    t.start()
-
-
-# --- the generation's group: joining and leaving -------------------------------------------------
+# --- making groups: the rendezvous ----------------------------------------------------------------
 #: How long a generation's group may take to connect once its members met at the barrier:
 #: each store wait for a peer's address, and each of gloo's connect attempts (it makes up to
 #: four, so a peer that cannot be reached - a wrong interface - ends the rendezvous in ~20 s).
 #: A member slower than that to publish its address gets a new generation of the same members.
 CONNECT_TIMEOUT_S = 5.0
 
-_current: Group | None = None
-_last_generation: dict[str, int] = {}
-_forming_lock = threading.Lock()
-#: (generation, abort reason) of the group join_group is forming now (None: none)
-_forming: list | None = None
 
+class Rendezvous:
+    """Makes this worker process's process groups for one job, and owns what making them
+    needs: the generation being joined and its abort flag (under one lock), the last
+    generation joined (a store prefix is never reused), the address gloo advertises, and the
+    background teardowns. One per worker process; the groups it makes are objects
+    (:class:`Group`) their owner - a training layout - holds, passes to whatever runs
+    collectives on them (the step, the reducer, the state transfer) and closes.
 
-def current_group() -> Group | None:
-    """The group joined by :func:`join_group` and not yet left, or None."""
-    return _current
+    Two kinds of groups: :meth:`join` makes torch's registered default group (one at a time:
+    a data-parallel generation's group, or an HSDP replica group's shard group), dropped with
+    ``destroy_process_group``; :meth:`standalone` makes a gloo group torch never registers
+    (an HSDP generation's cross-replica group), dropped by its owner.
 
+    ``backend``/``iface``: the worker's placement and interface option (see
+    :func:`choose_address`); ``client`` reaches the job's Redis (the stores)."""
 
-def join_group(
-    client: redis.Redis,
-    job_id: str,
-    generation: int,
-    rank: int,
-    world_size: int,
-    timeout: float,
-    *,
-    collective_timeout: float | None = None,
-    backend: str | None = None,
-    device: torch.device | None = None,
-    iface: str | None = None,
-    prefix: str | None = None,
-) -> Group:
-    """Join generation ``generation`` of ``job_id`` as ``rank`` of ``world_size``: the
-    process's registered default group.
+    def __init__(self, client: redis.Redis, job_id: str, *, backend: str | None = None, iface: str | None = None):
+        self.client = client
+        self.job_id = job_id
+        self.backend = backend or default_backend()
+        self.iface = iface
+        self.teardowns = Teardowns()
+        self._lock = threading.Lock()
+        #: (generation, abort reason) of the registered group being joined now (None: none)
+        self._forming: list | None = None
+        #: the registered group joined and not yet closed
+        self._joined: Group | None = None
+        self._last_generation = 0
+        self._advertised: Advertised | None = None
+        self._host: str | None = None
 
-    Blocks until every rank of the generation has connected, at most about ``timeout`` seconds
-    (each wait on the store and each connect is capped at :data:`CONNECT_TIMEOUT_S` or
-    ``timeout``, whichever is shorter; RendezvousTimeout otherwise; the caller then reports it
-    and waits for a newer generation - it must not retry the same generation).
-    ``collective_timeout`` (default ``timeout``) bounds every later collective of the group: a
-    peer that hangs rather than dies is detected after it. ``backend`` (default
-    :func:`default_backend`) and ``device`` (where the caller's tensors live; default
-    :func:`device_for` the backend) are the worker's placement. ``iface`` (default
-    ``SHOAL_IFACE``) names the interface a gloo group advertises; see :func:`choose_address`.
-    ``prefix``: the store prefix (default: the generation's rendezvous keys).
+    def _host_address(self) -> str:
+        """:func:`host_name_address`, looked up once."""
+        if self._host is None:
+            self._host = host_name_address()
+        return self._host
 
-    Raises WorkerError when this process is still in a group (call :func:`leave_group` first)
-    or ``generation`` is not greater than the last one joined for this job;
-    RendezvousFailed on Redis or backend errors. On failure the process is left with no
-    group, ready to join a later generation.
-    """
-    global _current, _forming
-    if _current is not None or dist.is_initialized():
-        raise WorkerError(
-            f"join_group(generation={generation}): still in generation "
-            f"{_current.generation if _current else '?'}; call leave_group() first"
-        )
-    if not 0 <= rank < world_size:
-        raise WorkerError(f"join_group: rank {rank} outside world of size {world_size}")
-    last = _last_generation.get(job_id)
-    if last is not None and generation <= last:
-        raise WorkerError(
-            f"join_group: generation {generation} not newer than {last}, already joined; "
-            "a rendezvous prefix is never reused"
-        )
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout}")
-    backend = backend or default_backend()
-    _last_generation[job_id] = generation
-    what = f"rendezvous of generation {generation} (rank {rank}/{world_size})"
-    advertised = _advertise(client, iface) if backend == "gloo" else None
-    forming = [generation, ""]
-    with _forming_lock:
-        _forming = forming
-    # rank + world size: every rank reads gloo's full mesh of addresses in one table (O(1)
-    # Redis commands per rank). NCCL reads one key (rank 0's unique id): O(W) already, and
-    # key by key. The legacy switch (benches only) reads gloo's addresses key by key too.
-    table = {} if legacy_rendezvous() or backend != "gloo" else {"rank": rank, "world_size": world_size}
-    store = RedisStore(client, prefix or job_keys(job_id).rendezvous(generation), timeout=timeout, max_wait=timeout,
-                       abort=lambda: forming[1], **table)
-    if backend == "nccl":
-        # NCCL's watchdog would tear the process down on a timeout: shoal aborts the
-        # communicator itself (on an eviction, or past the collective timeout) and goes on
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
-    collective = collective_timeout or timeout
-    try:
-        with _gloo_interface(advertised) if advertised else contextlib.nullcontext():
-            # connecting is bounded by the connect timeout (peers that reached the barrier
-            # are alive: a connect that takes longer goes nowhere, e.g. a wrong interface);
-            # the group's collectives then get the collective timeout
-            dist.init_process_group(
-                backend,
-                store=store,
-                rank=rank,
-                world_size=world_size,
-                timeout=timedelta(seconds=min(CONNECT_TIMEOUT_S, timeout)),
-            )
-            tc.set_timeout(tc.default_group(), torch.device("cuda") if backend == "nccl" else torch.device("cpu"),
-                           collective)
-    except Exception as exc:  # noqa: BLE001 - translated
-        _destroy_default()
-        with _forming_lock:
-            _forming, why = None, forming[1]
-        err = translate_error(exc, what, rendezvous=True)
-        if why:
-            err = RendezvousFailed(f"{what}: aborted ({why})")
-        if advertised is not None and _connect_failure(exc):
-            err = type(err)(connect_failure(str(exc), what, advertised), formation_error=err.formation_error)
-        raise err from exc
-    group = Group(job_id, generation, rank, world_size, backend, device or device_for(backend), store, collective,
-                  tc.default_group(), registered=True)
-    with _forming_lock:  # an abort requested while forming holds for the group formed
-        _forming = None
-        if forming[1]:
-            group.abort_reason = forming[1]
-        _current = group
-    log.info("joined generation %d as rank %d/%d (%s, %s)", generation, rank, world_size, backend, group.device)
-    return group
+    @property
+    def joined(self) -> Group | None:
+        """The registered group :meth:`join` made and nobody closed yet (None: none)."""
+        group = self._joined
+        return group if group is not None and not group.closed else None
 
+    def join(self, generation: int, rank: int, world_size: int, timeout: float, *,
+             collective_timeout: float | None = None, device: torch.device | None = None,
+             prefix: str | None = None) -> Group:
+        """Join generation ``generation`` as ``rank`` of ``world_size``: torch's registered
+        default group, meeting under ``prefix`` (default: the generation's rendezvous keys).
 
-def new_standalone_group(client: redis.Redis, prefix: str, rank: int, world_size: int, timeout: float, *,
-                         job_id: str, generation: int, device: torch.device, name: str,
-                         collective_timeout: float | None = None, iface: str | None = None,
-                         abort: Callable[[], str] | None = None) -> Group:
-    """A gloo group of ``world_size`` ranks that torch does not register (for one generation
-    of an HSDP job: a cross-replica group), meeting under the store prefix ``prefix``.
-    Blocks like :func:`join_group` (RendezvousFailed/RendezvousTimeout on failure); its owner
-    closes it (:meth:`Group.close`). ``abort`` (any thread may make it return a reason) ends
-    the rendezvous at once with RendezvousFailed, and an abort asked for while it was being
-    formed holds for the group formed."""
-    what = f"rendezvous of {name} (rank {rank}/{world_size})"
-    advertised = _advertise(client, iface)
-    store = RedisStore(client, prefix, timeout=timeout, max_wait=timeout, rank=rank, world_size=world_size,
-                       abort=abort)
-    try:
-        torch_group = tc.new_gloo_group(store, rank, world_size, min(CONNECT_TIMEOUT_S, timeout),
-                                        address=advertised.address if advertised.iface else "")
-    except Exception as exc:  # noqa: BLE001 - translated
+        Blocks until every rank has connected, at most about ``timeout`` seconds (each wait
+        on the store and each connect is capped at :data:`CONNECT_TIMEOUT_S` or ``timeout``,
+        whichever is shorter; RendezvousTimeout otherwise: the caller reports it and waits
+        for a newer generation - it must not retry the same one). ``collective_timeout``
+        (default ``timeout``) bounds every later collective of the group. ``device``: where
+        the caller's tensors live (default: :func:`device_for` the backend).
+
+        Raises WorkerError when a registered group is still open (close it first) or
+        ``generation`` is not greater than the last one joined; RendezvousFailed on Redis or
+        backend errors, or when :meth:`request_abort` ended the rendezvous. On failure no
+        registered group is left behind."""
+        joined = self.joined
+        if joined is not None or dist.is_initialized():
+            raise WorkerError(f"join(generation={generation}): still in generation "
+                              f"{joined.generation if joined else '?'}; close that group first")
+        if not 0 <= rank < world_size:
+            raise WorkerError(f"join: rank {rank} outside world of size {world_size}")
+        if generation <= self._last_generation:
+            raise WorkerError(f"join: generation {generation} not newer than {self._last_generation}, already "
+                              "joined; a rendezvous prefix is never reused")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        backend = self.backend
+        self._last_generation = generation
+        what = f"rendezvous of generation {generation} (rank {rank}/{world_size})"
+        advertised = self._advertise() if backend == "gloo" else None
+        forming = [generation, ""]
+        with self._lock:
+            self._forming = forming
+        # rank + world size: every rank reads gloo's full mesh of addresses in one table (O(1)
+        # Redis commands per rank). NCCL reads one key (rank 0's unique id): O(W) already, and
+        # key by key. The legacy switch (benches only) reads gloo's addresses key by key too.
+        table = {} if legacy_rendezvous() or backend != "gloo" else {"rank": rank, "world_size": world_size}
+        store = RedisStore(self.client, prefix or job_keys(self.job_id).rendezvous(generation), timeout=timeout,
+                           max_wait=timeout, abort=lambda: forming[1], **table)
+        if backend == "nccl":
+            # NCCL's watchdog would tear the process down on a timeout: shoal aborts the
+            # communicator itself (on an eviction, or past the collective timeout) and goes on
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+        collective = collective_timeout or timeout
+        try:
+            with _gloo_interface(advertised) if advertised else contextlib.nullcontext():
+                # connecting is bounded by the connect timeout (peers that reached the barrier
+                # are alive: a connect that takes longer goes nowhere, e.g. a wrong interface);
+                # the group's collectives then get the collective timeout
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                        timeout=timedelta(seconds=min(CONNECT_TIMEOUT_S, timeout)))
+                tc.set_timeout(tc.default_group(), torch.device("cuda") if backend == "nccl" else torch.device("cpu"),
+                               collective)
+        except Exception as exc:  # noqa: BLE001 - translated
+            destroy_default()
+            with self._lock:
+                self._forming, why = None, forming[1]
+            err = translate_error(exc, what, rendezvous=True)
+            if why:
+                err = RendezvousFailed(f"{what}: aborted ({why})")
+            if advertised is not None and _connect_failure(exc):
+                err = type(err)(connect_failure(str(exc), what, advertised), formation_error=err.formation_error)
+            raise err from exc
+        group = Group(self.job_id, generation, rank, world_size, backend, device or device_for(backend), store,
+                      collective, tc.default_group(), registered=True, teardowns=self.teardowns)
+        with self._lock:  # an abort requested while forming holds for the group formed
+            self._forming = None
+            if forming[1]:
+                group.abort_reason = forming[1]
+            self._joined = group
+        log.info("joined generation %d as rank %d/%d (%s, %s)", generation, rank, world_size, backend, group.device)
+        return group
+
+    def standalone(self, prefix: str, rank: int, world_size: int, timeout: float, *, generation: int,
+                   device: torch.device, name: str, collective_timeout: float | None = None,
+                   abort: Callable[[], str] | None = None) -> Group:
+        """A gloo group of ``world_size`` ranks that torch does not register (for one
+        generation of an HSDP job: a cross-replica group), meeting under the store prefix
+        ``prefix``. Blocks like :meth:`join` (RendezvousFailed/RendezvousTimeout on failure);
+        its owner closes it (:meth:`Group.close`). ``abort`` (any thread may make it return a
+        reason) ends the rendezvous at once with RendezvousFailed, and an abort asked for
+        while it was being formed holds for the group formed."""
+        what = f"rendezvous of {name} (rank {rank}/{world_size})"
+        advertised = self._advertise()
+        store = RedisStore(self.client, prefix, timeout=timeout, max_wait=timeout, rank=rank, world_size=world_size,
+                           abort=abort)
+        try:
+            torch_group = tc.new_gloo_group(store, rank, world_size, min(CONNECT_TIMEOUT_S, timeout),
+                                            address=advertised.address if advertised.iface else "")
+        except Exception as exc:  # noqa: BLE001 - translated
+            why = abort() if abort is not None else ""
+            err = RendezvousFailed(f"{what}: aborted ({why})") if why else translate_error(exc, what, rendezvous=True)
+            if not why and _connect_failure(exc):
+                err = type(err)(connect_failure(str(exc), what, advertised), formation_error=err.formation_error)
+            raise err from exc
+        group = Group(self.job_id, generation, rank, world_size, "gloo", device, store, collective_timeout or timeout,
+                      torch_group, registered=False, name=name, teardowns=self.teardowns)
+        tc.set_timeout(torch_group, torch.device("cpu"), group.timeout)
         why = abort() if abort is not None else ""
-        err = RendezvousFailed(f"{what}: aborted ({why})") if why else translate_error(exc, what, rendezvous=True)
-        if not why and _connect_failure(exc):
-            err = type(err)(connect_failure(str(exc), what, advertised), formation_error=err.formation_error)
-        raise err from exc
-    group = Group(job_id, generation, rank, world_size, "gloo", device, store, collective_timeout or timeout,
-                  torch_group, registered=False, name=name)
-    tc.set_timeout(torch_group, torch.device("cpu"), group.timeout)
-    why = abort() if abort is not None else ""
-    if why:
-        group.request_abort(why)
-    return group
+        if why:
+            group.request_abort(why)
+        return group
 
+    def request_abort(self, generation: int, reason: str) -> bool:
+        """(Any thread.) Abort the registered group of ``generation`` if it is being joined
+        now (its rendezvous fails with RendezvousFailed) or was joined and is still open (its
+        collective in flight, if any, and every later one fail at once with CollectiveFailed
+        naming ``reason``). A group of another generation is never touched. True when it was
+        aborted by this call."""
+        with self._lock:
+            forming = self._forming
+            if forming is not None and forming[0] == generation:
+                if forming[1]:
+                    return False
+                forming[1] = reason
+                log.warning("aborting generation %d's rendezvous: %s", generation, reason)
+                return True
+            group = self._joined
+        if group is None or group.closed or group.generation != generation:
+            return False
+        return group.request_abort(reason)
 
-_advertised: Advertised | None = None
+    def close_joined(self, *, background: bool = False) -> None:
+        """Close the registered group :meth:`join` made (if still open) and leave no default
+        group behind. Never raises; idempotent. A synchronous close first waits (bounded) for
+        pending background teardowns."""
+        group = self._joined
+        if group is not None and not group.closed and not (background or group.abort_reason):
+            self.teardowns.wait()
+        if group is not None:
+            group.close(background=background)
+        destroy_default()
+        with self._lock:
+            self._joined = None
 
-
-def _advertise(client: redis.Redis, iface: str | None) -> Advertised:
-    """:func:`choose_address`, logged when it changes."""
-    global _advertised
-    chosen = choose_address(client, iface)
-    if chosen != _advertised:
-        log.info("gloo advertises %s", chosen.describe())
-        _advertised = chosen
-    return chosen
+    def _advertise(self) -> Advertised:
+        """:func:`choose_address`, logged when it changes."""
+        chosen = choose_address(self.client, self.iface, self._host_address)
+        if chosen != self._advertised:
+            log.info("gloo advertises %s", chosen.describe())
+            self._advertised = chosen
+        return chosen
 
 
 def _connect_failure(exc: BaseException) -> bool:
@@ -830,24 +874,7 @@ def _connect_failure(exc: BaseException) -> bool:
     return peer_connect_failed(str(exc))
 
 
-def leave_group(*, background: bool = False) -> None:
-    """Drop the current group (:meth:`Group.close`), if any. Never raises; idempotent.
-
-    Must be called by every member when its generation ends (also after a failed
-    collective), before :func:`join_group` of the next one. ``background=True`` is for an
-    orderly switch; a synchronous call first waits (bounded) for pending background
-    teardowns, and leaves no default group behind in any case."""
-    global _current
-    group = _current
-    if group is not None and not (background or group.abort_reason):
-        wait_teardown()
-    if group is not None:
-        group.close(background=background)
-    _destroy_default()
-    _current = None
-
-
-def _destroy_default() -> None:
+def destroy_default() -> None:
     """No default group left, and torch's group counter reset (see :func:`_reset_group_names`)."""
     if dist.is_initialized():
         try:
@@ -865,105 +892,3 @@ def _reset_group_names() -> None:
     never tried that generation, and no later generation could form (they wait for each
     other's keys under different names)."""
     tc.reset_group_counter()
-
-
-# --- the current group: aborting and its collectives ------------------------------------------------
-def request_abort(generation: int, reason: str) -> bool:
-    """Abort the group of ``generation`` if it is the current one, or the one being formed
-    (from any thread): the collective in flight, if any, and every later one fail at once
-    with CollectiveFailed naming ``reason``, until :func:`leave_group`; a rendezvous in
-    progress fails with RendezvousFailed. True when it was aborted by this call."""
-    with _forming_lock:
-        forming = _forming
-        if forming is not None and forming[0] == generation:
-            if forming[1]:
-                return False
-            forming[1] = reason
-            log.warning("aborting generation %d's rendezvous: %s", generation, reason)
-            return True
-        group = _current
-    if group is None or group.generation != generation:
-        return False
-    return group.request_abort(reason)
-
-
-def aborted() -> str:
-    """Why the current group was aborted ("" when it was not, or there is none)."""
-    group = _current
-    return group.abort_reason if group is not None else ""
-
-
-def _group(what: str) -> Group:
-    group = _current
-    if group is None or not dist.is_initialized():
-        raise CollectiveFailed(f"{what}: not in a process group")
-    return group
-
-
-def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
-    """In-place all_reduce over the current group; CollectiveFailed on any failure."""
-    _group("all_reduce").all_reduce(tensor, op)
-
-
-def all_reduce_async(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-                     what: str = "all_reduce") -> PendingReduce:
-    """:meth:`Group.all_reduce_async` of the current group."""
-    return _group(what).all_reduce_async(tensor, op, what)
-
-
-def wait_all(pending: list[PendingReduce]) -> None:
-    """:meth:`Group.wait_all` of the current group."""
-    _group("all_reduce").wait_all(pending)
-
-
-def abandon(pending: list[PendingReduce]) -> None:
-    """:meth:`Group.abandon` (of the group each reduce belongs to)."""
-    for p in pending:
-        p.group.abandon([p])
-
-
-def serial_collectives() -> bool:
-    """:meth:`Group.serial_collectives` of the current group (True without one)."""
-    group = _current
-    return group is None or group.serial_collectives()
-
-
-def broadcast(tensor: torch.Tensor, src: int) -> None:
-    _group("broadcast").broadcast(tensor, src)
-
-
-def isend(tensor: torch.Tensor, dst: int) -> None:
-    _group("isend").isend(tensor, dst)
-
-
-def wait_sends() -> None:
-    group = _current
-    if group is not None:
-        group.wait_sends()
-
-
-def recv(tensor: torch.Tensor, src: int) -> None:
-    _group("recv").recv(tensor, src)
-
-
-def recv_many(tensors: list[torch.Tensor], src: int, timeout: float | None = None) -> None:
-    _group("recv").recv_many(tensors, src, timeout)
-
-
-def barrier() -> None:
-    _group("barrier").barrier()
-
-
-def extend_timeout(seconds: float) -> None:
-    """:meth:`Group.extend_timeout` of the current group, if any."""
-    group = _current
-    if group is not None:
-        group.extend_timeout(seconds)
-
-
-def world() -> tuple[int, int]:
-    """``(rank, world_size)`` of the current group, ``(0, 1)`` outside any group (local runs)."""
-    group = _current
-    if group is not None and dist.is_initialized():
-        return group.rank, group.world_size
-    return 0, 1

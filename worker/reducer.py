@@ -17,7 +17,7 @@ Overlap
     and buckets are launched strictly in index order (bucket ``i`` only after ``0..i-1``), so
     every rank starts the same collectives in the same order whatever order its hooks fired
     in. With gloo and three or more ranks a bucket also waits until the previous collective
-    completed (at most one in flight, :func:`~shoal.worker.process_group.serial_collectives`):
+    completed (at most one in flight, :meth:`~shoal.worker.process_group.Group.serial_collectives`):
     a rank whose collective failed then has nothing else in flight, so leaving the group
     closes its connections and the peers blocked on it fail at once instead of waiting for
     each other (with two ranks the only peer is the one that failed). When backward returns,
@@ -32,7 +32,8 @@ Overlap
     the sum.
 
 The contract with its one caller, :class:`shoal.worker.engine.StepEngine`, is in
-:class:`GradientReducer`'s docstring.
+:class:`GradientReducer`'s docstring. The group whose collectives carry a step is handed to
+:meth:`GradientReducer.begin` by the caller (it owns it); there is no implicit one.
 """
 
 from __future__ import annotations
@@ -180,7 +181,9 @@ class GradientReducer:
         self._launched = 0  # buckets 0.._launched-1 are launched
         self._pending: list[pg.PendingReduce] = []  # launched collectives, in order
         self._waited = 0  # _pending[:_waited] completed successfully
-        self._serial = True  # at most one collective in flight (pg.serial_collectives)
+        self._serial = True  # at most one collective in flight (Group.serial_collectives)
+        #: the group this step's collectives run on (None: a local step, no collectives)
+        self._group: pg.Group | None = None
         self._launch_error: BaseException | None = None
         #: ``time.perf_counter()`` when this step's first bucket was launched (None: none yet)
         self.first_launch: float | None = None
@@ -210,9 +213,10 @@ class GradientReducer:
             h.remove()
         self._hooks = []
 
-    def begin(self, distributed: bool) -> None:
+    def begin(self, group: "pg.Group | None") -> None:
         """Zero the buckets, make each bucket-dtype parameter's ``.grad`` a view of its bucket
-        and reset the launch state (nothing is in flight between steps)."""
+        and reset the launch state (nothing is in flight between steps). The step's
+        collectives run on ``group`` (None: a local step, nothing is reduced)."""
         for bucket in self.buckets:
             bucket.flat.zero_()
             for i in bucket.members:
@@ -222,17 +226,18 @@ class GradientReducer:
         self._launched = 0
         self._pending = []
         self._waited = 0
-        self._serial = pg.serial_collectives()
+        self._group = group
+        self._serial = group is None or group.serial_collectives()
         self._launch_error = None
         self.first_launch = None
-        self._distributed = distributed
+        self._distributed = group is not None
         self._fired = 0
 
     def launch(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, what: str) -> None:
         """Start an all-reduce of ``tensor`` that goes before every bucket of this step (after
         :meth:`begin`, before :meth:`arm`): :meth:`complete` waits for it first,
         :meth:`abandon` gives it up. CollectiveFailed when it cannot be started."""
-        self._pending.append(pg.all_reduce_async(tensor, op, what))
+        self._pending.append(self._group.all_reduce_async(tensor, op, what))
 
     # --- launching the buckets -------------------------------------------------------------
     @staticmethod
@@ -302,8 +307,8 @@ class GradientReducer:
                     return  # launched by a later hook, or after backward
                 if self.first_launch is None:
                     self.first_launch = time.perf_counter()
-                self._pending.append(pg.all_reduce_async(bucket.flat, dist.ReduceOp.SUM,
-                                                         f"all_reduce of gradient bucket {bucket.index}"))
+                self._pending.append(self._group.all_reduce_async(bucket.flat, dist.ReduceOp.SUM,
+                                                                  f"all_reduce of gradient bucket {bucket.index}"))
             self._launched += 1
 
     def _idle(self) -> bool:
@@ -342,7 +347,7 @@ class GradientReducer:
     def complete(self) -> None:
         """After :meth:`finish`: wait for the launched collectives in order, launching the
         remaining buckets as they may go, until every bucket's all-reduce has succeeded; then
-        reap the sends posted before them (as ``process_group.all_reduce`` does). Raises
+        reap the sends posted before them (as ``Group.all_reduce`` does). Raises
         CollectiveFailed at the first failure (or abort)."""
         if not self._distributed:
             return
@@ -360,7 +365,7 @@ class GradientReducer:
             with self._lock:
                 self._waited += 1
                 self._launch_ready()
-        pg.wait_sends()
+        self._group.wait_sends()
         with self._lock:  # the completed works pin the group's sockets open: drop them now, not at the next
             self._pending, self._waited = [], 0  # begin (a member leaving before it must close them at once)
 
@@ -373,9 +378,10 @@ class GradientReducer:
             self._armed = False
             launched, self._pending = self._pending, []
             in_flight = launched[self._waited:]
+        group = self._group
         if in_flight:
-            pg.abandon(in_flight)
-        if launched or pg.aborted():
+            group.abandon(in_flight)
+        if launched or (group is not None and group.abort_reason):
             self.buckets = self._new_buckets()
 
     def unflatten_grads(self) -> None:

@@ -51,12 +51,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import default_collate
 
 from shoal.worker import torch_compat as tc
 from shoal.worker.engine import StepCommon, StepResult, _to_device
 from shoal.worker.errors import CollectiveFailed, InconsistentStep, StepAborted, UserCodeError, raised_at
-from shoal.worker.precision import autocast, check_precision
+from shoal.worker.precision import check_precision
 from shoal.worker.process_group import Group, PendingReduce
 from shoal.worker.userapi import TrainingSetup
 
@@ -104,28 +103,14 @@ class ShardedEngine(StepCommon):
         max_grad_norm: float | None = None,
         shard_units: Callable[[torch.nn.Module], list[torch.nn.Module]] | None = None,
     ) -> None:
-        if (loss_fn is None) == (step_fn is None):
-            raise ValueError("give exactly one of loss_fn and step_fn")
         if check_precision(precision) == "fp16":
             raise ValueError("fp16 (a loss scale) is not supported by elastic HSDP: use bf16 or fp32")
-        self.precision = precision
-        self.device = torch.device(device)
-        self.model = model.to(self.device)
-        self.optimizer = optimizer
-        self.dataset = dataset
-        self.loss_fn = loss_fn
-        self.step_fn = step_fn
-        self.lr_scheduler = lr_scheduler
-        self.collate_fn = collate_fn or default_collate
-        self.fetcher: Callable[[list[int]], Any] | None = None
-        self.micro_batch = micro_batch
-        self.max_grad_norm = max_grad_norm
+        super().__init__(model, optimizer, dataset, loss_fn=loss_fn, step_fn=step_fn, lr_scheduler=lr_scheduler,
+                   collate_fn=collate_fn, micro_batch=micro_batch, device=device, precision=precision,
+                   max_grad_norm=max_grad_norm)
         self.shard_units = shard_units or default_shard_units
         #: never in HSDP (fp16 is refused); the worker reads it
         self.scaler = None
-        self.commit_guard: Callable[[], None] | None = None
-        self.before_collectives: Callable[[], None] | None = None
-        self._before_update: list[Callable[[], None]] = []
         #: the replica group's shard group (None until :meth:`shard`) and this generation's
         #: cross-replica group of this member's shard index (None: one replica group)
         self.shard_group: Group | None = None
@@ -275,19 +260,12 @@ class ShardedEngine(StepCommon):
                 self._rollback_step(buffers)
                 raise
         grad_norm = math.sqrt(grad_sq) if grad_sq >= 0 else float("nan")
-        if self.max_grad_norm is not None and math.isfinite(grad_norm) and grad_norm > self.max_grad_norm:
-            coef = self.max_grad_norm / (grad_norm + 1e-6)
+        coef = self._clip_coef(grad_norm)
+        if coef is not None:
             for p in self.model.parameters():
                 if p.grad is not None:
                     tc.local(p.grad).mul_(coef)
-        try:
-            self.optimizer.step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        except Exception as exc:  # noqa: BLE001 - user optimizer/scheduler
-            raise UserCodeError(f"optimizer step raised {type(exc).__name__}: {exc} (at {raised_at(exc)})") from exc
-        finally:
-            self.optimizer.zero_grad(set_to_none=True)
+        self._update()
         return StepResult(loss=loss_sum / global_count, loss_sum=loss_sum, count=global_count, local_count=len(local),
                           max_generation=base + 1 if ahead_sum > 0 else base, compute_seconds=t1 - t0,
                           comm_seconds=t2 - t1, comm_exposed_seconds=t2 - t1,
@@ -312,14 +290,7 @@ class ShardedEngine(StepCommon):
                 batch, weight = self.fetch_batch(part), factor
             else:  # nothing left here: a pass that weighs nothing keeps the group in lock-step
                 batch, weight = self._pad_batch(), 0.0
-            with autocast(self.precision, self.device):
-                if self.step_fn is not None:
-                    loss = self.step_fn(self.model, batch)
-                else:
-                    inputs, targets = batch
-                    loss = self.loss_fn(self.model(inputs), targets)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise TypeError("the loss must be a scalar tensor: the SUM of per-sample losses (reduction='sum')")
+            loss = self._loss(batch)
             if part:
                 total += loss.detach().to(total.dtype)
             if k == passes - 1:

@@ -21,7 +21,7 @@ Layout under the prefix ``P`` (internal to this module; torch chooses the key na
   holding the complete *table* of ``base`` (see below): only when the store knows its
   ``rank`` and ``world_size``.
 
-The address table (``rank``/``world_size`` given: what :func:`shoal.worker.process_group.join_group`
+The address table (``rank``/``world_size`` given: what :meth:`shoal.worker.process_group.Rendezvous.join`
 does). A gloo group connects its full mesh through the store: every rank ``set``\\ s its
 address under ``base/<its rank>`` (torch 2.13 names it ``0//cpu//0/<rank>``), then, for every
 peer ``i`` (itself included), ``wait([base/i])`` and ``get(base/i)``: ``2W + 1`` store calls per
@@ -207,7 +207,7 @@ class RedisStore(dist.Store):
     blocking read (``get``, ``wait``); ``ttl`` (seconds) is the expiry given to every key.
     ``max_wait`` (seconds), when set, caps every blocking read even when the caller passes a
     longer timeout: gloo waits for its peers with the *collective* timeout, and
-    :func:`shoal.worker.process_group.join_group` uses ``max_wait`` to bound the rendezvous by its
+    :meth:`shoal.worker.process_group.Rendezvous.join` uses ``max_wait`` to bound the rendezvous by its
     own, usually shorter, timeout. ``abort``, when given, is asked before every blocking read
     (each at most :data:`ABORT_POLL_S`): a non-empty answer ends the wait with DistStoreError
     naming it (the rendezvous of a generation whose member the coordinator evicted).

@@ -56,8 +56,6 @@ from shoal.core.faults import FaultPlan, InjectedAbort
 from shoal.core.jobspec import JobSpec
 from shoal.events.states import is_terminal
 from shoal.worker import placement
-from shoal.worker import process_group as pg
-from shoal.worker.allocator import return_freed_tensors
 from shoal.worker.checkpoints import Checkpoints
 from shoal.worker.decide import (
     Aborted,
@@ -90,7 +88,6 @@ from shoal.worker.decide import (
     decide,
 )
 from shoal.worker.digest import state_digest
-from shoal.worker.engine import StepEngine
 from shoal.worker.errors import StepAborted
 from shoal.worker.evaluator import Evaluator
 from shoal.worker.heartbeat import CutOff
@@ -98,8 +95,9 @@ from shoal.worker.input_pipeline import InputPipeline
 from shoal.worker.ledger import Ledger
 from shoal.worker.membership import Membership
 from shoal.worker.progress import ProgressRecorder
+from shoal.worker.layout import GroupSettings, Layout, LayoutOptions, make_layout, prepare_process
+from shoal.worker.process_group import Rendezvous
 from shoal.worker.runner import WorkerRunner
-from shoal.worker.sharded_engine import ShardedEngine
 from shoal.worker.switch import GenerationSwitch
 from shoal.worker.tensorboard import TensorBoardLog
 from shoal.worker.userapi import TrainingSetup, load_entrypoint
@@ -152,7 +150,8 @@ class TrainingWorker(WorkerRunner):
         self.tensorboard = TensorBoardLog(spec.tensorboard_dir) if spec.tensorboard_dir else None
         # built by prepare()
         self.setup: TrainingSetup | None = None
-        self.engine: StepEngine | ShardedEngine | None = None
+        #: the training layout (data parallelism or elastic HSDP: :mod:`shoal.worker.layout`)
+        self.engine: Layout | None = None
         self.ckpt: Checkpoints | None = None
         self.input: InputPipeline | None = None
         self.switch: GenerationSwitch | None = None
@@ -165,25 +164,20 @@ class TrainingWorker(WorkerRunner):
     # ---- setup -------------------------------------------------------------------------------
 
     def prepare(self) -> None:
-        if self.spec.shard_size > 1 and self.placement.device == "cpu":  # before the model is built
-            return_freed_tensors()
+        prepare_process(self.spec, self.placement.device)  # before the model is built
         setup = load_entrypoint(self.spec.entrypoint, self.spec.seed)
         self.setup = setup
         device = placement.local_device(self.placement.device)
         self.membership.device = str(device)
-        if self.spec.shard_size > 1:  # elastic HSDP: sharded once its replica group forms
-            self.engine = ShardedEngine.from_setup(setup, device=device, precision=self.spec.precision,
-                                                   max_grad_norm=self.spec.max_grad_norm)
-        else:
-            self.engine = StepEngine.from_setup(setup, device=device, require_group=True,
-                                                precision=self.spec.precision, max_grad_norm=self.spec.max_grad_norm,
-                                                bucket_cap_mb=self.spec.bucket_cap_mb)
+        m = self.membership
+        groups = GroupSettings(Rendezvous(m.client, m.job_id, backend=self.placement.backend, iface=self.iface),
+                               m.keys, lambda: m.worker_id or "", self.rdzv_timeout, self.collective_timeout)
+        self.engine = make_layout(self.spec, setup, LayoutOptions.from_spec(self.spec, device), groups, self.faults)
         # here, before any thread or socket of the heartbeat, the watcher or a group exists: a
         # forked loader inherits none of them (see shoal.worker.prefetch)
         self.input = InputPipeline(setup, self.engine, self.spec, self.membership)
-        self.switch = GenerationSwitch(self.membership, self.spec, self.engine, self.placement, iface=self.iface,
-                                       faults=self.faults, rdzv_timeout=self.rdzv_timeout,
-                                       collective_timeout=self.collective_timeout, evicted=lambda: self.evicted)
+        self.switch = GenerationSwitch(self.membership, self.spec, self.engine, faults=self.faults,
+                                       evicted=lambda: self.evicted)
         self.evaluator = Evaluator(self.engine, setup.eval_fn, self.membership, self.tensorboard, self._busy)
         self.ckpt = Checkpoints.open(self.spec, self.membership, self.faults) if self.spec.checkpoint_uri else None
         step, cursor = 0, 0
@@ -222,10 +216,11 @@ class TrainingWorker(WorkerRunner):
             self.switch.on_evicted()
 
     def rejoin_evicted(self, last_generation: int) -> bool:
-        """As :meth:`WorkerRunner.rejoin_evicted`; an HSDP member whose replica group trained
-        ends the process instead (its shard group cannot be made again here)."""
-        if self.switch is not None and self.switch.shard_group is not None:
-            self.switch.exit_regroup("evicted by the coordinator")
+        """As :meth:`WorkerRunner.rejoin_evicted`, once the layout agreed
+        (:meth:`Layout.before_rejoin`: an HSDP member whose replica group trained ends the
+        process instead - its shard group cannot be made again here)."""
+        if self.engine is not None:
+            self.engine.before_rejoin()
         return super().rejoin_evicted(last_generation)
 
     def _busy(self, busy: bool) -> None:
@@ -253,8 +248,8 @@ class TrainingWorker(WorkerRunner):
     def cleanup(self) -> None:
         if self.switch is not None:
             self.switch.stop()
-            self.switch.leave()
-        pg.leave_group()
+        if self.engine is not None:
+            self.engine.close()
         if self.input is not None:
             self.input.close()
         if self.ckpt is not None:
@@ -338,8 +333,8 @@ class TrainingWorker(WorkerRunner):
                 self.switch.arrive(generation, self.state.table.world_size)
             case PollBarrier(generation=generation, wait=wait):
                 return self.switch.poll_barrier(generation, self.state.table.world_size, wait)
-            case Form(table=table, rank=rank):
-                formed = self.switch.form(table, rank, self.state.step, self.state.cursor)
+            case Form(table=table):
+                formed = self.switch.form(table, self.state.step, self.state.cursor)
                 if isinstance(formed, Formed):
                     self.input.formed(table.generation, formed.step, frozenset(formed.behind))
                 return formed
@@ -372,7 +367,7 @@ class TrainingWorker(WorkerRunner):
             return Aborted(f"step aborted, nothing applied: {exc}", local=True)
         try:
             result = self.engine.step(local, batch.count, act.generation, base_generation=act.base,
-                                      **({"world_size": act.world} if self.spec.shard_size > 1 else {}))
+                                      world_size=act.world)
         except StepAborted as exc:
             self._not_busy()
             # returned, not handled here: once this frame is gone nothing pins the broken

@@ -122,9 +122,9 @@ def _structure(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict
 
 
 def _members(group: pg.Group | None) -> tuple[pg.Group | None, int, int, torch.device]:
-    """The group a transfer runs over (default: the current generation's), this rank, its
-    size and the device tensors go through."""
-    g = group if group is not None else pg.current_group()
+    """The group a transfer runs over (None: a one-process run, nothing to move), this rank,
+    its size and the device tensors go through."""
+    g = group
     if g is None:
         return None, 0, 1, torch.device("cpu")
     return g, g.rank, g.world_size, g.device
@@ -137,11 +137,11 @@ def broadcast_state(
     src: int,
     *,
     lr_scheduler: Any | None = None,
-    group: pg.Group | None = None,
+    group: pg.Group | None,
 ) -> dict[str, Any]:
     """Make every rank's model, optimizer (and LR scheduler) state equal to rank ``src``'s.
 
-    Collective: every rank of the current group calls it with the same ``src``. On ``src``,
+    Collective: every rank of ``group`` calls it with the same ``src``. On ``src``,
     ``extra`` is a dict of JSON types and tensors (step, cursor, ...) sent along; on the others
     it is ignored. Returns ``src``'s ``extra`` on every rank. Model parameters and buffers are
     overwritten in place (the optimizer's references stay valid); optimizer and scheduler
@@ -272,8 +272,9 @@ def resync_state(
     committed_step: int,
     *,
     lr_scheduler: Any | None = None,
+    group: pg.Group | None,
 ) -> tuple[int, dict[str, Any]]:
-    """Start a generation from the most advanced member's state. Collective.
+    """Start a generation from the most advanced member's state. Collective over ``group``.
 
     Every rank passes the number of steps it has committed (``-1`` for a fresh joiner with no
     state; workers that built the initial model from the seed pass ``0``); the rank with the
@@ -282,7 +283,7 @@ def resync_state(
     all others with :func:`broadcast_state`. Returns ``(src, extra of src)``: every rank then
     continues from ``extra``'s step and cursor. Errors as :func:`broadcast_state`.
     """
-    g, rank, world, comm = _members(None)
+    g, rank, world, comm = _members(group)
     if committed_step < -1:
         raise ValueError(f"committed_step must be >= -1, got {committed_step}")
     if world == 1:
@@ -291,7 +292,7 @@ def resync_state(
     key = torch.tensor([(committed_step + 1) * world + (world - 1 - rank)], dtype=torch.int64, device=comm)
     g.all_reduce(key, dist.ReduceOp.MAX)
     src = world - 1 - int(key) % world
-    return src, broadcast_state(model, optimizer, extra, src, lr_scheduler=lr_scheduler)
+    return src, broadcast_state(model, optimizer, extra, src, lr_scheduler=lr_scheduler, group=group)
 
 
 def _fingerprint(structure: dict[str, Any]) -> int:
@@ -310,11 +311,11 @@ def catch_up_state(
     committed_step: int,
     *,
     lr_scheduler: Any | None = None,
-    group: pg.Group | None = None,
+    group: pg.Group | None,
 ) -> tuple[int, dict[str, Any], list[int]]:
     """Start a generation from the most advanced member's state, moving it only where needed.
 
-    Collective: every rank of the current group calls it first thing in a generation with its
+    Collective: every rank of ``group`` calls it first thing in a generation with its
     number of committed steps (``-1``: a joiner with no state). One 16-byte-per-rank SUM
     all-reduce gathers every rank's step count and a fingerprint of its model/optimizer
     structure; every rank derives the same plan from it:

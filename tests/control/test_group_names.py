@@ -15,13 +15,14 @@ from shoal.worker.errors import WorkerError
 
 
 def test_a_failed_rendezvous_resets_the_group_name_counter(r: redis.Redis, job_id: str) -> None:
+    rendezvous = pg.Rendezvous(r, job_id, backend="gloo")
     with pytest.raises(WorkerError):  # rank 1 never comes
-        pg.join_group(r, job_id, 1, 0, 2, timeout=1.0, backend="gloo")
+        rendezvous.join(1, 0, 2, 1.0)
     assert c10d._world.group_count == 0
-    group = pg.join_group(r, job_id, 2, 0, 1, timeout=5.0, backend="gloo")
+    group = rendezvous.join(2, 0, 1, 5.0)
     try:
         assert group.generation == 2
         names = {k.decode() for k in r.scan_iter(match=f"shoal:{{{job_id}}}:rdzv:2:*")}
         assert names and all(n.split(":rdzv:2:", 1)[1].split(":", 1)[-1].startswith("0//") for n in names), names
     finally:
-        pg.leave_group()
+        rendezvous.close_joined()

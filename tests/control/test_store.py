@@ -214,38 +214,39 @@ def _child(rank: int, job: str) -> None:
     from shoal.worker.errors import RendezvousTimeout, WorkerError
 
     client = connect(os.environ["REDIS_URL"], timeout=10)
+    rendezvous = pg.Rendezvous(client, job)
     out: dict[str, object] = {"rank": rank}
     # generation 1: ranks as given
     t0 = time.monotonic()
-    g = pg.join_group(client, job, 1, rank, 3, timeout=60)
+    g = rendezvous.join(1, rank, 3, 60)
     out["rdzv1"] = time.monotonic() - t0
     x = torch.full((4,), float(rank + 1))
-    pg.all_reduce(x)
+    g.all_reduce(x)
     y = torch.tensor([rank * 10.0, 1.0])
-    pg.broadcast(y, src=2)
-    pg.barrier()
+    g.broadcast(y, src=2)
+    g.barrier()
     out["g1"] = {"sum": x.tolist(), "bcast": y.tolist(), "prefix": g.store.prefix, "world": g.world_size}
-    pg.leave_group()
+    rendezvous.close_joined()
     # generation 2 in the same processes: fresh prefix, ranks rotated
     new_rank = (rank + 1) % 3
-    g = pg.join_group(client, job, 2, new_rank, 3, timeout=60)
+    g = rendezvous.join(2, new_rank, 3, 60)
     x = torch.tensor([float(2**new_rank)], dtype=torch.float64)
-    pg.all_reduce(x, dist.ReduceOp.MAX)
+    g.all_reduce(x, dist.ReduceOp.MAX)
     z = torch.tensor([float(new_rank)])
-    pg.all_reduce(z)
-    pg.broadcast(y := torch.tensor([float(new_rank)]), src=0)
-    pg.barrier()
+    g.all_reduce(z)
+    g.broadcast(y := torch.tensor([float(new_rank)]), src=0)
+    g.barrier()
     out["g2"] = {"rank": dist.get_rank(), "max": x.item(), "sum": z.item(), "bcast": y.item(), "prefix": g.store.prefix}
-    pg.leave_group()
+    rendezvous.close_joined()
     try:
-        pg.join_group(client, job, 1, rank, 3, timeout=5)
+        rendezvous.join(1, rank, 3, 5)
         out["reuse"] = "allowed"
     except WorkerError as exc:
         out["reuse"] = type(exc).__name__
     if rank == 0:  # a generation whose peer never comes: bounded by the timeout
         t0 = time.monotonic()
         try:
-            pg.join_group(client, job, 3, 0, 2, timeout=1.5, collective_timeout=60)
+            rendezvous.join(3, 0, 2, 1.5, collective_timeout=60)
             out["lonely"] = "joined?!"
         except RendezvousTimeout:
             out["lonely"] = "RendezvousTimeout"

@@ -130,3 +130,53 @@ def check(root: Path, dirs: dict[str, str] | None = None) -> list[Violation]:
             elif RANKS[target] == RANKS[own]:
                 problems.append(Violation(rel, line, module, imported, f"{own} and {target} are siblings"))
     return problems
+
+
+#: the modules that may tell one training layout from another (``shoal.worker.layout``):
+#: the layouts themselves and the step engines they are built on
+LAYOUT_MODULES = ("shoal.worker.layout", "shoal.worker.layout_dp", "shoal.worker.layout_hsdp",
+                  "shoal.worker.engine", "shoal.worker.sharded_engine")
+#: names whose use in a test outside those modules branches on the layout
+LAYOUT_CLASSES = frozenset({"StepEngine", "ShardedEngine", "DataParallel", "Hsdp"})
+
+
+def layout_branches(root: Path, dirs: dict[str, str] | None = None) -> list[Violation]:
+    """Every place in the training runtime (``shoal.worker``) outside :data:`LAYOUT_MODULES`
+    that branches on the layout: an ``isinstance`` naming a layout or engine class, a test
+    (``if``, ``elif``, a conditional expression, ``and``/``or``) comparing a ``shard_size``
+    with 1, or an ``hsdp`` attribute. The rest of the worker talks to ``Layout`` and never asks which one it
+    holds (issue 36)."""
+    dirs = dirs if dirs is not None else package_dirs(root / "pyproject.toml")
+    problems: list[Violation] = []
+    for module, path in _modules(root, dirs):
+        if layer_of(module) != "shoal.worker" or module in LAYOUT_MODULES:
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        rel = str(path.relative_to(root))
+        tests = [n.test for n in ast.walk(tree) if isinstance(n, (ast.If, ast.IfExp, ast.While))]
+        tests += [n for n in ast.walk(tree) if isinstance(n, ast.BoolOp)]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+                named = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | \
+                        {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+                if named & LAYOUT_CLASSES:
+                    problems.append(Violation(rel, node.lineno, module, ", ".join(sorted(named & LAYOUT_CLASSES)),
+                                              "isinstance on a layout outside the layouts"))
+            if isinstance(node, ast.Attribute) and node.attr == "hsdp":
+                problems.append(Violation(rel, node.lineno, module, "hsdp", "a layout flag outside the layouts"))
+        for test in tests:
+            for node in ast.walk(test):
+                if isinstance(node, ast.Compare) and _against_one(node):
+                    problems.append(Violation(rel, node.lineno, module, "shard_size",
+                                              "a branch on the layout outside the layouts"))
+    return problems
+
+
+def _against_one(node: ast.Compare) -> bool:
+    """``x.shard_size > 1``, ``== 1``, ``1 < x.shard_size``...: data parallelism or not. (A rule
+    that holds for every layout, ``rank < table.shard_size`` - the first replica group's ranks -
+    is no branch.)"""
+    sides = [node.left, *node.comparators]
+    sized = any(isinstance(n, ast.Attribute) and n.attr == "shard_size" for n in sides)
+    one = any(isinstance(n, ast.Constant) and n.value == 1 for n in sides)
+    return sized and one

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import ROOT
-from tests.packaging.layers import check, layer_of, package_dirs
+from tests.packaging.layers import check, layer_of, layout_branches, package_dirs
 
 DIRS = package_dirs(ROOT / "pyproject.toml")
 
@@ -17,6 +17,24 @@ DIRS = package_dirs(ROOT / "pyproject.toml")
 def test_the_tree_imports_only_downwards() -> None:
     problems = check(ROOT)
     assert not problems, "imports that run back up:\n" + "\n".join(map(str, problems))
+
+
+def test_nothing_outside_the_layouts_branches_on_the_layout() -> None:
+    problems = layout_branches(ROOT)
+    assert not problems, "branches on data parallel vs HSDP outside the layouts:\n" + "\n".join(map(str, problems))
+
+
+@pytest.mark.parametrize("source", [
+    "def f(engine):\n    return isinstance(engine, ShardedEngine)\n",
+    "def f(spec):\n    if spec.shard_size > 1:\n        return 1\n",
+    "def f(spec):\n    return 2 if spec.shard_size == 1 else 3\n",
+    "def f(self):\n    return self.switch.hsdp\n",
+])
+def test_a_branch_on_the_layout_outside_the_layouts_fails_the_check(tmp_path: Path, source: str) -> None:
+    root = _synthetic_tree(tmp_path, {"worker/__init__.py": "", "worker/training.py": source,
+                                      "worker/layout_hsdp.py": "x = isinstance(1, Hsdp)\n"})
+    problems = layout_branches(root, {"shoal.worker": "worker"})
+    assert [p.path for p in problems] == ["worker/training.py"], problems
 
 
 def _synthetic_tree(tmp_path: Path, files: dict[str, str]) -> Path:

@@ -147,7 +147,7 @@ def test_step_outside_a_group_is_aborted_when_a_group_is_required():
     s = small_setup()
     engine = StepEngine.from_setup(s)
     before = state_digest(s.model)
-    with pytest.raises(StepAborted, match="join_group"):
+    with pytest.raises(StepAborted, match="not in a process group"):
         engine.step(range(4), 4, 0)
     assert state_digest(s.model) == before
 
@@ -255,6 +255,7 @@ def _child(role: str, rank: int, job: str, outdir: str) -> None:
 
     torch.set_num_threads(1)  # 4 processes share 2 cores: intra-op threads only contend
     client = connect(os.environ["REDIS_URL"], timeout=10)
+    rendezvous = pg.Rendezvous(client, job)
     setup = load_entrypoint("shoal.examples.digits:build", 99 if role == "joiner" else 0)
     engine = StepEngine.from_setup(setup)
     order = DataOrder(len(setup.dataset), 0, GLOBAL_BATCH)
@@ -268,13 +269,13 @@ def _child(role: str, rank: int, job: str, outdir: str) -> None:
             state["step"], state["cursor"] = state["step"] + 1, batch.next_cursor
 
     def dist_rank() -> int:
-        return pg.world()[0]
+        return engine.group.rank
 
     def save(name: str) -> None:
         torch.save(setup.model.state_dict(), os.path.join(outdir, name))
 
     if role == "elastic":
-        pg.join_group(client, job, 1, rank, 3, timeout=90, collective_timeout=30)
+        engine.group = rendezvous.join(1, rank, 3, 90, collective_timeout=30)
         run(FAIL_AT, 1, contiguous_table(GLOBAL_BATCH, 3))
         out["digest_k"] = state_digest(setup.model)
         if rank == 0:
@@ -291,12 +292,12 @@ def _child(role: str, rank: int, job: str, outdir: str) -> None:
         out["after_abort"] = state_digest(setup.model)
         out["grads_none"] = all(p.grad is None for p in setup.model.parameters())
         out["step_after_abort"] = state["step"]
-        pg.leave_group()
+        rendezvous.close_joined()
 
     # generation 2: the two survivors keep ranks 0 and 1, the fresh joiner is rank 2
-    pg.join_group(client, job, 2, rank, 3, timeout=90, collective_timeout=30)
+    engine.group = rendezvous.join(2, rank, 3, 90, collective_timeout=30)
     committed = state["step"] if role == "elastic" else -1
-    src, extra = resync_state(setup.model, setup.optimizer, dict(state), committed)
+    src, extra = resync_state(setup.model, setup.optimizer, dict(state), committed, group=engine.group)
     state.update(step=extra["step"], cursor=extra["cursor"])
     out.update(src=src, extra=extra, resynced=state_digest(setup.model))
     table = round_robin_table(GLOBAL_BATCH, 3)
@@ -319,12 +320,12 @@ def _child(role: str, rank: int, job: str, outdir: str) -> None:
     other = nn.Linear(3, 3) if role == "joiner" else setup.model
     other_opt = torch.optim.SGD(other.parameters(), lr=0.1) if role == "joiner" else setup.optimizer
     try:
-        broadcast_state(other, other_opt, {}, src=0)
+        broadcast_state(other, other_opt, {}, src=0, group=engine.group)
         out["mismatch"] = "accepted"
     except StateMismatch:
         out["mismatch"] = "StateMismatch"
     out["after_mismatch"] = state_digest(setup.model)
-    pg.leave_group()
+    rendezvous.close_joined()
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -437,8 +438,10 @@ def _catchup_child(rank: int, job: str) -> None:
         for i in range(3):
             local.step(list(range(8 * i, 8 * i + 8)), 8, 0)
     out: dict[str, object] = {"rank": rank}
-    pg.join_group(client, job, 1, rank, 3, timeout=60, collective_timeout=30)
-    src, extra, behind = catch_up_state(s.model, s.optimizer, {"step": step, "cursor": 7 * (step + 1)}, step)
+    rendezvous = pg.Rendezvous(client, job)
+    group = engine.group = rendezvous.join(1, rank, 3, 60, collective_timeout=30)
+    src, extra, behind = catch_up_state(s.model, s.optimizer, {"step": step, "cursor": 7 * (step + 1)}, step,
+                                        group=group)
     out.update(src=src, extra=extra, behind=behind, caught_up=state_digest(s.model))
     # the first step: the ranks behind take no samples, the others split the batch
     ready = [r for r in range(3) if r not in behind]
@@ -450,17 +453,17 @@ def _catchup_child(rank: int, job: str) -> None:
     out["trained"] = state_digest(s.model)
     out["adam_steps"] = sorted({int(v["step"]) for v in s.optimizer.state.values()})
     # everyone equal: nothing moves
-    _, _, out["behind_when_equal"] = catch_up_state(s.model, s.optimizer, {"step": 5}, 5)
+    _, _, out["behind_when_equal"] = catch_up_state(s.model, s.optimizer, {"step": 5}, 5, group=group)
     # a rank whose model differs in structure: every rank refuses, nobody hangs
     other = nn.Linear(3, 3) if rank == 1 else s.model
     other_opt = torch.optim.SGD(other.parameters(), lr=0.1) if rank == 1 else s.optimizer
     try:
-        catch_up_state(other, other_opt, {"step": 6}, 6 if rank == 0 else 5)
+        catch_up_state(other, other_opt, {"step": 6}, 6 if rank == 0 else 5, group=group)
         out["mismatch"] = "accepted"
     except StateMismatch:
         out["mismatch"] = "StateMismatch"
     out["after_mismatch"] = state_digest(s.model)
-    pg.leave_group()
+    rendezvous.close_joined()
     print("RESULT " + json.dumps(out), flush=True)
 
 

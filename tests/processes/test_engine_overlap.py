@@ -1,7 +1,7 @@
 """The step engine's overlapped gradient reduction (worker/reducer.py), mixed precision and clipping
 (worker/engine.py).
 
-In-process tests run the engine in a real one-rank gloo group (``join_group`` through Redis),
+In-process tests run the engine in a real one-rank gloo group (``Rendezvous.join`` through Redis),
 where every bucket is a real asynchronous collective: bucket layout and launch order, one
 reduction per step whatever the micro-batches, unused parameters, an abort while backward
 runs, fp16 overflow steps, clipping, and the loss scale through a checkpoint. One two-process
@@ -88,37 +88,47 @@ def batches(steps: int, size: int = 16):
     return [list(range(size * s, size * s + size)) for s in range(steps)]
 
 
-@pytest.fixture
-def group(r, job_id):
-    """A real one-rank gloo group (its collectives are real, asynchronous gloo work)."""
-    gens = iter(range(1, 100))
+class OneRank:
+    """Real one-rank gloo groups, one generation after another (their collectives are real,
+    asynchronous gloo work): calling it joins the next generation (closing the previous one)
+    and returns its number; :attr:`current` is its group."""
 
-    def join() -> int:
-        gen = next(gens)
-        pg.join_group(r, job_id, gen, 0, 1, timeout=20, collective_timeout=20)
+    def __init__(self, r, job_id: str) -> None:
+        self.rendezvous = pg.Rendezvous(r, job_id)
+        self._gens = iter(range(1, 100))
+        self.current: pg.Group | None = None
+
+    def __call__(self) -> int:
+        gen = next(self._gens)
+        self.rendezvous.close_joined()
+        self.current = self.rendezvous.join(gen, 0, 1, 20, collective_timeout=20)
         return gen
 
-    yield join
-    pg.leave_group()
+
+@pytest.fixture
+def group(r, job_id):
+    joiner = OneRank(r, job_id)
+    yield joiner
+    joiner.rendezvous.close_joined()
 
 
 class Launches:
-    """Records every all-reduce the engine starts (through ``pg.all_reduce_async``), with when:
+    """Records every all-reduce the engine starts (through ``Group.all_reduce_async``), with when:
     ``"during"`` backward, or outside it ``"before"`` any of the engine's hooks fired in the
     step, or ``"after"``."""
 
     def __init__(self, monkeypatch, engine: StepEngine) -> None:
         self.engine = engine
         self.calls: list[tuple[str, str]] = []
-        real = pg.all_reduce_async
+        real = pg.Group.all_reduce_async
 
-        def spy(tensor, op=torch.distributed.ReduceOp.SUM, what="all_reduce"):
+        def spy(group, tensor, op=torch.distributed.ReduceOp.SUM, what="all_reduce"):
             in_backward = torch._C._current_graph_task_id() != -1
             fired = self.engine.reducer._fired or not self.engine.overlap  # no overlap: hooks stay unarmed
             self.calls.append((what, "during" if in_backward else "after" if fired else "before"))
-            return real(tensor, op, what)
+            return real(group, tensor, op, what)
 
-        monkeypatch.setattr(pg, "all_reduce_async", spy)
+        monkeypatch.setattr(pg.Group, "all_reduce_async", spy)
 
     def buckets(self) -> list[int]:
         return [int(w.rsplit(" ", 1)[1]) for w, _ in self.calls if "bucket" in w]
@@ -145,10 +155,9 @@ def test_overlap_is_bit_identical_to_no_overlap_and_to_a_local_run_and_reduces_o
     digests = {}
     for name, kw in {"overlap": {}, "after": {"overlap": False}, "local": {"require_group": False}}.items():
         model = mlp()
-        engine = StepEngine.from_setup(setup_for(model, micro_batch=5), bucket_cap_mb=TINY_BUCKETS, **kw)
+        engine = StepEngine.from_setup(setup_for(model, micro_batch=5), bucket_cap_mb=TINY_BUCKETS, **kw,
+                                       group=None if name == "local" else group.current)  # local: no group at all
         spy = Launches(monkeypatch, engine)
-        if name == "local":
-            pg.leave_group()  # no group at all
         for idx in batches(3):
             res = engine.step(idx, len(idx), gen, base_generation=gen)
             assert res.count == 16 and not res.skipped and res.grad_norm is None
@@ -172,7 +181,8 @@ def test_unused_parameters_do_not_block_and_are_found_in_the_graph_from_then_on(
     model = TwoHeads()
     torch.manual_seed(0)
     spare_before = [p.detach().clone() for p in model.spare.parameters()]
-    engine = StepEngine.from_setup(setup_for(model, opt="sgd", lr=0.1, micro_batch=4), bucket_cap_mb=TINY_BUCKETS)
+    engine = StepEngine.from_setup(setup_for(model, opt="sgd", lr=0.1, micro_batch=4), bucket_cap_mb=TINY_BUCKETS,
+                                   group=group.current)
     spy = Launches(monkeypatch, engine)
     assert not engine.find_unused
     engine.step(list(range(16)), 16, gen, base_generation=gen)
@@ -197,7 +207,7 @@ def test_an_abort_while_backward_runs_applies_nothing_and_the_step_is_redone(gro
     gen = group()
     model = mlp()
     s = setup_for(model, micro_batch=4)
-    engine = StepEngine.from_setup(s, bucket_cap_mb=TINY_BUCKETS)
+    engine = StepEngine.from_setup(s, bucket_cap_mb=TINY_BUCKETS, group=group.current)
     engine.step(list(range(16)), 16, gen, base_generation=gen)
     before = state_digest(model)
     adam_steps = [int(v["step"]) for v in s.optimizer.state.values()]
@@ -208,7 +218,7 @@ def test_an_abort_while_backward_runs_applies_nothing_and_the_step_is_redone(gro
         x, y = batch
         h = m[0](x)
         if abort_in_backward["armed"]:  # runs in backward, after the later layers' buckets launched
-            h.register_hook(lambda g: void(pg.request_abort(gen, "evicted w9 (test)")))
+            h.register_hook(lambda g: void(group.rendezvous.request_abort(gen, "evicted w9 (test)")))
         return nn.functional.cross_entropy(m[4](m[3](m[2](m[1](h)))), y, reduction="sum")
 
     engine.loss_fn, engine.step_fn = None, step_fn
@@ -218,9 +228,9 @@ def test_an_abort_while_backward_runs_applies_nothing_and_the_step_is_redone(gro
     assert all(p.grad is None for p in model.parameters())
     assert [int(v["step"]) for v in s.optimizer.state.values()] == adam_steps
     assert all(a.data_ptr() != b.flat.data_ptr() for a, b in zip(old, engine.reducer.buckets))  # reallocated
-    pg.leave_group()
     abort_in_backward["armed"] = False
     gen = group()
+    engine.group = group.current  # the next generation's group
     engine.step(list(range(16, 32)), 16, gen, base_generation=gen)
     ref_model = mlp()
     ref = StepEngine.from_setup(setup_for(ref_model, micro_batch=4, loss_fn=None, step_fn=step_fn), require_group=False)
@@ -271,7 +281,7 @@ def test_fp16_overflow_step_is_skipped_the_scale_halves_and_training_goes_on(gro
     s = setup_for(model, lr=0.02)
     sched = torch.optim.lr_scheduler.StepLR(s.optimizer, step_size=1, gamma=0.9)
     s.lr_scheduler = sched
-    engine = StepEngine.from_setup(s, precision="fp16")
+    engine = StepEngine.from_setup(s, precision="fp16", group=group.current)
     first = engine.step(list(range(16)), 16, gen, base_generation=gen)
     assert not first.skipped and first.loss_scale == 2.0**16 and engine.scaler.growth_tracker == 1
     assert first.grad_norm is not None and first.grad_norm > 0
@@ -404,12 +414,13 @@ def test_cuda_overlap_and_precision_match_the_cpu_step_without_a_sync_per_micro_
                                   device="cpu", precision=precision)
         losses = [c.step(idx, 16, 0).loss for idx in batches(3)]
         reference[precision] = (losses, cpu.state_dict())
-    pg.join_group(r, job_id, 1, 0, 1, timeout=60, collective_timeout=60, backend="nccl")
+    rendezvous = pg.Rendezvous(r, job_id, backend="nccl")
+    nccl = rendezvous.join(1, 0, 1, 60, collective_timeout=60)
     try:
         for precision, tol in tolerance.items():
             gpu = mlp()
             g = StepEngine.from_setup(setup_for(gpu, opt="sgd", lr=0.1, micro_batch=4), precision=precision,
-                                      bucket_cap_mb=TINY_BUCKETS)
+                                      bucket_cap_mb=TINY_BUCKETS, group=nccl)
             assert g.device.type == "cuda" and g.bucket_count == 6
             losses = [g.step(idx, 16, 1, base_generation=1).loss for idx in batches(3)]
             assert losses == pytest.approx(reference[precision][0], rel=tol, abs=tol)
@@ -417,7 +428,7 @@ def test_cuda_overlap_and_precision_match_the_cpu_step_without_a_sync_per_micro_
                 assert torch.allclose(v.cpu(), reference[precision][1][k], rtol=tol, atol=tol), (precision, k)
         syncs, outside = {}, {}
         for micro in (16, 4):  # one micro-batch, four
-            e = StepEngine.from_setup(setup_for(mlp(), micro_batch=micro), bucket_cap_mb=TINY_BUCKETS)
+            e = StepEngine.from_setup(setup_for(mlp(), micro_batch=micro), bucket_cap_mb=TINY_BUCKETS, group=nccl)
             e.step(list(range(16)), 16, 1, base_generation=1)  # warm-up (allocations, optimizer state)
             torch.cuda.synchronize()
             found, before = syncs[micro], outside[micro] = [], []
@@ -447,7 +458,7 @@ def test_cuda_overlap_and_precision_match_the_cpu_step_without_a_sync_per_micro_
             f"{micro} sample(s) a micro-batch: {len(found)} syncs in the step, {len(outside[micro])} outside it\n"
             + "\n".join(found + outside[micro]) for micro, found in syncs.items())
     finally:
-        pg.leave_group()
+        rendezvous.close_joined()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -471,7 +482,8 @@ def _pair_child(rank: int, job: str, backend: str) -> None:
         os.environ["LOCAL_RANK"] = str(rank)
     client = connect(os.environ["REDIS_URL"], timeout=10)
     out: dict[str, object] = {}
-    pg.join_group(client, job, 1, rank, 2, timeout=60, collective_timeout=20, backend=backend)
+    rendezvous = pg.Rendezvous(client, job, backend=backend)
+    g1 = rendezvous.join(1, rank, 2, 60, collective_timeout=20)
 
     def mine(idx: list[int]) -> list[int]:
         return rank_slice(idx, round_robin_table(len(idx), 2)[rank])
@@ -480,20 +492,20 @@ def _pair_child(rank: int, job: str, backend: str) -> None:
     for name, kw in (("overlap", {}), ("after", {"overlap": False})):
         torch.manual_seed(0)
         model = TwoHeads()
-        engine = StepEngine.from_setup(setup_for(model, micro_batch=3), bucket_cap_mb=TINY_BUCKETS, **kw)
+        engine = StepEngine.from_setup(setup_for(model, micro_batch=3), bucket_cap_mb=TINY_BUCKETS, **kw, group=g1)
         for idx in batches(STEPS):
             engine.step(mine(idx), len(idx), 1, base_generation=1)
         out[name] = state_digest(model)
 
     # b. clipping on the reduced gradient (the test compares with one process)
     model = mlp()
-    engine = StepEngine.from_setup(setup_for(model, micro_batch=5), max_grad_norm=CLIP)
+    engine = StepEngine.from_setup(setup_for(model, micro_batch=5), max_grad_norm=CLIP, group=g1)
     out["norms"] = [engine.step(mine(idx), len(idx), 1, base_generation=1).grad_norm for idx in batches(STEPS)]
     out["clipped"] = {k: v.tolist() for k, v in model.state_dict().items()}
 
     # c. fp16: rank 1 alone overflows in step 1; both skip it
     model = mlp()
-    engine = StepEngine.from_setup(setup_for(model), precision="fp16", bucket_cap_mb=TINY_BUCKETS)
+    engine = StepEngine.from_setup(setup_for(model), precision="fp16", bucket_cap_mb=TINY_BUCKETS, group=g1)
     poison = {"on": False}
     base = nn.CrossEntropyLoss(reduction="sum")
     engine.loss_fn = lambda o, y: base(o, y) * (float("inf") if poison["on"] else 1.0)
@@ -509,21 +521,21 @@ def _pair_child(rank: int, job: str, backend: str) -> None:
     # d. the loss scale travels with a catch-up: rank 1 joins with a fresh engine
     if rank == 1:
         model = mlp(seed=5)
-        engine = StepEngine.from_setup(setup_for(model), precision="fp16")
+        engine = StepEngine.from_setup(setup_for(model), precision="fp16", group=g1)
     extra = {"step": 4, "cursor": 64, **engine.state_extras()}
-    _, got, behind = catch_up_state(model, engine.optimizer, extra, 4 if rank == 0 else -1)
+    _, got, behind = catch_up_state(model, engine.optimizer, extra, 4 if rank == 0 else -1, group=g1)
     engine.load_state_extras(got)
     out["caught_up"] = [behind, state_digest(model), engine.scaler.state_dict()]
 
     # e. an abort (an eviction) while buckets are in flight: rank 1 stalls in its backward; the
     # coordinator's table evicting it reaches rank 0 after 0.3 s, rank 1 itself during its stall
     model = mlp()
-    engine = StepEngine.from_setup(setup_for(model), bucket_cap_mb=TINY_BUCKETS)
+    engine = StepEngine.from_setup(setup_for(model), bucket_cap_mb=TINY_BUCKETS, group=g1)
     engine.step(mine(list(range(16))), 16, 1, base_generation=1)
     stall = {"s": 1.5 if rank == 1 else 0.0}
 
     def stalled(_grad: torch.Tensor) -> None:
-        threading.Timer(1.0, pg.request_abort, (1, "evicted w1 (test)")).start()
+        threading.Timer(1.0, rendezvous.request_abort, (1, "evicted w1 (test)")).start()
         time.sleep(stall["s"])
 
     def step_fn(m, batch):
@@ -535,7 +547,7 @@ def _pair_child(rank: int, job: str, backend: str) -> None:
 
     engine.loss_fn, engine.step_fn = None, step_fn
     if rank == 0:
-        engine.before_collectives = lambda: threading.Timer(0.3, pg.request_abort, (1, "evicted w1 (test)")).start()
+        engine.before_collectives = lambda: threading.Timer(0.3, rendezvous.request_abort, (1, "evicted w1 (test)")).start()
     before, flats = state_digest(model), [b.flat.data_ptr() for b in engine.reducer.buckets]
     t0 = time.monotonic()
     try:
@@ -548,14 +560,14 @@ def _pair_child(rank: int, job: str, backend: str) -> None:
     out["abort_new_buckets"] = all(a != b.flat.data_ptr() for a, b in zip(flats, engine.reducer.buckets))
     engine.before_collectives = None
     stall["s"] = 0.0
-    pg.leave_group()
+    rendezvous.close_joined()
 
     # f. a peer killed mid-backward (some buckets launched), the step redone alone
     print("PART " + json.dumps(out), flush=True)  # rank 1 dies below
-    pg.join_group(client, job, 2, rank, 2, timeout=60, collective_timeout=20, backend=backend)
+    g2 = rendezvous.join(2, rank, 2, 60, collective_timeout=20)
     model = mlp()
     s = setup_for(model)
-    engine = StepEngine.from_setup(s, bucket_cap_mb=TINY_BUCKETS)
+    engine = StepEngine.from_setup(s, bucket_cap_mb=TINY_BUCKETS, group=g2)
     engine.step(mine(list(range(16))), 16, 2, base_generation=2)
 
     def dying(m, batch):
@@ -571,7 +583,7 @@ def _pair_child(rank: int, job: str, backend: str) -> None:
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     ref_opt.load_state_dict(copy.deepcopy(s.optimizer.state_dict()))
     before = (state_digest(model), _opt_state(s.optimizer))
-    out["kill_serial"] = pg.serial_collectives()
+    out["kill_serial"] = g2.serial_collectives()
     t0 = time.monotonic()
     try:
         engine.step(mine(list(range(16, 32))), 16, 2, base_generation=2)
@@ -580,14 +592,14 @@ def _pair_child(rank: int, job: str, backend: str) -> None:
         out["kill"] = "StepAborted: " + str(exc)[:200]
     out["kill_s"] = time.monotonic() - t0
     out["kill_applied"] = (state_digest(model), _opt_state(s.optimizer)) != before
-    pg.leave_group()
-    pg.join_group(client, job, 3, 0, 1, timeout=60, collective_timeout=20, backend=backend)
+    rendezvous.close_joined()
+    engine.group = rendezvous.join(3, 0, 1, 60, collective_timeout=20)
     engine.step(list(range(16, 32)), 16, 3, base_generation=3)  # the same global batch, redone alone
     out["redone"] = state_digest(model)
     ref_engine = StepEngine(ref, ref_opt, Points(), step_fn=dying, require_group=False)
     ref_engine.step(list(range(16, 32)), 16, 0)
     out["reference"] = state_digest(ref)
-    pg.leave_group()
+    rendezvous.close_joined()
     print("RESULT " + json.dumps(out), flush=True)
 
 

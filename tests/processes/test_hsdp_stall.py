@@ -92,6 +92,7 @@ def _stalled_fault(r, redis_url, tmp_path, job: str, fault: str) -> dict:
     return seen
 
 
+@pytest.mark.exclusive  # a bound on recovery: a second test on the 2 cores must not tip it
 @pytest.mark.parametrize("fault", ["kill", "stop", "leave"])
 def test_a_fault_inside_a_coordinator_stall_never_wedges_the_surviving_group(r, redis_url, tmp_path, job_id,
                                                                               fault) -> None:

@@ -160,19 +160,21 @@ def _pieces_child(rank: int, job: str) -> None:
     if rank == 0:  # the source has momentum; the joiner none
         model(torch.ones(3, 10)).sum().backward()
         opt.step()
-    pg.join_group(connect(os.environ["REDIS_URL"], timeout=10), job, 1, rank, 2, timeout=60, collective_timeout=3)
-    src, extra, behind = transfer.catch_up_state(model, opt, {"step": 4 if rank == 0 else -1}, 4 if rank == 0 else -1)
+    rendezvous = pg.Rendezvous(connect(os.environ["REDIS_URL"], timeout=10), job)
+    group = rendezvous.join(1, rank, 2, 60, collective_timeout=3)
+    src, extra, behind = transfer.catch_up_state(model, opt, {"step": 4 if rank == 0 else -1}, 4 if rank == 0 else -1,
+                                                 group=group)
     momentum = [opt.state[p]["momentum_buffer"].tolist() for p in model.parameters()]
     out = {"src": src, "behind": behind, "extra": extra, "digest": state_digest(model), "momentum": momentum,
-           "mask": model.mask.tolist(), "timeout": pg.current_group().timeout,
+           "mask": model.mask.tolist(), "timeout": group.timeout,
            "bound": transfer.transfer_timeout(transfer.state_bytes(model, opt))}
     with torch.no_grad():  # rank 1 moves away; a broadcast from rank 0 brings it back
         if rank == 1:
             for p in model.parameters():
                 p.add_(1.0)
-    got = transfer.broadcast_state(model, opt, {"again": 1}, 0)
+    got = transfer.broadcast_state(model, opt, {"again": 1}, 0, group=group)
     out.update(after_broadcast=state_digest(model), broadcast_extra=got)
-    pg.leave_group()
+    rendezvous.close_joined()
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -47,13 +47,14 @@ def _child(rank: int, job: str) -> None:
             opt.step()
             opt.zero_grad()
     client = connect(os.environ["REDIS_URL"], timeout=10)
-    pg.join_group(client, job, 1, rank, 2, timeout=60, collective_timeout=60, backend="gloo")
+    rendezvous = pg.Rendezvous(client, job, backend="gloo")
+    group = rendezvous.join(1, rank, 2, 60, collective_timeout=60)
     try:
         _src, got, behind = catch_up_state(model, opt, {"step": 3 if rank == 0 else 0, "cursor": 7 * (rank == 0)},
-                                           3 if rank == 0 else 0)
-        pg.all_reduce(torch.zeros(1))  # as the first step's: the sender's posted sends are reaped
+                                           3 if rank == 0 else 0, group=group)
+        group.all_reduce(torch.zeros(1))  # as the first step's: the sender's posted sends are reaped
     finally:
-        pg.leave_group()
+        rendezvous.close_joined()
     exp_avg = [float(s["exp_avg"].abs().sum()) for s in opt.state.values()]
     print("RESULT " + json.dumps({"digest": state_digest(model), "got": got, "behind": list(behind),
                                   "staged": staged, "exp_avg": exp_avg}), flush=True)

@@ -50,11 +50,16 @@ def _group(backend: str = "nccl", timeout: float = 30.0, *, torch_group: object 
 
 
 @pytest.fixture
-def nccl_group(monkeypatch):
-    """The module's current group is an NCCL group of generation 7 (no real backend)."""
-    group = _group()
-    monkeypatch.setattr(pg, "_current", group)
-    yield group
+def rendezvous():
+    """A rendezvous whose joined group is an NCCL group of generation 7 (no real backend)."""
+    rdv = pg.Rendezvous(None, "j", backend="nccl")
+    rdv._joined = _group()
+    yield rdv
+
+
+@pytest.fixture
+def nccl_group(rendezvous):
+    yield rendezvous.joined
 
 
 def test_a_wait_on_nccl_work_polls_it_and_returns_once_it_completed(nccl_group) -> None:
@@ -64,9 +69,9 @@ def test_a_wait_on_nccl_work_polls_it_and_returns_once_it_completed(nccl_group) 
     assert work.polls > 1 and work.waited == 1  # polled, then wait() orders the stream after it
 
 
-def test_an_abort_from_another_thread_ends_the_wait_at_once(nccl_group) -> None:
+def test_an_abort_from_another_thread_ends_the_wait_at_once(rendezvous, nccl_group) -> None:
     work = FakeNcclWork()  # never completes: a peer is dead or hung
-    threading.Timer(0.1, pg.request_abort, args=(7, "generation 8 evicted w1")).start()
+    threading.Timer(0.1, rendezvous.request_abort, args=(7, "generation 8 evicted w1")).start()
     t0 = time.monotonic()
     with pytest.raises(CollectiveFailed, match=r"aborted \(generation 8 evicted w1\)"):
         nccl_group._wait(work, "all_reduce of gradient bucket 0")
@@ -85,25 +90,25 @@ def test_past_the_collective_timeout_the_wait_aborts_the_group() -> None:
         group._wait(FakeNcclWork(), "all_reduce")
 
 
-def test_leaving_an_aborted_nccl_group_aborts_the_communicator_first(nccl_group, monkeypatch) -> None:
+def test_leaving_an_aborted_nccl_group_aborts_the_communicator_first(rendezvous, nccl_group, monkeypatch) -> None:
     calls: list[str] = []
     monkeypatch.setattr(pg.tc, "abort_default_nccl", lambda: calls.append("ncclCommAbort"))
     monkeypatch.setattr(pg.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(pg.dist, "destroy_process_group", lambda: calls.append("destroy"))
     nccl_group.registered = True
-    pg.request_abort(7, "generation 8 evicted w1")
-    pg.leave_group()
+    assert rendezvous.request_abort(7, "generation 8 evicted w1")
+    rendezvous.close_joined()
     assert calls == ["ncclCommAbort", "destroy"]
-    assert pg.current_group() is None and pg.aborted() == "" and nccl_group.closed
+    assert rendezvous.joined is None and nccl_group.closed
 
 
-def test_leaving_a_healthy_nccl_group_does_not_abort_it(nccl_group, monkeypatch) -> None:
+def test_leaving_a_healthy_nccl_group_does_not_abort_it(rendezvous, nccl_group, monkeypatch) -> None:
     calls: list[str] = []
     monkeypatch.setattr(pg.tc, "abort_default_nccl", lambda: calls.append("ncclCommAbort"))
     monkeypatch.setattr(pg.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(pg.dist, "destroy_process_group", lambda: calls.append("destroy"))
     nccl_group.registered = True
-    pg.leave_group()
+    rendezvous.close_joined()
     assert calls == ["destroy"]
 
 
