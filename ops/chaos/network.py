@@ -1,6 +1,6 @@
 """``shoal chaos --network``: the chaos soak across network namespaces, with network faults.
 
-The same job, pace steering and verdict as the local soak (:mod:`shoal.ops.chaos.run`), on a
+The same job, pace steering and verdict as the local soak (:mod:`shoal.ops.chaos.soak`), on a
 network of hosts made with :mod:`shoal.ops.chaos.netns` (one Linux network namespace each, on
 a bridge, private addresses): Redis on a host of its own, two coordinator replicas on two
 more, and ``workers`` worker nodes, each a node agent (``--node nN``, restarts unlimited, no
@@ -72,10 +72,10 @@ from shoal.events.keys import JobKeys, job_keys
 from shoal.events.records import WorkerRecord
 from shoal.ops.chaos.inject import Injected, next_kind
 from shoal.ops.chaos.netns import Host, Net, NetUnavailable, unavailable_reason
-from shoal.ops.chaos.run import (
+from shoal.ops.chaos.pace import PaceSteer
+from shoal.ops.chaos.soak import (
     Background,
     ChaosConfig,
-    PaceSteer,
     committed_step,
     conclude,
     default_steps,
