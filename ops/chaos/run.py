@@ -6,7 +6,7 @@ The soak starts its own Redis under Sentinel (a primary, 2 replicas, 3 sentinels
 checkpoint store, two coordinator replicas, and a node agent with ``workers`` workers of the
 digits example in float64 (restarts unlimited). For ``duration`` seconds it injects a fault
 every ``min_gap``..``max_gap`` seconds (default 2..5; kinds in a seeded, shuffled cycle, so each kind comes
-up about equally; see :mod:`shoal.ops.chaos.inject`). Then it lets the job finish, and judges the
+up about equally; see :mod:`shoal.ops.chaos.kinds`). Then it lets the job finish, and judges the
 end state (:mod:`shoal.ops.chaos.verdict`) against a failure-free single-process run of the same
 number of steps, computed meanwhile in a background thread.
 
@@ -32,7 +32,8 @@ from pathlib import Path
 from shoal.core.connection import connect
 from shoal.core.registry import create_job
 from shoal.events.keys import job_keys
-from shoal.ops.chaos.inject import KINDS, Injector, next_kind, slow_step_rule
+from shoal.ops.chaos.inject import Injector
+from shoal.ops.chaos.kinds import next_kind
 from shoal.ops.chaos.network import run_network
 from shoal.ops.chaos.pace import PaceSteer
 from shoal.ops.chaos.sampler import Sampler
@@ -74,7 +75,7 @@ def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
     ckpt = f"file://{root / 'ckpt'}"
     spec = job_spec(cfg, steps, ckpt, cfg.workers + cfg.shard_size, job)
     create_job(client, spec)
-    env = {**worker_env(root, cfg), "SHOAL_FAULTS": slow_step_rule(cfg.ttl)}
+    env = worker_env(root, cfg)
     steer = PaceSteer(root / "pace", steps, cfg.step_pace)
     layout = f"elastic HSDP in replica groups of {cfg.shard_size}, " if cfg.shard_size > 1 else ""
     out(f"shoal chaos: {cfg.duration:.0f} s of faults, seed {cfg.seed}, {layout}{cfg.workers} workers under an agent, "
@@ -126,7 +127,7 @@ def _run(cfg: ChaosConfig, root: Path, out) -> Verdict:
                 if time.monotonic() < next_at:
                     time.sleep(0.05)
                     continue
-                kind = next_kind(cycle, KINDS, injector.allowed, rng)
+                kind = next_kind(cycle, cfg.soak.kinds, injector.allowed, rng)
                 if kind is None:
                     next_at = time.monotonic() + 0.5
                     continue

@@ -3,7 +3,7 @@ reference, how they follow the job, and how they conclude.
 
 The local soak (:mod:`shoal.ops.chaos.run`) and the network soak (:mod:`shoal.ops.chaos.network`)
 each import this module and neither imports the other; their fault kinds are
-:mod:`shoal.ops.chaos.inject` and :data:`shoal.ops.chaos.network.NET_KINDS`, their pace steering :mod:`shoal.ops.chaos.pace`.
+:mod:`shoal.ops.chaos.kinds`, their pace steering :mod:`shoal.ops.chaos.pace`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch
 
 from shoal.core.jobspec import JobSpec
 from shoal.events.states import is_terminal
-from shoal.ops.chaos.inject import Injected
+from shoal.ops.chaos.kinds import Injected, Soak, worker_rules
 from shoal.ops.chaos.sampler import Samples
-from shoal.ops.chaos.verdict import LOCAL, Profile, Verdict, judge, load_finals
+from shoal.ops.chaos.verdict import Verdict, judge, load_finals
 from shoal.worker import ledger
 from shoal.worker.data import DataOrder
 from shoal.worker.engine import StepEngine
@@ -60,6 +60,13 @@ class ChaosConfig:
     def batch(self) -> int:
         return BATCH if self.shard_size == 1 else HSDP_BATCH
 
+    @property
+    def soak(self) -> Soak:
+        """Which soak this configuration runs (its fault kinds: :mod:`shoal.ops.chaos.kinds`)."""
+        if not self.network:
+            return Soak.LOCAL
+        return Soak.HA if self.ha else Soak.NETWORK
+
     def gaps(self) -> tuple[float, float]:
         lo, hi = GAPS[self.network]
         return (lo if self.min_gap is None else self.min_gap, hi if self.max_gap is None else self.max_gap)
@@ -86,9 +93,14 @@ def job_spec(cfg: ChaosConfig, steps: int, ckpt: str, max_workers: int, job: str
 
 def worker_env(root: Path, cfg: ChaosConfig) -> dict[str, str]:
     """What every process of the soak gets: where workers write their ledger and final
-    parameters, and the pause per step (first value; then the file PaceSteer writes)."""
-    return {"SHOAL_LEDGER_DIR": str(root / "ledger"), "SHOAL_EXPORT_DIR": str(root / "final"),
-            "SHOAL_STEP_PACE": str(cfg.step_pace), "SHOAL_STEP_PACE_FILE": str(root / "pace")}
+    parameters, the pause per step (first value; then the file PaceSteer writes), and the
+    fault rules the soak's kinds need the workers to hold (``SHOAL_FAULTS``; none: unset)."""
+    env = {"SHOAL_LEDGER_DIR": str(root / "ledger"), "SHOAL_EXPORT_DIR": str(root / "final"),
+           "SHOAL_STEP_PACE": str(cfg.step_pace), "SHOAL_STEP_PACE_FILE": str(root / "pace")}
+    rules = worker_rules(cfg.soak, cfg.ttl)
+    if rules:
+        env["SHOAL_FAULTS"] = rules
+    return env
 
 
 def reference_parameters(steps: int, seed: int, batch: int = BATCH) -> dict:
@@ -121,7 +133,7 @@ def finish_job(client, keys, cfg: ChaosConfig, steps: int, pace: float, window: 
 
 def conclude(cfg: ChaosConfig, root: Path, out, *, steps: int, reference: "Background", completed: bool, final_step: int,
              elapsed: float, samples: Samples, faults: list[Injected], window: float, failed: list[str],
-             profile: Profile = LOCAL, more: tuple[tuple[str, bool, str], ...] = ()) -> Verdict:
+             more: tuple[tuple[str, bool, str], ...] = ()) -> Verdict:
     """Judge a soak's end state from what it left in ``root`` (ledger, final parameters),
     print the table, write it as ``root/summary.json``. ``more``: checks of the soak's own
     (name, ok, detail), added to the table."""
@@ -136,7 +148,7 @@ def conclude(cfg: ChaosConfig, root: Path, out, *, steps: int, reference: "Backg
         ref = reference.result()
     verdict = judge(completed=completed, final_step=max(last_step, final_step), elapsed=elapsed, entries=entries,
                     num_samples=_num_samples(), finals=finals, reference=ref, samples=samples, faults=faults,
-                    window=window, duration=cfg.duration, failed=failed, profile=profile)
+                    window=window, duration=cfg.duration, failed=failed, soak=cfg.soak)
     for name, ok, detail in more:
         verdict.add(name, ok, detail)
     out("")

@@ -23,8 +23,8 @@ import sys
 
 import pytest
 
+from shoal.ops.chaos.kinds import Soak
 from shoal.ops.chaos.netns import ETC_NETNS, namespaces, unavailable_reason
-from shoal.ops.chaos.network import HA_KINDS, NET_KINDS
 from tests.helpers import ROOT, run_cli
 
 #: the first line names the namespaces it makes: ``(shn<pid>-*)``
@@ -63,7 +63,7 @@ def test_sixty_seconds_of_network_chaos_pass_with_every_fault_kind(tmp_path) -> 
     failed = [f"{c['name']}: {c['detail']}" for c in summary["checks"] if not c["ok"]]
     assert summary["ok"] and not failed, failed
     assert done.returncode == 0 and "chaos soak PASSED" in done.stdout, report
-    assert set(summary["faults"]) == set(NET_KINDS)
+    assert set(summary["faults"]) == set(Soak.NETWORK.kinds)
     for kind, n in summary["faults"].items():
         assert n["injected"] >= 1 and n["survived"] == n["injected"], (kind, n)
         assert re.search(rf"^{kind} +{n['injected']} +{n['survived']}$", done.stdout, re.M), kind  # the table
@@ -81,7 +81,7 @@ def test_network_chaos_under_sentinel_isolates_the_primary_and_passes(tmp_path) 
     summary = json.loads((run_dir / "summary.json").read_text())
     failed = [f"{c['name']}: {c['detail']}" for c in summary["checks"] if not c["ok"]]
     assert summary["ok"] and not failed, failed
-    assert set(summary["faults"]) == set(HA_KINDS)
+    assert set(summary["faults"]) == set(Soak.HA.kinds)
     isolated = summary["faults"]["redis_isolate"]
     assert isolated["injected"] >= 1 and isolated["survived"] == isolated["injected"], isolated
     assert "Redis under Sentinel" in done.stdout and "chaos soak PASSED" in done.stdout, report

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from shoal.ops.chaos import ChaosConfig, run_chaos
-from shoal.ops.chaos.inject import KINDS
+from shoal.ops.chaos.kinds import Soak
 
 # alone on the 2 cores: "no failure without a fault" must not count a heartbeat thread that
 # another test starved of CPU past the TTL (seen with the suite on two xdist workers)
@@ -23,7 +23,7 @@ def test_sixty_seconds_of_chaos_leave_a_correct_end_state(tmp_path) -> None:
     verdict = run_chaos(ChaosConfig(duration=60, seed=7, run_dir=tmp_path), out=lines.append)
     report = "\n".join(lines)
     assert verdict.ok, report
-    for kind in KINDS:  # a shuffled cycle over the kinds: each comes up in 60 s
+    for kind in Soak.LOCAL.kinds:  # a shuffled cycle over the kinds: each comes up in 60 s
         injected, survived = verdict.faults.get(kind, (0, 0))
         assert injected >= 1 and survived == injected, (kind, report)
     assert {c.name for c in verdict.checks} >= {"job completed", "samples exactly once per epoch", "parameter digests equal",
