@@ -2,7 +2,8 @@
 reference, how they follow the job, and how they conclude.
 
 The local soak (:mod:`shoal.ops.chaos.run`) and the network soak (:mod:`shoal.ops.chaos.network`)
-each import this module and neither imports the other; their fault kinds are
+each import this module; the network soak imports nothing of the local one (``run_chaos``, in
+``run``, picks the soak and imports ``network`` at the top). Their fault kinds are
 :mod:`shoal.ops.chaos.kinds`, their pace steering :mod:`shoal.ops.chaos.pace`.
 """
 
