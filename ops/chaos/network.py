@@ -1,40 +1,25 @@
 """``shoal chaos --network``: the chaos soak across network namespaces, with network faults.
 
-The same job, pace steering and verdict as the local soak (:mod:`shoal.ops.chaos.run`), on a
+The same job, pace steering and verdict as the local soak (:mod:`shoal.ops.chaos.soak`), on a
 network of hosts made with :mod:`shoal.ops.chaos.netns` (one Linux network namespace each, on
 a bridge, private addresses): Redis on a host of its own, two coordinator replicas on two
 more, and ``workers`` worker nodes, each a node agent (``--node nN``, restarts unlimited, no
 ``--iface``: the default address choice) running one worker. The soak itself reaches Redis
 over its unix socket, which no network fault cuts.
 
-For ``duration`` seconds it injects the next kind of a seeded, shuffled cycle over
-:data:`NET_KINDS`, holds it ``min_hold``..``max_hold`` seconds, heals it, waits for a step to
-commit after the heal (at most :data:`RECOVER_WAIT` seconds), then ``min_gap``..``max_gap``
-seconds, and goes on:
-
-- ``peer_partition``: two worker nodes cannot reach each other (both ways), Redis still can;
-- ``oneway_partition``: one worker node's frames to another vanish, the other way works;
-- ``node_redis_cut``: one worker node and Redis cannot reach each other (a blackhole: frames
-  vanish, nothing is refused; the node's peers still reach it);
-- ``redis_blackhole``: every frame to and from Redis is dropped, for everyone;
-- ``node_delay_20ms``: every frame to and from one worker node is held 20 ms;
-- ``node_loss_5pct``: 5 % of the frames to and from one worker node are dropped at random;
-- ``node_link_down``: one worker node's switch port goes down (the cable is pulled);
-- ``leader_redis_cut``: the coordinator replica holding the job's lease and Redis cannot
-  reach each other (the standby must take over);
-- ``coordinator_stop``: the coordinator replica holding the job's lease is SIGSTOPped for the
-  hold (at most :data:`STALL_MAX_S`), and an Active worker on a node the fault names is
-  ``kill -9``ed inside the stall: the survivors' step fails before any table says why (the
-  local soak's kind of the same name; issue 34).
+For ``duration`` seconds it injects the next kind of a seeded, shuffled cycle over the
+soak's kinds (:attr:`Soak.NETWORK` in :mod:`shoal.ops.chaos.kinds`: partitions two-way and
+one-way, a node cut off from Redis, Redis blackholed, delay, loss, a link down, the leader cut
+off from Redis, the leader stopped with a worker killed inside the stall), holds it for the
+hold its kind declares (``min_hold``..``max_hold``, capped for some), heals it, waits for a
+step to commit after the heal (at most :data:`RECOVER_WAIT` seconds), then ``min_gap``..
+``max_gap`` seconds, and goes on.
 
 With ``--ha`` Redis is a Sentinel set instead (a data node and a sentinel on each of ``r1``,
 ``r2``, ``r3``; every process connects through the ``redis+sentinel://`` URL; "Redis" in the
-faults above is the host of the primary the sentinels name at the time), and one more kind:
-
-- ``redis_isolate``: the primary's host, one coordinator replica and one worker node are cut
-  off together from every other host: inside, the old primary still acknowledges writes;
-  outside, the sentinels promote a replica once the hold outlasts their down-after time. Only
-  writes a replica confirmed may count (``shoal.core.durable``).
+faults is the host of the primary the sentinels name at the time), and the soak's kinds are
+:attr:`Soak.HA`'s: one more, ``redis_isolate`` (the primary, a coordinator replica and a worker
+node cut off together).
 
 The job is paced as in the local soak, steered every :data:`STEER_EVERY` seconds on the step
 the workers' ledgers last committed; once the window closes, the pause is released and the
@@ -55,7 +40,6 @@ harness start (``netns.sweep``).
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import signal
 import subprocess
@@ -70,12 +54,12 @@ import redis
 from shoal.core.registry import create_job
 from shoal.events.keys import JobKeys, job_keys
 from shoal.events.records import WorkerRecord
-from shoal.ops.chaos.inject import Injected, next_kind
+from shoal.ops.chaos.kinds import Injected, Soak, get, next_kind
 from shoal.ops.chaos.netns import Host, Net, NetUnavailable, unavailable_reason
-from shoal.ops.chaos.run import (
+from shoal.ops.chaos.pace import PaceSteer
+from shoal.ops.chaos.soak import (
     Background,
     ChaosConfig,
-    PaceSteer,
     committed_step,
     conclude,
     default_steps,
@@ -88,20 +72,10 @@ from shoal.ops.chaos.run import (
     worker_env,
 )
 from shoal.ops.chaos.sampler import Sampler
-from shoal.ops.chaos.verdict import Profile, Verdict
+from shoal.ops.chaos.verdict import Verdict
 from shoal.storage.uri import open_store
 from shoal.events.states import WorkerState
 
-NET_KINDS = ("peer_partition", "oneway_partition", "node_redis_cut", "redis_blackhole", "node_delay_20ms",
-             "node_loss_5pct", "node_link_down", "leader_redis_cut", "coordinator_stop")
-#: the longest a ``coordinator_stop`` holds the leader stopped (s): a stall, not an outage
-STALL_MAX_S = 3.0
-#: with ``--ha`` (Redis under Sentinel): one more kind
-HA_KINDS = NET_KINDS + ("redis_isolate",)
-PROFILE = Profile(NET_KINDS, NET_KINDS, "heal -> first committed step after it")
-HA_PROFILE = Profile(HA_KINDS, HA_KINDS, "heal -> first committed step after it")
-DELAY_MS = 20.0
-LOSS_PERCENT = 5
 #: after a heal, the next fault waits for a step committed after it, this long at most (s)
 RECOVER_WAIT = 10.0
 #: seconds between two adjustments of the pause per step (PaceSteer)
@@ -113,7 +87,9 @@ UNAVAILABLE = "shoal chaos --network: needs root with ip and nft (network namesp
 @dataclass
 class NetInjector:
     """Performs network faults on the soak's hosts, one at a time (:meth:`inject`, then
-    :meth:`heal`), and keeps which node every worker it saw ran on."""
+    :meth:`heal`), and keeps which node every worker it saw ran on. The kinds themselves are
+    entries of :data:`shoal.ops.chaos.kinds.REGISTRY` for ``soak``; :meth:`allowed` and
+    :meth:`inject` look the entry up and call it with this injector's primitives."""
 
     net: Net
     client: redis.Redis
@@ -123,11 +99,16 @@ class NetInjector:
     coordinators: dict[str, Host]  #: replica id (= host name) -> host
     #: replica id -> its process (``coordinator_stop`` signals it)
     coordinator_procs: dict = field(default_factory=dict)
+    soak: Soak = Soak.NETWORK  #: whose kinds it injects (HA: Redis under Sentinel)
+    hold_range: tuple[float, float] = (2.0, 5.0)  #: the soak's (--min-hold, --max-hold)
+    ttl: float = 1.5  #: the job's heartbeat TTL
     done: list[Injected] = field(default_factory=list)
     current: Injected | None = None
     node_of: dict[str, str] = field(default_factory=dict)  #: worker id -> node name
     joined_ms: dict[str, int] = field(default_factory=dict)  #: worker id -> when it joined (server ms)
     _stopped: object = None  #: the coordinator process a ``coordinator_stop`` holds stopped
+
+    # ---- what it observes ----------------------------------------------------------------
 
     def observe(self) -> dict[str, WorkerRecord]:
         """The job's worker records (and which node each ran on, remembered)."""
@@ -146,13 +127,18 @@ class NetInjector:
         token = self.client.get(self.keys.lease)
         return self.coordinators.get(token.decode().split(":", 1)[0]) if token else None
 
-    def targets(self, kind: str) -> list[tuple[Host, ...]]:
-        """The node (pairs) ``kind`` may hit now: some Active worker runs on a node it spares."""
+    def node_picks(self) -> list[Host]:
+        """The worker nodes a fault may hit now: some Active worker runs on a node it spares."""
         held = self.holders()
-        if kind in ("peer_partition", "oneway_partition"):
-            return [(a, b) for a in self.nodes for b in self.nodes
-                    if a is not b and (kind == "oneway_partition" or a.name < b.name) and held - {a.name, b.name}]
-        return [(n,) for n in self.nodes if held - {n.name}]
+        return [n for n in self.nodes if held - {n.name}]
+
+    def pair_picks(self, ordered: bool) -> list[tuple[Host, Host]]:
+        """The pairs of worker nodes a fault between two may hit now (``ordered``: (a, b) and
+        (b, a) both, for a one-way fault; else each pair once): some Active worker runs on a
+        node outside the pair."""
+        held = self.holders()
+        return [(a, b) for a in self.nodes for b in self.nodes
+                if a is not b and (ordered or a.name < b.name) and held - {a.name, b.name}]
 
     def redis(self) -> Host:
         """The host of Redis (under Sentinel: of the primary now)."""
@@ -163,81 +149,31 @@ class NetInjector:
             raise RuntimeError("the sentinels name no primary")
         return self.net.hosts[name]
 
+    # ---- the registry's entry point ------------------------------------------------------
+
     def allowed(self, kind: str) -> bool:
-        if kind in ("redis_blackhole", "redis_isolate"):
-            if self.redis_host is None and self.net.ha_primary() is None:
-                return False  # a fail-over under way
-            return kind == "redis_blackhole" or bool(self.targets(kind))
-        if kind == "leader_redis_cut":
-            return self.leader() is not None
-        if kind == "coordinator_stop":
-            leader = self.leader()
-            return leader is not None and leader.name in self.coordinator_procs and bool(self.targets(kind))
-        return bool(self.targets(kind))
+        return get(self.soak, kind).allowed(self)
 
     def inject(self, kind: str, rng: random.Random) -> Injected:
+        """Inject ``kind`` and record it as the current fault; it is held ``fault.hold`` seconds
+        (its kind's hold), until :meth:`heal`."""
         if self.current is not None:
             raise RuntimeError(f"{self.current.kind} is still injected")
-        net, nodes = self.net, ()
-        if kind == "redis_blackhole":
-            redis_host = self.redis()
-            net.loss(redis_host, 100)
-            target, nodes = f"redis ({redis_host.name}): every frame to and from it dropped", tuple(n.name for n in self.nodes)
-        elif kind == "leader_redis_cut":
-            leader, redis_host = self.leader(), self.redis()
-            net.partition(leader, redis_host)
-            target = f"{leader.name} <-> redis ({redis_host.name}) cut (the leader)"
-        elif kind == "coordinator_stop":
-            leader = self.leader()
-            proc = self.coordinator_procs[leader.name]
-            (node,) = rng.choice(self.targets(kind))
-            victims = sorted((wid, rec.pid) for wid, rec in self.observe().items()
-                             if rec.node == node.name and rec.state == WorkerState.ACTIVE)
-            proc.signal(signal.SIGSTOP)
-            self._stopped = proc
-            target = f"{leader.name} stopped"
-            if victims:
-                time.sleep(rng.uniform(0.1, 0.5))  # inside the stall: nothing to await
-                wid, pid = rng.choice(victims)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                target += f"; {wid} (pid {pid}) on {node.name} killed inside the stall"
-            nodes = (node.name,)
-        elif kind == "redis_isolate":
-            redis_host = self.redis()
-            (node,) = rng.choice(self.targets(kind))
-            coordinator = self.coordinators[rng.choice(sorted(self.coordinators))]
-            net.isolate([redis_host, coordinator, node])
-            nodes = tuple(n.name for n in self.nodes)  # all lose the primary: the others until the promotion
-            target = f"{redis_host.name} (the primary), {coordinator.name} and {node.name} cut off from the rest"
-        else:
-            pick = rng.choice(self.targets(kind))
-            nodes = tuple(h.name for h in pick)
-            if kind == "peer_partition":
-                net.partition(*pick)
-                target = f"{pick[0].name} <-> {pick[1].name} cut"
-            elif kind == "oneway_partition":
-                net.partition(*pick, oneway=True)
-                target = f"{pick[0].name} -> {pick[1].name} cut"
-            else:
-                (node,) = pick
-                if kind == "node_redis_cut":
-                    redis_host = self.redis()
-                    net.partition(node, redis_host)
-                    target = f"{node.name} <-> redis ({redis_host.name}) cut"
-                elif kind == "node_delay_20ms":
-                    net.delay(node, DELAY_MS)
-                    target = f"{node.name} +{DELAY_MS:g} ms each way"
-                elif kind == "node_loss_5pct":
-                    net.loss(node, LOSS_PERCENT)
-                    target = f"{node.name} {LOSS_PERCENT} % of frames dropped"
-                else:
-                    net.link_down(node)
-                    target = f"{node.name} link down"
-        fault = Injected(kind, time.time(), target, -1, nodes=nodes)
+        entry = get(self.soak, kind)
+        hold = entry.hold.seconds(rng, self.ttl, self.hold_range)
+        hit = entry.inject(self, rng, hold)
+        fault = Injected(kind, time.time(), hit.target, -1, nodes=hit.nodes, hold=hold)
         self.done.append(fault)
         self.current = fault
         return fault
+
+    # ---- primitives the kinds use (besides ``net``'s) ------------------------------------
+
+    def stop_coordinator(self, name: str) -> None:
+        """SIGSTOP the coordinator replica ``name``; :meth:`heal` sends SIGCONT."""
+        proc = self.coordinator_procs[name]
+        proc.signal(signal.SIGSTOP)
+        self._stopped = proc
 
     def heal(self) -> None:
         self.net.heal()
@@ -331,14 +267,13 @@ def run_network(cfg: ChaosConfig, out=print) -> Verdict:
         finally:
             with _shielded():  # the job is over (or abandoned): its processes need not drain long
                 net.close(timeout=3.0)
-        return conclude(cfg, root, out, profile=HA_PROFILE if cfg.ha else PROFILE, **run)
+        return conclude(cfg, root, out, **run)
 
 
 def _soak(cfg: ChaosConfig, net: Net, root: Path, out) -> dict:
     """The hosts, the processes and the fault window; what :func:`conclude` needs."""
     rng = random.Random(cfg.seed)
     steps = default_steps(cfg)
-    kinds = HA_KINDS if cfg.ha else NET_KINDS
     if cfg.ha:
         redis_host = None
         data = [net.add_host(f"r{i}") for i in (1, 2, 3)]
@@ -377,7 +312,8 @@ def _soak(cfg: ChaosConfig, net: Net, root: Path, out) -> dict:
                       "--backoff", "0.1", "--backoff-max", str(cfg.agent_backoff_max),
                       "--run-dir", str(root / f"agent-{n.name}"), env=env) for n in nodes]
     injector = NetInjector(net, client, keys, nodes, redis_host, coordinators,
-                           coordinator_procs={c.name: c for c in coords})
+                           coordinator_procs={c.name: c for c in coords}, soak=cfg.soak,
+                           hold_range=(cfg.min_hold, cfg.max_hold), ttl=cfg.ttl)
     sampler = Sampler(FollowingClient(net) if cfg.ha else net.client(), keys, open_store(ckpt))
     try:
         if not wait_state(client, keys, ("running",), 120):
@@ -415,16 +351,13 @@ def _soak(cfg: ChaosConfig, net: Net, root: Path, out) -> dict:
             if now < next_at:
                 time.sleep(0.05)
                 continue
-            kind = next_kind(cycle, kinds, injector.allowed, rng)
+            kind = next_kind(cycle, cfg.soak.kinds, injector.allowed, rng)
             if kind is None:
                 next_at = now + 0.5
                 continue
-            hold = rng.uniform(cfg.min_hold, cfg.max_hold)
-            if kind == "coordinator_stop":  # a stall, not an outage
-                hold = min(hold, STALL_MAX_S)
             f = injector.inject(kind, rng)
-            heal_at = time.monotonic() + hold
-            out(f"  {time.monotonic() - started:6.1f} s  {f.kind:<17} {f.target}, held {hold:.1f} s")
+            heal_at = time.monotonic() + f.hold
+            out(f"  {time.monotonic() - started:6.1f} s  {f.kind:<17} {f.target}, held {f.hold:.1f} s")
         window = time.monotonic() - started
         if injector.current is not None:
             injector.heal()

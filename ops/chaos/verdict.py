@@ -10,13 +10,15 @@ Checks (each a line of the table; the soak fails if any fails):
 - those parameters are close to a failure-free single-process run with the same seed and
   the same number of steps (the step is world-size invariant up to float summation order);
 - LATEST was valid at every sample; Redis memory and stream lengths stayed bounded;
-- every fault injected was survived: training committed a step after it (after its heal, for
-  a fault held for a while);
+- every fault injected was survived: training committed a step after it, as its kind's
+  declared recovery says (:class:`shoal.ops.chaos.kinds.Recovery`: in a newer generation or in
+  any; counted from the fault or from its heal);
 - no worker was declared failed that no fault hit (a crash or a false eviction, which a job
   that heals itself would otherwise hide).
 
-Which fault kinds the table counts, and which recovery time it reports, is the soak's
-:class:`Profile` (:data:`LOCAL` for ``shoal chaos``; ``shoal chaos --network`` has its own).
+Which fault kinds the table counts (and in which order), which recovery times it reports and
+what survived means for each is read from the registry of fault kinds
+(:mod:`shoal.ops.chaos.kinds`), for the soak judged (:class:`~shoal.ops.chaos.kinds.Soak`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from shoal.events.keys import (
     LOGS_MAXLEN,
     PROGRESS_MAXLEN,
 )
-from shoal.ops.chaos.inject import KINDS, WORKER_FAULTS, Injected
+from shoal.ops.chaos.kinds import UNKNOWN, Injected, Soak, find
 from shoal.ops.chaos.sampler import Samples
 from shoal.worker import ledger
 
@@ -56,19 +58,6 @@ MEMORY_BOUND = 256 * 1024 * 1024
 MAX_QUIET = 30.0
 
 
-@dataclass(frozen=True)
-class Profile:
-    """What a soak injects: the fault kinds its table counts, those whose recovery time it
-    reports, and what that time measures."""
-
-    kinds: tuple[str, ...]
-    timed: tuple[str, ...]
-    recovery: str
-
-
-LOCAL = Profile(KINDS, WORKER_FAULTS, "fault -> first committed step after it in a newer generation")
-
-
 @dataclass
 class Check:
     name: str
@@ -81,7 +70,7 @@ class Verdict:
     checks: list[Check] = field(default_factory=list)
     faults: dict[str, tuple[int, int]] = field(default_factory=dict)  #: kind -> (injected, survived)
     recoveries: list[float] = field(default_factory=list)
-    profile: Profile = LOCAL
+    soak: Soak = Soak.LOCAL
 
     @property
     def ok(self) -> bool:
@@ -92,7 +81,7 @@ class Verdict:
 
     def table(self) -> str:
         lines = [f"{'fault':<20} {'injected':>8} {'survived':>8}"]
-        for kind in self.profile.kinds:
+        for kind in self.soak.kinds:
             n, s = self.faults.get(kind, (0, 0))
             lines.append(f"{kind:<20} {n:>8} {s:>8}")
         lines.append("")
@@ -101,37 +90,38 @@ class Verdict:
         if self.recoveries:
             r = sorted(self.recoveries)
             lines.append(f"{'recovery after a fault':<{w}}        median {statistics.median(r):.2f} s, worst {r[-1]:.2f} s "
-                         f"({self.profile.recovery}; n={len(r)})")
+                         f"({self.soak.recovery_figure}; n={len(r)})")
         return "\n".join(lines)
 
     def summary(self) -> dict:
         """The verdict as plain data (what a soak writes to ``summary.json``)."""
         return {"ok": self.ok,
-                "faults": {k: dict(zip(("injected", "survived"), self.faults.get(k, (0, 0)))) for k in self.profile.kinds},
+                "faults": {k: dict(zip(("injected", "survived"), self.faults.get(k, (0, 0)))) for k in self.soak.kinds},
                 "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks],
                 "recoveries": sorted(self.recoveries)}
 
 
-def recovery_times(faults: list[Injected], entries: list[dict], timed: tuple[str, ...] = WORKER_FAULTS
+def recovery_times(faults: list[Injected], entries: list[dict], soak: Soak = Soak.LOCAL
                    ) -> tuple[list[float], dict[str, tuple[int, int]]]:
-    """Per fault: seconds to the first committed step after it, or after its heal when it was
-    held (for a worker fault other than a slow step: in a generation newer than the one it hit). A fault with no such
-    step was not survived. The times returned are those of the ``timed`` kinds."""
+    """Per fault: the first committed step that shows it survived, as its kind declares in
+    ``soak`` (:class:`~shoal.ops.chaos.kinds.Recovery`: after the fault or after its heal; in a
+    generation newer than the one it hit, or in any). A fault with no such step was not
+    survived. The times returned (from the fault, or from its heal) are those of the kinds
+    declared ``timed``. A kind the registry does not know is judged as :data:`UNKNOWN` says,
+    and not timed."""
     times = sorted((e["t"], e["generation"]) for e in entries)
     out: list[float] = []
     counts: dict[str, list[int]] = {}
     for f in faults:
         n = counts.setdefault(f.kind, [0, 0])
         n[0] += 1
-        since = max(f.t, f.healed)
-        # a slow step is waited for in the same generation; a lost worker needs a newer one
-        same_ok = ("worker_join", "coordinator_kill", "coordinator_stop", "worker_slow")
-        after = next((t for t, g in times if t > since and (f.generation < 0 or f.kind in same_ok
-                                                             or g > f.generation)), None)
+        kind = find(soak, f.kind)
+        recovery = kind.recovery if kind is not None else UNKNOWN
+        after = next((t for t, g in times if recovery.survived_by(f, t, g)), None)
         if after is not None:
             n[1] += 1
-            if f.kind in timed:
-                out.append(after - since)
+            if kind is not None and kind.timed:
+                out.append(after - recovery.since(f))
     return out, {k: (v[0], v[1]) for k, v in counts.items()}
 
 
@@ -154,10 +144,10 @@ def compare_to_reference(finals: dict[str, dict], reference: dict) -> tuple[bool
 
 def judge(*, completed: bool, final_step: int, elapsed: float, entries: list[dict], num_samples: int,
           finals: dict[str, dict], reference: dict | None, samples: Samples, faults: list[Injected],
-          window: float, duration: float, failed: list[str] | None = None, profile: Profile = LOCAL) -> Verdict:
+          window: float, duration: float, failed: list[str] | None = None, soak: Soak = Soak.LOCAL) -> Verdict:
     """``failed``: the worker ids of the job's ``failures`` stream (every failure the
-    coordinator declared)."""
-    v = Verdict(profile=profile)
+    coordinator declared); ``soak``: whose fault kinds ``faults`` are."""
+    v = Verdict(soak=soak)
     times = sorted(f.t for f in faults)
     quiet = max((b - a for a, b in zip(times, times[1:])), default=0.0)
     full = window >= duration - 1.0
@@ -184,18 +174,26 @@ def judge(*, completed: bool, final_step: int, elapsed: float, entries: list[dic
     v.add("Redis memory and streams bounded", samples.max_memory < MEMORY_BOUND and not over,
           f"max used_memory {samples.max_memory / 2**20:.1f} MiB; max XLEN "
           + ", ".join(f"{k} {x}" for k, x in sorted(samples.max_xlen.items())))
-    v.recoveries, v.faults = recovery_times(faults, entries, profile.timed)
+    v.recoveries, v.faults = recovery_times(faults, entries, soak)
     lost = sum(n - s for n, s in v.faults.values())
     v.add("every fault survived", bool(faults) and lost == 0, f"{len(faults)} injected, {lost} not survived")
     if failed is not None:
         # a self-healing job hides its own crashes and false evictions: every worker declared
-        # failed must be one a fault hit - and a slow step is not a fault that may end a worker
-        hit = {f.worker for f in faults if f.worker and f.kind != "worker_slow"} | {w for f in faults for w in f.hits}
+        # failed must be one a fault hit - by a kind that may end it (a slow step may not)
+        hit = {f.worker for f in faults if f.worker and _may_fail_worker(soak, f.kind)} | {w for f in faults
+                                                                                         for w in f.hits}
         unprovoked = sorted(set(failed) - hit, key=lambda w: (len(w), w))
         v.add("no failure without a fault", not unprovoked,
               f"{len(set(failed))} workers declared failed, each hit by a fault" if not unprovoked else
               f"declared failed without a fault: {', '.join(unprovoked[:10])} (their logs say why)")
     return v
+
+
+def _may_fail_worker(soak: Soak, name: str) -> bool:
+    """Whether the worker a fault of kind ``name`` hit may be declared failed for it (a kind
+    the registry does not know: yes)."""
+    kind = find(soak, name)
+    return kind is None or kind.may_fail_worker
 
 
 def load_finals(export_dir: Path) -> dict[str, dict]:

@@ -10,12 +10,17 @@
 - SIGTERM in the middle of the soak: it exits, and every namespace it made is gone.
 - Where namespaces cannot be made (here: no ``ip`` on PATH) it says why in one line and exits
   non-zero, with no traceback (this one runs anywhere).
+
+Then one test per network fault kind of the registry (ops/chaos/kinds.py): what the kind does
+to real namespaces, through the network soak's injector, on a job's records in the session's
+Redis. A new network kind adds its test here.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -23,9 +28,13 @@ import sys
 
 import pytest
 
+from shoal.events.keys import job_keys
+from shoal.events.records import WorkerRecord
+from shoal.events.states import WorkerState
+from shoal.ops.chaos.kinds import Soak
 from shoal.ops.chaos.netns import ETC_NETNS, namespaces, unavailable_reason
-from shoal.ops.chaos.network import HA_KINDS, NET_KINDS
-from tests.helpers import ROOT, run_cli
+from shoal.ops.chaos.network import NetInjector
+from tests.helpers import ROOT, run_cli, wait_until
 
 #: the first line names the namespaces it makes: ``(shn<pid>-*)``
 TAG = re.compile(r"network namespace \((shn\d+)-\*\)")
@@ -63,7 +72,7 @@ def test_sixty_seconds_of_network_chaos_pass_with_every_fault_kind(tmp_path) -> 
     failed = [f"{c['name']}: {c['detail']}" for c in summary["checks"] if not c["ok"]]
     assert summary["ok"] and not failed, failed
     assert done.returncode == 0 and "chaos soak PASSED" in done.stdout, report
-    assert set(summary["faults"]) == set(NET_KINDS)
+    assert set(summary["faults"]) == set(Soak.NETWORK.kinds)
     for kind, n in summary["faults"].items():
         assert n["injected"] >= 1 and n["survived"] == n["injected"], (kind, n)
         assert re.search(rf"^{kind} +{n['injected']} +{n['survived']}$", done.stdout, re.M), kind  # the table
@@ -81,7 +90,7 @@ def test_network_chaos_under_sentinel_isolates_the_primary_and_passes(tmp_path) 
     summary = json.loads((run_dir / "summary.json").read_text())
     failed = [f"{c['name']}: {c['detail']}" for c in summary["checks"] if not c["ok"]]
     assert summary["ok"] and not failed, failed
-    assert set(summary["faults"]) == set(HA_KINDS)
+    assert set(summary["faults"]) == set(Soak.HA.kinds)
     isolated = summary["faults"]["redis_isolate"]
     assert isolated["injected"] >= 1 and isolated["survived"] == isolated["injected"], isolated
     assert "Redis under Sentinel" in done.stdout and "chaos soak PASSED" in done.stdout, report
@@ -124,3 +133,33 @@ def test_where_namespaces_cannot_be_made_it_says_why_in_one_line(tmp_path) -> No
     assert "\n" not in line and "Traceback" not in line, done.stderr
     assert line.startswith("shoal chaos --network: needs root with ip and nft (network namespaces): ")
     assert "not root" in line or "'ip'" in line, line
+
+
+# ---- one test per network fault kind -------------------------------------------------------
+
+PORT = 7000
+LISTEN = ("import socket,sys\ns=socket.socket()\ns.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
+          "s.bind((sys.argv[1],int(sys.argv[2])))\ns.listen()\nwhile True:\n c,_=s.accept()\n c.close()\n")
+
+
+@pytest.mark.slow
+def test_node_link_down_pulls_the_cable_of_a_node_another_active_worker_spares(net, r, job_id) -> None:
+    nodes = [net.add_host("n1"), net.add_host("n2")]
+    keys = job_keys(job_id)
+    for i, node in enumerate(nodes):  # an Active worker on each node: either may be cut off
+        record = WorkerRecord(worker_id=f"w{i}", state=WorkerState.ACTIVE, node=node.name)
+        r.hset(keys.workers, f"w{i}", record.to_json())
+        node.popen(f"listen-{node.name}", [sys.executable, "-c", LISTEN, node.ip, str(PORT)])
+    wait_until(lambda: nodes[0].can_connect(nodes[1].ip, PORT) and nodes[1].can_connect(nodes[0].ip, PORT), 10,
+               "both listeners to accept")
+    injector = NetInjector(net, r, keys, nodes, None, {}, hold_range=(2.0, 3.0))
+    assert injector.allowed("node_link_down")
+
+    fault = injector.inject("node_link_down", random.Random(1))
+    (cut,) = fault.nodes
+    other = next(n for n in nodes if n.name != cut)
+    assert fault.target == f"{cut} link down" and 2.0 <= fault.hold <= 3.0 and injector.current is fault
+    assert not other.can_connect(net.hosts[cut].ip, PORT)
+    injector.heal()
+    assert injector.current is None and fault.healed >= fault.t
+    wait_until(lambda: other.can_connect(net.hosts[cut].ip, PORT), 10, f"{cut}'s link to come back")

@@ -1,11 +1,11 @@
-"""The chaos soak's pace steering (ops/chaos/run.py PaceSteer), on a simulated clock: a job
+"""The chaos soak's pace steering (ops/chaos/pace.py PaceSteer), on a simulated clock: a job
 must not end before its fault window, on a fast machine or a slow one, with stalls."""
 
 from __future__ import annotations
 
 import pytest
 
-from shoal.ops.chaos.run import PaceSteer
+from shoal.ops.chaos.pace import PaceSteer
 
 WINDOW, STEPS = 60.0, 1400
 

@@ -3,7 +3,7 @@ injecting and failures that no fault explains (the soak itself runs in test_chao
 
 from __future__ import annotations
 
-from shoal.ops.chaos.inject import Injected
+from shoal.ops.chaos.kinds import Injected
 from shoal.ops.chaos.sampler import Samples
 from shoal.ops.chaos.verdict import MAX_QUIET, judge
 
