@@ -537,7 +537,8 @@ REGISTRY: tuple[Kind, ...] = (
     Kind("node_redis_cut", _NET,
          "one worker node and Redis cannot reach each other (a blackhole: frames vanish, nothing is refused; the "
          "node's peers still reach it)",
-         _spares_a_node, _node_fault(_cut_from_redis), hold=SoakRange(), recovery=AFTER_HEAL, timed=True),
+         _primary_known_and_spares_a_node, _node_fault(_cut_from_redis), hold=SoakRange(), recovery=AFTER_HEAL,
+         timed=True),
     Kind("redis_blackhole", _NET, "every frame to and from Redis is dropped, for everyone",
          _primary_known, _blackhole_redis, hold=SoakRange(), recovery=AFTER_HEAL, timed=True),
     Kind("node_delay_20ms", _NET, f"every frame to and from one worker node is held {DELAY_MS:g} ms",
@@ -549,7 +550,7 @@ REGISTRY: tuple[Kind, ...] = (
     Kind("leader_redis_cut", _NET,
          "the coordinator replica holding the job's lease and Redis cannot reach each other (the standby must "
          "take over)",
-         _leader_known, _cut_leader_from_redis, hold=SoakRange(), recovery=AFTER_HEAL, timed=True),
+         lambda inj: _primary_known(inj) and _leader_known(inj), _cut_leader_from_redis, hold=SoakRange(), recovery=AFTER_HEAL, timed=True),
     Kind("coordinator_stop", _NET,
          f"the coordinator replica holding the job's lease is SIGSTOPped for the hold (at most {STALL_MAX_S:g} s: "
          "a stall, not an outage), and an Active worker on a node the fault names is kill -9ed inside the stall: "
