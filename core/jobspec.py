@@ -8,11 +8,12 @@ environment, so no secret is ever written to Redis.
 
 from __future__ import annotations
 
+import keyword
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
 
 from shoal.events.keys import valid_job_id
 from shoal.events.validation import every_error
@@ -39,6 +40,12 @@ class JobSpec(BaseModel):
 
     name: Annotated[str, Field(min_length=1, max_length=64)]
     entrypoint: str = "shoal.examples.digits:build"
+    #: Keyword arguments of the entrypoint: ``params: {lr: 3e-4, n_layer: 6}`` calls
+    #: ``build(lr=3e-4, n_layer=6)`` on every worker (the same call everywhere). JSON values
+    #: (numbers, strings, booleans, null, lists, mappings); names must be Python identifiers.
+    #: ``shoal create``/``submit`` check them against the function's signature (a missing or
+    #: unexpected argument is refused, naming it); ``--set params.lr=1e-3`` sets one.
+    params: dict[str, JsonValue] = Field(default_factory=dict)
     global_batch_size: Annotated[int, Field(gt=0)] = 64
     epochs: Annotated[int, Field(gt=0)] = 1
     max_steps: Annotated[int | None, Field(gt=0)] = None
@@ -143,6 +150,14 @@ class JobSpec(BaseModel):
     def _entrypoint_form(cls, v: str) -> str:
         if v != "simulate" and (v.count(":") != 1 or not all(v.split(":"))):
             raise ValueError("must be 'module:function' (or 'simulate')")
+        return v
+
+    @field_validator("params")
+    @classmethod
+    def _params_are_keywords(cls, v: dict) -> dict:
+        bad = [name for name in v if not name.isidentifier() or keyword.iskeyword(name)]
+        if bad:
+            raise ValueError(f"{printable(bad[0])!r} is not a keyword argument name (a Python identifier)")
         return v
 
     @field_validator("checkpoint_uri", "data_uri")

@@ -437,7 +437,7 @@ def _spec_from_args(args: argparse.Namespace):
 
 def _spec_fields(args: argparse.Namespace):
     from shoal.core.jobspec import load_spec, parse_spec
-    from shoal.core.yamlfile import read_yaml
+    from shoal.core.yamlfile import parse_scalar, read_yaml
 
     name, sets = getattr(args, "name", None), args.set or []
     if args.spec and not name and not sets:
@@ -453,17 +453,23 @@ def _spec_fields(args: argparse.Namespace):
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set expects key=value, got {item!r}")
-        fields[key] = _yaml_scalar(value)
+        _set_field(fields, key, parse_scalar(value))
     return parse_spec(fields, f"{args.spec} with --set/--name" if args.spec else "--set options")
 
 
-def _yaml_scalar(text: str):
-    import yaml
-
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
+def _set_field(fields: dict, key: str, value) -> None:
+    """``--set key=value``; a dotted key reaches into a mapping field (``params.lr=1e-3``
+    sets ``lr`` of ``params``, keeping its other entries; the mapping is made when absent)."""
+    *path, last = key.split(".")
+    if not all(path) or not last:
+        raise ConfigError(f"--set {key}: an empty name in the dotted key")
+    where = fields
+    for i, part in enumerate(path):
+        inner = where.setdefault(part, {})
+        if not isinstance(inner, dict):
+            raise ConfigError(f"--set {key}: {'.'.join(path[:i + 1])} is not a mapping")
+        where = inner
+    where[last] = value
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -752,14 +758,16 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
     cr = sub.add_parser("create", help="register a job from a spec file or options (no queue)")
     cr.add_argument("spec", nargs="?", help="job spec YAML")
     cr.add_argument("--name", help="the job's name (overrides the file's)")
-    _add_spec_options(cr, set_help="spec field, over the file's if one is given (repeatable; validated like the file)")
+    _add_spec_options(cr, set_help="spec field, over the file's if one is given (repeatable; validated like the file; "
+                                           "params.NAME=VALUE sets one keyword argument of the entrypoint)")
     cr.set_defaults(func=cmd_create)
 
     sb = sub.add_parser("submit", help="validate a job spec, register the job and queue its launch units")
     sb.add_argument("spec", help="job spec YAML")
     sb.add_argument("--workers", "-n", type=_positive_int, default=1,
                     help="worker processes per launch unit, i.e. per node agent (default 1)")
-    _add_spec_options(sb, set_help="override a spec field of the file (repeatable; validated like the file)")
+    _add_spec_options(sb, set_help="override a spec field of the file (repeatable; validated like the file; "
+                                           "params.NAME=VALUE sets one keyword argument of the entrypoint)")
     sb.set_defaults(func=cmd_submit)
 
     st = sub.add_parser("stop", help="stop a job gracefully (workers see 'stopped' and exit)")

@@ -38,8 +38,8 @@ TRACEBACK_LINES = 12
 def job_status(client: redis.Redis, job_id: str) -> dict:
     """A JSON-able dict: job state, generation, reason, first failure, committed steps redone
     (lost with every replica that held them), the leading coordinator replica (its name,
-    never its lease token) and fencing epoch, and per worker id, state, step, last heartbeat
-    age (ms), straggler flag, digest, ranges."""
+    never its lease token) and fencing epoch, the entrypoint's ``params``, and per worker id,
+    state, step, last heartbeat age (ms), straggler flag, digest, ranges."""
     keys = job_keys(job_id)
     pipe = client.pipeline(transaction=False)
     pipe.get(keys.spec)
@@ -126,6 +126,8 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
         "stall": ({"step": status.stall.step, "generations": status.stall.generations,
                    "reporters": dict(status.stall.reporters), "restarts": status.stall.restarts,
                    "last_error": status.stall.error} if churning and not ended else None),
+        # the keyword arguments of the entrypoint (the spec's ``params``; {} : none)
+        "params": _spec_params(spec_raw),
         "generation": status.generation,
         "world_size": table.world_size if table else 0,
         "shard_size": table.shard_size if table else 1,
@@ -251,6 +253,15 @@ def no_commit_threshold(beats: list[Heartbeat], heartbeat_interval: float) -> fl
     return max(NO_COMMIT_FLOOR_S, 2 * heartbeat_interval + 1.0, NO_COMMIT_STEPS * step)
 
 
+def _spec_params(spec_raw: bytes) -> dict:
+    """The stored spec's ``params`` ({} when it has none or does not read)."""
+    try:
+        params = json.loads(spec_raw).get("params")
+    except (ValueError, TypeError, AttributeError):
+        return {}
+    return params if isinstance(params, dict) else {}
+
+
 def _heartbeat_interval(spec_raw: bytes) -> float:
     try:
         return float(json.loads(spec_raw).get("heartbeat_interval") or 2.0)
@@ -329,6 +340,8 @@ def format_status(s: dict) -> str:
         f"reason: {s['reason']}",
         f"coordinator: {s['leader'] or 'none (the lease is free)'}  epoch {s['epoch']}",
     ]
+    if s.get("params"):  # what the entrypoint was called with
+        lines.append("params: " + escape_controls(" ".join(f"{k}={json.dumps(v)}" for k, v in s["params"].items())))
     if s["first_failure"]:
         more = f"  ({s['failures']} failures in all: redis-cli XRANGE 'shoal:{{{s['job_id']}}}:failures' - +)" \
             if s["failures"] > 1 else ""

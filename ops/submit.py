@@ -8,6 +8,7 @@ only: connection settings and credentials come from each node's environment.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -79,7 +80,8 @@ CLI_SKIP_HINT = "pass --no-validate if only the worker nodes have it"
 def check_runnable(spec: JobSpec, *, build: bool = False, isolated: bool = False, timeout: float | None = None,
                    skip_hint: str = CLI_SKIP_HINT) -> None:
     """What can be checked on the submitting machine before a job is accepted, calling no
-    user code: the entrypoint imports and names a function callable without arguments, a
+    user code: the entrypoint imports and names a function callable with the spec's ``params``
+    as keyword arguments (a missing or unexpected one is named), a
     ``tensorboard_dir`` has the ``tensorboard`` package installed, and an ``s3://``
     checkpoint, data or TensorBoard URI has its S3 settings (``S3_ENDPOINT``,
     ``S3_ACCESS_KEY``, ``S3_SECRET_KEY`` or ``S3_CREDENTIALS_FILE``). With ``build``
@@ -97,7 +99,7 @@ def check_runnable(spec: JobSpec, *, build: bool = False, isolated: bool = False
     skip = f"; {skip_hint}"
     if spec.entrypoint != "simulate":
         problem = _entrypoint_problem(spec.entrypoint, spec.seed, build, spec.working_dir, isolated=isolated,
-                                      timeout=timeout)
+                                      timeout=timeout, params=spec.params)
         if problem:
             where = f" (imported from working_dir {spec.working_dir})" if spec.working_dir else ""
             raise ConfigError(f"{problem}{where}{skip}")
@@ -118,23 +120,24 @@ def check_runnable(spec: JobSpec, *, build: bool = False, isolated: bool = False
 
 
 def _entrypoint_problem(entrypoint: str, seed: int, build: bool, working_dir: str | None, *,
-                        isolated: bool = False, timeout: float | None = None) -> str:
-    """What is wrong with ``entrypoint`` ("" : nothing): imported (and called when ``build``)
-    here, or, with a ``working_dir`` or ``isolated``, in a child process run like a worker
-    there (in the current directory when there is no ``working_dir``), killed after
-    ``timeout`` s."""
+                        isolated: bool = False, timeout: float | None = None, params: dict | None = None) -> str:
+    """What is wrong with ``entrypoint`` called with ``params`` ("" : nothing): imported (and
+    called when ``build``) here, or, with a ``working_dir`` or ``isolated``, in a child
+    process run like a worker there (in the current directory when there is no
+    ``working_dir``), killed after ``timeout`` s."""
     from shoal.worker.errors import EntrypointError
     from shoal.worker.userapi import load_entrypoint, resolve_entrypoint
 
     if working_dir is None and not isolated:
         try:
-            load_entrypoint(entrypoint, seed) if build else resolve_entrypoint(entrypoint)
+            load_entrypoint(entrypoint, seed, params) if build else resolve_entrypoint(entrypoint, params)
         except EntrypointError as exc:
             return str(exc)
         return ""
     cwd = working_dir or os.getcwd()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([cwd, *filter(None, [os.environ.get("PYTHONPATH")])]))
-    argv = [sys.executable, "-m", "shoal.ops.submit", entrypoint, str(seed), *(["--build"] if build else [])]
+    argv = [sys.executable, "-m", "shoal.ops.submit", entrypoint, str(seed), json.dumps(params or {}),
+            *(["--build"] if build else [])]
     try:
         res = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL,
                              timeout=timeout)
@@ -146,8 +149,9 @@ def _entrypoint_problem(entrypoint: str, seed: int, build: bool, working_dir: st
     return lines[-1] if lines else f"checking it exited with code {res.returncode}"
 
 
-if __name__ == "__main__":  # the entrypoint check of a job with a working_dir, run there
-    _problem = _entrypoint_problem(sys.argv[1], int(sys.argv[2]), "--build" in sys.argv[3:], None)
+if __name__ == "__main__":  # the entrypoint check in a child: ENTRYPOINT SEED PARAMS_JSON [--build]
+    _problem = _entrypoint_problem(sys.argv[1], int(sys.argv[2]), "--build" in sys.argv[4:], None,
+                                   params=json.loads(sys.argv[3]))
     if _problem:
         print(_problem.replace("\n", " "), file=sys.stderr)
         sys.exit(2)

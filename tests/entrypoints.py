@@ -71,3 +71,41 @@ def stream_blobs_store() -> TrainingSetup:
     from tests.stream_data import blob_setup
 
     return blob_setup()
+
+
+def steady_digits(width: int, pace: float = 0.0, eval_pause: float = 0.0,
+                  tokens_per_sample: int | None = None) -> TrainingSetup:
+    """The digits task with the job spec's ``params``: an MLP 64 -> ``width`` -> 64 -> 10 (its
+    forward and backward, as torch's FLOP counter counts them - no input gradient for the
+    first layer - are 640 x ``width`` + 3840 FLOPs per sample), a ``pace`` s pause in every
+    step and an ``eval_pause`` s one in every evaluation (an evaluation step much longer than
+    the others), declaring ``tokens_per_sample`` (the 64 pixels, say). ``width`` has no
+    default: a job without it is refused."""
+    from torch import nn
+
+    from shoal.examples.digits import evaluate
+
+    setup = build_digits()
+    model = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 64), nn.ReLU(), nn.Linear(64, 10))
+    summed = nn.CrossEntropyLoss(reduction="sum")
+
+    def loss_fn(outputs, targets):
+        time.sleep(pace)
+        return summed(outputs, targets)
+
+    def eval_fn(m):
+        time.sleep(eval_pause)
+        return evaluate(m)
+
+    import torch
+
+    setup.model, setup.loss_fn, setup.eval_fn = model, loss_fn, eval_fn
+    setup.optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    setup.tokens_per_sample = tokens_per_sample
+    return setup
+
+
+def steady_digits_flops(width: int) -> float:
+    """FLOPs of one sample's forward and backward of :func:`steady_digits`' model."""
+    params = 64 * width + width * 64 + 64 * 10
+    return 2 * params * 2 + 2 * (width * 64 + 64 * 10)

@@ -165,7 +165,7 @@ class TrainingWorker(WorkerRunner):
 
     def prepare(self) -> None:
         prepare_process(self.spec, self.placement.device)  # before the model is built
-        setup = load_entrypoint(self.spec.entrypoint, self.spec.seed)
+        setup = load_entrypoint(self.spec.entrypoint, self.spec.seed, self.spec.params)
         self.setup = setup
         device = placement.local_device(self.placement.device)
         self.membership.device = str(device)

@@ -1,14 +1,15 @@
 """The user API: what a training job's ``entrypoint: module:function`` must return.
 
-The function takes no arguments and returns a :class:`TrainingSetup`::
+The function returns a :class:`TrainingSetup`. It is called with the job spec's ``params`` as
+keyword arguments (none by default: ``params: {lr: 3e-4}`` calls ``build(lr=3e-4)``)::
 
     from shoal import TrainingSetup
 
-    def build() -> TrainingSetup:
+    def build(lr: float = 0.1) -> TrainingSetup:
         model = torch.nn.Sequential(...)
         return TrainingSetup(
             model=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            optimizer=torch.optim.SGD(model.parameters(), lr=lr),
             dataset=MyDataset(),                                  # map-style: len() + [i]
             loss_fn=torch.nn.CrossEntropyLoss(reduction="sum"),  # SUM over the samples
         )
@@ -38,7 +39,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,12 +113,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-def resolve_entrypoint(entrypoint: str) -> Callable[[], Any]:
+def resolve_entrypoint(entrypoint: str, params: Mapping[str, Any] | None = None) -> Callable[..., Any]:
     """Import ``module:function`` and return the function, calling nothing: what ``submit``
     and ``create`` check before they accept a job. EntrypointError (one line naming the
     entrypoint and the problem) when the string is malformed, the module cannot be imported
-    (the import error is chained), the attribute is missing, not callable, or needs
-    arguments."""
+    (the import error is chained), the attribute is missing, not callable, or cannot be
+    called with ``params`` as keyword arguments (:func:`params_problem`: the argument that is
+    missing or unexpected is named)."""
     module_name, sep, fn_name = entrypoint.partition(":")
     if not sep or not module_name or not fn_name or ":" in fn_name:
         raise EntrypointError(f"entrypoint {entrypoint!r}: expected 'module:function'")
@@ -136,27 +138,53 @@ def resolve_entrypoint(entrypoint: str) -> Callable[[], Any]:
         obj = getattr(obj, part)
     if not callable(obj):
         raise EntrypointError(f"entrypoint {entrypoint!r}: {fn_name!r} is not callable")
-    try:
-        inspect.signature(obj).bind()
-    except TypeError as exc:
-        raise EntrypointError(f"entrypoint {entrypoint!r}: must be callable without arguments ({exc})") from exc
-    except ValueError:
-        pass  # builtins without a signature: just try the call
+    problem = params_problem(obj, params or {})
+    if problem:
+        raise EntrypointError(f"entrypoint {entrypoint!r}: {problem}")
     return obj
 
 
-def load_entrypoint(entrypoint: str, seed: int) -> TrainingSetup:
+def params_problem(fn: Callable[..., Any], params: Mapping[str, Any]) -> str:
+    """Why ``fn(**params)`` cannot be called ("" : it can), naming the first argument at
+    fault: one that ``fn`` needs and ``params`` lacks, one that ``params`` gives and ``fn``
+    does not take (it takes no ``**kwargs``), or one that only goes by position. A callable
+    without a readable signature (some builtins) passes: the call itself will tell."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return ""
+    kinds = inspect.Parameter
+    args = list(sig.parameters.values())
+    bare = sig.replace(parameters=[a.replace(annotation=kinds.empty) for a in args], return_annotation=kinds.empty)
+    shown = f"{getattr(fn, '__name__', 'the function')}{bare}"
+    for a in args:
+        if a.default is kinds.empty and a.kind is kinds.POSITIONAL_ONLY:
+            return f"{shown} needs its positional-only argument {a.name!r}: params are passed by keyword"
+        if a.default is kinds.empty and a.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY) \
+                and a.name not in params:
+            return (f"missing argument {a.name!r}: {shown} has no default for it; set it under params: in the "
+                    f"job spec (or --set params.{a.name}=VALUE)")
+    if any(a.kind is kinds.VAR_KEYWORD for a in args):
+        return ""
+    takes = {a.name for a in args if a.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)}
+    for name in params:
+        if name not in takes:
+            return f"unexpected argument {name!r} in params: {shown} takes no argument of that name"
+    return ""
+
+
+def load_entrypoint(entrypoint: str, seed: int, params: Mapping[str, Any] | None = None) -> TrainingSetup:
     """Import ``module:function`` (:func:`resolve_entrypoint`), seed every RNG with ``seed``,
-    call the function, validate.
+    call the function with ``params`` (the job spec's) as keyword arguments, validate.
 
     Raises EntrypointError (one line naming the entrypoint and the problem) as
     :func:`resolve_entrypoint` does, and when the call raises or the result is not a valid
     TrainingSetup.
     """
-    obj = resolve_entrypoint(entrypoint)
+    obj = resolve_entrypoint(entrypoint, params)
     seed_everything(seed)
     try:
-        setup = obj()
+        setup = obj(**(params or {}))
     except Exception as exc:  # noqa: BLE001 - user code
         raise EntrypointError(f"entrypoint {entrypoint!r} raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(setup, TrainingSetup):

@@ -145,6 +145,21 @@ def test_bad_specs_are_refused_with_one_line_and_nothing_is_written(api_server: 
     assert api_server.http.delete(f"/jobs/{job_id}", headers=api_server.auth()).status_code == 200
 
 
+def test_params_sent_over_the_api_are_checked_against_build_and_shown(api_server: ApiServer, r, job_id) -> None:
+    """Issue 37: ``params`` in a POSTed spec are the entrypoint's keyword arguments; a wrong one
+    is refused (422, one line naming it, nothing written), a right one is stored and shown."""
+    spec = {"name": job_id, "entrypoint": "tests.entrypoints:steady_digits", "params": {"width": 8, "pace": 0.01}}
+    bad = api_server.http.post("/jobs", json={"spec": {**spec, "params": {"width": 8, "widht": 8}}, "queue": False},
+                               headers=api_server.auth())
+    assert bad.status_code == 422 and "unexpected argument 'widht' in params" in one_line(bad)
+    assert job_keyspace(r, job_id) == []
+    ok = api_server.http.post("/jobs", json={"spec": spec, "queue": False}, headers=api_server.auth())
+    assert ok.status_code == 201, ok.text
+    got = api_server.http.get(f"/jobs/{job_id}").json()
+    assert got["params"] == {"width": 8, "pace": 0.01} and got["spec"]["params"] == {"width": 8, "pace": 0.01}
+    assert api_server.http.delete(f"/jobs/{job_id}", headers=api_server.auth()).status_code == 200
+
+
 def test_unknown_jobs_are_404(api_server: ApiServer) -> None:
     for method, path in (("GET", "/jobs/nope"), ("GET", "/jobs/nope/summary"), ("GET", "/jobs/nope/progress"),
                          ("GET", "/jobs/nope/logs"), ("GET", "/jobs/nope/logs/stream"), ("GET", "/jobs/nope/events"),

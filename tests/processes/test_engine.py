@@ -209,7 +209,7 @@ def _needs_args(x):
         ("no_such_module_xyz:build", "cannot import"),
         ("shoal.examples.digits:nope", "no attribute"),
         ("tests.processes.test_engine:GLOBAL_BATCH", "not callable"),
-        ("tests.processes.test_engine:_needs_args", "without arguments"),
+        ("tests.processes.test_engine:_needs_args", "missing argument .x.: _needs_args\\(x\\) has no default"),
         ("tests.processes.test_engine:_raises", "cannot build"),
         ("tests.processes.test_engine:_not_a_setup", "expected shoal.TrainingSetup"),
         ("tests.processes.test_engine:_bad_setup", "not parameters of the model"),
