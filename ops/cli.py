@@ -728,7 +728,8 @@ def _add_run_commands(sub: argparse._SubParsersAction) -> None:
     ag.add_argument("--backoff-reset", type=float, default=60.0,
                     help="a worker that ran this long before dying restarts after --backoff again (default 60 s)")
     ag.add_argument("--node", help="node name (default: host name)")
-    ag.add_argument("--run-dir", help="where worker logs go (default: ~/.shoal/agent/JOB)")
+    ag.add_argument("--run-dir", help="where worker logs go (default: $SHOAL_HOME/agent/JOB, with --queue "
+                                      "$SHOAL_HOME/agent/JOB/UNIT; SHOAL_HOME defaults to ~/.shoal)")
     ag.add_argument("--iface", default=None, help=f"the workers' --iface: {_IFACE_HELP}")
     ag.set_defaults(func=cmd_agent)
 

@@ -5,6 +5,8 @@ below them, the evaluation metrics against step and time, when the job evaluated
 (``eval_every_steps``/``eval_every_epochs``, and the final evaluation).
 Every new generation is a vertical line with a short label saying why (``w1 failed``,
 ``w3 joined``, ``w2 left``, ``paused``); the end of the job (completed/stopped/failed) too.
+Labels of lines closer than a label's width stand side by side in the lines' order, in their
+lines' colours (:func:`label_positions`), so they never print over each other.
 The time from a failure decision to the next committed step of a generation at least as new
 is a shaded recovery gap.
 
@@ -313,9 +315,20 @@ MAX_EVAL_LINES = 8
 
 
 def render(history: History, marks: list[Marked], path: str | Path) -> Path:
-    """Draw the four panels into ``path`` (PNG, 1400x900 px); with evaluations, two more
-    below them, with rank 0's step time split two more, and with a streaming dataset's input
-    two more (each row adds 350 px)."""
+    """Draw the report (:func:`draw`) into ``path`` (PNG)."""
+    fig = draw(history, marks)
+    out = Path(path)
+    try:
+        fig.savefig(out, format="png")
+    except OSError as exc:
+        raise ConfigError(f"cannot write {out}: {exc.strerror or exc}") from None
+    return out
+
+
+def draw(history: History, marks: list[Marked]):
+    """The report as a matplotlib ``Figure`` (Agg canvas): the four panels (1400x900 px);
+    with evaluations, two more below them, with rank 0's step time split two more, and with
+    a streaming dataset's input two more (each row adds 350 px)."""
     # matplotlib's first import builds a font cache and says so at INFO: not news for the user
     logging.getLogger("matplotlib").setLevel(max(logging.WARNING, logging.getLogger("matplotlib").level))
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -362,16 +375,13 @@ def render(history: History, marks: list[Marked], path: str | Path) -> Path:
         for ax in (loss_step, loss_time):
             ax.set_yscale("log")
 
-    for m in marks:
+    x_steps = [m.step if m.step is not None else (steps[0] if steps else 0) for m in marks]
+    x_times = [(m.ts_ms - t0) / 1000.0 for m in marks]
+    for m, x_step, x_time in zip(marks, x_steps, x_times):
         colour, style = _COLOURS[m.kind], _STYLES[m.kind]
-        x_time = (m.ts_ms - t0) / 1000.0
-        x_step = m.step if m.step is not None else (steps[0] if steps else 0)
         for by_step, by_time in panels:
             for ax, x in ((by_step, x_step), (by_time, x_time)):
                 ax.axvline(x, color=colour, linestyle=style, linewidth=1.1, alpha=0.85)
-        for ax, x in ((loss_step, x_step), (loss_time, x_time)):
-            ax.annotate(m.label, xy=(x, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -4),
-                        textcoords="offset points", rotation=90, va="top", ha="left", fontsize=8, color=colour)
         if m.kind == "failure" and m.gap_end_ms is not None:
             x_end = (m.gap_end_ms - t0) / 1000.0
             for ax in (loss_time, rate_time):
@@ -398,12 +408,43 @@ def render(history: History, marks: list[Marked], path: str | Path) -> Path:
         handles.append(Patch(color=_COLOURS["failure"], alpha=0.15, label="recovery: failure → next committed step"))
     if handles:
         fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=9, frameon=False)
-    out = Path(path)
-    try:
-        fig.savefig(out, format="png")
-    except OSError as exc:
-        raise ConfigError(f"cannot write {out}: {exc.strerror or exc}") from None
+    fig.draw_without_rendering()  # the layout, so that data coordinates map to final pixels
+    for ax, xs in ((loss_step, x_steps), (loss_time, x_times)):
+        _label_marks(ax, marks, xs)
+    return fig
+
+
+#: Font size of the marks' labels (points), and the room one rotated label takes across.
+LABEL_FONT = 8
+LABEL_PITCH_PT = LABEL_FONT * 1.35
+
+
+def label_positions(xs: list[float], pitch: float) -> list[float]:
+    """Where labels anchored at ``xs`` (display units, in the marks' order) stand so that no
+    two are closer than ``pitch``: each at its own x, or right after the one before it when
+    that is nearer (a run of close marks becomes a row of labels, in order)."""
+    out: list[float] = []
+    for x in xs:
+        out.append(x if not out or x >= out[-1] + pitch else out[-1] + pitch)
     return out
+
+
+def _label_marks(ax, marks: list[Marked], xs: list[float]) -> None:
+    """Each mark's label at the top of ``ax``, rotated, in its line's colour, at
+    :func:`label_positions`."""
+    dpi = ax.figure.dpi
+    to_px = ax.transData.transform
+    at = [float(to_px((x, 0))[0]) for x in xs]
+    order = sorted(range(len(xs)), key=lambda i: at[i])
+    pitch = LABEL_PITCH_PT * dpi / 72
+    placed = label_positions([at[i] for i in order], pitch)
+    for i, x_px in zip(order, placed):
+        m, shift = marks[i], (x_px - at[i]) * 72 / dpi  # points
+        colour = _COLOURS[m.kind]
+        label = ax.annotate(m.label, xy=(xs[i], 1.0), xycoords=("data", "axes fraction"), xytext=(2 + shift, -4),
+                            textcoords="offset points", rotation=90, va="top", ha="left", fontsize=LABEL_FONT,
+                            color=colour)
+        label.set_in_layout(False)  # placed on the final layout: saving must not move the axes
 
 
 def _draw_evals(evals: list[EvalPoint], t0: int, axes) -> tuple:

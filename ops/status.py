@@ -39,7 +39,7 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
     """A JSON-able dict: job state, generation, reason, first failure, committed steps redone
     (lost with every replica that held them), the leading coordinator replica (its name,
     never its lease token) and fencing epoch, the entrypoint's ``params``, and per worker id,
-    state, step, last heartbeat age (ms), straggler flag, digest, ranges."""
+    state, step, last heartbeat age (ms), straggler flag, digest, ranges, pid."""
     keys = job_keys(job_id)
     pipe = client.pipeline(transaction=False)
     pipe.get(keys.spec)
@@ -397,7 +397,8 @@ def format_status(s: dict) -> str:
     if placed:  # where each worker trains (shoal.worker.placement)
         lines.append("placement (backend / device / GPU): " + "  ".join(
             f"{w['worker_id']} {w['backend']} / {w.get('device') or '-'} / {w.get('gpu') or '-'}" for w in placed))
-    lines.append(f"{'worker':<8} {'state':<9} {'rank':>4} {'step':>6} {'loss':>9} {'hb age':>8}  {'flags':<9} ranges")
+    lines.append(f"{'worker':<8} {'state':<9} {'rank':>4} {'step':>6} {'loss':>9} {'hb age':>8} {'pid':>8}  "
+                 f"{'flags':<9} ranges")
     for w in s["workers"]:
         age = f"{w['heartbeat_age_ms'] / 1000:.1f}s" if w["heartbeat_age_ms"] is not None else "-"
         loss = f"{w['loss']:.4f}" if w["loss"] is not None else "-"
@@ -405,5 +406,7 @@ def format_status(s: dict) -> str:
         step = str(w["step"]) if w["step"] is not None else "-"
         flags = "straggler" if w["straggler"] else ""
         ranges = " ".join(f"[{a},{b})" + (f"/{c}" if c != 1 else "") for a, b, c in w["ranges"])
-        lines.append(f"{w['worker_id']:<8} {w['state']:<9} {rank:>4} {step:>6} {loss:>9} {age:>8}  {flags:<9} {ranges}")
+        pid = str(w["pid"]) if w.get("pid") else "-"
+        lines.append(f"{w['worker_id']:<8} {w['state']:<9} {rank:>4} {step:>6} {loss:>9} {age:>8} {pid:>8}  "
+                     f"{flags:<9} {ranges}")
     return "\n".join(lines)

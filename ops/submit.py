@@ -8,6 +8,7 @@ only: connection settings and credentials come from each node's environment.
 
 from __future__ import annotations
 
+import importlib.machinery
 import json
 import os
 import subprocess
@@ -88,7 +89,9 @@ def check_runnable(spec: JobSpec, *, build: bool = False, isolated: bool = False
     (``--dry-build``) the entrypoint is also called, seeded as on a worker, and what it
     returns is checked like a worker checks it (model, optimizer, dataset...). A job with a
     ``working_dir`` is checked in a child process started there with it first on
-    ``PYTHONPATH``, as its workers will be. ConfigError, one line naming the problem and
+    ``PYTHONPATH``, as its workers will be; so is one whose module is not importable here but
+    lies in the current directory (``python -m shoal worker``, as agents start workers, has
+    the current directory first on ``sys.path``; the ``shoal`` console script does not). ConfigError, one line naming the problem and
     ``--no-validate`` (for a job whose code or settings exist only on the worker nodes; the
     HTTP API passes its own ``skip_hint``). ``isolated`` checks every entrypoint in a child
     process (a long-running server must not import user code into itself), given at most
@@ -124,7 +127,9 @@ def _entrypoint_problem(entrypoint: str, seed: int, build: bool, working_dir: st
     """What is wrong with ``entrypoint`` called with ``params`` ("" : nothing): imported (and
     called when ``build``) here, or, with a ``working_dir`` or ``isolated``, in a child
     process run like a worker there (in the current directory when there is no
-    ``working_dir``), killed after ``timeout`` s."""
+    ``working_dir``), killed after ``timeout`` s. A module that does not import here but is in
+    the current directory is checked in such a child too: it imports there as it will on the
+    workers, without this process's ``sys.path`` being touched."""
     from shoal.worker.errors import EntrypointError
     from shoal.worker.userapi import load_entrypoint, resolve_entrypoint
 
@@ -132,8 +137,10 @@ def _entrypoint_problem(entrypoint: str, seed: int, build: bool, working_dir: st
         try:
             load_entrypoint(entrypoint, seed, params) if build else resolve_entrypoint(entrypoint, params)
         except EntrypointError as exc:
-            return str(exc)
-        return ""
+            if not _in_current_dir(entrypoint, exc):
+                return str(exc)
+        else:
+            return ""
     cwd = working_dir or os.getcwd()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([cwd, *filter(None, [os.environ.get("PYTHONPATH")])]))
     argv = [sys.executable, "-m", "shoal.ops.submit", entrypoint, str(seed), json.dumps(params or {}),
@@ -147,6 +154,16 @@ def _entrypoint_problem(entrypoint: str, seed: int, build: bool, working_dir: st
         return ""
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     return lines[-1] if lines else f"checking it exited with code {res.returncode}"
+
+
+def _in_current_dir(entrypoint: str, exc: BaseException) -> bool:
+    """Whether ``exc`` (the in-process check's failure) is the entrypoint's top-level module
+    not being found, and the current directory holds it (a module or a package)."""
+    top = entrypoint.partition(":")[0].split(".")[0]
+    missing = exc.__cause__
+    if not isinstance(missing, ModuleNotFoundError) or missing.name != top:
+        return False
+    return importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is not None
 
 
 if __name__ == "__main__":  # the entrypoint check in a child: ENTRYPOINT SEED PARAMS_JSON [--build]

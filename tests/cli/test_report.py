@@ -169,3 +169,34 @@ def test_report_counts_committed_steps_from_the_job_record_and_drops_points_afte
     h = load_history(r, job_id)
     assert h.committed == 131
     assert max(p.t_ms for p in h.points) <= T0 + 15100 and h.points[-1].step == 122
+
+
+def test_labels_of_membership_changes_a_few_steps_apart_do_not_print_over_each_other(r, job_id) -> None:
+    """Issue 37: "g1 start" and "g2 w1 joined" overprinted when the join came a few steps after
+    the start. Each label's box, as the renderer draws it, is clear of every other's."""
+    from shoal.ops.report import LABEL_PITCH_PT, analyse, draw, label_positions, load_history
+
+    c = Coordinator(r, job_id)
+    c.event(0, JoinRequest(job_id=job_id, host="h", pid=1))
+    c.tick(350)  # generation 1: w0
+    c.event(600, JoinRequest(job_id=job_id, host="h", pid=2))
+    c.tick(950)  # generation 2: w1 joined, 2 steps later
+    c.event(1300, WorkerExited(job_id=job_id, worker_id="w1", signal=9))  # generation 3, 2 steps later still
+    for i in range(1, 200):
+        progress(r, job_id, 100 + 250 * i, 2 * i, 1 if i < 4 else 2 if i < 6 else 3, 1)
+    history = load_history(r, job_id)
+    marks = analyse(history)
+    assert [m.label for m in marks[:3]] == ["g1 start →1", "g2 w1 joined →2", "g3 w1 failed →1"]
+    fig = draw(history, marks)
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes[:2]:  # the loss panels carry the labels
+        labels = [t for t in ax.texts if t.get_text().startswith("g")]
+        assert len(labels) == 3
+        anchors = [ax.transData.transform((x, 0))[0] for x in
+                   ([m.step for m in marks[:3]] if ax is fig.axes[0] else [(m.ts_ms - T0) / 1000 for m in marks[:3]])]
+        assert max(anchors) - min(anchors) < 2 * LABEL_PITCH_PT  # close enough to collide unless moved apart
+        boxes = [t.get_window_extent(renderer) for t in labels]
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1:]:
+                assert not a.overlaps(b), (a, b)
+    assert label_positions([10.0, 12.0, 13.0, 40.0], 11.0) == [10.0, 21.0, 32.0, 43.0]

@@ -37,7 +37,12 @@ def test_status_shows_progress_and_an_ended_jobs_members_as_ended() -> None:
     s = job_status(r, "p")
     assert s["workers"][0]["state"] == "Active"
     assert s["progress"]["percent"] == 25.0 and s["progress"]["eta_s"] == 9.0
-    assert "step 30/120 (25 %)  epoch 1  10 steps/s  ETA 9s" in format_status(s)
+    text = format_status(s)
+    assert "step 30/120 (25 %)  epoch 1  10 steps/s  ETA 9s" in text
+    # each worker's pid in the text table too (issue 37: it was in --json only)
+    header, row = text.splitlines()[-2:]
+    assert header.split()[:7] == ["worker", "state", "rank", "step", "loss", "hb", "age"] and header.split()[7] == "pid"
+    assert row.split()[0] == "w0" and row.split()[6] == "5"  # worker state rank step loss age pid
     r.hset(keys.state, "state", "completed")
     s = job_status(r, "p")
     assert s["workers"][0]["state"] == "Ended" and s["workers"][0]["heartbeat_age_ms"] is None
