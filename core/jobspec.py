@@ -135,6 +135,15 @@ class JobSpec(BaseModel):
     #: settings from the environment, as for checkpoints). Needs the ``tensorboard`` package
     #: (``pip install 'shoal[tensorboard]'``) on the submitting machine and the workers.
     tensorboard_dir: str | None = None
+    #: Peak FLOP/s of one worker's device at the job's precision (dense), for the MFU that
+    #: ``shoal status``, the report and TensorBoard show: needed on a CPU or a GPU not in
+    #: ``shoal.worker.flops.PEAKS`` (H100/H200/A100/L40S/L4/... are known by name). None:
+    #: the table's figure, else no MFU.
+    peak_flops: Annotated[float | None, Field(gt=0)] = None
+    #: FLOPs of one sample's forward and backward, declared (e.g. 6 x parameters x tokens per
+    #: sample for a transformer). None: measured with torch's FLOP counter on each worker's
+    #: first committed step (``shoal.worker.flops``).
+    flops_per_sample: Annotated[float | None, Field(gt=0)] = None
     #: Simulated step time for workers with ``entrypoint: simulate`` (control-plane tests).
     simulate_step_time: Annotated[float, Field(ge=0)] = 0.05
 

@@ -469,6 +469,14 @@ class Heartbeat(_Wire):
     shards_owned: int | None = None
     remote_reads: int | None = None
     balance_error: int | None = None
+    #: FLOPs of one sample's forward and backward: measured on its first committed step
+    #: (torch's FLOP counter) or the spec's ``flops_per_sample`` (None: not yet, or none).
+    flops_per_sample: float | None = None
+    #: Its device's peak FLOP/s at the job's precision: the spec's ``peak_flops``, else a
+    #: known GPU's datasheet figure (``shoal.worker.flops``); None: not known (a CPU).
+    peak_flops: float | None = None
+    #: Tokens in one sample (``TrainingSetup.tokens_per_sample``; None: not a token sequence).
+    tokens_per_sample: int | None = None
 
 
 class LaunchSettings(_Wire):

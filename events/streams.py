@@ -187,6 +187,12 @@ class ProgressEntry(FlatEntry):
     downloaded: Annotated[int | None, Field(ge=0)] = None
     hit_rate: Annotated[float | None, Field(ge=0, le=1, allow_inf_nan=False)] = None
     remote: Annotated[int | None, Field(ge=0)] = None
+    #: Rank 0's throughput figures (``shoal.worker.flops``), on the first step entry of each
+    #: generation and the next one after a figure changed (None elsewhere): FLOPs of one
+    #: sample's forward and backward, its device's peak FLOP/s, tokens in one sample.
+    flops_per_sample: Annotated[float | None, Field(gt=0, allow_inf_nan=False)] = None
+    peak_flops: Annotated[float | None, Field(gt=0, allow_inf_nan=False)] = None
+    tokens_per_sample: Annotated[int | None, Field(gt=0)] = None
     #: An evaluation's epoch (complete epochs after its step).
     epoch: int | None = None
     #: An evaluation's metrics: name -> finite number (JSON on the wire).

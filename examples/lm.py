@@ -282,6 +282,7 @@ def build(cfg: GPTConfig | None = None, max_bytes: int | None = None) -> Trainin
         # linear warm-up, then constant (stepped once per committed step)
         lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS)),
         eval_fn=evaluate,
+        tokens_per_sample=cfg.seq_len,  # a sample is seq_len bytes, each a token: status shows tokens/s
     )
 
 

@@ -1,6 +1,8 @@
 """``shoal report JOB -o report.png``: a job's training history as one PNG.
 
-Four panels: loss and throughput (committed steps/s) against step and against time; two more
+Four panels: loss and throughput (committed steps/s: between each two points, and over the
+last 30 s, :func:`shoal.core.throughput.rolling_rates`, with the job's mean samples/s,
+tokens/s, FLOP/s and MFU when rank 0 published their figures) against step and against time; two more
 below them, the evaluation metrics against step and time, when the job evaluated
 (``eval_every_steps``/``eval_every_epochs``, and the final evaluation).
 Every new generation is a vertical line with a short label saying why (``w1 failed``,
@@ -36,6 +38,7 @@ import redis
 
 from shoal.events.keys import job_keys
 from shoal.core.errors import ConfigError, ShoalError
+from shoal.core.throughput import WINDOW_S, rolling_rates, throughput
 from shoal.ops.jobs import NoSuchJob
 from shoal.events.states import TERMINAL_VALUES
 from shoal.events.streams import ControlEntry, ProgressEntry
@@ -68,6 +71,11 @@ class Point:
     downloaded: int | None = None
     hit_rate: float | None = None
     remote: int | None = None
+    #: rank 0's throughput figures, on the entries that carry them (None elsewhere): FLOPs of
+    #: one sample's forward and backward, its device's peak FLOP/s, tokens in one sample
+    flops_per_sample: float | None = None
+    peak_flops: float | None = None
+    tokens_per_sample: int | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +123,8 @@ class History:
     committed: int = 0
     #: the evaluations, in the order recorded
     evals: list[EvalPoint] = field(default_factory=list)
+    #: the job's global batch (its spec's; None: the spec is gone)
+    samples_per_step: int | None = None
 
 
 # ---- reading -----------------------------------------------------------------------------------
@@ -137,7 +147,8 @@ def _xrange_from(client: redis.Redis, key: str, after: str = "0-0",
 def _point(sid: str, e: ProgressEntry) -> Point:
     return Point(t_ms=int(sid.split("-")[0]), step=e.step, loss=math.nan if e.loss is None else e.loss,
                  generation=e.generation, world_size=e.world_size or 0, compute=e.compute, input_wait=e.input_wait, exposed_comm=e.exposed_comm,
-                 downloaded=e.downloaded, hit_rate=e.hit_rate, remote=e.remote)
+                 downloaded=e.downloaded, hit_rate=e.hit_rate, remote=e.remote, flops_per_sample=e.flops_per_sample,
+                 peak_flops=e.peak_flops, tokens_per_sample=e.tokens_per_sample)
 
 
 def read_progress(client: redis.Redis, key: str, *, after: str = "0-0",
@@ -176,13 +187,14 @@ def load_history(client: redis.Redis, job_id: str) -> History:
     pipe.exists(keys.control)
     pipe.exists(keys.progress)
     pipe.hmget(keys.state, ["state", "summary", "high_step"])
-    has_spec, has_control, has_progress, (state, summary, high_step) = pipe.execute()
+    pipe.get(keys.spec)
+    has_spec, has_control, has_progress, (state, summary, high_step), spec_raw = pipe.execute()
     if not (has_spec or has_control or has_progress):
         raise NoSuchJob(f"no job {job_id!r} in this Redis")
     if not has_progress:
         raise NoProgress(f"job {job_id!r} has no progress history yet (nothing in {keys.progress}: "
                          f"rank 0 records committed steps once training runs)")
-    h = History(job_id=job_id, state=state.decode() if state else "")
+    h = History(job_id=job_id, state=state.decode() if state else "", samples_per_step=_global_batch(spec_raw))
     h.points, h.evals, _last, _more = read_progress(client, keys.progress)
     h.control = [ControlEntry.from_fields(f) for _sid, f in _xrange_from(client, keys.control)]
     if not h.state and h.control:
@@ -201,6 +213,36 @@ def load_history(client: redis.Redis, job_id: str) -> History:
     h.committed = done if isinstance(done, int) else max([int(high_step or 0)]
                                                          + [p.step for p in h.points])
     return h
+
+
+def _global_batch(spec_raw: bytes | None) -> int | None:
+    try:
+        batch = json.loads(spec_raw).get("global_batch_size") if spec_raw else None
+    except (ValueError, AttributeError):
+        return None
+    return batch if isinstance(batch, int) and batch > 0 else None
+
+
+def mean_throughput(history: History) -> dict[str, float] | None:
+    """The job's mean rates over its history (steps gained over the time from the first to
+    the last point, as :mod:`shoal.core.throughput` counts them): ``steps_per_s``,
+    ``samples_per_s`` and, where rank 0 published the figures, ``tokens_per_s``,
+    ``flops_per_s``, ``mfu`` (its newest figures; the peak of ``world_size`` devices like
+    rank 0's, averaged over the points). None without two points or a global batch."""
+    pts = history.points
+    if len(pts) < 2 or not history.samples_per_step or pts[-1].t_ms <= pts[0].t_ms:
+        return None
+    gained = sum(max(0, b.step - a.step) for a, b in zip(pts, pts[1:]))
+    rate = gained / ((pts[-1].t_ms - pts[0].t_ms) / 1000)
+    newest = lambda attr: next((getattr(p, attr) for p in reversed(pts) if getattr(p, attr)), None)  # noqa: E731
+    peak = newest("peak_flops")
+    world = sum(p.world_size for p in pts) / len(pts)
+    t = throughput(rate, history.samples_per_step, tokens_per_sample=newest("tokens_per_sample"),
+                   flops_per_sample=newest("flops_per_sample"), peak_flops=peak * world if peak and world else None)
+    out = {"steps_per_s": t.steps_per_s, "samples_per_s": t.samples_per_s}
+    out.update({k: v for k, v in (("tokens_per_s", t.tokens_per_s), ("flops_per_s", t.flops_per_s),
+                                  ("mfu", t.mfu)) if v is not None})
+    return out
 
 
 # ---- what to mark ------------------------------------------------------------------------------
@@ -342,6 +384,7 @@ def draw(history: History, marks: list[Marked]):
     steps = [p.step for p in pts]
     losses = [p.loss for p in pts]
     rates = _rates(pts)
+    windowed = [math.nan if r is None else r for r in rolling_rates([(p.t_ms / 1000, p.step) for p in pts])]
 
     evals = history.evals
     split = any(p.compute is not None for p in pts)
@@ -352,12 +395,20 @@ def draw(history: History, marks: list[Marked]):
     axes = fig.subplots(rows, 2, sharex="col")
     (loss_step, loss_time), (rate_step, rate_time) = axes[0], axes[1]
     bottom = axes[-1]
-    for ax, x, y in ((loss_step, steps, losses), (loss_time, secs, losses),
-                     (rate_step, steps, rates), (rate_time, secs, rates)):
+    for ax, x, y in ((loss_step, steps, losses), (loss_time, secs, losses)):
         ax.plot(x, y, color="#1864ab", linewidth=1.2, marker="." if len(pts) < 200 else None, markersize=3)
         ax.grid(True, alpha=0.3)
-    for ax in (rate_step, rate_time):
+    for ax, x in ((rate_step, steps), (rate_time, secs)):
+        ax.plot(x, rates, color="#74c0fc", linewidth=0.8, marker="." if len(pts) < 200 else None, markersize=2,
+                label="between points")
+        ax.plot(x, windowed, color="#1864ab", linewidth=1.6, label=f"over the last {WINDOW_S:g} s")
+        ax.grid(True, alpha=0.3)
         ax.set_ylim(bottom=0)
+    rate_step.legend(fontsize=8, loc="lower left")
+    mean = mean_throughput(history)
+    if mean:
+        rate_time.annotate(_mean_text(mean), xy=(0.01, 0.03), xycoords="axes fraction", fontsize=8,
+                           color="#1864ab", va="bottom", ha="left")
     loss_step.set_ylabel("loss (global batch mean)")
     rate_step.set_ylabel("throughput (committed steps/s)")
     bottom[0].set_xlabel("step")
@@ -445,6 +496,19 @@ def _label_marks(ax, marks: list[Marked], xs: list[float]) -> None:
                             textcoords="offset points", rotation=90, va="top", ha="left", fontsize=LABEL_FONT,
                             color=colour)
         label.set_in_layout(False)  # placed on the final layout: saving must not move the axes
+
+
+def _mean_text(mean: dict[str, float]) -> str:
+    from shoal.ops.status import si
+
+    parts = [f"mean {mean['steps_per_s']:.3g} steps/s", f"{si(mean['samples_per_s'])} samples/s"]
+    if "tokens_per_s" in mean:
+        parts.append(f"{si(mean['tokens_per_s'])} tokens/s")
+    if "flops_per_s" in mean:
+        parts.append(f"{si(mean['flops_per_s'], 'FLOP')}/s")
+    if "mfu" in mean:
+        parts.append(f"MFU {mean['mfu'] * 100:.3g} %")
+    return ", ".join(parts)
 
 
 def _draw_evals(evals: list[EvalPoint], t0: int, axes) -> tuple:

@@ -12,9 +12,11 @@ from pydantic import ValidationError
 
 from shoal.coordinator.decide import format_metrics, last_eval
 from shoal.events.records import JobStatus, WorkerRecord
-from shoal.events.keys import job_keys
+from shoal.events.keys import JobKeys, job_keys
 from shoal.events.models import Heartbeat, ShardTable
+from shoal.events.streams import ProgressEntry
 from shoal.core.errors import ShoalError
+from shoal.core.throughput import WINDOW_S, Rate, throughput, window_rate
 from shoal.core.yamlfile import escape_controls
 from shoal.ops.jobs import NoSuchJob
 from shoal.events.states import LIVE, TERMINAL_JOB_STATES, WorkerState
@@ -35,11 +37,16 @@ def parse_heartbeat(raw: bytes | None) -> Heartbeat | None:
 TRACEBACK_LINES = 12
 
 
-def job_status(client: redis.Redis, job_id: str) -> dict:
+def job_status(client: redis.Redis, job_id: str, *, window_s: float = WINDOW_S) -> dict:
     """A JSON-able dict: job state, generation, reason, first failure, committed steps redone
     (lost with every replica that held them), the leading coordinator replica (its name,
     never its lease token) and fencing epoch, the entrypoint's ``params``, and per worker id,
-    state, step, last heartbeat age (ms), straggler flag, digest, ranges, pid."""
+    state, step, last heartbeat age (ms), straggler flag, digest, ranges, pid.
+
+    Its ``progress`` has steps/s, samples/s, tokens/s, FLOP/s and MFU over the last
+    ``window_s`` seconds of committed steps (:func:`recent_steps`,
+    :mod:`shoal.core.throughput`) and the ETA at that rate; ``throughput`` the figures they
+    come from (FLOPs per sample, the members' peak FLOP/s, tokens per sample, global batch)."""
     keys = job_keys(job_id)
     pipe = client.pipeline(transaction=False)
     pipe.get(keys.spec)
@@ -112,11 +119,16 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
     stalled = (not ended and since_commit is not None
                and since_commit > (CHURN_FLOOR_S if churning else
                                    no_commit_threshold(beats, _heartbeat_interval(spec_raw))))
+    points, entry = recent_steps(client, keys, window_s)
+    figures = _figures(beats, entry, spec_raw)
     return {
         "job_id": job_id,
         "state": status.state.value,
         "progress": _progress(beats, max(status.high_step, _summary_step(status.summary)), ended or stalled,
-                              completed=status.state.value == "completed"),
+                              completed=status.state.value == "completed", window=window_rate(points, window_s),
+                              figures=figures),
+        # what the rates come from; window_s: the seconds they are measured over at most
+        "throughput": {**figures, "window_s": window_s},
         # seconds since the newest committed step any member reported (None: none yet, or ended),
         # and whether that is longer than a few step times: then no rate or ETA is shown
         "last_commit_age_s": None if ended or since_commit is None else round(since_commit, 1),
@@ -187,7 +199,8 @@ def job_summary(client: redis.Redis, job_id: str, *, steps: int = 0) -> dict:
 
 def jobs_overview(client: redis.Redis) -> list[dict]:
     """One line per registered job (``shoal jobs``, the HTTP API's ``GET /jobs``): job id,
-    state, generation, world size, step, total steps, percent, steps/s, workers Active; a
+    state, generation, world size, step, total steps, percent, steps/s, samples/s, tokens/s,
+    MFU (as ``job_status`` measures them), workers Active; a
     job whose records do not read shows its id, state ``unknown`` and the one-line ``error``."""
     from shoal.core.registry import list_jobs
 
@@ -201,7 +214,8 @@ def jobs_overview(client: redis.Redis) -> list[dict]:
         p = s["progress"]
         out.append({"job_id": jid, "state": s["state"], "generation": s["generation"], "world_size": s["world_size"],
                     "step": p["step"], "total_steps": p["total_steps"], "percent": p["percent"],
-                    "steps_per_s": p["steps_per_s"], "reason": s["reason"],
+                    "steps_per_s": p["steps_per_s"], "samples_per_s": p["samples_per_s"],
+                    "tokens_per_s": p["tokens_per_s"], "mfu": p["mfu"], "reason": s["reason"],
                     "active": sum(1 for w in s["workers"] if w["state"] == WorkerState.ACTIVE)})
     return out
 
@@ -269,8 +283,71 @@ def _heartbeat_interval(spec_raw: bytes) -> float:
         return 2.0
 
 
+#: Progress entries read per round trip while looking for the start of the window.
+RECENT_CHUNK = 128
+#: ... and at most this many in all (about 17 minutes of entries at two a second).
+RECENT_MAX = 2048
+
+
+def recent_steps(client: redis.Redis, keys: JobKeys, window_s: float = WINDOW_S
+                 ) -> tuple[list[tuple[float, int]], ProgressEntry | None]:
+    """The newest committed-step points of the job's ``progress`` stream, oldest first, as
+    ``(Redis server time in seconds, step)``: back to the first one ``window_s`` or more
+    before the newest (or as far as the stream goes); and the newest step entry that carries
+    throughput figures (None: none among those read)."""
+    points: list[tuple[float, int]] = []
+    figures: ProgressEntry | None = None
+    newest: float | None = None
+    top, read = "+", 0
+    while read < RECENT_MAX:
+        chunk = client.xrevrange(keys.progress, max=top, min="-", count=RECENT_CHUNK)
+        for sid, fields in chunk:
+            entry = ProgressEntry.from_fields(fields)
+            if not entry.is_step:
+                continue
+            t = int(sid.decode().split("-")[0]) / 1000
+            points.append((t, entry.step))
+            if figures is None and (entry.flops_per_sample or entry.peak_flops or entry.tokens_per_sample):
+                figures = entry
+            newest = t if newest is None else newest
+            if newest - t >= window_s and len(points) >= 2:
+                return points[::-1], figures
+        read += len(chunk)
+        if len(chunk) < RECENT_CHUNK:
+            break
+        top = "(" + chunk[-1][0].decode()
+    return points[::-1], figures
+
+
+def _figures(beats: list[Heartbeat], entry: ProgressEntry | None, spec_raw: bytes) -> dict:
+    """What turns steps/s into samples/s, tokens/s, FLOP/s and MFU: the Active members'
+    heartbeats (their FLOPs per sample; their peaks summed, when every member knows its own),
+    else rank 0's newest progress entry that has them (its peak times the world size)."""
+    def median(values: list) -> float | None:
+        values = sorted(v for v in values if v)
+        return values[len(values) // 2] if values else None
+
+    flops = median([hb.flops_per_sample for hb in beats])
+    tokens = median([hb.tokens_per_sample for hb in beats])
+    peaks = [hb.peak_flops for hb in beats]
+    peak = sum(peaks) if peaks and all(peaks) else None
+    if entry is not None:
+        flops = flops or entry.flops_per_sample
+        tokens = tokens or entry.tokens_per_sample
+        if peak is None and entry.peak_flops and not beats:
+            peak = entry.peak_flops * (entry.world_size or 1)
+    try:
+        batch = int(json.loads(spec_raw).get("global_batch_size") or 0) or None
+    except (ValueError, TypeError, AttributeError):
+        batch = None
+    return {"samples_per_step": batch, "tokens_per_sample": tokens, "flops_per_sample": flops, "peak_flops": peak}
+
+
+
 def median_rate(beats: list[Heartbeat]) -> float | None:
-    """Steps per second of the median member, from each heartbeat's recent step time."""
+    """Steps per second of the median member, from each heartbeat's recent step time: what
+    ``status`` shows only while the job has no committed-step history to measure a window
+    over (a simulated job, the first seconds of one)."""
     times = sorted(hb.step_time for hb in beats if hb.step_time)
     return 1.0 / times[len(times) // 2] if times else None
 
@@ -278,7 +355,8 @@ def median_rate(beats: list[Heartbeat]) -> float | None:
 def progress(beats: list[Heartbeat], step: int, rate: float | None, *, total: int | None = None) -> dict:
     """Step, total, epoch, percentage, steps/s and ETA of a job at ``step``, going ``rate``
     steps/s: ``total`` when the caller knows it, else what the members' heartbeats say (the
-    workers compute it from their dataset); the epoch from the heartbeats too."""
+    workers compute it from their dataset); the epoch from the heartbeats too. (A node
+    agent's launch unit reports this in its RQ ``meta``.)"""
     totals = [hb.total_steps for hb in beats if hb.total_steps]
     total = total or (max(totals) if totals else None)
     epochs = [hb.epoch for hb in beats if hb.epoch is not None]
@@ -293,16 +371,58 @@ def progress(beats: list[Heartbeat], step: int, rate: float | None, *, total: in
     }
 
 
-def _progress(beats: list[Heartbeat], high_step: int, ended: bool, *, completed: bool = False) -> dict:
-    """:func:`progress` from the Active members' heartbeats (the most advanced one's step);
-    no rate once the job ended; a completed job's total is the step it completed at."""
+def _progress(beats: list[Heartbeat], high_step: int, ended: bool, *, completed: bool = False,
+              window: Rate | None = None, figures: dict | None = None) -> dict:
+    """:func:`progress` from the Active members' heartbeats (the most advanced one's step) at
+    the ``window``'s rate (:func:`~shoal.core.throughput.window_rate` of the progress stream;
+    without one, the median member's last step time), with samples/s, tokens/s, FLOP/s and MFU
+    from ``figures`` (:func:`_figures`) and the seconds the rate spans (``rate_window_s``;
+    None: from step times); no rate once the job ended; a completed job's total is the step it
+    completed at."""
     step = max([hb.step for hb in beats] + [high_step])
-    return progress(beats, step, None if ended else median_rate(beats),
-                    total=step if completed and step else None)
+    rate = None if ended else window.steps_per_s if window else median_rate(beats)
+    out = progress(beats, step, rate, total=step if completed and step else None)
+    f = figures or {}
+    t = throughput(rate, f["samples_per_step"], tokens_per_sample=f.get("tokens_per_sample"),
+                   flops_per_sample=f.get("flops_per_sample"), peak_flops=f.get("peak_flops")) \
+        if rate and f.get("samples_per_step") else None
+    out.update({
+        "samples_per_s": round(t.samples_per_s, 2) if t else None,
+        "tokens_per_s": round(t.tokens_per_s, 1) if t and t.tokens_per_s is not None else None,
+        "flops_per_s": float(f"{t.flops_per_s:.4g}") if t and t.flops_per_s is not None else None,
+        "mfu": round(t.mfu, 5) if t and t.mfu is not None else None,
+        "rate_window_s": round(window.span_s, 1) if rate and window else None,
+    })
+    return out
 
 
 #: Heartbeat fields of a streaming dataset's input, shown per worker (text and --json)
 STREAM_FIELDS = ("bytes_downloaded", "cache_hit_rate", "shards_owned", "remote_reads", "balance_error")
+
+
+def si(x: float, unit: str = "") -> str:
+    """``x`` with 3 significant digits and an SI prefix: ``950``, ``13.1k``; with a ``unit``
+    spaced as people write it: ``2.46 GFLOP``."""
+    gap = " " if unit else ""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{gap}{prefix}{unit}"
+    return f"{x:.3g}{gap}{unit}" if abs(x) >= 1 or x == 0 else f"{x:.2g}{gap}{unit}"
+
+
+def _compute_line(s: dict) -> str:
+    """The FLOP/s and MFU line of ``format_status`` ("" : no FLOPs per sample known)."""
+    f, p = s.get("throughput") or {}, s["progress"]
+    if not f.get("flops_per_sample"):
+        return ""
+    line = f"compute: {si(f['flops_per_sample'], 'FLOP')}/sample"
+    if p.get("flops_per_s"):
+        line += f"  {si(p['flops_per_s'], 'FLOP')}/s"
+    if p.get("mfu") is not None:
+        line += f"  MFU {p['mfu'] * 100:.3g} % of {si(f['peak_flops'], 'FLOP')}/s peak"
+    elif not f.get("peak_flops"):
+        line += "  (MFU: no peak FLOP/s known for these devices; set peak_flops in the job spec)"
+    return line
 
 
 def _bytes(n) -> str:
@@ -328,7 +448,10 @@ def format_status(s: dict) -> str:
     where = f"step {p['step']}" + (f"/{p['total_steps']} ({p['percent']:g} %)" if p["total_steps"] else "")
     where += f"  epoch {p['epoch']}" if p["epoch"] else ""
     where += f"  {p['steps_per_s']:g} steps/s" if p["steps_per_s"] else ""
+    where += f"  {si(p['samples_per_s'])} samples/s" if p.get("samples_per_s") else ""
+    where += f"  {si(p['tokens_per_s'])} tokens/s" if p.get("tokens_per_s") else ""
     where += f"  ETA {_duration(p['eta_s'])}" if p["eta_s"] is not None else ""
+    where += f"  (over {p['rate_window_s']:g} s)" if p.get("rate_window_s") else ""
     where += f"  no commit for {_duration(s['last_commit_age_s'])}" if s.get("no_commit") else ""
     if s.get("stall"):
         st = s["stall"]
@@ -340,6 +463,9 @@ def format_status(s: dict) -> str:
         f"reason: {s['reason']}",
         f"coordinator: {s['leader'] or 'none (the lease is free)'}  epoch {s['epoch']}",
     ]
+    compute = _compute_line(s)
+    if compute:
+        lines.append(compute)
     if s.get("params"):  # what the entrypoint was called with
         lines.append("params: " + escape_controls(" ".join(f"{k}={json.dumps(v)}" for k, v in s["params"].items())))
     if s["first_failure"]:

@@ -9,6 +9,11 @@ change). The entry id is Redis server time, the clock the coordinator's
 entry is dropped and recording pauses for ``error_backoff`` seconds. Nothing in the
 coordinator reads this stream.
 
+The throughput figures (:meth:`ProgressRecorder.figures`: FLOPs per sample, the device's
+peak FLOP/s, tokens per sample; :mod:`shoal.worker.flops`) ride on the first entry of each
+generation and on the next entry after they changed, so a reader finds the newest ones near
+any point of the history.
+
 Rank 0 also appends each evaluation (:meth:`ProgressRecorder.record_eval`, never skipped by
 the interval): ``kind`` = ``eval``, ``step``, ``epoch``, ``generation``, ``metrics`` (JSON of
 name -> finite float), ``t``. Entries without ``kind`` are committed steps.
@@ -43,6 +48,18 @@ class ProgressRecorder:
         self._quiet_until = 0.0
         self.recorded = 0
         self.dropped = 0
+        #: the throughput figures, and whether the next entry carries them
+        self._figures: dict[str, float | int | None] = {}
+        self._figures_due = False
+
+    def figures(self, *, flops_per_sample: float | None = None, peak_flops: float | None = None,
+                tokens_per_sample: int | None = None) -> None:
+        """The throughput figures entries carry from now on (see the module docstring)."""
+        figures = {"flops_per_sample": flops_per_sample, "peak_flops": peak_flops,
+                   "tokens_per_sample": tokens_per_sample}
+        figures = {k: v if v is not None and v > 0 and math.isfinite(v) else None for k, v in figures.items()}
+        if figures != self._figures:
+            self._figures, self._figures_due = figures, True
 
     def record(self, step: int, loss: float | None, generation: int, world_size: int, t: float | None = None, *,
                input_wait: float | None = None, compute: float | None = None,
@@ -62,11 +79,13 @@ class ProgressRecorder:
             if now < self._quiet_until:
                 return False
             figures = stream or {}
+            rates = self._figures if new_generation or self._figures_due else {}
             entry = ProgressEntry(step=int(step), loss=math.nan if loss is None else float(loss),
                                   generation=int(generation), world_size=int(world_size), t=round(now, 3),
                                   input_wait=_rounded(input_wait), compute=_rounded(compute),
                                   exposed_comm=_rounded(exposed_comm), downloaded=figures.get("bytes_downloaded"),
-                                  hit_rate=figures.get("cache_hit_rate"), remote=figures.get("remote_reads"))
+                                  hit_rate=figures.get("cache_hit_rate"), remote=figures.get("remote_reads"),
+                                  **rates)
             self.client.xadd(self.keys.progress, entry.to_fields(), maxlen=PROGRESS_MAXLEN, approximate=True)
         except redis.RedisError as exc:
             self.dropped += 1
@@ -79,6 +98,7 @@ class ProgressRecorder:
             return False
         self._last_t = now
         self._last_generation = generation
+        self._figures_due = self._figures_due and not rates
         self.recorded += 1
         return True
 

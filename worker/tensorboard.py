@@ -11,7 +11,12 @@ What is written (tags):
 - ``train/loss``, ``train/steps_per_s``, ``train/world_size``, ``train/generation``,
   ``train/lr`` (``train/lr/group<i>`` per optimizer parameter group when there are several):
   a point per committed step, at most one per ``interval`` seconds, plus the first step of
-  every generation; steps/s is measured between two written points of one generation;
+  every generation; steps/s is the committed steps of the last 30 s over the time they took
+  (:func:`shoal.core.throughput.window_rate`, over the steps this worker saw committed);
+- with the figures of :mod:`shoal.worker.flops` (:meth:`TensorBoardLog.figures`), at the same
+  points: ``train/samples_per_s``, ``train/tokens_per_s`` (a dataset of token sequences),
+  ``train/tflops`` (achieved TFLOP/s of the whole job) and ``train/mfu`` (0..1: over the peak
+  of ``world_size`` devices like this worker's);
 - ``eval/<metric>``: every evaluation rank 0 reports (``EvalReported``), at its step;
 - ``membership`` (text): each generation this worker starts as rank 0, with the shard
   table's reason (who joined, failed or left).
@@ -32,8 +37,11 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
+
+from shoal.core.throughput import WINDOW_S, throughput, window_rate
 
 log = logging.getLogger("shoal.worker.tensorboard")
 
@@ -74,6 +82,10 @@ class TensorBoardLog:
         self._closed = False
         #: (monotonic time, step, generation) of the last scalar point queued
         self._last: tuple[float, int, int] | None = None
+        #: (monotonic time, step) of the committed steps of about the last window
+        self._window: deque[tuple[float, int]] = deque()
+        #: what turns steps/s into samples/s, tokens/s, FLOP/s and MFU (:meth:`figures`)
+        self._figures: dict[str, Any] = {}
         self.dropped = 0
 
     # ---- the training thread's side --------------------------------------------------------
@@ -86,26 +98,53 @@ class TensorBoardLog:
         except (TypeError, ValueError, RuntimeError) as exc:  # an odd value (a tensor lr...): skip it
             self._give_up(f"step {step}: {type(exc).__name__}: {exc}")
 
+    def figures(self, *, samples_per_step: int, flops_per_sample: float | None = None,
+                peak_flops: float | None = None, tokens_per_sample: int | None = None) -> None:
+        """What the next points turn steps/s into: the global batch, FLOPs of one sample's
+        forward and backward, this worker's peak FLOP/s, tokens in one sample (None: unknown)."""
+        self._figures = {"samples_per_step": samples_per_step, "flops_per_sample": flops_per_sample,
+                         "peak_flops": peak_flops, "tokens_per_sample": tokens_per_sample}
+
     def _scalars(self, step: int, loss: float | None, generation: int, world_size: int, lrs: list[float],
                  now: float) -> None:
+        window = self._window
+        if window and step < window[-1][1]:  # resumed from an older checkpoint: start again
+            window.clear()
+        window.append((now, step))
+        while len(window) > 2 and now - window[1][0] > WINDOW_S:
+            window.popleft()
         last = self._last
         if last is not None and last[2] == generation and now - last[0] < self.interval:
             return
-        # within one generation only: across a switch the gap may be time this worker spent
-        # not being rank 0 at all
-        same = last is not None and last[2] == generation and now > last[0] and step > last[1]
-        rate = (step - last[1]) / (now - last[0]) if same else None
         self._last = (now, step, generation)
+        rate = window_rate(window)
         values: dict[str, float] = {"train/world_size": world_size, "train/generation": generation}
         if loss is not None:
             values["train/loss"] = float(loss)
         if rate is not None:
-            values["train/steps_per_s"] = rate
+            values["train/steps_per_s"] = rate.steps_per_s
+            values.update(self._rates(rate.steps_per_s, world_size))
         if len(lrs) == 1:
             values["train/lr"] = float(lrs[0])
         else:
             values.update({f"train/lr/group{i}": float(lr) for i, lr in enumerate(lrs)})
         self._put(("scalars", step, values))
+
+    def _rates(self, steps_per_s: float, world_size: int) -> dict[str, float]:
+        f = self._figures
+        if not f:
+            return {}
+        peak = f["peak_flops"] * world_size if f.get("peak_flops") else None
+        t = throughput(steps_per_s, f["samples_per_step"], tokens_per_sample=f.get("tokens_per_sample"),
+                       flops_per_sample=f.get("flops_per_sample"), peak_flops=peak)
+        out = {"train/samples_per_s": t.samples_per_s}
+        if t.tokens_per_s is not None:
+            out["train/tokens_per_s"] = t.tokens_per_s
+        if t.flops_per_s is not None:
+            out["train/tflops"] = t.flops_per_s / 1e12
+        if t.mfu is not None:
+            out["train/mfu"] = t.mfu
+        return out
 
     def metrics(self, step: int, metrics: dict[str, float]) -> None:
         """An evaluation's metrics (finite floats, as ``EvalReported`` carries), as

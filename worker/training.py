@@ -90,6 +90,7 @@ from shoal.worker.decide import (
 from shoal.worker.digest import state_digest
 from shoal.worker.errors import StepAborted
 from shoal.worker.evaluator import Evaluator
+from shoal.worker.flops import FlopMeter
 from shoal.worker.heartbeat import CutOff
 from shoal.worker.input_pipeline import InputPipeline
 from shoal.worker.ledger import Ledger
@@ -148,6 +149,8 @@ class TrainingWorker(WorkerRunner):
                                          wait_s=5 * spec.heartbeat_ttl + 5, barrier_s=self.rdzv_timeout))
         #: rank 0's TensorBoard event files (the spec's ``tensorboard_dir``; None: not asked for)
         self.tensorboard = TensorBoardLog(spec.tensorboard_dir) if spec.tensorboard_dir else None
+        #: FLOPs per sample (measured on the first step) and peak FLOP/s, for MFU (:mod:`shoal.worker.flops`)
+        self.flops = FlopMeter(spec, self.placement.device)
         # built by prepare()
         self.setup: TrainingSetup | None = None
         #: the training layout (data parallelism or elastic HSDP: :mod:`shoal.worker.layout`)
@@ -366,8 +369,9 @@ class TrainingWorker(WorkerRunner):
             self._not_busy()
             return Aborted(f"step aborted, nothing applied: {exc}", local=True)
         try:
-            result = self.engine.step(local, batch.count, act.generation, base_generation=act.base,
-                                      world_size=act.world)
+            with self.flops.measure(len(local), self.setup, self.hb, self.progress, self.tensorboard):
+                result = self.engine.step(local, batch.count, act.generation, base_generation=act.base,
+                                          world_size=act.world)
         except StepAborted as exc:
             self._not_busy()
             # returned, not handled here: once this frame is gone nothing pins the broken

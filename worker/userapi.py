@@ -74,6 +74,10 @@ class TrainingSetup:
     #: model; the root is sharded last. None: each child of the root that holds parameters,
     #: and each element of a child container (``ModuleList``, ``Sequential``, ``ModuleDict``).
     shard_units: Callable[[torch.nn.Module], list[torch.nn.Module]] | None = None
+    #: Tokens in one sample (a language model's sequence length), when a sample is a sequence
+    #: of tokens: ``shoal status``, the report and TensorBoard then show tokens/s (samples/s x
+    #: this). None: no tokens/s.
+    tokens_per_sample: int | None = None
 
     def validate(self, where: str = "TrainingSetup") -> None:
         """Raise EntrypointError naming the first field that breaks the contract."""
@@ -95,6 +99,11 @@ class TrainingSetup:
             raise EntrypointError(f"{where}: dataset is empty")
         if self.micro_batch is not None and self.micro_batch <= 0:
             raise EntrypointError(f"{where}: micro_batch must be positive, got {self.micro_batch}")
+        if self.tokens_per_sample is not None and (not isinstance(self.tokens_per_sample, int)
+                                                   or isinstance(self.tokens_per_sample, bool)
+                                                   or self.tokens_per_sample <= 0):
+            raise EntrypointError(f"{where}: tokens_per_sample must be a positive int (or None), "
+                                  f"got {self.tokens_per_sample!r}")
         for name in ("loader_workers", "prefetch_steps"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 64):

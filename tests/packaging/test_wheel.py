@@ -71,7 +71,8 @@ def test_the_wheel_installs_exactly_one_top_level_package(wheel: Path) -> None:
                      "shoal/ops/chaos/run.py", "shoal/examples/digits.py", "shoal/examples/job.yaml",
                      "shoal/events/keys.py", "shoal/core/jobspec.py", "shoal/storage/checkpoint.py",
                      "shoal/coordinator/decide.py", "shoal/ops/api/app.py", "shoal/ops/api/static/index.html",
-                     "shoal/ops/api/static/app.js", "shoal/ops/api/static/chart.js", "shoal/ops/api/static/style.css"):
+                     "shoal/ops/api/static/app.js", "shoal/ops/api/static/chart.js", "shoal/ops/api/static/rates.js",
+                     "shoal/ops/api/static/style.css"):
         assert expected in names, f"{expected} missing from the wheel"
     assert not [n for n in names if n.startswith("shoal/") and "/tests/" in n]
 

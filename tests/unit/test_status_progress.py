@@ -17,12 +17,14 @@ from shoal.ops.status import _progress, format_status, job_status
 def test_progress_of_an_epoch_based_job_has_total_epoch_percentage_rate_and_eta() -> None:
     beats = [Heartbeat(worker_id="w0", step=150, step_time=0.5, total_steps=400, epoch=1),
              Heartbeat(worker_id="w1", step=149, step_time=0.25, total_steps=400, epoch=1)]
-    p = _progress(beats, high_step=100, ended=False)
-    assert p == {"step": 150, "total_steps": 400, "epoch": 2, "percent": 37.5, "steps_per_s": 2.0, "eta_s": 125.0}
+    none = {"samples_per_s": None, "tokens_per_s": None, "flops_per_s": None, "mfu": None, "rate_window_s": None}
+    p = _progress(beats, high_step=100, ended=False)  # no progress history: the median member's step time
+    assert p == {"step": 150, "total_steps": 400, "epoch": 2, "percent": 37.5, "steps_per_s": 2.0, "eta_s": 125.0,
+                 **none}
     ended = _progress(beats, high_step=400, ended=True)
     assert ended["percent"] == 100.0 and ended["steps_per_s"] is None and ended["eta_s"] is None
     assert _progress([], high_step=7, ended=False) == {"step": 7, "total_steps": None, "epoch": None,
-                                                       "percent": None, "steps_per_s": None, "eta_s": None}
+                                                       "percent": None, "steps_per_s": None, "eta_s": None, **none}
 
 
 def test_status_shows_progress_and_an_ended_jobs_members_as_ended() -> None:
@@ -38,7 +40,7 @@ def test_status_shows_progress_and_an_ended_jobs_members_as_ended() -> None:
     assert s["workers"][0]["state"] == "Active"
     assert s["progress"]["percent"] == 25.0 and s["progress"]["eta_s"] == 9.0
     text = format_status(s)
-    assert "step 30/120 (25 %)  epoch 1  10 steps/s  ETA 9s" in text
+    assert "step 30/120 (25 %)  epoch 1  10 steps/s  640 samples/s  ETA 9s" in text
     # each worker's pid in the text table too (issue 37: it was in --json only)
     header, row = text.splitlines()[-2:]
     assert header.split()[:7] == ["worker", "state", "rank", "step", "loss", "hb", "age"] and header.split()[7] == "pid"

@@ -31,7 +31,8 @@ def test_scalars_metrics_and_text_read_back(tmp_path) -> None:
     tb.close()
     acc = _read(tmp_path / "tb")
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.5), (3, 2.0), (4, pytest.approx(1.9))]
-    assert [(e.step, e.value) for e in acc.Scalars("train/steps_per_s")] == [(3, 2.0)]  # none across a switch
+    # over the window of committed steps: the switch's pause counts (what the job makes)
+    assert [(e.step, e.value) for e in acc.Scalars("train/steps_per_s")] == [(3, 2.0), (4, pytest.approx(3 / 1.1))]
     assert [e.value for e in acc.Scalars("train/world_size")] == [1, 1, 2]
     assert [e.value for e in acc.Scalars("train/generation")] == [1, 1, 2]
     assert [e.step for e in acc.Scalars("train/lr")] == [1, 3]
@@ -39,6 +40,30 @@ def test_scalars_metrics_and_text_read_back(tmp_path) -> None:
     assert [(e.step, e.value) for e in acc.Scalars("eval/accuracy")] == [(3, 0.75)]
     (text,) = acc.Tensors("membership/text_summary")
     assert text.step == 4 and text.tensor_proto.string_val[0].decode().startswith("w1 joined")
+
+
+def test_throughput_scalars_are_over_the_window_with_the_published_figures(tmp_path) -> None:
+    """Issue 37: steps/s over the last 30 s of committed steps (a long step moves it by its
+    share of the window), and with the FLOP meter's figures samples/s, tokens/s, TFLOP/s and
+    MFU (over the peak of world_size devices like this one)."""
+    tb = TensorBoardLog(str(tmp_path / "tb"), interval=0.0)
+    tb.figures(samples_per_step=64, flops_per_sample=1e9, peak_flops=1e12, tokens_per_sample=128)
+    now, step = 0.0, 0
+    for i in range(80):  # 10 steps/s, with one step of 1 s (an evaluation before it) at step 50
+        now += 1.0 if i == 50 else 0.1
+        step += 1
+        tb.scalars(step, 1.0, 1, 2, [0.1], now=now)
+    tb.close()
+    acc = _read(tmp_path / "tb")
+    rates = {e.step: e.value for e in acc.Scalars("train/steps_per_s")}
+    assert rates[30] == pytest.approx(10.0)
+    assert rates[80] == pytest.approx(79 / 8.8, rel=1e-5)  # every point is within the window: 79 steps in 8.8 s
+    assert min(rates.values()) > 8.0  # the 1 s step: 1/1.0 = 1 step/s from the last step time, ~9 here
+    samples = {e.step: e.value for e in acc.Scalars("train/samples_per_s")}
+    assert samples[30] == pytest.approx(640.0)
+    assert {e.step: e.value for e in acc.Scalars("train/tokens_per_s")}[30] == pytest.approx(640.0 * 128)
+    assert {e.step: e.value for e in acc.Scalars("train/tflops")}[30] == pytest.approx(0.64)
+    assert {e.step: e.value for e in acc.Scalars("train/mfu")}[30] == pytest.approx(0.64 / 2)
 
 
 def test_nothing_is_created_until_rank0_writes(tmp_path) -> None:

@@ -1,6 +1,7 @@
 // The shoal dashboard: the jobs list; per job its status and workers (polled), loss and
-// throughput charts with membership marks (polled, after a cursor), and the decision log and
-// log lines (Server-Sent Events). Every text from the server goes in through textContent.
+// throughput charts (steps/s over the status's window: rates.js) with membership marks
+// (polled, after a cursor), and the decision log and log lines (Server-Sent Events). Every
+// text from the server goes in through textContent.
 // Every URL is relative, so the page also works behind a reverse proxy under a path prefix.
 "use strict";
 
@@ -37,6 +38,16 @@ function duration(s) {
   if (s >= 3600) return `${Math.floor(s / 3600)}h${String(Math.floor((s % 3600) / 60)).padStart(2, "0")}m`;
   if (s >= 60) return `${Math.floor(s / 60)}m${String(s % 60).padStart(2, "0")}s`;
   return `${s}s`;
+}
+
+// a number with 3 significant digits and an SI prefix, as `shoal status` writes it (950, 13.1k,
+// with a unit 2.46 GFLOP)
+function si(x, unit = "") {
+  const gap = unit ? " " : "";
+  for (const [p, scale] of [["P", 1e15], ["T", 1e12], ["G", 1e9], ["M", 1e6], ["k", 1e3]]) {
+    if (Math.abs(x) >= scale) return `${Number((x / scale).toPrecision(3))}${gap}${p}${unit}`;
+  }
+  return `${Number(x.toPrecision(3))}${gap}${unit}`;
 }
 
 function clock(ms) {
@@ -124,6 +135,8 @@ class JobView {
     this.step = [];
     this.loss = [];
     this.marks = [];
+    // the seconds `shoal status` measures its rates over (its throughput.window_s)
+    this.windowS = 30;
     this.timers = [];
     this.sources = [];
     this.stopped = false;
@@ -184,6 +197,11 @@ class JobView {
     const parts = [`step ${p.step}` + (p.total_steps ? `/${p.total_steps} (${p.percent}%)` : "")];
     if (p.epoch) parts.push(`epoch ${p.epoch}`);
     if (p.steps_per_s) parts.push(`${p.steps_per_s} steps/s`);
+    if (p.samples_per_s) parts.push(`${si(p.samples_per_s)} samples/s`);
+    if (p.tokens_per_s) parts.push(`${si(p.tokens_per_s)} tokens/s`);
+    if (p.flops_per_s) parts.push(`${si(p.flops_per_s, "FLOP")}/s`);
+    if (p.mfu !== null && p.mfu !== undefined) parts.push(`MFU ${(p.mfu * 100).toPrecision(3)} %`);
+    if (s.throughput && s.throughput.window_s) this.windowS = s.throughput.window_s;
     if (p.eta_s !== null && p.eta_s !== undefined) parts.push(`ETA ${duration(p.eta_s)}`);
     if (s.no_commit) parts.push(`no commit for ${duration(s.last_commit_age_s)}`
                                 + (s.stall ? ` (step ${s.stall.step} failed in ${s.stall.generations} generation(s))` : ""));
@@ -250,11 +268,7 @@ class JobView {
   render() {
     const t0 = Math.min(this.t.length ? this.t[0] : Infinity, ...this.marks.map((m) => m.ts_ms));
     const secs = this.t.map((t) => (t - t0) / 1000);
-    const rates = this.t.map((t, i) => {
-      if (!i) return null;
-      const dt = (t - this.t[i - 1]) / 1000, ds = this.step[i] - this.step[i - 1];
-      return dt > 0 && ds >= 0 ? ds / dt : null;
-    });
+    const rates = windowRates(this.t, this.step, this.windowS);
     this.lossChart.setData(this.step, this.loss);
     this.rateChart.setData(secs, rates);
     // a mark stands at the step committed when it was decided (the report's rule)
