@@ -343,7 +343,6 @@ def _figures(beats: list[Heartbeat], entry: ProgressEntry | None, spec_raw: byte
     return {"samples_per_step": batch, "tokens_per_sample": tokens, "flops_per_sample": flops, "peak_flops": peak}
 
 
-
 def median_rate(beats: list[Heartbeat]) -> float | None:
     """Steps per second of the median member, from each heartbeat's recent step time: what
     ``status`` shows only while the job has no committed-step history to measure a window

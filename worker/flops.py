@@ -117,7 +117,8 @@ class FlopMeter:
         #: this worker's peak FLOP/s, looked up at the first step (``build`` may have allowed
         #: TF32); a 1-tuple once looked up
         self._peak: tuple[float | None] | None = None
-        self._published: dict | None = None
+        #: what was last handed to which sinks
+        self._published: tuple | None = None
 
     def figures(self, setup: Any) -> dict[str, float | None]:
         """What is published: FLOPs per sample, this worker's peak FLOP/s, tokens per sample."""
@@ -149,10 +150,12 @@ class FlopMeter:
         self._publish(setup, hb, progress, tensorboard)
 
     def _publish(self, setup: Any, hb: Any, progress: Any, tensorboard: Any) -> None:
+        """Hand the figures to the sinks when they changed, or when a sink is new (a worker
+        that rejoined after an eviction beats with a new heartbeat)."""
         figures = self.figures(setup)
-        if figures == self._published:
+        if (figures, (hb, progress, tensorboard)) == self._published:
             return
-        self._published = figures
+        self._published = (figures, (hb, progress, tensorboard))
         if hb is not None:
             hb.update(**figures)
         if progress is not None:

@@ -195,6 +195,10 @@ def test_the_meter_counts_the_first_step_with_samples_once_and_publishes_once() 
     assert len(hb.got) == len(progress.got) == len(tb.got) == 2  # the peak first, then the measured figure
     assert progress.got[-1] == {"flops_per_sample": steady_digits_flops(32), "peak_flops": 2e9, "tokens_per_sample": 64}
     assert tb.got[-1]["samples_per_step"] == 16
+    rejoined = _Sink()  # evicted and rejoined: a new heartbeat, which gets the figures too
+    with meter.measure(16, setup, rejoined, progress, tb):
+        pass
+    assert rejoined.got == [progress.got[-1]]
     declared = FlopMeter(JobSpec(name="f", flops_per_sample=123.0), "cpu")
     assert not declared.pending and declared.figures(setup)["flops_per_sample"] == 123.0
 
