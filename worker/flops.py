@@ -8,7 +8,10 @@ them) around this worker's first committed step that trained on samples of its o
 by those samples it is ``flops_per_sample``, the same at any world size. The counter is on for
 that one step only; a step that aborts is not counted and the next one is. A job may declare
 the figure instead (the spec's ``flops_per_sample``, e.g. 6 x parameters x tokens per sample
-for a transformer): then nothing is measured.
+for a transformer): then nothing is measured. What torch does not count is missing: on a CPU
+(torch 2.13) ``scaled_dot_product_attention`` runs as ``_scaled_dot_product_flash_attention_for_cpu``,
+which has no FLOP formula (the GPU kernels - flash, efficient, cuDNN - have), so a CPU figure
+leaves attention out (the LM example's 2-layer, 64-byte model: exactly 6 x parameters x tokens).
 
 **Peak** (:func:`peak_flops`): the spec's ``peak_flops`` (per worker), else :data:`PEAKS`, dense
 figures of common NVIDIA GPUs from their datasheets, by the name torch gives the device and
