@@ -435,6 +435,12 @@ class Heartbeat(_Wire):
     generation: int = 0
     #: Seconds of its last step, wall clock, waits included (None: no step yet).
     step_time: float | None = None
+    #: A compiled model (``compile:``): frames dynamo compiled in this process, those compiled
+    #: after the warm-up before joining (recompiles: 0 when no shape or guard changed), and the
+    #: warm-up's seconds (None: not compiled).
+    compiled_frames: int | None = None
+    recompiles: int | None = None
+    compile_seconds: float | None = None
     #: Seconds from its last committed step to this beat (None: none yet): the beat's
     #: ``last_seen`` score (Redis time) minus this is when it last committed, on Redis's clock.
     since_commit: float | None = None

@@ -92,6 +92,10 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
             # samples read remotely, the last step's balance error (None: not streaming)
             **{f: getattr(hb, f) if hb else None for f in STREAM_FIELDS},
             "digest": hb.digest if hb else None,
+            # a compiled model: dynamo's frames, those after the warm-up (recompiles), warm-up s
+            "compiled_frames": hb.compiled_frames if hb else None,
+            "recompiles": hb.recompiles if hb else None,
+            "compile_seconds": hb.compile_seconds if hb else None,
             "heartbeat_age_ms": (now_ms - last_seen[wid]) if wid in last_seen and not ended else None,
             "straggler": rec.straggler,
             "host": rec.host,

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from shoal.core.faults import FaultPlan
-from shoal.core.jobspec import JobSpec
+from shoal.core.jobspec import CompileOptions, JobSpec
 from shoal.events.keys import JobKeys
 from shoal.events.models import Member, ShardTable
 from shoal.worker.decide import Formed, FormFailed
@@ -52,11 +52,21 @@ class LayoutOptions:
     max_grad_norm: float | None = None
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     shard_size: int = 1
+    #: ``torch.compile``'s options (None: the model is not compiled)
+    compile: CompileOptions | None = None
+    #: a compiled job's fixed micro-batch when ``TrainingSetup.micro_batch`` is unset: the
+    #: slice of the largest world size (every rank at every world size cuts its slice in
+    #: micro-batches of this shape, the short last one padded)
+    fixed_micro_batch: int | None = None
+    activation_checkpointing: bool = False
 
     @classmethod
     def from_spec(cls, spec: JobSpec, device: torch.device) -> "LayoutOptions":
+        compile_options = spec.compile_options
+        fixed = -(-spec.global_batch_size // spec.max_workers) if compile_options is not None else None
         return cls(device=torch.device(device), precision=spec.precision, max_grad_norm=spec.max_grad_norm,
-                   bucket_cap_mb=spec.bucket_cap_mb, shard_size=spec.shard_size)
+                   bucket_cap_mb=spec.bucket_cap_mb, shard_size=spec.shard_size, compile=compile_options,
+                   fixed_micro_batch=fixed, activation_checkpointing=spec.activation_checkpointing)
 
 
 @dataclass
@@ -134,6 +144,11 @@ class Layout(Protocol):
         the generation ``base_generation`` of ``world_size`` ranks, telling the others the
         newest ``generation`` seen. StepAborted (nothing applied), InconsistentStep,
         UserCodeError."""
+
+    def warm_up(self) -> float:
+        """Before joining: compile on the fixed shape (a joiner must not make its peers wait
+        for its compile); its seconds (0: nothing to do - not compiled, or compiled later,
+        once the layout can run a step)."""
 
     def before_update(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` once in the next step, after its collectives, before anything applies."""

@@ -44,9 +44,12 @@ class DataParallel(StepEngine):
     @classmethod
     def from_setup(cls, setup: TrainingSetup, options: LayoutOptions, groups: GroupSettings | None = None,
                    faults: FaultPlan | None = None) -> "DataParallel":
-        return cls(setup.model, setup.optimizer, setup.dataset, options=options, groups=groups,
-                   loss_fn=setup.loss_fn, step_fn=setup.step_fn, lr_scheduler=setup.lr_scheduler,
-                   collate_fn=setup.collate_fn, micro_batch=setup.micro_batch)
+        layout = cls(setup.model, setup.optimizer, setup.dataset, options=options, groups=groups,
+                     loss_fn=setup.loss_fn, step_fn=setup.step_fn, lr_scheduler=setup.lr_scheduler,
+                     collate_fn=setup.collate_fn, micro_batch=setup.micro_batch)
+        if options.compile is not None:  # the whole model's forward
+            layout.compile_model(options.compile, [layout.model], options.fixed_micro_batch)
+        return layout
 
     @staticmethod
     def prepare_process(device_type: str) -> None:

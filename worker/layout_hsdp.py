@@ -42,7 +42,7 @@ from shoal.worker.allocator import return_freed_tensors
 from shoal.worker.checkpoints import load_flat
 from shoal.worker.classify import formation_error
 from shoal.worker.decide import Formed, FormFailed
-from shoal.worker.engine import StepResult
+from shoal.worker.engine import StepResult, checkpoint_forward, compile_forward
 from shoal.worker.errors import CollectiveFailed, RendezvousFailed, StateMismatch
 from shoal.worker.layout import GroupSettings, LayoutOptions
 from shoal.worker.process_group import Group
@@ -72,13 +72,24 @@ class Hsdp(ShardedEngine):
         #: another thread sets the reason, the rendezvous reads it (under ``_lock``)
         self._cross_forming: list | None = None
         self._lock = threading.Lock()
+        self.prepare_unit = self._prepare_unit
 
     @classmethod
     def from_setup(cls, setup: TrainingSetup, options: LayoutOptions, groups: GroupSettings | None = None,
                    faults: FaultPlan | None = None) -> "Hsdp":
-        return cls(setup.model, setup.optimizer, setup.dataset, options=options, groups=groups,
-                   loss_fn=setup.loss_fn, step_fn=setup.step_fn, lr_scheduler=setup.lr_scheduler,
-                   collate_fn=setup.collate_fn, micro_batch=setup.micro_batch, shard_units=setup.shard_units)
+        layout = cls(setup.model, setup.optimizer, setup.dataset, options=options, groups=groups,
+                     loss_fn=setup.loss_fn, step_fn=setup.step_fn, lr_scheduler=setup.lr_scheduler,
+                     collate_fn=setup.collate_fn, micro_batch=setup.micro_batch, shard_units=setup.shard_units)
+        if options.compile is not None:  # each shard unit, before it is sharded (torchtitan's way)
+            layout.compile_model(options.compile, [], options.fixed_micro_batch)
+        return layout
+
+    def _prepare_unit(self, unit: torch.nn.Module) -> None:
+        """Each shard unit right before ``fully_shard``: activation checkpointing, then compile."""
+        if self.options.activation_checkpointing:
+            checkpoint_forward(unit)
+        if self.options.compile is not None:
+            compile_forward(unit, self.options.compile)
 
     @staticmethod
     def prepare_process(device_type: str) -> None:
@@ -254,6 +265,12 @@ class Hsdp(ShardedEngine):
         self.shard_group = None
 
     # --- the step -------------------------------------------------------------------------------
+    def warm_up(self) -> float:
+        """Nothing before the replica group forms: the shard units are compiled as they are
+        sharded, and compile on the first step of the group's first generation (its peers in
+        other groups wait for that step)."""
+        return 0.0
+
     def step(self, local_indices: Sequence[int], global_count: int, generation: int, *, base_generation: int,
              world_size: int = 0) -> StepResult:
         return super().step(local_indices, global_count, generation, base_generation=base_generation,

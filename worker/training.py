@@ -56,6 +56,8 @@ from shoal.core.faults import FaultPlan, InjectedAbort
 from shoal.core.jobspec import JobSpec
 from shoal.events.states import is_terminal
 from shoal.worker import placement
+from shoal.worker import compile_cache
+from shoal.worker import torch_compat as tc
 from shoal.worker.checkpoints import Checkpoints
 from shoal.worker.decide import (
     Aborted,
@@ -160,6 +162,11 @@ class TrainingWorker(WorkerRunner):
         self.progress: ProgressRecorder | None = None
         #: actions decided and not yet performed (a Redis outage interrupted them)
         self._todo: deque[Action] = deque()
+        #: a compiled model: dynamo's frames after the warm-up (None: not warmed up here), the
+        #: recompiles last logged, the warm-up's seconds
+        self._frames_warm: int | None = None
+        self._recompiles_said = 0
+        self._compile_seconds: float | None = None
 
     # ---- setup -------------------------------------------------------------------------------
 
@@ -194,6 +201,30 @@ class TrainingWorker(WorkerRunner):
         limits = replace(self.state.limits, total_samples=n * self.spec.epochs, num_samples=n,
                          eval_every_steps=every_steps, eval_every_epochs=every_epochs)
         self.state = replace(self.state, limits=limits, step=step, cursor=cursor)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile before joining (:meth:`Layout.warm_up`), from the compile cache in the
+        checkpoint store when it holds this model's (:mod:`shoal.worker.compile_cache`; saved
+        there by the first worker to compile), and count dynamo's frames from here: a frame
+        compiled later is a recompile, logged once each and published with the beat."""
+        engine = self.engine
+        if engine.compiled_shape is None:
+            return
+        store = self.ckpt.store if self.ckpt is not None else None
+        key = compile_cache.cache_key(engine.model, entrypoint=self.spec.entrypoint, precision=self.spec.precision,
+                                      options=self.spec.compile_options, shape=engine.compiled_shape,
+                                      device=engine.device)
+        cached = compile_cache.load(store, key) if store is not None else "no checkpoint store"
+        took = engine.warm_up()
+        if not took:  # compiled later (the layout compiles once it can run a step)
+            return
+        self._frames_warm = tc.compiled_frames()
+        self._compile_seconds = round(took, 2)
+        log.info("compiled for micro-batches of %d in %.1f s before joining (dynamo: %d frame(s); compile cache "
+                 "in the store: %s)", engine.compiled_shape, took, self._frames_warm, cached)
+        if store is not None and cached != "loaded" and compile_cache.save(store, key):
+            log.info("compile cache saved to %s/%s/%s.bin for the next workers", store.uri, compile_cache.PREFIX, key)
 
     def start(self) -> str:
         wid = super().start()
@@ -394,6 +425,13 @@ class TrainingWorker(WorkerRunner):
                       peak_rss_mb=peak_rss_mb())
         if act.digest:
             fields["digest"] = state_digest(self.engine.model)
+        if self.engine.compiled_shape is not None:
+            frames = tc.compiled_frames()
+            recompiles = frames - self._frames_warm if self._frames_warm is not None else None
+            if recompiles and recompiles != self._recompiles_said:
+                log.warning("recompiled %d time(s) since the warm-up (dynamo frames %d)", recompiles, frames)
+                self._recompiles_said = recompiles
+            fields.update(compiled_frames=frames, recompiles=recompiles, compile_seconds=self._compile_seconds)
         self.hb.update(**fields)
         self.hb.committed(time.monotonic())
 
