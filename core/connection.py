@@ -22,6 +22,7 @@ import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
+from shoal.events import envvars
 from shoal.core.errors import ConnectionFailed
 
 ENV_URL = "REDIS_URL"
@@ -158,7 +159,7 @@ def _sentinel_classes() -> tuple[type, type]:
 def replicas_to_wait(client: redis.Redis) -> int:
     """How many replicas a durable write waits for on ``client``'s server: 1 under Sentinel
     (``redis+sentinel://``), 0 otherwise; ``SHOAL_REDIS_WAIT_REPLICAS`` overrides."""
-    env = os.environ.get("SHOAL_REDIS_WAIT_REPLICAS", "")
+    env = envvars.REDIS_WAIT_REPLICAS.get()
     if env.isdigit():
         return int(env)
     return int(getattr(client, "shoal_replicas", 0))

@@ -24,16 +24,16 @@ says otherwise) nothing is sent.
 
 from __future__ import annotations
 
-import os
 import time
 
 import redis
 import redis.client
 
+from shoal.events import envvars
 from shoal.core.connection import replicas_to_wait
 
 #: how long a durable write waits for its replica (ms); the commit fence uses its own bound
-WAIT_MS = int(os.environ.get("SHOAL_REDIS_WAIT_MS", "500"))
+WAIT_MS = int(envvars.REDIS_WAIT_MS.get())
 MARKER = "shoal:durable"
 
 

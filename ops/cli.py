@@ -17,6 +17,7 @@ from pathlib import Path
 
 import redis
 
+from shoal.events import envvars
 from shoal.core.connection import connect, redact_url, url_from_env
 from shoal.ops.embedded import default_run_dir, ensure_server
 from shoal.core.errors import ConfigError, ConnectionFailed, ShoalError
@@ -210,7 +211,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         agent = NodeAgent(client, url, args.job, args.workers, run_dir=run_dir,
                           max_restarts=spec.max_restarts if args.max_restarts is None else args.max_restarts,
                           backoff=args.backoff, backoff_max=args.backoff_max, backoff_reset=args.backoff_reset,
-                          node=args.node, spec=spec, extra_env={"SHOAL_IFACE": args.iface} if args.iface else None)
+                          node=args.node, spec=spec, extra_env={envvars.IFACE: args.iface} if args.iface else None)
         signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
         signal.signal(signal.SIGINT, lambda *_: agent.stop.set())
         return agent.run()
@@ -232,11 +233,11 @@ def _agent_queue(args: argparse.Namespace) -> int:
         url = url_from_env() or _embedded_url(client)
         os.environ["REDIS_URL"] = url  # work horses inherit it: run_launch connects with it
         if args.node:
-            os.environ["SHOAL_NODE"] = args.node
+            os.environ[envvars.NODE] = args.node
         if args.iface:
-            os.environ["SHOAL_IFACE"] = args.iface  # the work horses' workers inherit it
+            os.environ[envvars.IFACE] = args.iface  # the work horses' workers inherit it
         if args.run_dir:
-            os.environ["SHOAL_AGENT_DIR"] = str(Path(args.run_dir).resolve())
+            os.environ[envvars.AGENT_DIR] = str(Path(args.run_dir).resolve())
         worker = launch_worker(client, name=args.name,
                                heartbeat=AGENT_HEARTBEAT_S if args.heartbeat is None else args.heartbeat)
         log.info("agent %s serving RQ queue %s at %s%s", worker.name, LAUNCH_QUEUE, redact_url(url),
@@ -664,7 +665,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_IFACE_HELP = ("network interface whose address gloo advertises to the peers (default: env SHOAL_IFACE, "
+_IFACE_HELP = (f"network interface whose address gloo advertises to the peers (default: env {envvars.IFACE}, "
                "else the interface this host reaches Redis through)")
 
 
@@ -739,11 +740,11 @@ def _add_run_commands(sub: argparse._SubParsersAction) -> None:
     sv = sub.add_parser("serve", help="the HTTP API and the live web dashboard",
                         description="Serve the HTTP API (docs/api.md; OpenAPI at /openapi.json) and the dashboard "
                                     "(at /). Calls that change anything need 'Authorization: Bearer <token>' with the "
-                                    "token from SHOAL_API_TOKEN or --token-file; without one the server is read-only.")
+                                    f"token from {envvars.API_TOKEN} or --token-file; without one the server is read-only.")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     sv.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080; 0: any free port)")
     sv.add_argument("--token-file", metavar="PATH",
-                    help="read the API token from this file's first line (instead of SHOAL_API_TOKEN)")
+                    help=f"read the API token from this file's first line (instead of {envvars.API_TOKEN})")
     sv.set_defaults(func=cmd_serve)
 
 

@@ -23,6 +23,7 @@ from typing import Callable, TextIO
 
 import redis
 
+from shoal.events import envvars
 from shoal.coordinator.decide import format_metrics
 from shoal.events.keys import job_keys
 from shoal.events.models import ShardTable
@@ -150,7 +151,7 @@ def run_demo(duration: float | None = None, epochs: int = 8, report: str | None 
         total_steps = -(-5000 // spec.global_batch_size) * epochs
         console = Console()
         feed = ControlFeed(client, job, t0, console)
-        procs = LocalProcs(server.url, tmpdir / "logs", extra_env={"SHOAL_LEDGER_DIR": str(tmpdir / "ledger")})
+        procs = LocalProcs(server.url, tmpdir / "logs", extra_env={envvars.LEDGER_DIR: str(tmpdir / "ledger")})
         killed = None
         failover: tuple[float, float, int] | None = None  # (killed, promoted: wall time; step)
         try:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import redis
 
+from shoal.events import envvars
 from shoal.core.errors import ConnectionFailed
 
 
@@ -42,7 +43,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def default_run_dir() -> Path:
-    return Path(os.environ.get("SHOAL_HOME", Path.home() / ".shoal")) / "redis"
+    return Path(envvars.HOME.get() or Path.home() / ".shoal") / "redis"
 
 
 @dataclass

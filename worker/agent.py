@@ -30,7 +30,7 @@ from pathlib import Path
 
 import redis
 
-from shoal.events import bus
+from shoal.events import bus, envvars
 from shoal.events.keys import LOGS_MAXLEN, job_keys
 from shoal.events.models import WorkerExited, WorkerStartFailed
 from shoal.events.streams import LogEntry
@@ -41,7 +41,7 @@ from shoal.core.jobspec import JobSpec
 from shoal.storage.code_package import CodePackage, CodePackageError, unpack
 from shoal.worker import placement
 from shoal.worker.errors import ReplicaGroupLost
-from shoal.worker.lifeline import AGENT_PID_ENV, STOPPED_IN_OUTAGE_EXIT
+from shoal.worker.lifeline import STOPPED_IN_OUTAGE_EXIT
 from shoal.worker.membership import JoinRejected
 from shoal.events.states import is_terminal
 
@@ -264,10 +264,10 @@ class NodeAgent:
         env.update(self.extra_env)
         if self.placement is not None:  # its GPU alone, the backend and device (shoal.worker.placement)
             env.update(placement.slot_env(self.placement, slot.index, len(self.slots), self.slot_gpus[slot.index]))
-        # AGENT_PID_ENV: the worker knows it has an agent, and that it is orphaned once its
+        # envvars.AGENT_PID: the worker knows it has an agent, and that it is orphaned once its
         # parent is no longer this process (shoal.worker.lifeline)
         env.update({"REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1",
-                    "SHOAL_WORKER_ID_FILE": str(slot.id_file(self.run_dir)), AGENT_PID_ENV: str(os.getpid())})
+                    envvars.WORKER_ID_FILE: str(slot.id_file(self.run_dir)), envvars.AGENT_PID: str(os.getpid())})
         if self.code_dir is not None:  # like Ray's working_dir: the cwd, and first on sys.path
             env["PYTHONPATH"] = os.pathsep.join([str(self.code_dir), *filter(None, [env.get("PYTHONPATH")])])
         slot.id_file(self.run_dir).unlink(missing_ok=True)

@@ -64,20 +64,21 @@ from collections.abc import Callable
 
 import redis
 
+from shoal.events import envvars
 from shoal.core.connection import without_retries
 from shoal.events.models import STOPPED_IN_OUTAGE_EXIT  # noqa: F401 - part of this module's interface (the agent, tests)
 
 log = logging.getLogger("shoal.worker.lifeline")
 
 #: The environment variable in which the node agent names itself (its pid) to its workers.
-AGENT_PID_ENV = "SHOAL_AGENT_PID"
+AGENT_PID_ENV = envvars.AGENT_PID
 #: How long an orphaned worker goes on without an answer from Redis before it exits: as long
 #: as its Redis commands ride out an outage (``RIDE_OUT_S``) and as it waits for a job lost
 #: with Redis's data (``LOST_JOB_WAIT_S``). A Sentinel fail-over (2-3 s) or a Redis restart
 #: from its AOF is ridden out; an outage longer than this ends the orphan.
 ORPHAN_REDIS_S = 60.0
 #: Overrides :data:`ORPHAN_REDIS_S` (seconds, > 0), e.g. in the node agent's environment.
-ORPHAN_REDIS_ENV = "SHOAL_ORPHAN_REDIS_S"
+ORPHAN_REDIS_ENV = envvars.ORPHAN_REDIS_S
 #: How long a worker asked to stop waits for Redis to answer before it exits without leaving.
 STOP_REDIS_S = 2.0
 #: Exit code of an orphan that ended because Redis was unreachable for the bound.

@@ -13,7 +13,7 @@ import time
 
 import redis
 
-from shoal.events import bus
+from shoal.events import bus, envvars
 from shoal.events.keys import JobKeys, job_keys
 from shoal.events.models import (
     Checkpointed,
@@ -107,7 +107,7 @@ class Membership:
         if not reply.accepted:
             raise JoinRejected(reply.reason)
         self.worker_id = reply.worker_id
-        id_file = os.environ.get("SHOAL_WORKER_ID_FILE")
+        id_file = envvars.WORKER_ID_FILE.get()
         if id_file:  # lets the node agent name this worker when it reports its exit
             with open(id_file, "w") as fh:
                 fh.write(reply.worker_id)
