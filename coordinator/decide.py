@@ -49,6 +49,7 @@ from shoal.coordinator.owners import plan_owners
 from shoal.coordinator.replicas import plan_groups
 from shoal.coordinator.shards import plan_ranges
 from shoal.coordinator.states import CoordState
+from shoal.events.exits import WorkerExit
 from shoal.events.records import JobStatus, WorkerRecord
 from shoal.events.states import (
     LIVE,
@@ -75,7 +76,6 @@ from shoal.events.models import (
     Ready,
     ShardTable,
     StepFailed,
-    STOPPED_IN_OUTAGE_EXIT,
     StopJob,
     WorkerExited,
     WorkerStartFailed,
@@ -564,7 +564,7 @@ def _on_exited(state: CoordState, ev: WorkerExited, rec: WorkerRecord, now_ms: i
         # recorded: the worker is planned no more)
         why = f"{_failed(wid, rec.rank)} {ended}"
         status = state.status
-        if ev.exit_code == STOPPED_IN_OUTAGE_EXIT:
+        if ev.exit_code == WorkerExit.STOPPED_IN_OUTAGE:
             # it was asked to stop while Redis was gone (its beats stopped with it): no root
             # cause of anything, and not the job's first failure
             why = f"{wid} was asked to stop during a Redis outage and ended without leaving ({how})"
@@ -584,10 +584,10 @@ def _on_exited(state: CoordState, ev: WorkerExited, rec: WorkerRecord, now_ms: i
         if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:
             return _give_up(state, wid, ev, spec, now_ms, [])
         return _unchanged(state, f"exit of {wid} ignored: it is {rec.state.value}")
-    if rec.state == WorkerState.DRAINING and ev.exit_code == 0:
+    if rec.state == WorkerState.DRAINING and ev.exit_code == WorkerExit.OK:
         state = _move(state, wid, WorkerState.LEFT, f"{wid} exited cleanly while draining", now_ms)
         actions: list[Action] = [Forget(wid)]
-    elif ev.exit_code == STOPPED_IN_OUTAGE_EXIT:  # asked to stop while it could not leave: a leave, not a failure
+    elif ev.exit_code == WorkerExit.STOPPED_IN_OUTAGE:  # asked to stop while it could not leave: a leave, not a failure
         why = f"{wid} was asked to stop during a Redis outage and ended without leaving ({how}): it left"
         if rec.state == WorkerState.ACTIVE:  # the drain it could not announce
             state = _move(state, wid, WorkerState.DRAINING, why, now_ms)

@@ -128,12 +128,6 @@ class _ProcessEnded(EventBase):
     pid: int = 0
 
 
-#: The exit code of a worker asked to stop (SIGTERM) while Redis was unreachable, which ended
-#: without leaving the job (``shoal.worker.lifeline``): its node agent does not restart it and
-#: the coordinator counts it as having left, not failed.
-STOPPED_IN_OUTAGE_EXIT = 77
-
-
 class WorkerExited(_ProcessEnded):
     """A node agent saw the worker process die (faster than the heartbeat TTL). A report
     about a pid other than the one the worker id joined with (ids restart after Redis lost a

@@ -66,12 +66,12 @@ class FailureCause(str, Enum):
     REPLICA_GROUP = "replica_group"
     #: The progress watchdog: it kept aborting the same step, generation after generation of
     #: the same members, while the job's committed step did not advance; it was alive. Its
-    #: process is started again (exit code 75), not rejoined with its state.
+    #: process is started again (``WorkerExit.RESTART``, 75), not rejoined with its state.
     STUCK = "stuck"
     #: Elastic HSDP: its replica group spanned nodes and was dissolved so that its members
     #: regroup with node-mates (``coordinator.decide``); it was alive and healthy. Not a
     #: failure: no failure is recorded and its peers do not abort collectives with it; its
-    #: process is started again (exit code 75) and joins a group on its own node.
+    #: process is started again (``WorkerExit.RESTART``, 75) and joins a group on its own node.
     REGROUPED = "regrouped"
 
     @classmethod

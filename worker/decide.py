@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from shoal.events.exits import WorkerExit
 from shoal.events.models import FormationError, Member, ShardTable
 from shoal.worker.data import contiguous_table
 from shoal.events.states import TERMINAL_VALUES
@@ -62,7 +63,8 @@ class Phase(str, Enum):
     - TRAINING: a member of ``table``'s generation; one step per iteration. When a step's
       all-reduce says some member saw a newer generation (``switch_to``), every member leaves at
       that step boundary; a failed step leaves at once.
-    - EXITED: terminal; ``exit_code`` says how (0: finished, left, or the job ended; 1: evicted).
+    - EXITED: terminal; ``exit_code`` says how (``WorkerExit.OK``: finished, left, or the job ended;
+      ``WorkerExit.FAILED``: evicted).
     """
 
     IDLE = "idle"
@@ -490,7 +492,7 @@ def _idle(s: TrainerState, **changes) -> TrainerState:
     return replace(s, phase=Phase.IDLE, table=None, member=None, first_ranges=None, **changes)
 
 
-def _exit(s: TrainerState, code: int) -> TrainerState:
+def _exit(s: TrainerState, code: WorkerExit) -> TrainerState:
     return replace(s, phase=Phase.EXITED, exit_code=code)
 
 
@@ -523,7 +525,7 @@ def _tick(s: TrainerState, t: Tick, now: float) -> Choice:
             g, world = s.aborted_rank0  # ... also when rank 0's last step aborted as its peer exited
             actions.append(SaveCheckpoint(s.step, s.cursor, g, world, final=True))
         said.append(f"the job is {t.job_state}")
-        return Choice(_exit(s, 0), tuple(actions), "; ".join(said), level)
+        return Choice(_exit(s, WorkerExit.OK), tuple(actions), "; ".join(said), level)
     if s.phase is Phase.TRAINING and s.switch_to <= s.group:
         ranges = s.first_ranges if s.first_ranges is not None else tuple(map(tuple, s.member.ranges))
         actions.append(TrainStep(s.step, s.cursor, ranges, s.seen, s.group, s.table.world_size))
@@ -540,7 +542,7 @@ def _tick(s: TrainerState, t: Tick, now: float) -> Choice:
 
 def _rejoined(s: TrainerState, r: Rejoined, now: float) -> Choice:
     if not r.ok:
-        return Choice(_exit(s, 1), (), "evicted by the coordinator (declared failed); exiting", logging.ERROR)
+        return Choice(_exit(s, WorkerExit.FAILED), (), "evicted by the coordinator (declared failed); exiting", logging.ERROR)
     # the new incarnation of the job plans a new generation; no step was lost on our side
     return Choice(_idle(s, worker_id=r.worker_id, switch_to=0), (LeaveGroup(),),
                     f"rejoined the job as {r.worker_id}, state kept", logging.INFO)
@@ -561,7 +563,7 @@ def _table_fetched(s: TrainerState, f: TableFetched, now: float) -> Choice:
     member = None if table.paused else table.member(s.worker_id)
     if member is None:
         if s.draining:
-            return Choice(_exit(s, 0), (SendLeft(),), f"left after step {s.step} (generation {g} no longer includes us)",
+            return Choice(_exit(s, WorkerExit.OK), (SendLeft(),), f"left after step {s.step} (generation {g} no longer includes us)",
                             logging.INFO)
         s, actions = _wait(s, g, now)
         return Choice(s, actions, f"generation {g} {'is paused' if table.paused else 'does not include this worker'}: "
@@ -643,7 +645,7 @@ def _committed(s: TrainerState, c: Committed, now: float) -> Choice:
     actions.append(Beat(s.step, g, c.loss, c.started, digest=s.step % DIGEST_EVERY == 0))
     if s.done:  # Finish evaluates (and rank 0 reports it) whether or not one was due
         actions.append(Finish(s.step, s.cursor, report=rank0, checkpoint=_checkpoint(s, final=True) if saver else None))
-        return Choice(_exit(replace(s, evaluated=s.step), 0), tuple(actions),
+        return Choice(_exit(replace(s, evaluated=s.step), WorkerExit.OK), tuple(actions),
                         f"training complete at step {s.step}, cursor {s.cursor}")
     then = f"; generation {c.max_generation} agreed: switching" if c.max_generation > g else ""
     if s.step != s.evaluated and eval_due(s.limits, s.step, s.cursor):

@@ -14,6 +14,7 @@ import time
 import redis
 
 from shoal.events import bus, envvars
+from shoal.events.exits import WorkerExit
 from shoal.events.keys import JobKeys, job_keys
 from shoal.events.models import (
     Checkpointed,
@@ -44,13 +45,13 @@ class MembershipError(ShoalError):
 class JoinRejected(MembershipError):
     """The coordinator refused the join; the message is its reason."""
 
-    exit_code = 4
+    exit_code = WorkerExit.JOIN_REJECTED
 
 
 class JoinTimeout(MembershipError):
     """No coordinator answered the join in time (none running, or none leading this job)."""
 
-    exit_code = 5
+    exit_code = WorkerExit.JOIN_TIMEOUT
 
 
 class Membership:

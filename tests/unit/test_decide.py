@@ -10,7 +10,8 @@ from shoal.coordinator.decide import SETTLE_MS, EventInput, Forget, Publish, Rec
 from shoal.coordinator.states import CoordState
 from shoal.events.records import WorkerRecord
 from shoal.events.states import FailureCause, IllegalTransition, JobState, WorkerState
-from shoal.events.models import STOPPED_IN_OUTAGE_EXIT, JoinRequest, LeaveRequest, Left, Ready, StopJob, WorkerExited
+from shoal.events.exits import WorkerExit
+from shoal.events.models import JoinRequest, LeaveRequest, Left, Ready, StopJob, WorkerExited
 from shoal.core.jobspec import JobSpec
 
 SPEC = JobSpec(name="j", entrypoint="simulate", min_workers=2, max_workers=3, global_batch_size=10, heartbeat_ttl=2.0, heartbeat_interval=0.5)
@@ -460,9 +461,9 @@ def test_a_worker_stopped_during_an_outage_left_and_is_no_failure() -> None:
     the job's first failure."""
     s = decide(three_workers(), _ev(Ready(job_id="j", worker_id="w0", generation=1)), T0 + 1, SPEC).state
     assert s.workers["w0"].state == WorkerState.ACTIVE  # and w1, w2 Syncing: both ways to Left
-    d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w0", exit_code=STOPPED_IN_OUTAGE_EXIT)), T0 + 5, SPEC)
+    d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w0", exit_code=WorkerExit.STOPPED_IN_OUTAGE)), T0 + 5, SPEC)
     assert d.state.workers["w0"].state == WorkerState.LEFT and tables(d)[0].world_size == 2
-    d = decide(d.state, _ev(WorkerExited(job_id="j", worker_id="w2", exit_code=STOPPED_IN_OUTAGE_EXIT)), T0 + 5, SPEC)
+    d = decide(d.state, _ev(WorkerExited(job_id="j", worker_id="w2", exit_code=WorkerExit.STOPPED_IN_OUTAGE)), T0 + 5, SPEC)
     assert d.state.workers["w2"].state == WorkerState.LEFT and tables(d)[0].paused  # 1 < min_workers
     assert not d.state.status.first_failure
     d = decide(d.state, _ev(WorkerExited(job_id="j", worker_id="w1", exit_code=76)), T0 + 6, SPEC)  # an orphan's end is one
@@ -475,6 +476,6 @@ def test_a_worker_stopped_during_an_outage_is_no_first_failure_after_its_heartbe
     s = three_workers()
     d = decide(s, Tick(last_seen={"w0": T0}), T0 + 60_000, SPEC)
     assert d.state.workers["w0"].state == WorkerState.FAILED and d.state.status.first_failure_worker == "w0"
-    d = decide(d.state, _ev(WorkerExited(job_id="j", worker_id="w0", exit_code=STOPPED_IN_OUTAGE_EXIT)), T0 + 60_001, SPEC)
+    d = decide(d.state, _ev(WorkerExited(job_id="j", worker_id="w0", exit_code=WorkerExit.STOPPED_IN_OUTAGE)), T0 + 60_001, SPEC)
     assert not d.state.status.first_failure and not d.state.status.first_failure_worker
     assert "asked to stop during a Redis outage" in d.state.workers["w0"].reason
