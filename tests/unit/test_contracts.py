@@ -61,3 +61,18 @@ def test_the_errors_exit_with_their_codes() -> None:
 
     assert (EntrypointError.exit_code, ReplicaGroupLost.exit_code, JoinRejected.exit_code, JoinTimeout.exit_code) == (
         WorkerExit.ENTRYPOINT_ERROR, WorkerExit.RESTART, WorkerExit.JOIN_REJECTED, WorkerExit.JOIN_TIMEOUT)
+
+
+def test_a_client_of_replicas_says_so_by_its_type(monkeypatch) -> None:
+    import redis
+
+    from shoal.core.connection import ReplicatedRedis, replicas_to_wait, without_retries
+
+    monkeypatch.delenv(envvars.REDIS_WAIT_REPLICAS, raising=False)
+    plain, two = redis.Redis(), ReplicatedRedis(replicas=2)
+    assert replicas_to_wait(plain) == 0 and replicas_to_wait(without_retries(plain)) == 0
+    assert replicas_to_wait(ReplicatedRedis()) == 1 and replicas_to_wait(two) == 2
+    kept = without_retries(two, timeout=0.5)
+    assert isinstance(kept, ReplicatedRedis) and replicas_to_wait(kept) == 2 and kept is not two
+    monkeypatch.setenv(envvars.REDIS_WAIT_REPLICAS, "0")  # the override wins either way
+    assert replicas_to_wait(two) == 0
