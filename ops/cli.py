@@ -331,7 +331,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from shoal.ops.jobs import TERMINAL, job_state, keys_of, stop_job
+    from shoal.events.states import is_terminal
+    from shoal.ops.jobs import job_state, keys_of, stop_job
 
     keys = keys_of(args.job)
     if args.wait is not None and args.wait <= 0:
@@ -348,7 +349,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
         deadline = time.monotonic() + args.wait
         while time.monotonic() < deadline:
             state = job_state(client, keys)
-            if state in TERMINAL:
+            if is_terminal(state):
                 print(f"job {args.job} is {state}")
                 return 0
             time.sleep(0.2)

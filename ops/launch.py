@@ -28,11 +28,10 @@ from shoal.ops.embedded import default_run_dir
 from shoal.ops.status import job_summary, parse_heartbeat, progress
 from shoal.core.errors import ConfigError, ShoalError
 from shoal.core.jobspec import JobSpec
-from shoal.events.states import TERMINAL_VALUES
+from shoal.events.states import is_terminal
 
 log = logging.getLogger("shoal.launch")
 
-TERMINAL = TERMINAL_VALUES
 #: Seconds between two progress reports in the RQ job's meta.
 META_INTERVAL = 3.0
 
@@ -120,7 +119,7 @@ def run_launch(job_id: str, workers: int, *, meta_interval: float | None = None)
         if workers > spec.max_workers:  # never start more processes than the job can use
             raise ConfigError(f"workers {workers} exceeds job {job_id!r}'s max_workers={spec.max_workers}")
         state = client.hget(keys.state, "state")
-        if state is not None and state.decode() in TERMINAL:
+        if is_terminal(state):
             log.info("job %s already %s: no workers started", job_id, state.decode())
             return {**job_summary(client, job_id), "node": "", "workers": 0, "agent_exit_code": None}
         unit = rq_job.id if rq_job is not None else f"direct-{uuid.uuid4().hex[:12]}"
@@ -155,7 +154,7 @@ def run_launch(job_id: str, workers: int, *, meta_interval: float | None = None)
         rc = 1 if any(s.gave_up for s in agent.slots) else 0
         if rc:  # the coordinator may fail the job on the agent's last report: give it a moment
             deadline = time.monotonic() + GIVE_UP_WAIT_S
-            while time.monotonic() < deadline and (client.hget(keys.state, "state") or b"").decode() not in TERMINAL:
+            while time.monotonic() < deadline and not is_terminal(client.hget(keys.state, "state")):
                 time.sleep(0.1)
         try:
             final = progress.sample()

@@ -25,10 +25,8 @@ from enum import Enum
 from shoal.events.exits import WorkerExit
 from shoal.events.models import FormationError, Member, ShardTable
 from shoal.worker.data import contiguous_table
-from shoal.events.states import TERMINAL_VALUES
+from shoal.events.states import JobState, is_terminal
 
-#: Job states after which a worker has nothing left to do.
-TERMINAL = TERMINAL_VALUES
 #: A heartbeat carries the parameter digest every this many steps (sha256 of every parameter:
 #: cheap for small models, not free for large ones).
 DIGEST_EVERY = 50
@@ -518,10 +516,10 @@ def _tick(s: TrainerState, t: Tick, now: float) -> Choice:
         said.append(f"draining after step {s.step}")
         level = logging.INFO
     s = replace(s, seen=max(s.seen, t.latest))
-    if t.job_state in TERMINAL:
-        if t.job_state == "stopped" and s.saver:
+    if is_terminal(t.job_state):
+        if t.job_state == JobState.STOPPED and s.saver:
             actions.append(_checkpoint(s, final=True))  # a graceful stop keeps the progress
-        elif t.job_state == "stopped" and s.aborted_rank0 is not None and s.aborted_rank0[0] >= s.seen:
+        elif t.job_state == JobState.STOPPED and s.aborted_rank0 is not None and s.aborted_rank0[0] >= s.seen:
             g, world = s.aborted_rank0  # ... also when rank 0's last step aborted as its peer exited
             actions.append(SaveCheckpoint(s.step, s.cursor, g, world, final=True))
         said.append(f"the job is {t.job_state}")

@@ -16,9 +16,9 @@ import time
 
 from shoal.events.exits import WorkerExit
 from shoal.events.models import ShardTable
+from shoal.events.states import is_terminal
 from shoal.core.jobspec import JobSpec
 from shoal.worker.membership import Membership
-from shoal.worker.decide import TERMINAL
 from shoal.worker.runner import WorkerRunner
 
 log = logging.getLogger("shoal.worker")
@@ -66,7 +66,7 @@ class SimulatedWorker(WorkerRunner):
                 log.info("left the job")
                 return WorkerExit.OK
             return None
-        if self.membership.job_state() in TERMINAL:
+        if is_terminal(self.membership.job_state()):
             return WorkerExit.OK
         if self.member and done:
             if self.member.rank == 0 and not self._reported:
