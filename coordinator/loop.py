@@ -29,7 +29,7 @@ from shoal.core.durable import execute_confirmed
 from shoal.coordinator.lease import LeaseScripts
 from shoal.coordinator.persist import decision_batch, load_state
 from shoal.coordinator.states import CoordState
-from shoal.events.streams import ControlEntry
+from shoal.events.streams import ControlEntry, ControlKind
 from shoal.events.states import TERMINAL_JOB_STATES, WorkerState
 from shoal.events import bus
 from shoal.events.keys import CONTROL_MAXLEN, COORDINATOR_GROUP, COORDINATORS, DEAD_MAXLEN, JOBS, JobKeys, job_keys
@@ -382,7 +382,7 @@ class Coordinator:
         self.stats.events_handled += 1
         self.faults.count(event.kind, "after_apply")
 
-    def _record(self, lead: JobLead, decision: Decision, *, kind: str, source_id: str, now: int) -> None:
+    def _record(self, lead: JobLead, decision: Decision, *, kind: ControlKind | str, source_id: str, now: int) -> None:
         """Persist a decision through the fence (plus ``applied``/XACK for stream entries)."""
         state = decision.state
         is_entry = source_id != "tick"
@@ -408,8 +408,8 @@ class Coordinator:
         batch = FencedBatch(keys)
         batch.xadd(keys.dead, bus.dead_letter_fields(fields, reason, sid), maxlen=DEAD_MAXLEN)
         batch.hset(keys.state, {"applied": sid})
-        entry = ControlEntry(ts_ms=now, epoch=lead.epoch, coordinator=self.instance_id, kind="dead_letter", source_id=sid,
-                             job_state=status.state.value, generation=status.generation,
+        entry = ControlEntry(ts_ms=now, epoch=lead.epoch, coordinator=self.instance_id, kind=ControlKind.DEAD_LETTER, source_id=sid,
+                             job_state=status.state, generation=status.generation,
                              reason=f"dead-lettered {sid}: {reason}")
         batch.xadd(keys.control, entry.to_fields(), maxlen=CONTROL_MAXLEN)
         batch.add("XACK", keys.events, COORDINATOR_GROUP, sid)
@@ -475,7 +475,7 @@ class Coordinator:
             if not decision.changed and not decision.actions and decision.state.status == status:
                 continue
             failed_before = sum(1 for r in lead.state.workers.values() if r.state == WorkerState.FAILED)
-            self._record(lead, decision, kind="tick", source_id="tick", now=now)
+            self._record(lead, decision, kind=ControlKind.TICK, source_id="tick", now=now)
             failed_after = sum(1 for r in lead.state.workers.values() if r.state == WorkerState.FAILED)
             if failed_after > failed_before:
                 self.stats.failures_detected += failed_after - failed_before

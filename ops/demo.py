@@ -27,7 +27,7 @@ from shoal.events import envvars
 from shoal.coordinator.decide import format_metrics
 from shoal.events.keys import job_keys
 from shoal.events.models import ShardTable
-from shoal.events.streams import ControlEntry
+from shoal.events.streams import ControlEntry, ControlKind
 from shoal.core.connection import connect
 from shoal.ops.embedded import HASet, start_ha, start_server
 from shoal.core.registry import create_job
@@ -102,7 +102,7 @@ class ControlFeed:
                 self.last = sid.decode()
                 d = ControlEntry.from_fields(f)
                 out.append(d)
-                if d.kind == "ready":
+                if d.kind == ControlKind.READY:
                     continue
                 self.console.line(f"[{time.monotonic() - self.t0:5.1f}s] gen {d.generation:>2} {d.job_state:<9} {d.reason}")
                 if d.planned and not d.paused:
