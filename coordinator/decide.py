@@ -40,7 +40,6 @@ highest step and counts nothing; neither does a failed step, which nobody commit
 from __future__ import annotations
 
 import hashlib
-import json
 import statistics
 from dataclasses import dataclass, field, replace
 
@@ -50,7 +49,7 @@ from shoal.coordinator.replicas import plan_groups
 from shoal.coordinator.shards import plan_ranges
 from shoal.coordinator.states import CoordState
 from shoal.events.exits import WorkerExit
-from shoal.events.records import JobStatus, WorkerRecord
+from shoal.events.records import Evaluation, Formation, JobStatus, WorkerRecord
 from shoal.events.states import (
     LIVE,
     PLANNED,
@@ -310,10 +309,9 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
         reason = f"{why}; generation {generation}: world size {len(ids)} ({', '.join(ids)})"
     owners = None
     if status.num_shards and not paused:
-        previous = json.loads(status.shard_owners) if status.shard_owners else None
-        owners, owned_why = plan_owners(previous, ids, status.num_shards)
+        owners, owned_why = plan_owners(status.shard_owners, ids, status.num_shards)
         reason = f"{reason}; {owned_why}"
-        status = replace(status, shard_owners=json.dumps(owners, separators=(",", ":")))
+        status = replace(status, shard_owners=owners)
     table = ShardTable(
         job_id=spec.name,
         generation=generation,
@@ -330,9 +328,10 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
         shard_size=spec.shard_size,
     )
     # the formation clock runs from the first generation planned since one last formed
-    unformed = 0 if paused else (status.unformed_since_ms or now_ms)
+    unformed = 0 if paused else (status.formation.unformed_since_ms or now_ms)
     new_status = replace(status, generation=generation, plan_digest=digest, pending_join_ms=0, reason=reason,
-                         unformed_since_ms=unformed, step_failed_ms=0, step_failure="", formation_retry_ms=0)
+                         formation=replace(status.formation, unformed_since_ms=unformed, retry_ms=0),
+                         step_failed_ms=0, step_failure="")
     new_status = _set_job(new_status, JobState.PAUSED if paused else JobState.RUNNING, now_ms)
     return replace(state, status=new_status), [*grouped, Publish(table, change)], reason
 
@@ -484,7 +483,7 @@ def _on_completed(state: CoordState, ev: JobCompleted, now_ms: int, spec: JobSpe
         reason += (f"; {redone} committed step{'s were' if redone != 1 else ' was'} redone "
                    f"(every replica that held {'them' if redone != 1 else 'it'} was lost)")
         summary["steps_redone"] = redone
-    status = replace(_set_job(state.status, JobState.COMPLETED, now_ms), reason=reason, summary=json.dumps(summary))
+    status = replace(_set_job(state.status, JobState.COMPLETED, now_ms), reason=reason, summary=summary)
     return Decision(replace(state, status=status), (), reason)
 
 
@@ -624,16 +623,6 @@ def _on_step_failed(state: CoordState, ev: StepFailed, rec: WorkerRecord, now_ms
                     f"{failure}; the same members get a new generation in {SETTLE_MS} ms unless one leaves first")
 
 
-def last_eval(status: JobStatus) -> dict | None:
-    """The job's newest evaluation (``JobStatus.eval`` parsed): ``step``, ``epoch``,
-    ``generation``, ``metrics``, ``worker_id``; None when there is none or it does not parse."""
-    try:
-        doc = json.loads(status.eval) if status.eval else None
-    except ValueError:
-        return None
-    return doc if isinstance(doc, dict) and isinstance(doc.get("metrics"), dict) else None
-
-
 #: Longest list of metrics an evaluation's reason (the decision log, ``shoal events``) shows.
 EVAL_REASON_CHARS = 300
 
@@ -656,16 +645,15 @@ def _on_eval(state: CoordState, ev: EvalReported, rec: WorkerRecord, now_ms: int
         return _unchanged(state, f"{said}: ignored, job already {state.status.state.value}")
     if rec.state not in LIVE:
         return _unchanged(state, f"{said}: ignored, it is {rec.state.value}")
-    last = last_eval(state.status)
-    recorded = last.get("generation") if last is not None else None
-    if isinstance(recorded, int) and ev.generation < recorded:
+    last = state.status.eval
+    if last is not None and ev.generation < last.generation:
         return _unchanged(state, f"{said} in generation {ev.generation}: ignored, the job's evaluation of step "
-                                 f"{last.get('step')} is from generation {recorded}")
-    doc = {"step": ev.step, "epoch": ev.epoch, "generation": ev.generation, "metrics": dict(ev.metrics),
-           "worker_id": rec.worker_id}
+                                 f"{last.step} is from generation {last.generation}")
+    newest = Evaluation(step=ev.step, epoch=ev.epoch, generation=ev.generation, metrics=dict(ev.metrics),
+                        worker_id=rec.worker_id)
     done = f"{ev.epoch} epoch{'' if ev.epoch == 1 else 's'} done"
     reason = f"{said} ({done}, generation {ev.generation}{', final' if ev.final else ''}): {format_metrics(ev.metrics)}"
-    return Decision(replace(state, status=replace(state.status, eval=json.dumps(doc))), (), reason)
+    return Decision(replace(state, status=replace(state.status, eval=newest)), (), reason)
 
 
 #: How much of a rendezvous error the job status keeps (the formation failure's reason).
@@ -674,30 +662,29 @@ RENDEZVOUS_ERROR_CHARS = 400
 
 def _formation_expired(status: JobStatus, spec: JobSpec, now_ms: int) -> bool:
     """A running job whose planned generations have not formed for ``formation_timeout``."""
-    return (status.state == JobState.RUNNING and status.unformed_since_ms > 0
-            and now_ms - status.unformed_since_ms >= spec.formation_timeout * 1000)
+    since = status.formation.unformed_since_ms
+    return status.state == JobState.RUNNING and since > 0 and now_ms - since >= spec.formation_timeout * 1000
 
 
 def _formation_failed(state: CoordState, spec: JobSpec, now_ms: int) -> Decision:
     status = state.status
-    waited = (now_ms - status.unformed_since_ms) / 1000
+    waited = (now_ms - status.formation.unformed_since_ms) / 1000
     reason = (f"job failed: no generation formed in {waited:.1f} s (formation_timeout {spec.formation_timeout:g} s, "
               f"last generation {status.generation}); last rendezvous error: "
-              f"{status.rendezvous_error or 'none reported'}")
+              f"{status.formation.rendezvous_error or 'none reported'}")
     status = replace(_set_job(status, JobState.FAILED, now_ms), reason=reason)
     return Decision(replace(state, status=status), (), reason)
 
 
 def _forming(status: JobStatus) -> bool:
     """Whether the formation clock runs (or an error or back-off of a formation is recorded)."""
-    return bool(status.unformed_since_ms or status.rendezvous_error or status.formation_failures)
+    f = status.formation
+    return bool(f.unformed_since_ms or f.rendezvous_error or f.failures)
 
 
 def _formed(status: JobStatus) -> JobStatus:
-    """``status`` once a generation formed: the formation clock, error and back-off end."""
-    return replace(status, unformed_since_ms=0, rendezvous_error="", formation_failures=0, formation_digest="",
-                   formation_error="", formation_strikes=0, formation_strike_generation=0,
-                   formation_failed_generation=0, formation_retry_ms=0)
+    """``status`` once a generation formed: the formation clock, error, back-off and strikes end."""
+    return replace(status, formation=Formation())
 
 
 def formation_backoff_ms(failures: int) -> int:
@@ -716,31 +703,31 @@ def _on_formation_failed(state: CoordState, ev: StepFailed, now_ms: int, spec: J
     wid = ev.worker_id or "?"
     kind = FormationError.parse(ev.formation_error)
     error = " ".join(ev.error.split())[:RENDEZVOUS_ERROR_CHARS]  # one line
-    status = replace(state.status, rendezvous_error=f"{wid}: {error}")
+    f = replace(state.status.formation, rendezvous_error=f"{wid}: {error}")
+    status = replace(state.status, formation=f)
     if _formation_expired(status, spec, now_ms):
         return _formation_failed(replace(state, status=status), spec, now_ms)
-    if status.formation_digest != status.plan_digest:  # other members than the failures counted: start over
-        status = replace(_formed(status), rendezvous_error=status.rendezvous_error,
-                         unformed_since_ms=status.unformed_since_ms, formation_digest=status.plan_digest)
+    if f.digest != status.plan_digest:  # other members than the failures counted: start over
+        f = Formation(unformed_since_ms=f.unformed_since_ms, rendezvous_error=f.rendezvous_error,
+                      digest=status.plan_digest)
     said = f"generation {ev.generation} could not form ({wid}: {error[:200]})"
-    if kind.configuration and status.formation_strike_generation != ev.generation:
-        strikes = status.formation_strikes + 1 if status.formation_error == kind.value else 1
-        status = replace(status, formation_error=kind.value, formation_strikes=strikes,
-                         formation_strike_generation=ev.generation)
+    if kind.configuration and f.strike_generation != ev.generation:
+        strikes = f.strikes + 1 if f.config_error == kind.value else 1
+        f = replace(f, config_error=kind.value, strikes=strikes, strike_generation=ev.generation)
         if strikes >= CONFIG_STRIKES:
-            return _configuration_failed(replace(state, status=status), kind, wid, error, spec, now_ms)
-    if status.formation_failed_generation == ev.generation:  # another member's report of the same failure
-        return Decision(replace(state, status=status), (), f"{said}; already counted: the same members get "
-                        f"a new generation at {status.formation_retry_ms} ms")
-    failures = status.formation_failures + 1
+            return _configuration_failed(replace(state, status=replace(status, formation=f)), kind, wid, error,
+                                         spec, now_ms)
+    if f.failed_generation == ev.generation:  # another member's report of the same failure
+        return Decision(replace(state, status=replace(status, formation=f)), (),
+                        f"{said}; already counted: the same members get a new generation at {f.retry_ms} ms")
+    failures = f.failures + 1
     delay = formation_backoff_ms(failures)
-    strike = (f"; configuration error {kind.value} ({status.formation_strikes} of {CONFIG_STRIKES} in a row fail the job)"
+    strike = (f"; configuration error {kind.value} ({f.strikes} of {CONFIG_STRIKES} in a row fail the job)"
               if kind.configuration else "")
     reason = (f"{said}{strike}; the same members get a new generation in {delay / 1000:g} s "
               f"({failures} failed in a row)")
-    status = replace(status, formation_failures=failures, formation_failed_generation=ev.generation,
-                     formation_retry_ms=now_ms + delay, reason=reason)
-    return Decision(replace(state, status=status), (), reason)
+    f = replace(f, failures=failures, failed_generation=ev.generation, retry_ms=now_ms + delay)
+    return Decision(replace(state, status=replace(status, formation=f, reason=reason)), (), reason)
 
 
 def configuration_fix(kind: FormationError, members: list[WorkerRecord]) -> str:
@@ -771,10 +758,11 @@ def _configuration_failed(state: CoordState, kind: FormationError, wid: str, err
                           now_ms: int) -> Decision:
     status = state.status
     fix = configuration_fix(kind, state.in_state(PLANNED))
-    reason = (f"job failed: generation {status.generation} could not form, {status.formation_strikes} generations "
+    reason = (f"job failed: generation {status.generation} could not form, {status.formation.strikes} generations "
               f"in a row of the same members with the same configuration error ({kind.value}): {wid}: {error}; "
               f"fix: {fix}")
-    status = replace(_set_job(status, JobState.FAILED, now_ms), reason=reason, formation_retry_ms=0)
+    status = replace(_set_job(status, JobState.FAILED, now_ms), reason=reason,
+                     formation=replace(status.formation, retry_ms=0))
     return Decision(replace(state, status=status), (), reason)
 
 
@@ -910,7 +898,7 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
     pending = state.status.pending_join_ms
     failed_at = state.status.step_failed_ms
     step_failed = bool(failed_at) and now_ms - failed_at >= SETTLE_MS
-    retry = state.status.formation_retry_ms
+    retry = state.status.formation.retry_ms
     reform = bool(retry) and now_ms >= retry
     regroup_at = state.status.regroup_at_ms
     regroup = bool(regroup_at) and now_ms >= regroup_at  # workers waited for node-mates long enough
@@ -928,8 +916,8 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
         elif step_failed:
             why = f"{state.status.step_failure}; same members"
         elif reform:
-            failures = state.status.formation_failures
-            why = (f"generation {state.status.generation} could not form ({state.status.rendezvous_error[:200]}); "
+            failures, error = state.status.formation.failures, state.status.formation.rendezvous_error
+            why = (f"generation {state.status.generation} could not form ({error[:200]}); "
                    f"same members after a {formation_backoff_ms(failures) / 1000:g} s back-off ({failures} failed in a row)")
         elif regroup and not pending:
             why = "waited for node-mates"

@@ -466,8 +466,8 @@ class Coordinator:
             # join, a failed step awaiting its new generation, or a job whose generations have
             # not formed yet (it fails at its formation deadline)
             if (not last_seen and not busy_since and not step_times and not steps and not status.pending_join_ms
-                    and not status.unformed_since_ms and not status.step_failed_ms and not status.regroup_at_ms
-                    and not status.formation_retry_ms):
+                    and not status.formation.unformed_since_ms and not status.step_failed_ms
+                    and not status.regroup_at_ms and not status.formation.retry_ms):
                 continue
             decision = decide(lead.state, Tick(last_seen=last_seen, step_times=step_times, steps=steps, busy_since=busy_since), now,
                               lead.spec, lead.epoch)

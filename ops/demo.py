@@ -13,7 +13,6 @@ whether every sample was used exactly once (checked from the workers' ledgers).
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import redis
 from shoal.events import envvars
 from shoal.coordinator.decide import format_metrics
 from shoal.events.keys import job_keys
+from shoal.events.records import JobStatus
 from shoal.events.models import ShardTable
 from shoal.events.streams import ControlEntry, ControlKind
 from shoal.core.connection import connect
@@ -178,7 +178,7 @@ def run_demo(duration: float | None = None, epochs: int = 8, report: str | None 
             feed.pump(100)
             agent.wait(30)
             final = job_status(client, job)
-            summary = json.loads(client.hget(job_keys(job).state, "summary") or b"{}")
+            summary = JobStatus.from_hash(client.hgetall(job_keys(job).state)).summary
             entries = ledger.read(tmpdir / "ledger")
             verdict = ledger.verify(entries, 5000)
             recovery = recovery_after_kill(entries, *killed) if killed else None
