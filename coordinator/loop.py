@@ -22,7 +22,8 @@ from dataclasses import dataclass, field, replace
 import redis
 
 from shoal.coordinator.balance import encode_entry, parse_registry, plan_handoffs
-from shoal.coordinator.decide import Decision, EventInput, StepSeen, Tick, decide
+from shoal.coordinator.decide import Decision, EventInput, Tick, decide
+from shoal.coordinator.redone import StepSeen
 from shoal.coordinator.errors import StaleEpoch
 from shoal.coordinator.fenced import FencedBatch, FencedWriter
 from shoal.core.durable import execute_confirmed

@@ -160,7 +160,7 @@ class FormationError(str, Enum):
     """Why a generation's group could not form, as the worker classified its error
     (:func:`shoal.worker.process_group.formation_error`): a *configuration* error fails the
     same way every time for the same members (the coordinator fails the job after
-    :data:`~shoal.coordinator.decide.CONFIG_STRIKES` in a row, naming the fix); a
+    :data:`~shoal.coordinator.formation.CONFIG_STRIKES` in a row, naming the fix); a
     *transient* one (timeouts, resets, refused connections, a peer that went away) is retried
     with a back-off until ``formation_timeout``. Readers treat a value they do not know as
     transient."""

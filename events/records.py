@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, TypeAdapter, ValidationError
 
-from shoal.events.states import FailureCause, JobState, WorkerState, check_worker_move
+from shoal.events.states import FailureCause, JobState, WorkerState, check_job_move, check_worker_move
 
 
 def _plain(value: object) -> object:
@@ -72,7 +72,7 @@ class Formation:
     """Whether a running job's planned generations form (``JobStatus.formation``; stored as
     JSON in one field): since when none has, the newest rendezvous error, the back-off of the
     same members' generations that could not form and the configuration strikes. Written and
-    read by the coordinator's formation policy (``coordinator/decide.py``); all cleared (this
+    read by the coordinator's formation policy (``coordinator/formation.py``); all cleared (this
     record's defaults) once a generation forms."""
 
     #: Redis ms since which the job has had a planned generation and none formed (no member
@@ -300,6 +300,14 @@ class JobStatus:
     #: ... and until when a regroup's restarted members are awaited: meanwhile workers on their
     #: nodes do not form cross-node groups (0: no regroup under way).
     regroup_until_ms: int = 0
+
+    def moved(self, dst: JobState, now_ms: int) -> "JobStatus":
+        """This status in state ``dst``, changed at ``now_ms``; itself when it is in ``dst``
+        already. IllegalTransition when ``JOB_TRANSITIONS`` forbids the move (a bug)."""
+        if dst == self.state:
+            return self
+        check_job_move(self.state, dst)
+        return replace(self, state=dst, changed_ms=now_ms)
 
     def to_hash(self) -> dict[str, str]:
         """The ``state`` hash's fields: every value a string (integers in decimal)."""

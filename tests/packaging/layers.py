@@ -41,6 +41,8 @@ RANKS: dict[str, int] = {
 #: modules whose decisions must stay pure: they import only these layers
 PURE: dict[str, tuple[str, ...]] = {
     "shoal.coordinator.decide": ("shoal.events", "shoal.core"),
+    "shoal.coordinator.formation": ("shoal.events", "shoal.core"),
+    "shoal.coordinator.redone": ("shoal.events", "shoal.core"),
     "shoal.worker.decide": ("shoal.events", "shoal.core"),
 }
 

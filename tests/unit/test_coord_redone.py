@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 
-from shoal.coordinator.decide import SETTLE_MS, EventInput, Publish, StepSeen, Tick, decide
+from shoal.coordinator.decide import SETTLE_MS, EventInput, Publish, Tick, decide
+from shoal.coordinator.redone import StepSeen
 from shoal.coordinator.loop import _steps_seen
 from shoal.coordinator.states import CoordState
 from shoal.events.records import JobStatus

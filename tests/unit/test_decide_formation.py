@@ -6,16 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.coordinator.decide import (
-    CONFIG_STRIKES,
-    FORMATION_BACKOFF_MAX_MS,
-    FORMATION_BACKOFF_MS,
-    EventInput,
-    Publish,
-    Tick,
-    decide,
-    formation_backoff_ms,
-)
+from shoal.coordinator.decide import EventInput, Publish, Tick, decide
+from shoal.coordinator.formation import CONFIG_STRIKES, FORMATION_BACKOFF_MAX_MS, FORMATION_BACKOFF_MS, formation_backoff_ms
 from shoal.coordinator.states import CoordState
 from shoal.events.records import JobStatus
 from shoal.events.states import JobState
