@@ -41,8 +41,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from shoal.events.validation import first_error
 from shoal.storage.backend import ObjectStore
 from shoal.storage.errors import CheckpointCorrupt, ObjectNotFound, StorageError
-from shoal.storage.layout import file_key
+from shoal.storage.layout import SHARDED_FILES, file_key, shard_names
 from shoal.storage.manifest import FileEntry, Manifest
+from shoal.storage.verify import read_verified_file
 
 #: the dtypes a shard file may hold (the name in the index -> torch dtype)
 DTYPES: dict[str, torch.dtype] = {
@@ -52,29 +53,6 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
 DTypeName = Literal["float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"]
-
-#: the replicated files of a sharded checkpoint (component -> file name)
-SHARDED_FILES: dict[str, str] = {
-    "optimizer_groups": "optimizer-groups.pt",
-    "scheduler": "scheduler.pt",
-    "rng": "rng.pt",
-}
-
-
-def shard_names(shard: int, shard_size: int) -> tuple[str, str]:
-    """(data file, index file) of member ``shard`` of a replica group of ``shard_size``."""
-    stem = f"shard-{shard}-of-{shard_size}"
-    return f"{stem}.bin", f"{stem}.json"
-
-
-def expected_files(shard_size: int) -> set[str]:
-    """Every file name a sharded checkpoint of ``shard_size`` may list (the replicated
-    ones are optional but for none)."""
-    names = set(SHARDED_FILES.values())
-    for k in range(shard_size):
-        names.update(shard_names(k, shard_size))
-    return names
-
 
 class ChunkEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -232,8 +210,6 @@ def wait_for_shards(store: ObjectStore, step: int, shard_size: int, timeout_s: f
 
 # --- reading through DCP -------------------------------------------------------------------------
 def _verified(store: ObjectStore, manifest: Manifest, name: str) -> bytes:
-    from shoal.storage.verify import read_verified_file  # verify reads this module's names
-
     return read_verified_file(store, manifest, name)
 
 
