@@ -45,6 +45,7 @@ from shoal.storage.latest_object import read_latest_step, write_latest
 from shoal.storage.layout import file_key, manifest_key
 from shoal.storage.manifest import FROM_ENV, FileEntry, HmacKey, Manifest, resolve_hmac_key
 from shoal.storage.retention import apply_retention
+from shoal.storage.resume_point import ResumePoint
 from shoal.storage.safe_load import check_saveable, load_state_bytes
 from shoal.storage.sharded import ShardedCheckpoint, ShardedTrainState, open_sharded, wait_for_shards, write_shard
 from shoal.storage.threads import LazyPool
@@ -264,16 +265,12 @@ def load_checkpoint(
     blobs = read_verified_files(store, manifest)
     parts = {name: load_state_bytes(data, where=f"{store.uri}/{file_key(step, name)}") for name, data in blobs.items()}
     state = TrainState(
-        step=manifest.step,
         model=parts[FILES["model"]],
         optimizer=parts.get(FILES["optimizer"]),
         scheduler=parts.get(FILES["scheduler"]),
         rng=parts.get(FILES["rng"]),
         scaler=parts.get(FILES["scaler"]),
-        epoch=manifest.epoch,
-        data_cursor=manifest.data_cursor,
-        generation=manifest.generation,
-        world_size=manifest.world_size,
+        **ResumePoint.counters(manifest),
     )
     return state, manifest
 

@@ -43,6 +43,7 @@ from shoal.storage.backend import ObjectStore
 from shoal.storage.errors import CheckpointCorrupt, ObjectNotFound, StorageError
 from shoal.storage.layout import SHARDED_FILES, file_key, shard_names
 from shoal.storage.manifest import FileEntry, Manifest
+from shoal.storage.resume_point import ResumePoint
 from shoal.storage.verify import read_verified_file
 
 #: the dtypes a shard file may hold (the name in the index -> torch dtype)
@@ -104,21 +105,16 @@ class Chunk:
 
 
 @dataclass
-class ShardedTrainState:
+class ShardedTrainState(ResumePoint):
     """What one member of the saving replica group writes: its chunks, and (member 0 only)
-    the replicated values. Counters as :class:`~shoal.storage.train_state.TrainState`'s."""
+    the replicated values; the counters of its :class:`~shoal.storage.resume_point.ResumePoint`."""
 
-    step: int
     shard: int
     shard_size: int
     chunks: list[Chunk]
     optimizer_groups: dict[str, Any] | None = None
     scheduler: dict[str, Any] | None = None
     rng: dict[str, Any] | None = None
-    epoch: int = 0
-    data_cursor: Any = 0
-    generation: int = 0
-    world_size: int = 1
 
     def snapshot(self, reuse: "ShardedTrainState | None" = None) -> "ShardedTrainState":
         """A copy whose tensors are in CPU memory of their own (``reuse``'s buffers where
@@ -137,11 +133,7 @@ class ShardedTrainState:
         )
 
     def manifest_fields(self) -> dict[str, Any]:
-        from shoal.storage.train_state import TrainState
-
-        fields = TrainState(step=self.step, model={}, epoch=self.epoch, data_cursor=self.data_cursor,
-                            generation=self.generation, world_size=self.world_size).manifest_fields()
-        return {**fields, "shards": self.shard_size}
+        return {**super().manifest_fields(), "shards": self.shard_size}
 
     def components(self) -> dict[str, Any]:
         """Replicated file name -> object (member 0 writes them)."""
@@ -395,20 +387,16 @@ def load_into(tensors: dict[str, torch.Tensor], reader: _ChunkReader) -> None:
 
 
 @dataclass
-class ShardedCheckpoint:
-    """A sharded checkpoint opened for loading: the counters and replicated values read and
+class ShardedCheckpoint(ResumePoint):
+    """A sharded checkpoint opened for loading: the counters (its
+    :class:`~shoal.storage.resume_point.ResumePoint`) and replicated values read and
     verified; :attr:`reader` serves the tensors to :func:`load_into` (any layout)."""
 
-    step: int
     shards: int
     reader: ShardReader
     optimizer_groups: dict[str, Any] | None = None
     scheduler: dict[str, Any] | None = None
     rng: dict[str, Any] | None = None
-    epoch: int = 0
-    data_cursor: Any = 0
-    generation: int = 0
-    world_size: int = 1
 
 
 def open_sharded(store: ObjectStore, manifest: Manifest) -> ShardedCheckpoint:
@@ -421,6 +409,4 @@ def open_sharded(store: ObjectStore, manifest: Manifest) -> ShardedCheckpoint:
         if name in manifest.files:
             where = f"{store.uri}/{file_key(manifest.step, name)}"
             parts[component] = load_state_bytes(_verified(store, manifest, name), where=where)
-    return ShardedCheckpoint(step=manifest.step, shards=manifest.shards or 1, reader=reader, epoch=manifest.epoch,
-                             data_cursor=manifest.data_cursor, generation=manifest.generation,
-                             world_size=manifest.world_size, **parts)
+    return ShardedCheckpoint(shards=manifest.shards or 1, reader=reader, **ResumePoint.counters(manifest), **parts)
