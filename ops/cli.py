@@ -19,7 +19,7 @@ import redis
 
 from shoal.events import envvars
 from shoal.core.connection import connect, redact_url, url_from_env
-from shoal.ops.embedded import default_run_dir, ensure_server
+from shoal.ops.embedded import default_run_dir, redis_url
 from shoal.core.errors import ConfigError, ConnectionFailed, ShoalError
 from shoal.core.yamlfile import escape_controls
 
@@ -27,39 +27,6 @@ log = logging.getLogger("shoal.cli")
 
 #: How long workers and agents keep retrying Redis commands through an outage.
 RIDE_OUT_S = 60.0
-
-
-#: How long a command that may not start the embedded server waits for one being started (a
-#: `shoal coordinator &` launched a moment before, as in the README).
-EMBEDDED_WAIT_S = 10.0
-
-
-def _embedded_up(run_dir) -> bool:
-    """Whether the embedded server of ``run_dir`` runs, waiting up to EMBEDDED_WAIT_S for one
-    when a server has run there before (a new run dir: no wait)."""
-    deadline = time.monotonic() + (EMBEDDED_WAIT_S if run_dir.exists() else 0.0)
-    while not (run_dir / "port").exists():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def redis_url(*, start_embedded: bool):
-    """``(url, server)``: ``REDIS_URL`` (server None), else the embedded server's URL and the
-    server (started if allowed and none runs; ``server.stop()`` stops it only if it was
-    started here). ConnectionFailed when no URL is set and no embedded server may be used."""
-    url = url_from_env()
-    if url is not None:
-        return url, None
-    run_dir = default_run_dir()
-    if not start_embedded and not _embedded_up(run_dir):
-        raise ConnectionFailed(f"REDIS_URL is not set and no embedded server runs in {run_dir}"
-                               + (f" (waited {EMBEDDED_WAIT_S:g} s for one)" if run_dir.exists() else ""))
-    server = ensure_server(run_dir)
-    if server.owned:
-        log.info("started embedded Redis at %s (AOF in %s)", server.url, run_dir)
-    return server.url, server
 
 
 @contextlib.contextmanager

@@ -132,3 +132,71 @@ def check(root: Path, dirs: dict[str, str] | None = None) -> list[Violation]:
             elif RANKS[target] == RANKS[own]:
                 problems.append(Violation(rel, line, module, imported, f"{own} and {target} are siblings"))
     return problems
+
+
+def import_graph(root: Path, dirs: dict[str, str] | None = None) -> dict[str, set[str]]:
+    """Module -> the modules of the tree it imports, anywhere in its body (an import inside a
+    function too: it hides a circle, it does not break one). ``from package import module``
+    counts as the module."""
+    dirs = dirs if dirs is not None else package_dirs(root / "pyproject.toml")
+    files = dict(_modules(root, dirs))
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        package = module if path.stem == "__init__" else module.rpartition(".")[0]
+        names: list[str] = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                names += [f"{target}.{alias.name}" if f"{target}.{alias.name}" in files else target
+                          for alias in node.names]
+        deps = set()
+        for name in names:
+            while name and name not in files:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                deps.add(name)
+        graph[module] = deps
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles of ``graph``: each strongly connected set of two or more modules, sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
