@@ -6,7 +6,8 @@ own layer's package and any layer below it, never one above it nor a sibling on 
 ====  ===================================  ==========================================
 rank  packages                             what they hold
 ====  ===================================  ==========================================
-0     ``shoal.events``                     the wire contract: key names, TTLs, models
+0     ``shoal.events``                     the cross-process contracts: key names, TTLs,
+                                           models, environment variables, exit codes
 1     ``shoal.core``                       errors, connection, job spec, registry, faults
 2     ``shoal.storage``                    checkpoints, LATEST, datasets
 3     ``shoal.coordinator``, ``shoal.worker``  the control plane and the training runtime
