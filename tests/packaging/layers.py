@@ -95,12 +95,7 @@ def _imports(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, st
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _from_target(node, package)
             found.append((node.lineno, target))
             # ``from shoal import ops`` names a subpackage: count it as that subpackage
             for alias in node.names:
@@ -108,6 +103,16 @@ def _imports(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, st
                 if layer_of(sub) == sub:
                     found[-1] = (node.lineno, sub)
     return found
+
+
+def _from_target(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a ``from ... import`` names (a relative one resolved against
+    ``package``, the importing module's package)."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
 
 
 def check(root: Path, dirs: dict[str, str] | None = None) -> list[Violation]:
@@ -150,12 +155,7 @@ def import_graph(root: Path, dirs: dict[str, str] | None = None) -> dict[str, se
             if isinstance(node, ast.Import):
                 names += [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")
-                    base = base[: len(base) - (node.level - 1)]
-                    target = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    target = node.module or ""
+                target = _from_target(node, package)
                 names += [f"{target}.{alias.name}" if f"{target}.{alias.name}" in files else target
                           for alias in node.names]
         deps = set()
