@@ -23,7 +23,6 @@ Rendering uses matplotlib's Agg canvas directly (no pyplot, no display needed).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Iterator
@@ -33,6 +32,7 @@ from pathlib import Path
 import redis
 
 from shoal.events.keys import job_keys
+from shoal.events.records import JobStatus
 from shoal.core.errors import ConfigError, ShoalError
 from shoal.ops.jobs import NoSuchJob
 from shoal.events.states import JobState, is_terminal
@@ -190,13 +190,9 @@ def load_history(client: redis.Redis, job_id: str) -> History:
         h.evals = [e for e in h.evals if e.t_ms <= end]
     if not h.points:
         raise NoProgress(f"job {job_id!r} has no committed step in its progress history yet ({keys.progress})")
-    done = None
-    try:
-        done = json.loads(summary).get("step") if summary else None
-    except (ValueError, AttributeError):
-        done = None
-    h.committed = done if isinstance(done, int) else max([int(high_step or 0)]
-                                                         + [p.step for p in h.points])
+    record = JobStatus.from_hash({"summary": summary or b"", "high_step": high_step or b"0"})
+    done = record.summary.get("step")
+    h.committed = done if isinstance(done, int) else max([record.high_step] + [p.step for p in h.points])
     return h
 
 
