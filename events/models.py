@@ -128,12 +128,6 @@ class _ProcessEnded(EventBase):
     pid: int = 0
 
 
-#: The exit code of a worker asked to stop (SIGTERM) while Redis was unreachable, which ended
-#: without leaving the job (``shoal.worker.lifeline``): its node agent does not restart it and
-#: the coordinator counts it as having left, not failed.
-STOPPED_IN_OUTAGE_EXIT = 77
-
-
 class WorkerExited(_ProcessEnded):
     """A node agent saw the worker process die (faster than the heartbeat TTL). A report
     about a pid other than the one the worker id joined with (ids restart after Redis lost a
@@ -166,7 +160,7 @@ class FormationError(str, Enum):
     """Why a generation's group could not form, as the worker classified its error
     (:func:`shoal.worker.process_group.formation_error`): a *configuration* error fails the
     same way every time for the same members (the coordinator fails the job after
-    :data:`~shoal.coordinator.decide.CONFIG_STRIKES` in a row, naming the fix); a
+    :data:`~shoal.coordinator.formation.CONFIG_STRIKES` in a row, naming the fix); a
     *transient* one (timeouts, resets, refused connections, a peer that went away) is retried
     with a back-off until ``formation_timeout``. Readers treat a value they do not know as
     transient."""

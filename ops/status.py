@@ -6,11 +6,12 @@ Ages are computed against Redis server time, like failure detection. Nothing her
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import redis
 from pydantic import ValidationError
 
-from shoal.coordinator.decide import format_metrics, last_eval
+from shoal.coordinator.decide import format_metrics
 from shoal.events.records import JobStatus, WorkerRecord
 from shoal.events.keys import job_keys
 from shoal.events.models import Heartbeat, ShardTable
@@ -139,13 +140,13 @@ def job_status(client: redis.Redis, job_id: str) -> dict:
         "failures": int(failures),
         "steps_redone": status.steps_redone,
         # the newest evaluation: step, epoch (complete), generation, metrics, worker_id (None: none)
-        "eval": last_eval(status),
+        "eval": _evaluation(status),
         # generations of the same members that could not form, in a row (None: the newest formed)
-        "formation": ({"failures": status.formation_failures, "last_error": status.rendezvous_error,
-                       "configuration_error": status.formation_error or None,
-                       "strikes": status.formation_strikes,
-                       "retry_in_ms": max(0, status.formation_retry_ms - now_ms) if status.formation_retry_ms else None}
-                      if status.formation_failures and not ended else None),
+        "formation": ({"failures": formed.failures, "last_error": formed.rendezvous_error,
+                       "configuration_error": formed.config_error or None,
+                       "strikes": formed.strikes,
+                       "retry_in_ms": max(0, formed.retry_ms - now_ms) if formed.retry_ms else None}
+                      if (formed := status.formation).failures and not ended else None),
         "rejected_joins": status.rejected_joins,
         "last_rejection": status.last_rejection,
         "dead_letters": int(dead),
@@ -165,13 +166,8 @@ def job_summary(client: redis.Redis, job_id: str, *, steps: int = 0) -> dict:
     evaluation (``eval``: step, epoch, generation, metrics; None when it has none)."""
     raw = client.hgetall(job_keys(job_id).state)
     status = JobStatus.from_hash(raw)
-    summary = None
-    if status.summary:
-        try:
-            summary = json.loads(status.summary)
-        except ValueError:
-            summary = None
-    if isinstance(summary, dict) and isinstance(summary.get("step"), int):
+    summary = dict(status.summary) or None
+    if summary is not None and isinstance(summary.get("step"), int):
         steps = summary["step"]
     else:
         steps = max(steps, status.high_step)
@@ -183,7 +179,7 @@ def job_summary(client: redis.Redis, job_id: str, *, steps: int = 0) -> dict:
         "steps": steps,
         "steps_redone": status.steps_redone,
         "summary": summary,
-        "eval": last_eval(status),
+        "eval": _evaluation(status),
     }
 
 
@@ -208,13 +204,16 @@ def jobs_overview(client: redis.Redis) -> list[dict]:
     return out
 
 
-def _summary_step(summary: str) -> int:
-    """The step of a completion summary (JSON with ``step``; 0 when there is none)."""
-    try:
-        step = json.loads(summary).get("step") if summary else 0
-    except (ValueError, AttributeError):
-        return 0
+def _summary_step(summary: dict) -> int:
+    """The step of a completion summary (0 when it has none)."""
+    step = summary.get("step", 0)
     return step if isinstance(step, int) else 0
+
+
+def _evaluation(status: JobStatus) -> dict | None:
+    """The job's newest evaluation as JSON values: ``step``, ``epoch``, ``generation``,
+    ``metrics``, ``worker_id``; None when it has none."""
+    return asdict(status.eval) if status.eval is not None else None
 
 
 def _duration(seconds: float) -> str:

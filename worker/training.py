@@ -228,11 +228,6 @@ class TrainingWorker(WorkerRunner):
 
     def start(self) -> str:
         wid = super().start()
-        import gc, os as _os
-        if _os.environ.get("XX_GC") == "freeze":
-            gc.collect(); gc.freeze()
-        elif _os.environ.get("XX_GC") == "off":
-            gc.disable()
         self.state = replace(self.state, worker_id=wid)
         self.switch.start()
         self.progress = ProgressRecorder(without_retries(self.membership.client), self.membership.keys)
