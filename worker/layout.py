@@ -15,12 +15,13 @@ training loop (:mod:`shoal.worker.training`), the checkpoint code
 that nothing outside the ``layout*`` modules branches on one). A layout owns the process groups
 of its generations: it makes them through the worker's :class:`~shoal.worker.process_group.
 Rendezvous`, hands them to whatever runs collectives (its step, the reducer, the state
-transfer), aborts exactly those an eviction concerns, and closes them. :func:`layout_for`, the
-one place that reads the spec's ``shard_size``, picks the class; :class:`LayoutOptions`, built
+transfer), aborts exactly those an eviction concerns, and closes them.
+:func:`shoal.worker.layouts.layout_for`, the one place that reads the spec's ``shard_size``,
+picks the class; :class:`LayoutOptions`, built
 once from the job spec, is what every layout reads (a field added there reaches all of them).
 
 Adding a layout (a semi-synchronous one is planned next) is one module implementing
-:class:`Layout` plus its tests, and one line in :func:`layout_for`.
+:class:`Layout` plus its tests, and one line in :func:`shoal.worker.layouts.layout_for`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from typing import Any, Protocol
 
 import torch
 
-from shoal.core.faults import FaultPlan
 from shoal.core.jobspec import CompileOptions, JobSpec
 from shoal.events.keys import JobKeys
 from shoal.events.models import Member, ShardTable
@@ -39,7 +39,6 @@ from shoal.worker.decide import Formed, FormFailed
 from shoal.worker.engine import StepResult
 from shoal.worker.process_group import Rendezvous
 from shoal.worker.reducer import DEFAULT_BUCKET_CAP_MB
-from shoal.worker.userapi import TrainingSetup
 
 
 @dataclass(frozen=True)
@@ -177,26 +176,3 @@ class Layout(Protocol):
         """Load a checkpoint chosen at start (``newest``: the newest one that verifies now, for
         a layout that loads later and finds ``state`` gone). May defer the load until the
         layout can take it (a sharded model, once its group formed)."""
-
-
-def layout_for(spec: JobSpec) -> type:
-    """The layout class of ``spec``: the one place that reads which layout a job uses."""
-    if spec.shard_size > 1:
-        from shoal.worker.layout_hsdp import Hsdp
-
-        return Hsdp
-    from shoal.worker.layout_dp import DataParallel
-
-    return DataParallel
-
-
-def make_layout(spec: JobSpec, setup: TrainingSetup, options: LayoutOptions, groups: GroupSettings,
-                faults: FaultPlan) -> Layout:
-    """The layout of ``spec`` for ``setup`` (see :func:`layout_for`)."""
-    return layout_for(spec).from_setup(setup, options, groups, faults)
-
-
-def prepare_process(spec: JobSpec, device_type: str) -> None:
-    """What a layout needs of the process before the user's model is built (see each
-    layout's ``prepare_process``)."""
-    layout_for(spec).prepare_process(device_type)

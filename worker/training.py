@@ -97,12 +97,14 @@ from shoal.worker.input_pipeline import InputPipeline
 from shoal.worker.ledger import Ledger
 from shoal.worker.membership import Membership
 from shoal.worker.progress import ProgressRecorder
-from shoal.worker.layout import GroupSettings, Layout, LayoutOptions, make_layout, prepare_process
+from shoal.worker.layout import GroupSettings, Layout, LayoutOptions
+from shoal.worker.layouts import make_layout, prepare_process
 from shoal.worker.process_group import Rendezvous
 from shoal.worker.runner import WorkerRunner
 from shoal.worker.switch import GenerationSwitch
 from shoal.worker.tensorboard import TensorBoardLog
 from shoal.worker.userapi import TrainingSetup, load_entrypoint
+from shoal.events import envvars
 
 #: How long a member other than rank 0 that finished waits for rank 0's report of the job's
 #: completion before it reports it itself (seconds; at least 3 heartbeat TTLs): time for rank
@@ -472,7 +474,7 @@ class TrainingWorker(WorkerRunner):
                                       final=True)
         if act.checkpoint is not None:
             self._save(act.checkpoint)
-        export = os.environ.get("SHOAL_EXPORT_DIR")
+        export = envvars.EXPORT_DIR.get()
         if export:  # tests and tools compare final weights across runs
             Path(export).mkdir(parents=True, exist_ok=True)
             torch.save(self.engine.full_state_dict(), Path(export) / f"final-{self.membership.worker_id}.pt")

@@ -17,14 +17,7 @@ OWNER = "events/envvars.py"
 #: Modules still being rewritten by others when the contracts module came (issue 36): they
 #: keep their literal until then; each name must still be one of envvars'. Remove an entry
 #: once its module imports ``shoal.events.envvars``.
-PENDING = {
-    "worker/process_group.py": {"SHOAL_IFACE"},
-    "worker/store.py": {"SHOAL_RENDEZVOUS_LEGACY"},
-    "worker/training.py": {"SHOAL_EXPORT_DIR"},
-    "ops/chaos/run.py": {"SHOAL_LEDGER_DIR", "SHOAL_EXPORT_DIR", "SHOAL_STEP_PACE", "SHOAL_STEP_PACE_FILE",
-                         "SHOAL_FAULTS"},
-    "ops/chaos/network.py": {"SHOAL_HOME"},
-}
+PENDING: dict[str, set[str]] = {}
 
 
 def literals(text: str) -> set[str]:
