@@ -42,7 +42,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import os
 import resource
 import time
 from collections import deque

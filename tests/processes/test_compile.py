@@ -36,7 +36,7 @@ from tests.helpers import ControlWatcher, wait_until
 pytestmark = pytest.mark.slow
 
 DIGITS = 5000
-STEPS = 120
+STEPS = 400
 BATCH = 48
 JOB = dict(entrypoint="shoal.examples.digits:build_double_paced", global_batch_size=BATCH, min_workers=2,
            max_workers=3, heartbeat_interval=0.2, heartbeat_ttl=1.5, seed=1, epochs=10, max_steps=STEPS,
@@ -55,8 +55,11 @@ def _high(r, job: str) -> int:
 def test_a_compiled_job_never_recompiles_through_a_kill_a_join_and_a_leave(r, redis_url, tmp_path, job_id) -> None:
     create_job(r, JobSpec(name=job_id, checkpoint_uri=f"file://{tmp_path / 'ckpt'}", **JOB))
     watch = ControlWatcher(r, job_id)
+    pace = tmp_path / "pace"  # the paced example re-reads it every second
+    pace.write_text("0.15")  # slow while the faults come: the job must outlast a joiner's start
     base = {"SHOAL_LEDGER_DIR": str(tmp_path / "ledger"), "SHOAL_EXPORT_DIR": str(tmp_path / "final"),
-            "SHOAL_STEP_PACE": "0.05", "SHOAL_CHECKPOINT_HMAC_KEY": "compile-cache-test-key"}
+            "SHOAL_STEP_PACE": "0.15", "SHOAL_STEP_PACE_FILE": str(pace),
+            "SHOAL_CHECKPOINT_HMAC_KEY": "compile-cache-test-key"}
 
     def node(name: str) -> LocalProcs:
         """Processes of one 'node': an inductor cache directory of its own."""
@@ -81,6 +84,7 @@ def test_a_compiled_job_never_recompiles_through_a_kill_a_join_and_a_leave(r, re
         leaver = next(x for x in _active(r, job_id) if x.pid != procs["d"].pid)
         os.kill(leaver.pid, signal.SIGTERM)  # a graceful leave
         watch.wait_for(lambda d: d.left, 60)
+        pace.write_text("0")  # the faults are over: the rest at full speed
         end = watch.wait_for(lambda d: d.job_state in ("completed", "failed"), 240)
         assert end.job_state == "completed", end.reason
     finally:
