@@ -216,16 +216,18 @@ class TrainingWorker(WorkerRunner):
         key = compile_cache.cache_key(engine.model, entrypoint=self.spec.entrypoint, precision=self.spec.precision,
                                       options=self.spec.compile_options, shape=engine.compiled_shape,
                                       device=engine.device)
-        cached = compile_cache.load(store, key) if store is not None else "no checkpoint store"
+        local = compile_cache.use_local_dir(key)
+        cached = compile_cache.load(store, key, local) if store is not None else "no checkpoint store"
         took = engine.warm_up()
         if not took:  # compiled later (the layout compiles once it can run a step)
             return
         self._frames_warm = tc.compiled_frames()
         self._compile_seconds = round(took, 2)
-        log.info("compiled for micro-batches of %d in %.1f s before joining (dynamo: %d frame(s); compile cache "
-                 "in the store: %s)", engine.compiled_shape, took, self._frames_warm, cached)
-        if store is not None and cached != "loaded" and compile_cache.save(store, key):
-            log.info("compile cache saved to %s/%s/%s.bin for the next workers", store.uri, compile_cache.PREFIX, key)
+        log.info("compiled for micro-batches of %d in %.1f s before joining (dynamo: %d frame(s); compile cache: "
+                 "%s, in %s)", engine.compiled_shape, took, self._frames_warm, cached, local)
+        if store is not None and cached not in ("loaded", "local") and compile_cache.save(store, key, local):
+            log.info("compile cache saved to %s/%s/%s.tar.gz for the next workers", store.uri, compile_cache.PREFIX,
+                     key)
 
     def start(self) -> str:
         wid = super().start()
