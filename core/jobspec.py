@@ -43,6 +43,17 @@ class CompileOptions(BaseModel):
     dynamic: bool | None = None
 
 
+class KeepBest(BaseModel):
+    """``checkpoint_keep_best``: besides the newest ``checkpoint_keep``, retention keeps the
+    checkpoint whose evaluation had the best ``metric`` (``mode`` min or max), e.g.
+    ``{metric: val_loss, mode: min}``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    metric: Annotated[str, Field(min_length=1, max_length=64)]
+    mode: Literal["min", "max"] = "min"
+
+
 class JobSpec(BaseModel):
     """A training job. Times are seconds. ``entrypoint`` is ``module:function``."""
 
@@ -65,6 +76,9 @@ class JobSpec(BaseModel):
     checkpoint_uri: str | None = None
     checkpoint_interval: Annotated[int, Field(ge=0)] = 0
     checkpoint_keep: Annotated[int, Field(ge=1)] = 3
+    #: Also keep the checkpoint whose evaluation was the best by a metric (an evaluation of the
+    #: step a checkpoint was saved at): ``{metric: val_loss, mode: min}``. None: the newest only.
+    checkpoint_keep_best: KeepBest | None = None
     data_uri: str | None = None
     shard_strategy: ShardStrategy = ShardStrategy.contiguous
     #: Size of the index space the shard table splits. Defaults to the global batch size:

@@ -71,3 +71,24 @@ def stream_blobs_store() -> TrainingSetup:
     from tests.stream_data import blob_setup
 
     return blob_setup()
+
+
+def digits_split_eval() -> TrainingSetup:
+    """The digits example in float64 (paced), evaluated by a distributed evaluation of its
+    1000 held-out glyphs (``eval_dataset``): the summed loss and the number correct."""
+    import torch
+
+    from shoal.examples.digits import DigitGlyphs, build_double_paced
+
+    setup = build_double_paced()
+    test = DigitGlyphs(train=False)
+    test.x = test.x.double()
+
+    def sums(model, batch):
+        inputs, targets = batch
+        logits = model(inputs)
+        return {"loss": F.cross_entropy(logits, targets, reduction="sum"),
+                "accuracy": (logits.argmax(1) == targets).sum().to(torch.float64)}
+
+    setup.eval_fn, setup.eval_dataset, setup.eval_sums, setup.eval_batch_size = None, test, sums, 50
+    return setup

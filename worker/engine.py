@@ -307,6 +307,48 @@ class StepCommon:
                 b.copy_(saved)
 
     # --- eval -----------------------------------------------------------------------------
+    def eval_sums(self, dataset: Any, sums_fn: Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]] | None,
+                  batch_size: int, part: range, passes: int) -> tuple[list[str], torch.Tensor]:
+        """This rank's part of a distributed evaluation: the samples ``part`` of ``dataset``,
+        in ``passes`` batches of at most ``batch_size`` (a pass with none left runs on the
+        first sample and counts nothing: sharded ranks go in lock-step), each giving
+        ``sums_fn(model, batch)`` (None: the summed training loss). Returns the sums' names,
+        sorted, and one float64 tensor ``[samples, sum of each name...]`` on the device, to
+        be all-reduced. Eval mode, no gradients; UserCodeError when the user's code raises."""
+        indices = list(part)
+        total: torch.Tensor | None = None
+        names: list[str] = []
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for k in range(max(1, passes)):
+                    chunk = indices[k * batch_size:(k + 1) * batch_size]
+                    counted = bool(chunk)
+                    batch = self.collate_fn([dataset[i] for i in (chunk or [0])])
+                    if self.device.type != "cpu":
+                        batch = _to_device(batch, self.device)
+                    with autocast(self.precision, self.device):
+                        sums = sums_fn(self.model, batch) if sums_fn is not None else {"loss": self._eval_loss(batch)}
+                    if total is None:
+                        names = sorted(sums)
+                        total = torch.zeros(1 + len(names), dtype=torch.float64, device=self.device)
+                    if counted:
+                        total[0] += len(chunk)
+                        for i, name in enumerate(names):
+                            total[1 + i] += sums[name].detach().to(torch.float64)
+        except Exception as exc:  # noqa: BLE001 - user code
+            raise UserCodeError(f"the distributed evaluation raised {type(exc).__name__}: {exc} "
+                                f"(at {raised_at(exc)})") from exc
+        finally:
+            self.model.train()
+        return names, total
+
+    def _eval_loss(self, batch: Any) -> torch.Tensor:
+        if self.step_fn is not None:
+            return self.step_fn(self.model, batch)
+        inputs, targets = batch
+        return self.loss_fn(self.model(inputs), targets)
+
     def evaluate(self, eval_fn: Callable[[torch.nn.Module], dict[str, float]]) -> dict[str, float]:
         """Run ``eval_fn(model)`` in eval mode without gradients, then back in train mode;
         UserCodeError (naming the file and line) if it raises. Returns the metrics a report

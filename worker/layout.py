@@ -155,6 +155,12 @@ class Layout(Protocol):
     def evaluate(self, eval_fn: Callable[[torch.nn.Module], dict[str, float]]) -> dict[str, float]:
         """``eval_fn(model)`` without gradients; UserCodeError if it raises."""
 
+    def evaluate_split(self, dataset: Any, sums_fn: Any, batch_size: int) -> dict[str, float]:
+        """A distributed evaluation of ``dataset`` (``TrainingSetup.eval_dataset``), split across
+        the generation's members like the training data and reduced: ``val_<name>`` metrics,
+        the same at any world size. Every member calls it for the same step; CollectiveFailed
+        when a peer fails, UserCodeError when the user's code raises."""
+
     def fetch_batch(self, indices: list[int]) -> Any:
         """The collated batch of ``indices`` on the engine's device."""
 
@@ -176,3 +182,11 @@ class Layout(Protocol):
         """Load a checkpoint chosen at start (``newest``: the newest one that verifies now, for
         a layout that loads later and finds ``state`` gone). May defer the load until the
         layout can take it (a sharded model, once its group formed)."""
+
+
+def eval_metrics(names: list[str], total: torch.Tensor) -> dict[str, float]:
+    """A distributed evaluation's metrics from its reduced ``[samples, sums...]``:
+    ``val_<name>`` = each sum over the number of samples."""
+    values = total.tolist()
+    count = values[0] or 1.0
+    return {f"val_{name}": value / count for name, value in zip(names, values[1:])}

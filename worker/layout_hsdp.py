@@ -44,7 +44,7 @@ from shoal.worker.classify import formation_error
 from shoal.worker.decide import Formed, FormFailed
 from shoal.worker.engine import StepResult, checkpoint_forward, compile_forward
 from shoal.worker.errors import CollectiveFailed, RendezvousFailed, StateMismatch
-from shoal.worker.layout import GroupSettings, LayoutOptions
+from shoal.worker.layout import GroupSettings, LayoutOptions, eval_metrics
 from shoal.worker.process_group import Group
 from shoal.worker.restart import exit_for_restart
 from shoal.worker.sharded_engine import ShardedEngine
@@ -275,6 +275,23 @@ class Hsdp(ShardedEngine):
              world_size: int = 0) -> StepResult:
         return super().step(local_indices, global_count, generation, base_generation=base_generation,
                             world_size=world_size or None)
+
+    def evaluate_split(self, dataset: Any, sums_fn: Any, batch_size: int) -> dict[str, float]:
+        """A distributed evaluation: every rank (replica x shard_size + shard) its contiguous
+        part of ``dataset``, as many passes on every rank as the largest part needs (FSDP's
+        collectives go in lock-step within a replica group), the sums all-reduced over the
+        shard group, then across replica groups. As :meth:`DataParallel.evaluate_split`."""
+        shard, size = self.shard_group.rank, self.shard_group.world_size
+        replica, replicas = (self.cross.rank, self.cross.world_size) if self.cross is not None else (0, 1)
+        rank, world = replica * size + shard, replicas * size
+        n = len(dataset)
+        part = range(rank * n // world, (rank + 1) * n // world)
+        largest = -(-n // world)
+        names, total = self.eval_sums(dataset, sums_fn, batch_size, part, -(-largest // batch_size))
+        self.shard_group.all_reduce(total, what="the replica group's all-reduce of the evaluation's sums")
+        if self.cross is not None:
+            self.cross.all_reduce(total, what="the cross-replica all-reduce of the evaluation's sums")
+        return eval_metrics(names, total)
 
     # --- state ----------------------------------------------------------------------------------
     def checkpoint(self, shard: int, **counters: Any) -> ShardedTrainState:

@@ -89,7 +89,7 @@ from shoal.worker.decide import (
     decide,
 )
 from shoal.worker.digest import state_digest
-from shoal.worker.errors import StepAborted
+from shoal.worker.errors import CollectiveFailed, StepAborted
 from shoal.worker.evaluator import Evaluator
 from shoal.worker.heartbeat import CutOff
 from shoal.worker.input_pipeline import InputPipeline
@@ -186,16 +186,20 @@ class TrainingWorker(WorkerRunner):
         self.input = InputPipeline(setup, self.engine, self.spec, self.membership)
         self.switch = GenerationSwitch(self.membership, self.spec, self.engine, faults=self.faults,
                                        evicted=lambda: self.evicted)
-        self.evaluator = Evaluator(self.engine, setup.eval_fn, self.membership, self.tensorboard, self._busy)
+        self.evaluator = Evaluator(self.engine, setup.eval_fn, self.membership, self.tensorboard, self._busy,
+                                   eval_dataset=setup.eval_dataset, eval_sums=setup.eval_sums,
+                                   eval_batch_size=setup.eval_batch_size)
         self.ckpt = Checkpoints.open(self.spec, self.membership, self.faults) if self.spec.checkpoint_uri else None
+        if self.ckpt is not None:
+            self.evaluator.on_report = self.ckpt.record_eval
         step, cursor = 0, 0
         if self.ckpt is not None:
             resumed = self.ckpt.resume(self.engine)
             if resumed is not None:
                 step, cursor = resumed
         every_steps, every_epochs = self.spec.eval_every_steps, self.spec.eval_every_epochs
-        if setup.eval_fn is None and (every_steps or every_epochs):
-            log.warning("the job sets eval_every_%s but %s returns no eval_fn: no periodic evaluation",
+        if not self.evaluator.enabled and (every_steps or every_epochs):
+            log.warning("the job sets eval_every_%s but %s returns no eval_fn or eval_dataset: no periodic evaluation",
                         "steps" if every_steps else "epochs", self.spec.entrypoint)
             every_steps = every_epochs = None
         n = self.input.num_samples
@@ -466,11 +470,15 @@ class TrainingWorker(WorkerRunner):
     def _finish(self, act: Finish) -> None:
         self.faults.at(self.membership.worker_id, act.step, "finish")
         summary = {"step": act.step, "cursor": act.cursor, "digest": state_digest(self.engine.model)}
-        if self.setup.eval_fn is not None:
-            metrics = self.evaluator.metrics(act.step, act.cursor)
+        if self.evaluator.enabled:
+            try:
+                metrics = self.evaluator.metrics(act.step, act.cursor)
+            except CollectiveFailed as exc:  # the job's last step committed: its end is not held up by a peer lost now
+                log.warning("the final distributed evaluation failed (%s): not reported", exc)
+                metrics = {}
             # a metric named like a summary field (step, cursor, digest) does not replace it
             summary.update({k: v for k, v in metrics.items() if k not in summary})
-            if act.report:  # before the completion: the job's last evaluation is this one
+            if act.report and metrics:  # before the completion: the job's last evaluation is this one
                 self.evaluator.report(act.step, self.input.epoch(act.cursor), self.switch.group[0], metrics,
                                       final=True)
         if act.checkpoint is not None:
