@@ -35,6 +35,9 @@ The rest of the package is laid out in layers that only import downwards:
   status);
 * ``shoal.examples``: the runnable examples (``shoal.examples.digits:build``).
 
+``shoal.envvars`` names every ``SHOAL_*`` environment variable shoal reads, with its meaning and
+default (the examples' own knobs among them).
+
 The names below are imported on first use, so ``import shoal`` stays cheap (no torch) for
 the CLI and the control plane.
 """
@@ -63,6 +66,8 @@ _EXPORTS = {
     "StreamingDataset": "shoal.storage.streaming",
     "StepEngine": "shoal.worker.engine",
     "DataOrder": "shoal.worker.data",
+    # a module: every SHOAL_* environment variable, with its meaning and default
+    "envvars": "shoal.events",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -70,6 +75,7 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from shoal.core.errors import ConfigError, ShoalError
     from shoal.core.jobspec import JobSpec, load_spec
+    from shoal.events import envvars
     from shoal.storage.streaming import StreamingDataset
     from shoal.worker.data import DataOrder
     from shoal.worker.engine import StepEngine
@@ -82,7 +88,10 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'shoal' has no attribute {name!r}")
-    value = getattr(import_module(module), name)
+    try:
+        value = getattr(import_module(module), name)
+    except AttributeError:  # a module of that package, not imported yet (``envvars``)
+        value = import_module(f"{module}.{name}")
     globals()[name] = value
     return value
 

@@ -47,7 +47,7 @@ import redis
 
 from shoal.events.keys import COORDINATOR_GROUP, job_keys
 from shoal.events.models import JoinRequest, encode_event
-from shoal.events.records import WorkerRecord
+from shoal.events.records import JobStatus, WorkerRecord
 from shoal.events.states import WorkerState
 from shoal.events.streams import ControlEntry
 from shoal.ops.embedded import start_server
@@ -710,6 +710,7 @@ def one_job_point(w: int, ha: bool, ttl: float, interval: float, failover_at: fl
             gross = _minus(_delta(s0, s1), _generated(gs0, gs1, ha), own_cmds)
             switch = {k: round(v) for k, v in _minus(gross, idle).items() if abs(v) >= 0.5}
             state_end = client.hgetall(keys.state)
+            unformed_end = JobStatus.from_hash(state_end).formation.unformed_since_ms
             # ---- what the new primary holds ---------------------------------------------------
             probe_set = {int(x) for x in client.smembers("bench:probe")}
             lost_probe = [s for s in probe["confirmed"] if s not in probe_set]
@@ -741,8 +742,7 @@ def one_job_point(w: int, ha: bool, ttl: float, interval: float, failover_at: fl
                 "switch_commands_per_worker": round(sum(switch.values()) / w, 2),
                 "switch_commands_gross_per_worker": round(sum(gross.values()) / w, 2),
                 "job_state_end": (state_end.get(b"state") or b"").decode(),
-                "formation_clock_end_s": (round(int(state_end.get(b"unformed_since_ms") or 0) / 1000 - time.time(), 1)
-                                          if int(state_end.get(b"unformed_since_ms") or 0) else None),
+                "formation_clock_end_s": (round(unformed_end / 1000 - time.time(), 1) if unformed_end else None),
                 "switch_by_command": dict(sorted(switch.items(), key=lambda kv: -kv[1])[:12]),
                 "switch_cpu_s": round(cs1 - cs0, 1), "detect_cpu_s": round(det_cpu - kill_cpu, 1),
                 "probe_confirmed": len(probe["confirmed"]), "probe_unconfirmed": len(probe["failed"]),

@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--prefetch-factor", type=int, default=2, help="batches each loader worker keeps ready")
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="autocast (with --entrypoint)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the DDP model (DDPOptimizer's bucketed graphs)")
     args = ap.parse_args()
     t_launch = time.time()
     dist.init_process_group(args.backend)
@@ -88,6 +89,8 @@ def main() -> None:
         device = torch.device("cpu")
     model, opt, sched, data, collate, loss_fn, step_fn = (_from_setup if args.entrypoint else _digits)(args)
     model = DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    if args.compile:
+        model = torch.compile(model)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=0)
     workers = args.loader_workers if args.entrypoint else 0
     loader = DataLoader(data, batch_size=args.batch // world, sampler=sampler, collate_fn=collate or default_collate,

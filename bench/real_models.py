@@ -121,6 +121,8 @@ class Workload:
     workers: int = 2
     backend: str = "gloo"
     precision: str = "fp32"
+    #: torch.compile: shoal's ``compile: true``, DDP's ``torch.compile(ddp_model)``
+    compile: bool = False
 
 
 def _gpt_env(layers: int, d_model: int, heads: int, seq_len: int) -> dict[str, str]:
@@ -148,6 +150,10 @@ def workloads(quick: bool) -> list[Workload]:
     return [
         Workload("gpt", "bench.real_models:build_gpt", 16, 40,
                  f"GPT {_gpt_size(gpt):.1f} M params, seq 128, AdamW", gpt),
+        # compiled: shoal compiles before the job starts (its warm-up), DDP in its first steps,
+        # which steady_rate leaves out (the first fifth)
+        Workload("gpt-compiled", "bench.real_models:build_gpt", 16, 60,
+                 f"GPT {_gpt_size(gpt):.1f} M params, seq 128, AdamW, torch.compile", gpt, compile=True),
         Workload("data", "bench.real_models:build_data", 32, 80 if quick else 160,
                  f"convnet, {ITEM_COST_S * 1e3:g} ms CPU per __getitem__"),
         Workload("mlp", "bench.models:build", 64, 300 if quick else 500, "digits MLP 64-1024-1024-10"),
@@ -177,7 +183,7 @@ def run_ddp(w: Workload, loader_workers: int, prefetch: int) -> float:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={w.workers}",
            "-m", "bench.ddp_baseline", "--entrypoint", w.entrypoint, "--steps", str(w.steps), "--batch", str(w.batch),
            "--loader-workers", str(loader_workers), "--prefetch-factor", str(max(1, prefetch)),
-           "--backend", w.backend, "--precision", w.precision]
+           "--backend", w.backend, "--precision", w.precision] + (["--compile"] if w.compile else [])
     out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     if out.returncode:
         raise RuntimeError(f"DDP run of {w.name} exited {out.returncode}:\n{out.stderr[-3000:]}")
@@ -198,7 +204,8 @@ def run_shoal(url: str, tmp: Path, procs, job: str, w: Workload, loader_workers:
     client = redis.Redis.from_url(url)
     create_job(client, JobSpec(name=job, entrypoint=w.entrypoint, global_batch_size=w.batch, epochs=1000,
                                max_steps=w.steps, min_workers=w.workers, max_workers=w.workers,
-                               loader_workers=loader_workers, prefetch_steps=prefetch, precision=w.precision))
+                               loader_workers=loader_workers, prefetch_steps=prefetch, precision=w.precision,
+                               compile=w.compile))
     lg = tmp / f"ledger-{job}"
     procs.extra_env = {"SHOAL_LEDGER_DIR": str(lg), **w.env}
     started = []
@@ -247,7 +254,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description="steady steps/s, shoal vs torchrun DDP, on real models")
     ap.add_argument("--quick", action="store_true", help="smaller GPT, fewer steps and repetitions (< 5 min)")
     ap.add_argument("--repeats", type=int, help="A/B pairs per workload (default 3; --quick: 2)")
-    ap.add_argument("--only", default="gpt,data,mlp", help="comma-separated workloads to run")
+    ap.add_argument("--only", default="gpt,gpt-compiled,data,mlp", help="comma-separated workloads to run")
     ap.add_argument("--loader-workers", type=int, default=1, help="shoal's loader_workers = DDP's DataLoader workers")
     ap.add_argument("--prefetch-steps", type=int, default=2, help="shoal's prefetch_steps = DDP's prefetch_factor")
     ap.add_argument("--gpu", action="store_true", help="also GPT-2-small on NCCL (skipped without CUDA)")
@@ -277,11 +284,17 @@ def main() -> int:
             with LocalProcs(server.url, tmp / "logs") as procs:
                 procs.coordinator("coord")
                 time.sleep(0.5)  # the coordinator is infrastructure: up before the first job
+                results: dict[str, dict] = {}
                 for w in chosen:
                     r = measure(server.url, tmp, procs, w, repeats, args.loader_workers, args.prefetch_steps)
                     print(f"{w.name:<10} ratio={r['ratio']:.3f}  shoal {r['shoal']:.2f} / DDP {r['ddp']:.2f} steps/s  "
                           f"pairs {' '.join(f'{x:.3f}' for x in r['ratios'])}  ({w.what}, global batch {w.batch}, "
                           f"{w.steps} steps)", flush=True)
+                    results[w.name] = r
+                if "gpt" in results and "gpt-compiled" in results:  # what compiling gives each side, this run
+                    e, c = results["gpt"], results["gpt-compiled"]
+                    print(f"compiled/eager  shoal speedup={c['shoal'] / e['shoal']:.3f}  DDP speedup="
+                          f"{c['ddp'] / e['ddp']:.3f}  (the same GPT, this run)", flush=True)
         finally:
             server.stop()
     return 0

@@ -13,43 +13,34 @@ Planning rules:
   together make one generation, not three;
 - below ``min_workers`` a running job is paused (a paused table with no members is published
   so workers stop training); it resumes with a fresh generation when enough are back;
-- a generation that could not form (a member reported its rendezvous failed) gets a new
-  one of the same members after a back-off: ``FORMATION_BACKOFF_MS`` doubling up to
-  ``FORMATION_BACKOFF_MAX_MS`` per failure in a row of the same members (a membership change
-  re-plans at once and starts the count over), so a group that cannot form costs at most
-  about ten generations a minute, never a tight loop;
-- a *configuration* error (the workers classify their error: NCCL invalid usage, an
-  interface without an address, CUDA out of memory, a missing device;
-  ``events.models.FormationError``) cannot go away by retrying: the same members failing
-  with the same one ``CONFIG_STRIKES`` generations in a row fail the job, with the error and
-  its fix as the reason (transient failures in between neither count nor reset);
-- a running job that has planned generations for ``formation_timeout`` without any of them
-  forming (no member reported ready: every rendezvous failed) fails, naming the last
-  rendezvous error, instead of planning new generations forever.
+- a generation that could not form, configuration errors that fail the job after
+  ``CONFIG_STRIKES`` generations and ``formation_timeout``: the formation policy,
+  :mod:`shoal.coordinator.formation`;
+- a failed step gets the same members a new generation ``SETTLE_MS`` later; members that keep
+  failing one step are restarted, then the job fails: the progress watchdog,
+  :mod:`shoal.coordinator.watchdog`;
+- elastic HSDP's replica groups (a group that lost a member goes whole, groups of one node):
+  :mod:`shoal.coordinator.replicas`.
 
-Redone steps: the coordinator keeps the highest committed step reported on the job's line of
-state (``JobStatus.high_step``: sampled heartbeats, a joiner's ``ready``, a checkpoint). A
-member that reports ``ready`` for a generation newer than that report, at a lower step, means
-every replica that held the newer state was lost and the generation resumed from a checkpoint
-or from scratch: the steps in between, committed before, are committed again. The decision
-says which, adds them to ``steps_redone`` and restarts the line from the step resumed at. A
-normal switch (survivors keep their state, a joiner catches up from them) starts at the
-highest step and counts nothing; neither does a failed step, which nobody committed.
+Redone steps (committed steps committed again because every replica that held them was lost)
+are counted by :mod:`shoal.coordinator.redone` from the ``ready`` steps, sampled heartbeats
+and checkpoints this module hands it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import statistics
 from dataclasses import dataclass, field, replace
 
-from shoal.coordinator import watchdog
+from shoal.coordinator import formation, redone, watchdog
 from shoal.coordinator.owners import plan_owners
 from shoal.coordinator.replicas import plan_groups
 from shoal.coordinator.shards import plan_ranges
 from shoal.coordinator.states import CoordState
-from shoal.events.records import JobStatus, WorkerRecord
+from shoal.events.exits import WorkerExit
+from shoal.coordinator.redone import StepSeen
+from shoal.events.records import Evaluation, WorkerRecord
 from shoal.events.states import (
     LIVE,
     PLANNED,
@@ -58,13 +49,11 @@ from shoal.events.states import (
     JobState,
     RemovalCause,
     WorkerState,
-    check_job_move,
 )
 from shoal.events.models import (
     Checkpointed,
     EvalReported,
     EventBase,
-    FormationError,
     JobCompleted,
     JoinReply,
     JoinRequest,
@@ -75,21 +64,15 @@ from shoal.events.models import (
     Ready,
     ShardTable,
     StepFailed,
-    STOPPED_IN_OUTAGE_EXIT,
     StopJob,
     WorkerExited,
     WorkerStartFailed,
 )
 from shoal.core.jobspec import JobSpec
 
+#: Joins are planned once they have been quiet this long; a failed step's members get their
+#: new generation this long after the report (a peer that died is reported meanwhile).
 SETTLE_MS = 300
-#: The back-off before the same members get a new generation after theirs could not form:
-#: this, doubled per failure in a row, at most FORMATION_BACKOFF_MAX_MS.
-FORMATION_BACKOFF_MS = 500
-FORMATION_BACKOFF_MAX_MS = 10_000
-#: Generations in a row of the same members that failed with the same configuration error
-#: before the job fails with it.
-CONFIG_STRIKES = 3
 #: A straggler's step is ``straggler_factor`` x the median AND this many seconds longer.
 STRAGGLER_FLOOR_S = 0.05
 
@@ -101,14 +84,6 @@ STRAGGLER_FLOOR_S = 0.05
 class EventInput:
     stream_id: str
     event: EventBase
-
-
-@dataclass(frozen=True)
-class StepSeen:
-    """A committed ``step`` a member of ``generation`` reported."""
-
-    generation: int
-    step: int
 
 
 @dataclass(frozen=True)
@@ -266,13 +241,6 @@ def _plan_digest(ids: list[str], paused: bool) -> str:
     return hashlib.sha256(("P" if paused else "R") .encode() + ",".join(ids).encode()).hexdigest()[:16]
 
 
-def _set_job(status: JobStatus, dst: JobState, now_ms: int) -> JobStatus:
-    if dst == status.state:
-        return status
-    check_job_move(status.state, dst)
-    return replace(status, state=dst, changed_ms=now_ms)
-
-
 def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
            force: bool = False) -> tuple[CoordState, list[Action], str]:
     """Publish a new generation if the planned membership changed (or ``force``: the current
@@ -310,10 +278,9 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
         reason = f"{why}; generation {generation}: world size {len(ids)} ({', '.join(ids)})"
     owners = None
     if status.num_shards and not paused:
-        previous = json.loads(status.shard_owners) if status.shard_owners else None
-        owners, owned_why = plan_owners(previous, ids, status.num_shards)
+        owners, owned_why = plan_owners(status.shard_owners, ids, status.num_shards)
         reason = f"{reason}; {owned_why}"
-        status = replace(status, shard_owners=json.dumps(owners, separators=(",", ":")))
+        status = replace(status, shard_owners=owners)
     table = ShardTable(
         job_id=spec.name,
         generation=generation,
@@ -330,10 +297,9 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
         shard_size=spec.shard_size,
     )
     # the formation clock runs from the first generation planned since one last formed
-    unformed = 0 if paused else (status.unformed_since_ms or now_ms)
     new_status = replace(status, generation=generation, plan_digest=digest, pending_join_ms=0, reason=reason,
-                         unformed_since_ms=unformed, step_failed_ms=0, step_failure="", formation_retry_ms=0)
-    new_status = _set_job(new_status, JobState.PAUSED if paused else JobState.RUNNING, now_ms)
+                         formation=formation.planned(status, now_ms, paused), step_failed_ms=0, step_failure="")
+    new_status = new_status.moved(JobState.PAUSED if paused else JobState.RUNNING, now_ms)
     return replace(state, status=new_status), [*grouped, Publish(table, change)], reason
 
 
@@ -408,39 +374,6 @@ def _record(wid: str, rank: int, reason: str, exited: WorkerExited | None) -> Re
     return RecordFailure(wid, rank, reason, exited.exit_code, exited.signal, exited.traceback)
 
 
-def saw_step(status: JobStatus, seen: StepSeen, now_ms: int = 0) -> JobStatus:
-    """``status`` once ``seen`` was reported (at ``now_ms``): ``high_step`` rises to a higher
-    step reported by a generation no older than the one that reported it, and a watchdog
-    spell below it ends. A report from an older generation is stale (a late checkpoint event,
-    a heartbeat of a member lost before the job resumed below it) and changes nothing."""
-    if seen.generation < status.high_step_generation or seen.step <= status.high_step:
-        return status
-    return replace(status, high_step=seen.step, high_step_generation=seen.generation,
-                   high_step_ms=now_ms or status.high_step_ms, stall=watchdog.committed(status.stall, seen.step))
-
-
-def _resumed(status: JobStatus, generation: int, step: int | None, now_ms: int = 0) -> tuple[JobStatus, str]:
-    """A member starts ``generation`` at ``step`` (its ``ready``). When that is below the
-    highest step a previous generation committed, every replica of the newer state is gone:
-    the steps in between are redone. Returns the new status and the reason ("" : nothing
-    redone)."""
-    if step is None:
-        return status, ""
-    if step >= status.high_step or status.high_step_generation >= generation:
-        return saw_step(status, StepSeen(generation, step), now_ms), ""
-    high = status.high_step
-    origin = ("from scratch" if step == 0 else f"from the checkpoint of step {step}" if status.latest_step == step
-              else "from a checkpoint")
-    if high == step + 1:
-        steps = f"step {high}, committed before, is redone (every replica that held it was lost)"
-    else:
-        steps = f"steps {step + 1}-{high}, committed before, are redone (every replica that held them was lost)"
-    reason = f"generation {generation} resumed at step {step} ({origin}): {steps}"
-    status = replace(status, high_step=step, high_step_generation=generation,
-                     steps_redone=status.steps_redone + high - step, reason=reason)
-    return status, reason
-
-
 # ---- the decision function --------------------------------------------------------------------
 
 
@@ -470,7 +403,7 @@ def decide(state: CoordState, inp: EventInput | Tick, now_ms: int, spec: JobSpec
 def _on_stop(state: CoordState, ev: StopJob, now_ms: int, spec: JobSpec, epoch: int) -> Decision:
     if state.status.state in TERMINAL_JOB_STATES:
         return _unchanged(state, f"stop ignored: job already {state.status.state.value}")
-    status = replace(_set_job(state.status, JobState.STOPPED, now_ms), reason=ev.reason)
+    status = replace(state.status.moved(JobState.STOPPED, now_ms), reason=ev.reason)
     return Decision(replace(state, status=status), (), ev.reason)
 
 
@@ -484,13 +417,13 @@ def _on_completed(state: CoordState, ev: JobCompleted, now_ms: int, spec: JobSpe
         reason += (f"; {redone} committed step{'s were' if redone != 1 else ' was'} redone "
                    f"(every replica that held {'them' if redone != 1 else 'it'} was lost)")
         summary["steps_redone"] = redone
-    status = replace(_set_job(state.status, JobState.COMPLETED, now_ms), reason=reason, summary=json.dumps(summary))
+    status = replace(state.status.moved(JobState.COMPLETED, now_ms), reason=reason, summary=summary)
     return Decision(replace(state, status=status), (), reason)
 
 
 def _on_checkpointed(state: CoordState, ev: Checkpointed, now_ms: int, spec: JobSpec, epoch: int) -> Decision:
     # a checkpoint is of a committed step
-    state = replace(state, status=saw_step(state.status, StepSeen(ev.generation, ev.step), now_ms))
+    state = replace(state, status=redone.saw_step(state.status, StepSeen(ev.generation, ev.step), now_ms))
     if ev.step <= state.status.latest_step:
         return _unchanged(state, f"checkpoint of step {ev.step} ignored: LATEST is at step {state.status.latest_step}")
     pointer = LatestPointer(step=ev.step, store=ev.store, generation=ev.generation).to_json()
@@ -508,23 +441,22 @@ def _on_ready(state: CoordState, ev: Ready, rec: WorkerRecord, now_ms: int, spec
         # a member that stays active through a switch (a generation that only removed others)
         # says so too: the generation formed, its formation clock stops (else the job would
         # fail formation_timeout after a removal-only switch with nobody joining)
-        status = _formed(state.status) if _forming(state.status) else state.status
-        status, redone = _resumed(status, ev.generation, ev.step, now_ms)
+        status = formation.formed(state.status)
+        status, again = redone.resumed(status, ev.generation, ev.step, now_ms)
         if status == state.status:
             return _unchanged(state, f"ready from {wid} in generation {ev.generation}: already active")
         reason = f"{wid} active in generation {ev.generation}"
-        return Decision(replace(state, status=status), (), f"{reason}; {redone}" if redone else reason)
+        return Decision(replace(state, status=status), (), f"{reason}; {again}" if again else reason)
     if rec.state != WorkerState.SYNCING:
         return _unchanged(state, f"ready from {wid} ignored: it is {rec.state.value}")
     if ev.generation != state.status.generation:
         return _unchanged(state, f"ready from {wid} for generation {ev.generation} ignored: current is {state.status.generation}")
     reason = f"{wid} active in generation {ev.generation}"
     state = _move(state, wid, WorkerState.ACTIVE, reason, now_ms)
-    if _forming(state.status):
-        state = replace(state, status=_formed(state.status))  # the generation formed
-    status, redone = _resumed(state.status, ev.generation, ev.step, now_ms)
+    state = replace(state, status=formation.formed(state.status))  # the generation formed
+    status, again = redone.resumed(state.status, ev.generation, ev.step, now_ms)
     state = replace(state, status=status)
-    return Decision(state, (), f"{reason}; {redone}" if redone else reason)
+    return Decision(state, (), f"{reason}; {again}" if again else reason)
 
 
 def _on_leave(state: CoordState, ev: LeaveRequest, rec: WorkerRecord, now_ms: int, spec: JobSpec,
@@ -564,7 +496,7 @@ def _on_exited(state: CoordState, ev: WorkerExited, rec: WorkerRecord, now_ms: i
         # recorded: the worker is planned no more)
         why = f"{_failed(wid, rec.rank)} {ended}"
         status = state.status
-        if ev.exit_code == STOPPED_IN_OUTAGE_EXIT:
+        if ev.exit_code == WorkerExit.STOPPED_IN_OUTAGE:
             # it was asked to stop while Redis was gone (its beats stopped with it): no root
             # cause of anything, and not the job's first failure
             why = f"{wid} was asked to stop during a Redis outage and ended without leaving ({how})"
@@ -584,10 +516,10 @@ def _on_exited(state: CoordState, ev: WorkerExited, rec: WorkerRecord, now_ms: i
         if ev.gave_up and len(state.in_state(PLANNED)) < spec.min_workers:
             return _give_up(state, wid, ev, spec, now_ms, [])
         return _unchanged(state, f"exit of {wid} ignored: it is {rec.state.value}")
-    if rec.state == WorkerState.DRAINING and ev.exit_code == 0:
+    if rec.state == WorkerState.DRAINING and ev.exit_code == WorkerExit.OK:
         state = _move(state, wid, WorkerState.LEFT, f"{wid} exited cleanly while draining", now_ms)
         actions: list[Action] = [Forget(wid)]
-    elif ev.exit_code == STOPPED_IN_OUTAGE_EXIT:  # asked to stop while it could not leave: a leave, not a failure
+    elif ev.exit_code == WorkerExit.STOPPED_IN_OUTAGE:  # asked to stop while it could not leave: a leave, not a failure
         why = f"{wid} was asked to stop during a Redis outage and ended without leaving ({how}): it left"
         if rec.state == WorkerState.ACTIVE:  # the drain it could not announce
             state = _move(state, wid, WorkerState.DRAINING, why, now_ms)
@@ -608,7 +540,8 @@ def _on_step_failed(state: CoordState, ev: StepFailed, rec: WorkerRecord, now_ms
     if ev.generation != state.status.generation or state.status.state != JobState.RUNNING or rec.state not in PLANNED:
         return _unchanged(state, f"{said}; nothing to do: generation {state.status.generation} is current")
     if ev.rendezvous:
-        return _on_formation_failed(state, ev, now_ms, spec)
+        status, reason = formation.failed(state, ev, now_ms, spec)
+        return Decision(replace(state, status=status), (), reason)
     # The step is dropped everywhere; the members need a fresh generation to redo it. Not at
     # once: a peer that died is reported by its agent within moments, and the new generation
     # should not include it. A member that is alive is kept (one whose step is stuck is
@@ -622,16 +555,6 @@ def _on_step_failed(state: CoordState, ev: StepFailed, rec: WorkerRecord, now_ms
     status = replace(state.status, step_failed_ms=now_ms, step_failure=failure)
     return Decision(replace(state, status=status), (),
                     f"{failure}; the same members get a new generation in {SETTLE_MS} ms unless one leaves first")
-
-
-def last_eval(status: JobStatus) -> dict | None:
-    """The job's newest evaluation (``JobStatus.eval`` parsed): ``step``, ``epoch``,
-    ``generation``, ``metrics``, ``worker_id``; None when there is none or it does not parse."""
-    try:
-        doc = json.loads(status.eval) if status.eval else None
-    except ValueError:
-        return None
-    return doc if isinstance(doc, dict) and isinstance(doc.get("metrics"), dict) else None
 
 
 #: Longest list of metrics an evaluation's reason (the decision log, ``shoal events``) shows.
@@ -656,126 +579,15 @@ def _on_eval(state: CoordState, ev: EvalReported, rec: WorkerRecord, now_ms: int
         return _unchanged(state, f"{said}: ignored, job already {state.status.state.value}")
     if rec.state not in LIVE:
         return _unchanged(state, f"{said}: ignored, it is {rec.state.value}")
-    last = last_eval(state.status)
-    recorded = last.get("generation") if last is not None else None
-    if isinstance(recorded, int) and ev.generation < recorded:
+    last = state.status.eval
+    if last is not None and ev.generation < last.generation:
         return _unchanged(state, f"{said} in generation {ev.generation}: ignored, the job's evaluation of step "
-                                 f"{last.get('step')} is from generation {recorded}")
-    doc = {"step": ev.step, "epoch": ev.epoch, "generation": ev.generation, "metrics": dict(ev.metrics),
-           "worker_id": rec.worker_id}
+                                 f"{last.step} is from generation {last.generation}")
+    newest = Evaluation(step=ev.step, epoch=ev.epoch, generation=ev.generation, metrics=dict(ev.metrics),
+                        worker_id=rec.worker_id)
     done = f"{ev.epoch} epoch{'' if ev.epoch == 1 else 's'} done"
     reason = f"{said} ({done}, generation {ev.generation}{', final' if ev.final else ''}): {format_metrics(ev.metrics)}"
-    return Decision(replace(state, status=replace(state.status, eval=json.dumps(doc))), (), reason)
-
-
-#: How much of a rendezvous error the job status keeps (the formation failure's reason).
-RENDEZVOUS_ERROR_CHARS = 400
-
-
-def _formation_expired(status: JobStatus, spec: JobSpec, now_ms: int) -> bool:
-    """A running job whose planned generations have not formed for ``formation_timeout``."""
-    return (status.state == JobState.RUNNING and status.unformed_since_ms > 0
-            and now_ms - status.unformed_since_ms >= spec.formation_timeout * 1000)
-
-
-def _formation_failed(state: CoordState, spec: JobSpec, now_ms: int) -> Decision:
-    status = state.status
-    waited = (now_ms - status.unformed_since_ms) / 1000
-    reason = (f"job failed: no generation formed in {waited:.1f} s (formation_timeout {spec.formation_timeout:g} s, "
-              f"last generation {status.generation}); last rendezvous error: "
-              f"{status.rendezvous_error or 'none reported'}")
-    status = replace(_set_job(status, JobState.FAILED, now_ms), reason=reason)
-    return Decision(replace(state, status=status), (), reason)
-
-
-def _forming(status: JobStatus) -> bool:
-    """Whether the formation clock runs (or an error or back-off of a formation is recorded)."""
-    return bool(status.unformed_since_ms or status.rendezvous_error or status.formation_failures)
-
-
-def _formed(status: JobStatus) -> JobStatus:
-    """``status`` once a generation formed: the formation clock, error and back-off end."""
-    return replace(status, unformed_since_ms=0, rendezvous_error="", formation_failures=0, formation_digest="",
-                   formation_error="", formation_strikes=0, formation_strike_generation=0,
-                   formation_failed_generation=0, formation_retry_ms=0)
-
-
-def formation_backoff_ms(failures: int) -> int:
-    """The wait before the same members' next generation after ``failures`` (>= 1) in a row
-    could not form: FORMATION_BACKOFF_MS doubling, at most FORMATION_BACKOFF_MAX_MS."""
-    return min(FORMATION_BACKOFF_MAX_MS, FORMATION_BACKOFF_MS * 2 ** min(max(failures, 1) - 1, 20))
-
-
-def _on_formation_failed(state: CoordState, ev: StepFailed, now_ms: int, spec: JobSpec) -> Decision:
-    """A member of the current generation reports that its group could not form. The members
-    cannot retry a generation (its rendezvous prefix is spent): the same members get a new
-    one once the back-off passed (the tick plans it; a member that is really gone is removed
-    by its agent's report or its heartbeat, and that re-plans at once). Each failed generation
-    counts once, whichever members report it; a configuration error counts a strike, and the
-    ``CONFIG_STRIKES``-th in a row with the same error fails the job."""
-    wid = ev.worker_id or "?"
-    kind = FormationError.parse(ev.formation_error)
-    error = " ".join(ev.error.split())[:RENDEZVOUS_ERROR_CHARS]  # one line
-    status = replace(state.status, rendezvous_error=f"{wid}: {error}")
-    if _formation_expired(status, spec, now_ms):
-        return _formation_failed(replace(state, status=status), spec, now_ms)
-    if status.formation_digest != status.plan_digest:  # other members than the failures counted: start over
-        status = replace(_formed(status), rendezvous_error=status.rendezvous_error,
-                         unformed_since_ms=status.unformed_since_ms, formation_digest=status.plan_digest)
-    said = f"generation {ev.generation} could not form ({wid}: {error[:200]})"
-    if kind.configuration and status.formation_strike_generation != ev.generation:
-        strikes = status.formation_strikes + 1 if status.formation_error == kind.value else 1
-        status = replace(status, formation_error=kind.value, formation_strikes=strikes,
-                         formation_strike_generation=ev.generation)
-        if strikes >= CONFIG_STRIKES:
-            return _configuration_failed(replace(state, status=status), kind, wid, error, spec, now_ms)
-    if status.formation_failed_generation == ev.generation:  # another member's report of the same failure
-        return Decision(replace(state, status=status), (), f"{said}; already counted: the same members get "
-                        f"a new generation at {status.formation_retry_ms} ms")
-    failures = status.formation_failures + 1
-    delay = formation_backoff_ms(failures)
-    strike = (f"; configuration error {kind.value} ({status.formation_strikes} of {CONFIG_STRIKES} in a row fail the job)"
-              if kind.configuration else "")
-    reason = (f"{said}{strike}; the same members get a new generation in {delay / 1000:g} s "
-              f"({failures} failed in a row)")
-    status = replace(status, formation_failures=failures, formation_failed_generation=ev.generation,
-                     formation_retry_ms=now_ms + delay, reason=reason)
-    return Decision(replace(state, status=status), (), reason)
-
-
-def configuration_fix(kind: FormationError, members: list[WorkerRecord]) -> str:
-    """How to fix a configuration error, in a few words, for the reason of the job it failed
-    (``members``: the generation's planned members, whose records say where they run)."""
-    if kind == FormationError.NCCL_INVALID_USAGE:
-        by_gpu: dict[tuple[str, str], int] = {}
-        for rec in members:
-            if rec.backend == "nccl" and rec.gpu:
-                where = (rec.node or rec.host, rec.gpu)
-                by_gpu[where] = by_gpu.get(where, 0) + 1
-        shared = sorted((n, where) for where, n in by_gpu.items() if n > 1)
-        if shared:
-            n, (node, gpu) = shared[-1]
-            return (f"{n} NCCL workers share GPU {gpu}" + (f" on {node}" if node else "") +
-                    ": one worker per GPU (--workers gpu) or backend: gloo")
-        return "NCCL needs one GPU per worker: one worker per GPU (--workers gpu) or backend: gloo"
-    if kind == FormationError.NO_INTERFACE_ADDRESS:
-        return "name an interface that has an IPv4 address here with --iface (or leave it out: the one that reaches Redis)"
-    if kind == FormationError.CUDA_OUT_OF_MEMORY:
-        return "free GPU memory: fewer workers per GPU, a smaller model or micro-batch, or device: cpu"
-    if kind == FormationError.NO_DEVICE:
-        return "check CUDA_VISIBLE_DEVICES and the GPU driver on the workers' nodes, or use device: cpu"
-    return "see the error"
-
-
-def _configuration_failed(state: CoordState, kind: FormationError, wid: str, error: str, spec: JobSpec,
-                          now_ms: int) -> Decision:
-    status = state.status
-    fix = configuration_fix(kind, state.in_state(PLANNED))
-    reason = (f"job failed: generation {status.generation} could not form, {status.formation_strikes} generations "
-              f"in a row of the same members with the same configuration error ({kind.value}): {wid}: {error}; "
-              f"fix: {fix}")
-    status = replace(_set_job(status, JobState.FAILED, now_ms), reason=reason, formation_retry_ms=0)
-    return Decision(replace(state, status=status), (), reason)
+    return Decision(replace(state, status=replace(state.status, eval=newest)), (), reason)
 
 
 def _on_start_failed(state: CoordState, ev: WorkerStartFailed, now_ms: int, spec: JobSpec,
@@ -810,7 +622,7 @@ def _give_up(state: CoordState, wid: str, ev: WorkerExited | WorkerStartFailed, 
         return Decision(state, tuple(actions), f"{wid}'s slot gave up; job already {state.status.state.value}")
     reason = (f"job failed: {wid}'s slot gave up after {ev.restarts} restarts and fewer than "
               f"min_workers={spec.min_workers} remain; first failure: {state.status.first_failure}")
-    status = replace(_set_job(state.status, JobState.FAILED, now_ms), reason=reason)
+    status = replace(state.status.moved(JobState.FAILED, now_ms), reason=reason)
     return Decision(replace(state, status=status), tuple(actions), reason)
 
 
@@ -857,8 +669,9 @@ def _on_join(state: CoordState, ev: JoinRequest, now_ms: int, spec: JobSpec, epo
 
 
 def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: int) -> Decision:
-    if _formation_expired(state.status, spec, now_ms):
-        return _formation_failed(state, spec, now_ms)
+    if formation.expired(state.status, spec, now_ms):
+        status, reason = formation.timed_out(state.status, spec, now_ms)
+        return Decision(replace(state, status=status), (), reason)
     ttl_ms = int(spec.heartbeat_ttl * 1000)
     reasons: list[str] = []
     actions: list[Action] = []
@@ -898,7 +711,7 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
         changed = removals = True
     status = state.status
     for seen in tick.steps.values():  # no decision of its own: kept in the status
-        status = saw_step(status, seen, now_ms)
+        status = redone.saw_step(status, seen, now_ms)
     if tick.step_times:
         status = replace(status, step_ms=int(1000 * statistics.median(tick.step_times.values())))
     state = replace(state, status=status)
@@ -910,8 +723,7 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
     pending = state.status.pending_join_ms
     failed_at = state.status.step_failed_ms
     step_failed = bool(failed_at) and now_ms - failed_at >= SETTLE_MS
-    retry = state.status.formation_retry_ms
-    reform = bool(retry) and now_ms >= retry
+    reform = formation.retry_due(state.status, now_ms)
     regroup_at = state.status.regroup_at_ms
     regroup = bool(regroup_at) and now_ms >= regroup_at  # workers waited for node-mates long enough
     if step_failed and not removals and not reform:
@@ -928,9 +740,7 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
         elif step_failed:
             why = f"{state.status.step_failure}; same members"
         elif reform:
-            failures = state.status.formation_failures
-            why = (f"generation {state.status.generation} could not form ({state.status.rendezvous_error[:200]}); "
-                   f"same members after a {formation_backoff_ms(failures) / 1000:g} s back-off ({failures} failed in a row)")
+            why = formation.retry_reason(state.status)
         elif regroup and not pending:
             why = "waited for node-mates"
         else:
@@ -958,7 +768,7 @@ def _watch_progress(state: CoordState, spec: JobSpec, now_ms: int,
     if verdict is None:
         return state, [], "", False
     if verdict.fail:
-        status = replace(_set_job(status, JobState.FAILED, now_ms), reason=verdict.reason, step_failed_ms=0)
+        status = replace(status.moved(JobState.FAILED, now_ms), reason=verdict.reason, step_failed_ms=0)
         return replace(state, status=status), [], verdict.reason, True
     actions: list[Action] = []
     for wid in verdict.stuck:

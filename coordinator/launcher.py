@@ -28,7 +28,7 @@ from rq.serializers import JSONSerializer
 
 from shoal.coordinator.persist import load_state
 from shoal.coordinator.states import CoordState
-from shoal.events.states import PLANNED, TERMINAL_JOB_STATES, JobState
+from shoal.events.states import PLANNED, JobState, is_terminal
 from shoal.events.keys import JOBS, LAUNCH_QUEUE, job_keys, job_of_launch_unit, launch_unit_id
 from shoal.events.keys import LAUNCH_UNIT_RESULT_TTL_S as RESULT_TTL
 from shoal.events.models import LaunchSettings
@@ -42,7 +42,6 @@ LAUNCH_FUNC = "shoal.launch.run_launch"
 NO_TIMEOUT = -1
 #: States in which a job wants workers (re-enqueue applies to these only).
 WANTS_WORKERS = frozenset({JobState.RUNNING, JobState.PAUSED})
-_TERMINAL_NAMES = frozenset(s.value for s in TERMINAL_JOB_STATES)
 _WANTING_NAMES = frozenset(s.value for s in WANTS_WORKERS)
 
 
@@ -157,7 +156,7 @@ class Launcher:
         done: dict[str, int] = {}
         for keys, per_unit, state in todo:
             jid = keys.job_id
-            if state in _TERMINAL_NAMES:
+            if is_terminal(state):
                 if counts[jid]:
                     n = cancel_queued(self.queue, jid)
                     if n:

@@ -22,14 +22,15 @@ from dataclasses import dataclass, field, replace
 import redis
 
 from shoal.coordinator.balance import encode_entry, parse_registry, plan_handoffs
-from shoal.coordinator.decide import Decision, EventInput, StepSeen, Tick, decide
+from shoal.coordinator.decide import Decision, EventInput, Tick, decide
+from shoal.coordinator.redone import StepSeen
 from shoal.coordinator.errors import StaleEpoch
 from shoal.coordinator.fenced import FencedBatch, FencedWriter
 from shoal.core.durable import execute_confirmed
 from shoal.coordinator.lease import LeaseScripts
 from shoal.coordinator.persist import decision_batch, load_state
 from shoal.coordinator.states import CoordState
-from shoal.events.streams import ControlEntry
+from shoal.events.streams import ControlEntry, ControlKind
 from shoal.events.states import TERMINAL_JOB_STATES, WorkerState
 from shoal.events import bus
 from shoal.events.keys import CONTROL_MAXLEN, COORDINATOR_GROUP, COORDINATORS, DEAD_MAXLEN, JOBS, JobKeys, job_keys
@@ -382,7 +383,7 @@ class Coordinator:
         self.stats.events_handled += 1
         self.faults.count(event.kind, "after_apply")
 
-    def _record(self, lead: JobLead, decision: Decision, *, kind: str, source_id: str, now: int) -> None:
+    def _record(self, lead: JobLead, decision: Decision, *, kind: ControlKind | str, source_id: str, now: int) -> None:
         """Persist a decision through the fence (plus ``applied``/XACK for stream entries)."""
         state = decision.state
         is_entry = source_id != "tick"
@@ -408,8 +409,8 @@ class Coordinator:
         batch = FencedBatch(keys)
         batch.xadd(keys.dead, bus.dead_letter_fields(fields, reason, sid), maxlen=DEAD_MAXLEN)
         batch.hset(keys.state, {"applied": sid})
-        entry = ControlEntry(ts_ms=now, epoch=lead.epoch, coordinator=self.instance_id, kind="dead_letter", source_id=sid,
-                             job_state=status.state.value, generation=status.generation,
+        entry = ControlEntry(ts_ms=now, epoch=lead.epoch, coordinator=self.instance_id, kind=ControlKind.DEAD_LETTER, source_id=sid,
+                             job_state=status.state, generation=status.generation,
                              reason=f"dead-lettered {sid}: {reason}")
         batch.xadd(keys.control, entry.to_fields(), maxlen=CONTROL_MAXLEN)
         batch.add("XACK", keys.events, COORDINATOR_GROUP, sid)
@@ -466,8 +467,8 @@ class Coordinator:
             # join, a failed step awaiting its new generation, or a job whose generations have
             # not formed yet (it fails at its formation deadline)
             if (not last_seen and not busy_since and not step_times and not steps and not status.pending_join_ms
-                    and not status.unformed_since_ms and not status.step_failed_ms and not status.regroup_at_ms
-                    and not status.formation_retry_ms):
+                    and not status.formation.unformed_since_ms and not status.step_failed_ms
+                    and not status.regroup_at_ms and not status.formation.retry_ms):
                 continue
             decision = decide(lead.state, Tick(last_seen=last_seen, step_times=step_times, steps=steps, busy_since=busy_since), now,
                               lead.spec, lead.epoch)
@@ -475,7 +476,7 @@ class Coordinator:
             if not decision.changed and not decision.actions and decision.state.status == status:
                 continue
             failed_before = sum(1 for r in lead.state.workers.values() if r.state == WorkerState.FAILED)
-            self._record(lead, decision, kind="tick", source_id="tick", now=now)
+            self._record(lead, decision, kind=ControlKind.TICK, source_id="tick", now=now)
             failed_after = sum(1 for r in lead.state.workers.values() if r.state == WorkerState.FAILED)
             if failed_after > failed_before:
                 self.stats.failures_detected += failed_after - failed_before

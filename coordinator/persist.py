@@ -12,7 +12,7 @@ from shoal.core.durable import execute_confirmed
 from shoal.coordinator.decide import Decision, Forget, Publish, RecordFailure, ReplyJoin, SetLatest, Watch
 from shoal.coordinator.fenced import FencedBatch
 from shoal.coordinator.states import CoordState
-from shoal.events.streams import ControlEntry, FailureEntry
+from shoal.events.streams import ControlEntry, ControlKind, FailureEntry
 from shoal.events.records import JobStatus, WorkerRecord
 from shoal.events.keys import CONTROL_MAXLEN, FAILURES_MAXLEN, GENERATIONS_MAXLEN, JOIN_REPLY_TTL_S, JobKeys
 
@@ -34,7 +34,7 @@ def load_state(client: redis.Redis, keys: JobKeys) -> CoordState:
 
 
 def decision_batch(
-    keys: JobKeys, old: CoordState, decision: Decision, *, kind: str, source_id: str, now_ms: int, epoch: int,
+    keys: JobKeys, old: CoordState, decision: Decision, *, kind: ControlKind | str, source_id: str, now_ms: int, epoch: int,
     coordinator: str = "",
 ) -> FencedBatch:
     """Writes for ``decision``: status, changed workers, actions and a control-log entry."""
@@ -74,12 +74,12 @@ def decision_batch(
     return batch
 
 
-def control_entry(decision: Decision, *, kind: str, source_id: str, now_ms: int, epoch: int,
+def control_entry(decision: Decision, *, kind: ControlKind | str, source_id: str, now_ms: int, epoch: int,
                   coordinator: str = "") -> ControlEntry:
     """The control stream's entry of ``decision``: what it applied, the job's state after it,
     the reason, and the typed membership change of the generation it planned, if any."""
     status = decision.state.status
     change = next((a.change for a in decision.actions if isinstance(a, Publish) and a.change is not None), None)
-    return ControlEntry(ts_ms=now_ms, epoch=epoch, coordinator=coordinator, kind=kind, source_id=source_id, job_state=status.state.value,
+    return ControlEntry(ts_ms=now_ms, epoch=epoch, coordinator=coordinator, kind=kind, source_id=source_id, job_state=status.state,
                         generation=status.generation, reason=decision.reason,
                         **(change.fields() if change is not None else {}))

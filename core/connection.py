@@ -8,8 +8,8 @@ A Redis under Sentinel is named ``redis+sentinel://[user:password@]h1:p1,h2:p2,h
 (``rediss+sentinel://`` for TLS to the data nodes): the client asks the sentinels which node is
 the primary of ``<service>`` and asks again after a fail-over; the password is the data nodes'
 (and, by default, the sentinels': ``?sentinel_password=`` sets theirs apart). Such a client
-also knows that the deployment has replicas: :func:`replicas_to_wait` is 1 (see
-:mod:`shoal.core.durable`).
+is a :class:`ReplicatedRedis`: it knows that the deployment has replicas, and
+:func:`replicas_to_wait` is 1 (see :mod:`shoal.core.durable`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
+from shoal.events import envvars
 from shoal.core.errors import ConnectionFailed
 
 ENV_URL = "REDIS_URL"
@@ -30,6 +31,20 @@ ENV_URL = "REDIS_URL"
 #: Query parameters redis-py takes as secrets (``?password=`` works like ``user:password@``).
 _SECRET_PARAMS = frozenset({"password", "ssl_password", "sentinel_password"})
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+
+
+class ReplicatedRedis(redis.Redis):
+    """A client of a Redis deployment with replicas (a Sentinel set): its durable writes and
+    reads wait for :attr:`replicas` of them to confirm (:func:`replicas_to_wait`,
+    :mod:`shoal.core.durable`). :func:`connect` makes one for a ``redis+sentinel://`` URL and
+    :func:`without_retries` keeps it one; a harness that talks to such a deployment's primary
+    directly (over a unix socket, say) makes its own: ``ReplicatedRedis(unix_socket_path=...)``.
+    Any other client is a plain ``redis.Redis``, whose durable writes wait for none."""
+
+    def __init__(self, *args, replicas: int = 1, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        #: how many replicas confirm a durable write or read (>= 0)
+        self.replicas = replicas
 
 
 def redact_url(url: str) -> str:
@@ -126,8 +141,7 @@ def _sentinel_client(parts, timeout: float, retrying: dict) -> redis.Redis:
     client = sentinel.master_for(path[0], db=int(path[1]) if len(path) == 2 else 0, socket_timeout=timeout,
                                  socket_connect_timeout=timeout, health_check_interval=30,
                                  connection_class=_sentinel_classes()[parts.scheme == "rediss+sentinel"],
-                                 **{k: v for k, v in auth.items() if v}, **retrying)
-    client.shoal_replicas = 1  # see replicas_to_wait
+                                 redis_class=ReplicatedRedis, **{k: v for k, v in auth.items() if v}, **retrying)
     return client
 
 
@@ -156,16 +170,18 @@ def _sentinel_classes() -> tuple[type, type]:
 
 
 def replicas_to_wait(client: redis.Redis) -> int:
-    """How many replicas a durable write waits for on ``client``'s server: 1 under Sentinel
-    (``redis+sentinel://``), 0 otherwise; ``SHOAL_REDIS_WAIT_REPLICAS`` overrides."""
-    env = os.environ.get("SHOAL_REDIS_WAIT_REPLICAS", "")
+    """How many replicas a durable write waits for on ``client``'s server: a
+    :class:`ReplicatedRedis`'s ``replicas`` (1 under Sentinel, ``redis+sentinel://``), 0 for
+    any other client; ``SHOAL_REDIS_WAIT_REPLICAS`` overrides."""
+    env = envvars.REDIS_WAIT_REPLICAS.get()
     if env.isdigit():
         return int(env)
-    return int(getattr(client, "shoal_replicas", 0))
+    return client.replicas if isinstance(client, ReplicatedRedis) else 0
 
 
 def without_retries(client: redis.Redis, *, timeout: float | None = None) -> redis.Redis:
-    """A client to the same server (same URL, credentials, TLS, timeouts) whose commands fail
+    """A client to the same server (same URL, credentials, TLS, timeouts, replicas to wait
+    for) whose commands fail
     at once instead of riding out an outage: for best-effort writes from a hot path, such as
     progress entries from the training thread. It has its own connection pool. ``timeout``
     replaces the socket and connect timeouts (a call that must return within a bound even when
@@ -182,9 +198,9 @@ def without_retries(client: redis.Redis, *, timeout: float | None = None) -> red
                                        connection_class=pool.connection_class, **kwargs)
     else:
         fresh = redis.ConnectionPool(connection_class=pool.connection_class, retry=Retry(NoBackoff(), 0), **kwargs)
-    out = redis.Redis(connection_pool=fresh)
-    out.shoal_replicas = getattr(client, "shoal_replicas", 0)
-    return out
+    if isinstance(client, ReplicatedRedis):
+        return ReplicatedRedis(connection_pool=fresh, replicas=client.replicas)
+    return redis.Redis(connection_pool=fresh)
 
 
 def server_run_id(client: redis.Redis) -> str:

@@ -24,17 +24,17 @@ says otherwise) nothing is sent.
 
 from __future__ import annotations
 
-import os
 import time
 
 import redis
 import redis.client
 
+from shoal.events import envvars
+from shoal.events.keys import DURABLE_MARKER, DURABLE_MARKER_TTL_MS
 from shoal.core.connection import replicas_to_wait
 
 #: how long a durable write waits for its replica (ms); the commit fence uses its own bound
-WAIT_MS = int(os.environ.get("SHOAL_REDIS_WAIT_MS", "500"))
-MARKER = "shoal:durable"
+WAIT_MS = int(envvars.REDIS_WAIT_MS.get())
 
 
 class NotReplicated(redis.ConnectionError):
@@ -67,7 +67,7 @@ def execute_confirmed(client: redis.Redis, pipe: redis.client.Pipeline, what: st
     need = replicas_to_wait(client)
     if need > 0:
         wait = WAIT_MS if timeout_ms is None else timeout_ms
-        pipe.set(MARKER, str(time.time()), px=60_000)
+        pipe.set(DURABLE_MARKER, str(time.time()), px=DURABLE_MARKER_TTL_MS)
         pipe.execute_command("WAIT", need, wait)
     results = pipe.execute(raise_on_error=False)
     for result in results:  # the first error, as the server said it (not re-worded by the pipeline)

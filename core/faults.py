@@ -50,13 +50,14 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+from shoal.events import envvars
 from shoal.core.errors import ConfigError
 
 WORKER_PHASES = ("before_step", "mid_step", "after_commit", "ckpt_write", "ckpt_before_latest", "ckpt_before_event",
                  "rendezvous", "finish")
 COORDINATOR_PHASES = ("before_apply", "after_apply")
-WORKER_ENV = "SHOAL_FAULTS"
-COORDINATOR_ENV = "SHOAL_COORD_FAULTS"
+WORKER_ENV = envvars.FAULTS
+COORDINATOR_ENV = envvars.COORD_FAULTS
 
 
 class InjectedFault(RuntimeError):

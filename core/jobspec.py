@@ -32,6 +32,29 @@ class ShardStrategy(str, Enum):
 MAX_WORKERS = 4096
 
 
+class CompileOptions(BaseModel):
+    """``torch.compile``'s options for a job's model (``compile:`` in the spec; ``true`` is
+    all defaults). ``mode``: inductor's mode; ``fullgraph``: refuse graph breaks;
+    ``dynamic``: dynamic shapes (None: torch's automatic choice)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+
+
+class KeepBest(BaseModel):
+    """``checkpoint_keep_best``: besides the newest ``checkpoint_keep``, retention keeps the
+    checkpoint whose evaluation had the best ``metric`` (``mode`` min or max), e.g.
+    ``{metric: val_loss, mode: min}``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    metric: Annotated[str, Field(min_length=1, max_length=64)]
+    mode: Literal["min", "max"] = "min"
+
+
 class JobSpec(BaseModel):
     """A training job. Times are seconds. ``entrypoint`` is ``module:function``."""
 
@@ -60,6 +83,9 @@ class JobSpec(BaseModel):
     checkpoint_uri: str | None = None
     checkpoint_interval: Annotated[int, Field(ge=0)] = 0
     checkpoint_keep: Annotated[int, Field(ge=1)] = 3
+    #: Also keep the checkpoint whose evaluation was the best by a metric (an evaluation of the
+    #: step a checkpoint was saved at): ``{metric: val_loss, mode: min}``. None: the newest only.
+    checkpoint_keep_best: KeepBest | None = None
     data_uri: str | None = None
     shard_strategy: ShardStrategy = ShardStrategy.contiguous
     #: Size of the index space the shard table splits. Defaults to the global batch size:
@@ -103,6 +129,18 @@ class JobSpec(BaseModel):
     max_grad_norm: Annotated[float | None, Field(gt=0)] = None
     #: Gradients are all-reduced in buckets of about this many MiB while backward still runs.
     bucket_cap_mb: Annotated[float, Field(gt=0, le=4096)] = 25.0
+    #: ``torch.compile`` the model, applied by shoal where the layout needs it (data
+    #: parallelism: the model's forward; elastic HSDP: each shard unit before it is sharded):
+    #: ``false`` (default), ``true``, or ``{mode, fullgraph, dynamic}``. Checkpoints, digests and
+    #: state transfers keep the model's own names, so a compiled job's checkpoint resumes
+    #: uncompiled and the other way round. A compiled rank's work goes in micro-batches of one
+    #: fixed shape for the whole job (``TrainingSetup.micro_batch``, else the slice of the
+    #: largest world size: ``ceil(global_batch_size / max_workers)``), so a membership change
+    #: never recompiles; a data-parallel worker compiles on that shape before it joins.
+    compile: bool | CompileOptions = False
+    #: Elastic HSDP: recompute each shard unit's activations in backward instead of keeping
+    #: them (``torch.utils.checkpoint``, non-reentrant): less memory, one more forward per unit.
+    activation_checkpointing: bool = False
     #: The input pipeline (shoal.worker.prefetch): ``loader_workers`` background loaders
     #: fetch and collate the batches of the next ``prefetch_steps`` steps of each worker.
     #: Loaders are processes (forked on Linux, like DataLoader's workers; they die with their
@@ -205,11 +243,20 @@ class JobSpec(BaseModel):
             raise ValueError("set eval_every_steps or eval_every_epochs, not both")
         if self.shard_size > 1:
             self._check_replica_groups()
+        if self.activation_checkpointing and self.shard_size == 1:
+            raise ValueError("activation_checkpointing applies to elastic HSDP's shard units (shard_size > 1)")
         if self.backend == "nccl" and self.device == "cpu":
             raise ValueError("backend nccl needs the model on a GPU: use device cuda (or auto), or backend gloo")
         if self.entrypoint != "simulate" and self.num_samples not in (None, self.global_batch_size):
             raise ValueError("num_samples applies to simulated jobs only: training shards each global batch")
         return self
+
+    @property
+    def compile_options(self) -> CompileOptions | None:
+        """``compile`` as options (None: not compiled)."""
+        if self.compile is True:
+            return CompileOptions()
+        return self.compile or None
 
     def _check_replica_groups(self) -> None:
         s = self.shard_size

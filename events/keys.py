@@ -25,6 +25,13 @@ JOBS = f"{PREFIX}:jobs"
 #: deletes entries left stale). Reader: replicas, to spread leases (``coordinator/balance.py``).
 COORDINATORS = f"{PREFIX}:coordinators"
 
+#: STRING (the writer's unix time): the marker a durable write or read under Sentinel writes
+#: in its pipeline before ``WAIT`` (``core/durable.py``), so that a replica's acknowledgement
+#: covers everything the pipeline did. Writer: any client confirming one. Reader: nobody.
+#: Expires after :data:`DURABLE_MARKER_TTL_MS`.
+DURABLE_MARKER = f"{PREFIX}:durable"
+DURABLE_MARKER_TTL_MS = 60_000
+
 #: RQ queue on which launch work for node agents is enqueued.
 LAUNCH_QUEUE = "shoal-launch"
 

@@ -128,12 +128,6 @@ class _ProcessEnded(EventBase):
     pid: int = 0
 
 
-#: The exit code of a worker asked to stop (SIGTERM) while Redis was unreachable, which ended
-#: without leaving the job (``shoal.worker.lifeline``): its node agent does not restart it and
-#: the coordinator counts it as having left, not failed.
-STOPPED_IN_OUTAGE_EXIT = 77
-
-
 class WorkerExited(_ProcessEnded):
     """A node agent saw the worker process die (faster than the heartbeat TTL). A report
     about a pid other than the one the worker id joined with (ids restart after Redis lost a
@@ -166,7 +160,7 @@ class FormationError(str, Enum):
     """Why a generation's group could not form, as the worker classified its error
     (:func:`shoal.worker.process_group.formation_error`): a *configuration* error fails the
     same way every time for the same members (the coordinator fails the job after
-    :data:`~shoal.coordinator.decide.CONFIG_STRIKES` in a row, naming the fix); a
+    :data:`~shoal.coordinator.formation.CONFIG_STRIKES` in a row, naming the fix); a
     *transient* one (timeouts, resets, refused connections, a peer that went away) is retried
     with a back-off until ``formation_timeout``. Readers treat a value they do not know as
     transient."""
@@ -435,6 +429,12 @@ class Heartbeat(_Wire):
     generation: int = 0
     #: Seconds of its last step, wall clock, waits included (None: no step yet).
     step_time: float | None = None
+    #: A compiled model (``compile:``): frames dynamo compiled in this process, those compiled
+    #: after the warm-up before joining (recompiles: 0 when no shape or guard changed), and the
+    #: warm-up's seconds (None: not compiled).
+    compiled_frames: int | None = None
+    recompiles: int | None = None
+    compile_seconds: float | None = None
     #: Seconds from its last committed step to this beat (None: none yet): the beat's
     #: ``last_seen`` score (Redis time) minus this is when it last committed, on Redis's clock.
     since_commit: float | None = None

@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from enum import Enum
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BeforeValidator, TypeAdapter
+from pydantic import BeforeValidator, TypeAdapter, ValidationError
 
-from shoal.events.states import FailureCause, JobState, WorkerState, check_worker_move
+from shoal.events.states import FailureCause, JobState, WorkerState, check_job_move, check_worker_move
 
 
 def _plain(value: object) -> object:
@@ -25,22 +25,107 @@ def _plain(value: object) -> object:
 
 
 def _text(value: object) -> str:
-    """A hash field's value: enums as their value, numbers in decimal, a nested record as
-    its JSON."""
+    """A hash field's value: enums as their value, numbers in decimal, a nested record or a
+    mapping as its JSON; None and an empty mapping as "" (none)."""
     if is_dataclass(value):
         return json.dumps(asdict(value), separators=(",", ":"))
+    if isinstance(value, dict):
+        return json.dumps(value, separators=(",", ":")) if value else ""
+    if value is None:
+        return ""
     return str(_plain(value))
 
 
 def _json_object(value: object) -> object:
-    """A nested record's hash value (its JSON) as the dict pydantic validates; an empty or
-    unreadable one as its defaults (a record written before the field existed)."""
+    """A nested record's (or a mapping's) hash value, its JSON, as the dict pydantic
+    validates; an empty or unreadable one, or JSON that is not an object, as its defaults (a
+    record written before the field existed)."""
     if isinstance(value, (str, bytes)):
         try:
             value = json.loads(value) if value else {}
         except ValueError:
             return {}
-    return value
+    return value if isinstance(value, dict) or is_dataclass(value) else {}
+
+
+def _optional(kind: object):
+    """A validator of an optional JSON field of the hash: its value (JSON text, or the parsed
+    value) as ``kind``; None when it is empty, does not parse or is not a ``kind`` (a field
+    written before it existed, or damaged: one bad field never loses the job's record)."""
+    adapter = TypeAdapter(kind)
+
+    def parse(value: object) -> object:
+        if isinstance(value, bytes):
+            value = value.decode(errors="replace")
+        if value is None or value == "":
+            return None
+        try:
+            return adapter.validate_json(value) if isinstance(value, str) else adapter.validate_python(value)
+        except ValidationError:
+            return None
+
+    return BeforeValidator(parse)
+
+
+@dataclass(frozen=True)
+class Formation:
+    """Whether a running job's planned generations form (``JobStatus.formation``; stored as
+    JSON in one field): since when none has, the newest rendezvous error, the back-off of the
+    same members' generations that could not form and the configuration strikes. Written and
+    read by the coordinator's formation policy (``coordinator/formation.py``); all cleared (this
+    record's defaults) once a generation forms."""
+
+    #: Redis ms since which the job has had a planned generation and none formed (no member
+    #: reported ready); 0: the newest generation formed, or none is planned (pending, paused).
+    unformed_since_ms: int = 0
+    #: The newest rendezvous failure a member reported (``w1: ...``), for the reason of a job
+    #: that fails because no generation forms.
+    rendezvous_error: str = ""
+    #: Generations of the same members (``digest``, their plan digest) that failed to form in
+    #: a row; the members changing starts the count over.
+    failures: int = 0
+    digest: str = ""
+    #: The generation whose failure was counted last (a second member's report of the same
+    #: generation counts nothing), and the Redis ms at which its members get their next
+    #: generation (0: none is due: a back-off is not running).
+    failed_generation: int = 0
+    retry_ms: int = 0
+    #: The newest configuration error among those failures (a ``FormationError`` value;
+    #: transient failures leave it), how many generations in a row failed with it, and the
+    #: generation counted last in ``strikes``.
+    config_error: str = ""
+    strikes: int = 0
+    strike_generation: int = 0
+
+
+#: The fields :class:`Formation` held as fields of the hash itself before it was one record
+#: (read from a hash an older coordinator wrote): hash field -> the record's field.
+_FLAT_FORMATION = {
+    "unformed_since_ms": "unformed_since_ms", "rendezvous_error": "rendezvous_error",
+    "formation_failures": "failures", "formation_digest": "digest",
+    "formation_failed_generation": "failed_generation", "formation_retry_ms": "retry_ms",
+    "formation_error": "config_error", "formation_strikes": "strikes",
+    "formation_strike_generation": "strike_generation",
+}
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The newest evaluation rank 0 reported, periodic or final (``JobStatus.eval``; stored
+    as JSON in one field): its committed ``step``, the epochs complete after it, the
+    generation it was committed in, its metrics and who reported it."""
+
+    step: int = 0
+    epoch: int = 0
+    generation: int = 0
+    #: name -> finite number
+    metrics: dict[str, float] = field(default_factory=dict)
+    worker_id: str = ""
+
+
+#: A streaming dataset's shard owners: worker id -> its shards as half-open ``[start, stop]``
+#: ranges (the wire form of ``ShardTable.shard_owners``).
+ShardOwners = dict[str, list[tuple[int, int]]]
 
 
 @dataclass(frozen=True)
@@ -157,32 +242,16 @@ class JobStatus:
     plan_digest: str = ""
     #: Redis ms of the newest join not yet planned (0: none); joins settle before planning.
     pending_join_ms: int = 0
-    #: JSON summary reported with the job's completion (final loss, accuracy, digest...).
-    summary: str = ""
+    #: The summary rank 0 reported with the job's completion (its ``step``, ``cursor``,
+    #: ``digest`` and final metrics; the coordinator adds ``steps_redone``), stored as JSON in
+    #: one field; {} : none yet.
+    summary: Annotated[dict[str, Any], BeforeValidator(_json_object)] = field(default_factory=dict)
     #: Step of the newest checkpoint the Redis LATEST pointer names (0: none yet).
     latest_step: int = 0
-    #: Redis ms since which the job has had a planned generation and none formed (no member
-    #: reported ready); 0: the newest generation formed, or none is planned (pending, paused).
-    unformed_since_ms: int = 0
-    #: The newest rendezvous failure a member reported (``w1: ...``), for the reason of a job
-    #: that fails because no generation forms; cleared when one forms.
-    rendezvous_error: str = ""
-    #: Generations of the same members (``formation_digest``, the plan digest) that failed
-    #: to form in a row, the newest configuration error among them (a ``FormationError``
-    #: value; transient failures leave it) and how many generations in a row failed with it;
-    #: all cleared when a generation forms or the members change. See
-    #: ``coordinator.decide`` (the back-off and the configuration strikes).
-    formation_failures: int = 0
-    formation_digest: str = ""
-    formation_error: str = ""
-    formation_strikes: int = 0
-    #: The generation whose formation failure was counted last (a second member's report of
-    #: the same generation counts nothing), and the Redis ms at which its members get their
-    #: next generation (0: none is due: a back-off is not running).
-    formation_failed_generation: int = 0
-    formation_retry_ms: int = 0
-    #: The generation whose configuration error was counted last in ``formation_strikes``.
-    formation_strike_generation: int = 0
+    #: Whether the planned generations form: the formation clock, the newest rendezvous
+    #: error, the back-off and the configuration strikes (``Formation``; stored as JSON in one
+    #: field).
+    formation: Annotated[Formation, BeforeValidator(_json_object)] = field(default_factory=Formation)
     #: Redis ms at which a live member reported that a step of the current generation failed
     #: (a peer that died, a partition that outlasted the collective timeout, a member cut off
     #: from Redis that gave its step up); the same members get a
@@ -202,19 +271,19 @@ class JobStatus:
     #: job resumed from a checkpoint or from scratch (a sum over every such resumption). A
     #: lower bound: steps committed after the coordinator's last report of them are not seen.
     steps_redone: int = 0
-    #: The newest evaluation rank 0 reported (periodic or final), JSON
-    #: ``{"step", "epoch", "generation", "metrics": {name: float}, "worker_id"}``; "" : none yet.
-    #: See :func:`shoal.coordinator.decide.last_eval`.
-    eval: str = ""
+    #: The newest evaluation rank 0 reported (``Evaluation``; stored as JSON in one field);
+    #: None ("" in the hash): none yet.
+    eval: Annotated[Evaluation | None, _optional(Evaluation)] = None
     #: Joins the coordinator refused (the job was at ``max_workers``, or already ended: a
     #: worker that came late), and the newest refusal's reason, for ``shoal status``.
     rejected_joins: int = 0
     last_rejection: str = ""
     #: Shards of the job's streaming dataset as the first worker that reported it said (0: not
-    #: a streaming dataset), and the newest table's owners (JSON of ``ShardTable.shard_owners``;
-    #: "" : none yet): the next plan starts from them, so owners are sticky.
+    #: a streaming dataset), and the newest table's owners (``ShardTable.shard_owners``, stored
+    #: as JSON in one field; None, "" in the hash: none yet): the next plan starts from them, so
+    #: owners are sticky.
     num_shards: int = 0
-    shard_owners: str = ""
+    shard_owners: Annotated[ShardOwners | None, _optional(ShardOwners)] = None
     #: Elastic HSDP: the number of the next replica group formed (its id: ``r<n>``).
     next_replica: int = 0
     #: The progress watchdog's spell (``Stall``; stored as JSON in one field).
@@ -232,6 +301,14 @@ class JobStatus:
     #: nodes do not form cross-node groups (0: no regroup under way).
     regroup_until_ms: int = 0
 
+    def moved(self, dst: JobState, now_ms: int) -> "JobStatus":
+        """This status in state ``dst``, changed at ``now_ms``; itself when it is in ``dst``
+        already. IllegalTransition when ``JOB_TRANSITIONS`` forbids the move (a bug)."""
+        if dst == self.state:
+            return self
+        check_job_move(self.state, dst)
+        return replace(self, state=dst, changed_ms=now_ms)
+
     def to_hash(self) -> dict[str, str]:
         """The ``state`` hash's fields: every value a string (integers in decimal)."""
         return {f.name: _text(getattr(self, f.name)) for f in fields(self)}
@@ -239,10 +316,14 @@ class JobStatus:
     @classmethod
     def from_hash(cls, h: dict) -> "JobStatus":
         """Parse an HGETALL reply (bytes or str): missing fields take their defaults, unknown
-        ones are ignored (a newer writer's); an empty hash is a ``pending`` job. ValueError
-        (pydantic's ValidationError) naming the field when one does not parse."""
+        ones are ignored (a newer writer's); an empty hash is a ``pending`` job; the formation
+        fields of a hash written before ``formation`` was one record are read into it. An
+        ``eval`` or ``shard_owners`` that does not parse reads as None. ValueError (pydantic's
+        ValidationError) naming the field when another one does not parse."""
         g = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in h.items()}
         known = {k: v for k, v in g.items() if k in _STATUS_FIELDS}
+        if "formation" not in g and _FLAT_FORMATION.keys() & g.keys():  # written before it was one record
+            known["formation"] = {ours: g[flat] for flat, ours in _FLAT_FORMATION.items() if flat in g}
         return _STATUS.validate_python(known) if known else cls()
 
 

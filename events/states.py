@@ -19,12 +19,12 @@ Worker states::
 Job states::
 
     pending --enough workers--> running <--> paused (below min_workers)
-    pending|running|paused --> completed | failed | stopped   (terminal)
+    pending|running|paused --> completed | failed | stopped   (terminal: TERMINAL_JOB_STATES)
 """
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import Enum, StrEnum
 
 
 class WorkerState(str, Enum):
@@ -66,12 +66,12 @@ class FailureCause(str, Enum):
     REPLICA_GROUP = "replica_group"
     #: The progress watchdog: it kept aborting the same step, generation after generation of
     #: the same members, while the job's committed step did not advance; it was alive. Its
-    #: process is started again (exit code 75), not rejoined with its state.
+    #: process is started again (``WorkerExit.RESTART``, 75), not rejoined with its state.
     STUCK = "stuck"
     #: Elastic HSDP: its replica group spanned nodes and was dissolved so that its members
     #: regroup with node-mates (``coordinator.decide``); it was alive and healthy. Not a
     #: failure: no failure is recorded and its peers do not abort collectives with it; its
-    #: process is started again (exit code 75) and joins a group on its own node.
+    #: process is started again (``WorkerExit.RESTART``, 75) and joins a group on its own node.
     REGROUPED = "regrouped"
 
     @classmethod
@@ -91,7 +91,10 @@ PLANNED = frozenset({WorkerState.SYNCING, WorkerState.ACTIVE})
 LIVE = frozenset({WorkerState.SYNCING, WorkerState.ACTIVE, WorkerState.DRAINING})
 
 
-class JobState(str, Enum):
+class JobState(StrEnum):
+    """A job's state (the moves in :data:`JOB_TRANSITIONS`). A ``StrEnum``: equal to its value
+    and shown as it (``f"{state}"`` is ``running``), so a state read raw compares as it is."""
+
     PENDING = "pending"
     RUNNING = "running"
     PAUSED = "paused"
@@ -100,18 +103,18 @@ class JobState(str, Enum):
     STOPPED = "stopped"
 
 
-_TERMINAL = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.STOPPED})
+#: The states a job ends in; nothing changes a job once it is in one. The one spelling of
+#: them: a member is equal to (and hashes like) its value, so a state read raw as text
+#: (``"completed"``) is ``in`` it too; :func:`is_terminal` also takes bytes and None.
+TERMINAL_JOB_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.STOPPED})
 JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
-    JobState.PENDING: frozenset({JobState.RUNNING, JobState.PAUSED}) | _TERMINAL,
-    JobState.RUNNING: frozenset({JobState.PAUSED}) | _TERMINAL,
-    JobState.PAUSED: frozenset({JobState.RUNNING}) | _TERMINAL,
+    JobState.PENDING: frozenset({JobState.RUNNING, JobState.PAUSED}) | TERMINAL_JOB_STATES,
+    JobState.RUNNING: frozenset({JobState.PAUSED}) | TERMINAL_JOB_STATES,
+    JobState.PAUSED: frozenset({JobState.RUNNING}) | TERMINAL_JOB_STATES,
     JobState.COMPLETED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.STOPPED: frozenset(),
 }
-TERMINAL_JOB_STATES = _TERMINAL
-#: Their values, for states read raw (``"completed"``, ``"failed"``, ``"stopped"``).
-TERMINAL_VALUES = frozenset(s.value for s in _TERMINAL)
 
 
 class IllegalTransition(ValueError):
@@ -159,9 +162,9 @@ class RemovalCause(str, Enum):
             return cls.FAILED
 
 
-def is_terminal(state: str | bytes | None) -> bool:
-    """Whether a job state as read raw from Redis (``HGET ... state``; bytes, str or None:
-    a pending job) is terminal."""
+def is_terminal(state: JobState | str | bytes | None) -> bool:
+    """Whether a job state is terminal: a :class:`JobState`, or one as read raw from Redis
+    (``HGET ... state``: bytes, str, or None for a pending job)."""
     if isinstance(state, bytes):
         state = state.decode(errors="replace")
-    return state in TERMINAL_VALUES
+    return state in TERMINAL_JOB_STATES

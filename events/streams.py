@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import json
 import math
+from enum import StrEnum
 from typing import Annotated, Any, Self
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from shoal.events.states import JobState
 
 
 def _split(value: object) -> object:
@@ -43,6 +46,41 @@ def _json_object(value: object) -> object:
 
 #: Worker ids (``w0,w3``), or any list of names without commas.
 Names = Annotated[tuple[str, ...], BeforeValidator(_split)]
+
+
+class ControlKind(StrEnum):
+    """What a control entry applied: a worker event (its ``kind``; every kind of
+    ``events.models.WorkerEvent`` is one, tests/unit/test_events.py checks it), a timer, or a
+    dead letter. On the wire as its value; a value this version does not know reads as that
+    text (a newer coordinator's), never as an error."""
+
+    JOIN = "join"
+    READY = "ready"
+    LEAVE = "leave"
+    LEFT = "left"
+    EXITED = "exited"
+    START_FAILED = "start_failed"
+    STEP_FAILED = "step_failed"
+    COMPLETED = "completed"
+    STOP = "stop"
+    CHECKPOINT = "checkpoint"
+    EVAL = "eval"
+    #: A timer: heartbeat and step timeouts, settling joins, a formation back-off ending.
+    TICK = "tick"
+    #: An event the coordinator could not apply (it went to the ``dead`` stream).
+    DEAD_LETTER = "dead_letter"
+
+
+class ProgressKind(StrEnum):
+    """A progress entry's kind other than a committed step (which has none)."""
+
+    EVAL = "eval"
+
+
+def _open() -> Any:
+    """Of a field typed ``SomeEnum | str``: its values are read as the enum's members first, and
+    any other text as that text (an entry of a newer writer), never as an error."""
+    return Field(union_mode="left_to_right")
 
 
 def _wire(value: object) -> str:
@@ -98,14 +136,15 @@ class ControlEntry(FlatEntry):
     epoch: int = 0
     #: That replica's instance id (``shoal coordinator --id``): each epoch belongs to one.
     coordinator: str = ""
-    #: What it applied: a worker event's ``kind`` (join, ready, leave, left, exited,
-    #: start_failed, step_failed, completed, stop, checkpoint, eval), ``tick`` (a timer:
-    #: heartbeat and step timeouts, settling joins), or ``dead_letter``.
-    kind: str = ""
+    #: What it applied (:class:`ControlKind`): a worker event's ``kind`` (join, ready, leave,
+    #: left, exited, start_failed, step_failed, completed, stop, checkpoint, eval), ``tick`` (a
+    #: timer: heartbeat and step timeouts, settling joins), or ``dead_letter``. "" : not written.
+    kind: Annotated[ControlKind | str, _open()] = ""
     #: The stream entry id of the event applied (``tick`` for a timer).
     source_id: str = ""
-    #: The job's state after the decision (pending, running, paused, completed, failed, stopped).
-    job_state: str = ""
+    #: The job's state after the decision (:class:`~shoal.events.states.JobState`: pending,
+    #: running, paused, completed, failed, stopped). "" : not written.
+    job_state: Annotated[JobState | str, _open()] = ""
     #: The job's generation after the decision.
     generation: int = 0
     #: Why, for people (no reader decides or draws anything from it).
@@ -166,8 +205,9 @@ class ProgressEntry(FlatEntry):
     at most one per 0.5 s plus the first step of each generation) or an evaluation
     (``kind`` = ``eval``). The entry id is Redis server time (what charts plot against)."""
 
-    #: Absent: a committed step; ``eval``: an evaluation (readers skip kinds they do not know).
-    kind: str | None = None
+    #: Absent: a committed step; ``eval`` (:class:`ProgressKind`): an evaluation (readers skip
+    #: kinds they do not know, which read as their text).
+    kind: Annotated[ProgressKind | str | None, _open()] = None
     step: int = 0
     #: A step's loss; NaN when there was none.
     loss: float | None = None
@@ -205,7 +245,7 @@ class ProgressEntry(FlatEntry):
 
     @property
     def is_eval(self) -> bool:
-        return self.kind == "eval"
+        return self.kind == ProgressKind.EVAL
 
 
 class LogEntry(FlatEntry):

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import time
-import os
 
 import numpy as np
 import torch
 from torch import nn
 
-from shoal import TrainingSetup
+from shoal import TrainingSetup, envvars
 
 _FONT = {
     0: [".###.", "#...#", "#..##", "#.#.#", "##..#", "#...#", ".###."],
@@ -150,8 +149,8 @@ def paced(setup: TrainingSetup) -> TrainingSetup:
     The pause is ``SHOAL_STEP_PACE`` seconds (default 0.03), or, when ``SHOAL_STEP_PACE_FILE``
     names a file, the number in it, read again every second (the chaos soak steers it so the
     job ends with its fault window). The arithmetic is exactly the unpaced setup's."""
-    pace = float(os.environ.get("SHOAL_STEP_PACE", "0.03"))
-    path = os.environ.get("SHOAL_STEP_PACE_FILE")
+    pace = float(envvars.STEP_PACE.get())
+    path = envvars.STEP_PACE_FILE.get()
     summed = setup.loss_fn
     state = {"pace": pace, "read_at": 0.0}
 

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from shoal import TrainingSetup
+from shoal import TrainingSetup, envvars
 
 VOCAB = 256
 #: Files whose relative path hashes to a first byte below this are held out (~10 %).
@@ -58,19 +58,15 @@ WARMUP_STEPS = 20
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
-def _env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
-
-
 @dataclass(frozen=True)
 class GPTConfig:
     """The model's shape and learning rate; defaults read ``SHOAL_LM_*`` from the environment."""
 
-    layers: int = field(default_factory=lambda: _env_int("SHOAL_LM_LAYERS", 4))
-    d_model: int = field(default_factory=lambda: _env_int("SHOAL_LM_D_MODEL", 256))
-    heads: int = field(default_factory=lambda: _env_int("SHOAL_LM_HEADS", 4))
-    seq_len: int = field(default_factory=lambda: _env_int("SHOAL_LM_SEQ_LEN", 128))
-    lr: float = field(default_factory=lambda: float(os.environ.get("SHOAL_LM_LR", "2e-3")))
+    layers: int = field(default_factory=lambda: int(envvars.LM_LAYERS.get()))
+    d_model: int = field(default_factory=lambda: int(envvars.LM_D_MODEL.get()))
+    heads: int = field(default_factory=lambda: int(envvars.LM_HEADS.get()))
+    seq_len: int = field(default_factory=lambda: int(envvars.LM_SEQ_LEN.get()))
+    lr: float = field(default_factory=lambda: float(envvars.LM_LR.get()))
 
     def __post_init__(self) -> None:
         if min(self.layers, self.d_model, self.heads, self.seq_len) <= 0:
@@ -297,7 +293,8 @@ def build_large(max_bytes: int | None = None) -> TrainingSetup:
     worker holds half of the parameters, gradients and optimizer state). ``SHOAL_LM_SEQ_LEN``
     and ``SHOAL_LM_LR`` still apply; the shape is :data:`LARGE` unless ``SHOAL_LM_LAYERS`` /
     ``SHOAL_LM_D_MODEL`` / ``SHOAL_LM_HEADS`` say otherwise."""
-    shape = {k: _env_int(f"SHOAL_LM_{k.upper()}", v) for k, v in LARGE.items()}
+    shape = {k: int(os.environ.get(var) or LARGE[k]) for k, var in
+             (("layers", envvars.LM_LAYERS), ("d_model", envvars.LM_D_MODEL), ("heads", envvars.LM_HEADS))}
     return build(GPTConfig(**shape), max_bytes=max_bytes)
 
 

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import redis
 
+from shoal.events import envvars
 from shoal.core.connection import connect, redact_url, url_from_env
-from shoal.ops.embedded import default_run_dir, ensure_server
+from shoal.ops.embedded import default_run_dir, redis_url
 from shoal.core.errors import ConfigError, ConnectionFailed, ShoalError
 from shoal.core.yamlfile import escape_controls
 
@@ -26,39 +27,6 @@ log = logging.getLogger("shoal.cli")
 
 #: How long workers and agents keep retrying Redis commands through an outage.
 RIDE_OUT_S = 60.0
-
-
-#: How long a command that may not start the embedded server waits for one being started (a
-#: `shoal coordinator &` launched a moment before, as in the README).
-EMBEDDED_WAIT_S = 10.0
-
-
-def _embedded_up(run_dir) -> bool:
-    """Whether the embedded server of ``run_dir`` runs, waiting up to EMBEDDED_WAIT_S for one
-    when a server has run there before (a new run dir: no wait)."""
-    deadline = time.monotonic() + (EMBEDDED_WAIT_S if run_dir.exists() else 0.0)
-    while not (run_dir / "port").exists():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def redis_url(*, start_embedded: bool):
-    """``(url, server)``: ``REDIS_URL`` (server None), else the embedded server's URL and the
-    server (started if allowed and none runs; ``server.stop()`` stops it only if it was
-    started here). ConnectionFailed when no URL is set and no embedded server may be used."""
-    url = url_from_env()
-    if url is not None:
-        return url, None
-    run_dir = default_run_dir()
-    if not start_embedded and not _embedded_up(run_dir):
-        raise ConnectionFailed(f"REDIS_URL is not set and no embedded server runs in {run_dir}"
-                               + (f" (waited {EMBEDDED_WAIT_S:g} s for one)" if run_dir.exists() else ""))
-    server = ensure_server(run_dir)
-    if server.owned:
-        log.info("started embedded Redis at %s (AOF in %s)", server.url, run_dir)
-    return server.url, server
 
 
 @contextlib.contextmanager
@@ -210,7 +178,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         agent = NodeAgent(client, url, args.job, args.workers, run_dir=run_dir,
                           max_restarts=spec.max_restarts if args.max_restarts is None else args.max_restarts,
                           backoff=args.backoff, backoff_max=args.backoff_max, backoff_reset=args.backoff_reset,
-                          node=args.node, spec=spec, extra_env={"SHOAL_IFACE": args.iface} if args.iface else None)
+                          node=args.node, spec=spec, extra_env={envvars.IFACE: args.iface} if args.iface else None)
         signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
         signal.signal(signal.SIGINT, lambda *_: agent.stop.set())
         return agent.run()
@@ -232,11 +200,11 @@ def _agent_queue(args: argparse.Namespace) -> int:
         url = url_from_env() or _embedded_url(client)
         os.environ["REDIS_URL"] = url  # work horses inherit it: run_launch connects with it
         if args.node:
-            os.environ["SHOAL_NODE"] = args.node
+            os.environ[envvars.NODE] = args.node
         if args.iface:
-            os.environ["SHOAL_IFACE"] = args.iface  # the work horses' workers inherit it
+            os.environ[envvars.IFACE] = args.iface  # the work horses' workers inherit it
         if args.run_dir:
-            os.environ["SHOAL_AGENT_DIR"] = str(Path(args.run_dir).resolve())
+            os.environ[envvars.AGENT_DIR] = str(Path(args.run_dir).resolve())
         worker = launch_worker(client, name=args.name,
                                heartbeat=AGENT_HEARTBEAT_S if args.heartbeat is None else args.heartbeat)
         log.info("agent %s serving RQ queue %s at %s%s", worker.name, LAUNCH_QUEUE, redact_url(url),
@@ -330,7 +298,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from shoal.ops.jobs import TERMINAL, job_state, keys_of, stop_job
+    from shoal.events.states import is_terminal
+    from shoal.ops.jobs import job_state, keys_of, stop_job
 
     keys = keys_of(args.job)
     if args.wait is not None and args.wait <= 0:
@@ -347,7 +316,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
         deadline = time.monotonic() + args.wait
         while time.monotonic() < deadline:
             state = job_state(client, keys)
-            if state in TERMINAL:
+            if is_terminal(state):
                 print(f"job {args.job} is {state}")
                 return 0
             time.sleep(0.2)
@@ -670,7 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_IFACE_HELP = ("network interface whose address gloo advertises to the peers (default: env SHOAL_IFACE, "
+_IFACE_HELP = (f"network interface whose address gloo advertises to the peers (default: env {envvars.IFACE}, "
                "else the interface this host reaches Redis through)")
 
 
@@ -746,11 +715,11 @@ def _add_run_commands(sub: argparse._SubParsersAction) -> None:
     sv = sub.add_parser("serve", help="the HTTP API and the live web dashboard",
                         description="Serve the HTTP API (docs/api.md; OpenAPI at /openapi.json) and the dashboard "
                                     "(at /). Calls that change anything need 'Authorization: Bearer <token>' with the "
-                                    "token from SHOAL_API_TOKEN or --token-file; without one the server is read-only.")
+                                    f"token from {envvars.API_TOKEN} or --token-file; without one the server is read-only.")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     sv.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080; 0: any free port)")
     sv.add_argument("--token-file", metavar="PATH",
-                    help="read the API token from this file's first line (instead of SHOAL_API_TOKEN)")
+                    help=f"read the API token from this file's first line (instead of {envvars.API_TOKEN})")
     sv.set_defaults(func=cmd_serve)
 
 

@@ -13,7 +13,6 @@ whether every sample was used exactly once (checked from the workers' ledgers).
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import tempfile
@@ -23,10 +22,12 @@ from typing import Callable, TextIO
 
 import redis
 
+from shoal.events import envvars
 from shoal.coordinator.decide import format_metrics
 from shoal.events.keys import job_keys
+from shoal.events.records import JobStatus
 from shoal.events.models import ShardTable
-from shoal.events.streams import ControlEntry
+from shoal.events.streams import ControlEntry, ControlKind
 from shoal.core.connection import connect
 from shoal.ops.embedded import HASet, start_ha, start_server
 from shoal.core.registry import create_job
@@ -101,7 +102,7 @@ class ControlFeed:
                 self.last = sid.decode()
                 d = ControlEntry.from_fields(f)
                 out.append(d)
-                if d.kind == "ready":
+                if d.kind == ControlKind.READY:
                     continue
                 self.console.line(f"[{time.monotonic() - self.t0:5.1f}s] gen {d.generation:>2} {d.job_state:<9} {d.reason}")
                 if d.planned and not d.paused:
@@ -150,7 +151,7 @@ def run_demo(duration: float | None = None, epochs: int = 8, report: str | None 
         total_steps = -(-5000 // spec.global_batch_size) * epochs
         console = Console()
         feed = ControlFeed(client, job, t0, console)
-        procs = LocalProcs(server.url, tmpdir / "logs", extra_env={"SHOAL_LEDGER_DIR": str(tmpdir / "ledger")})
+        procs = LocalProcs(server.url, tmpdir / "logs", extra_env={envvars.LEDGER_DIR: str(tmpdir / "ledger")})
         killed = None
         failover: tuple[float, float, int] | None = None  # (killed, promoted: wall time; step)
         try:
@@ -177,7 +178,7 @@ def run_demo(duration: float | None = None, epochs: int = 8, report: str | None 
             feed.pump(100)
             agent.wait(30)
             final = job_status(client, job)
-            summary = json.loads(client.hget(job_keys(job).state, "summary") or b"{}")
+            summary = JobStatus.from_hash(client.hgetall(job_keys(job).state)).summary
             entries = ledger.read(tmpdir / "ledger")
             verdict = ledger.verify(entries, 5000)
             recovery = recovery_after_kill(entries, *killed) if killed else None

@@ -8,6 +8,7 @@ server) and otherwise starts one that is stopped when the returned handle is clo
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -20,7 +21,15 @@ from pathlib import Path
 
 import redis
 
+from shoal.events import envvars
+from shoal.core.connection import url_from_env
 from shoal.core.errors import ConnectionFailed
+
+log = logging.getLogger("shoal.embedded")
+
+#: How long a command that may not start the embedded server waits for one being started (a
+#: `shoal coordinator &` launched a moment before, as in the README).
+EMBEDDED_WAIT_S = 10.0
 
 
 def server_binary() -> Path:
@@ -42,7 +51,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def default_run_dir() -> Path:
-    return Path(os.environ.get("SHOAL_HOME", Path.home() / ".shoal")) / "redis"
+    return Path(envvars.HOME.get() or Path.home() / ".shoal") / "redis"
 
 
 @dataclass
@@ -314,3 +323,32 @@ def start_ha(run_dir: Path, *, replicas: int = 2, sentinels: int = 3, down_after
     except BaseException:
         ha.stop()
         raise
+
+
+def _embedded_up(run_dir: Path) -> bool:
+    """Whether the embedded server of ``run_dir`` runs, waiting up to EMBEDDED_WAIT_S for one
+    when a server has run there before (a new run dir: no wait)."""
+    deadline = time.monotonic() + (EMBEDDED_WAIT_S if run_dir.exists() else 0.0)
+    while not (run_dir / "port").exists():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def redis_url(*, start_embedded: bool) -> tuple[str, EmbeddedServer | None]:
+    """The Redis every command uses (the CLI's, the HTTP API server's): ``(url, server)``,
+    ``REDIS_URL`` (server None), else the embedded server's URL and the server (started if
+    allowed and none runs; ``server.stop()`` stops it only if it was started here).
+    ConnectionFailed when no URL is set and no embedded server may be used."""
+    url = url_from_env()
+    if url is not None:
+        return url, None
+    run_dir = default_run_dir()
+    if not start_embedded and not _embedded_up(run_dir):
+        raise ConnectionFailed(f"REDIS_URL is not set and no embedded server runs in {run_dir}"
+                               + (f" (waited {EMBEDDED_WAIT_S:g} s for one)" if run_dir.exists() else ""))
+    server = ensure_server(run_dir)
+    if server.owned:
+        log.info("started embedded Redis at %s (AOF in %s)", server.url, run_dir)
+    return server.url, server

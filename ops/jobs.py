@@ -17,10 +17,7 @@ import redis
 from shoal.core.errors import ConfigError
 from shoal.core.jobspec import JobSpec, parse_spec
 from shoal.events.keys import JobKeys, job_keys
-from shoal.events.states import TERMINAL_VALUES
-
-#: The states a job ends in; nothing changes a job once it is in one.
-TERMINAL = TERMINAL_VALUES
+from shoal.events.states import TERMINAL_JOB_STATES, is_terminal
 
 
 class NoSuchJob(ConfigError):
@@ -77,7 +74,7 @@ def stop_job(client: redis.Redis, job_id: str, reason: str = "stopped by operato
         raise ConfigError("the stop reason must be 1 to 1000 characters")
     keys = require_job(client, job_id)
     state = job_state(client, keys)
-    if state in TERMINAL:
+    if is_terminal(state):
         return StopOutcome(job_id, state, requested=False)
     bus.publish(client, keys.events, StopJob(job_id=job_id, reason=reason))
     dropped = cancel_queued(launch_queue(client), job_id)
@@ -96,9 +93,10 @@ class PurgeOutcome:
 def parse_purge_states(states: list[str]) -> list[str]:
     """The finished states a purge may name; ConfigError for anything else or none."""
     wanted = [s.strip() for s in states if s.strip()]
-    bad = [s for s in wanted if s not in TERMINAL]
+    bad = [s for s in wanted if not is_terminal(s)]
     if not wanted or bad:
-        raise ConfigError(f"purge takes finished states only ({', '.join(TERMINAL)}), got {', '.join(states) or 'none'}")
+        finished = ", ".join(sorted(TERMINAL_JOB_STATES))
+        raise ConfigError(f"purge takes finished states only ({finished}), got {', '.join(states) or 'none'}")
     return wanted
 
 

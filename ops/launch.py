@@ -20,6 +20,7 @@ from pathlib import Path
 
 import redis
 
+from shoal.events import envvars
 from shoal.events.keys import AGENT_HEARTBEAT_S, job_keys
 from shoal.events.models import ShardTable
 from shoal.core.connection import connect, redact_url, url_from_env
@@ -27,11 +28,10 @@ from shoal.ops.embedded import default_run_dir
 from shoal.ops.status import job_summary, parse_heartbeat, progress
 from shoal.core.errors import ConfigError, ShoalError
 from shoal.core.jobspec import JobSpec
-from shoal.events.states import TERMINAL_VALUES
+from shoal.events.states import is_terminal
 
 log = logging.getLogger("shoal.launch")
 
-TERMINAL = TERMINAL_VALUES
 #: Seconds between two progress reports in the RQ job's meta.
 META_INTERVAL = 3.0
 
@@ -97,7 +97,7 @@ def run_launch(job_id: str, workers: int, *, meta_interval: float | None = None)
 
     if meta_interval is None:
         try:
-            meta_interval = max(0.1, float(os.environ.get("SHOAL_LAUNCH_META_INTERVAL") or META_INTERVAL))
+            meta_interval = max(0.1, float(os.environ.get(envvars.LAUNCH_META_INTERVAL) or META_INTERVAL))
         except ValueError:
             meta_interval = META_INTERVAL
     url = url_from_env()
@@ -119,13 +119,13 @@ def run_launch(job_id: str, workers: int, *, meta_interval: float | None = None)
         if workers > spec.max_workers:  # never start more processes than the job can use
             raise ConfigError(f"workers {workers} exceeds job {job_id!r}'s max_workers={spec.max_workers}")
         state = client.hget(keys.state, "state")
-        if state is not None and state.decode() in TERMINAL:
+        if is_terminal(state):
             log.info("job %s already %s: no workers started", job_id, state.decode())
             return {**job_summary(client, job_id), "node": "", "workers": 0, "agent_exit_code": None}
         unit = rq_job.id if rq_job is not None else f"direct-{uuid.uuid4().hex[:12]}"
-        run_dir = Path(os.environ.get("SHOAL_AGENT_DIR") or default_run_dir().parent / "agent") / job_id / unit
+        run_dir = Path(os.environ.get(envvars.AGENT_DIR) or default_run_dir().parent / "agent") / job_id / unit
         agent = NodeAgent(client, url, job_id, workers, run_dir=run_dir, max_restarts=spec.max_restarts,
-                          node=os.environ.get("SHOAL_NODE") or None, spec=spec)
+                          node=os.environ.get(envvars.NODE) or None, spec=spec)
         log.info("launch unit %s: %d worker(s) of job %s on node %s (Redis %s, logs in %s)",
                  unit, workers, job_id, agent.node, redact_url(url), run_dir)
         progress = Progress(client, job_id, spec)
@@ -154,7 +154,7 @@ def run_launch(job_id: str, workers: int, *, meta_interval: float | None = None)
         rc = 1 if any(s.gave_up for s in agent.slots) else 0
         if rc:  # the coordinator may fail the job on the agent's last report: give it a moment
             deadline = time.monotonic() + GIVE_UP_WAIT_S
-            while time.monotonic() < deadline and (client.hget(keys.state, "state") or b"").decode() not in TERMINAL:
+            while time.monotonic() < deadline and not is_terminal(client.hget(keys.state, "state")):
                 time.sleep(0.1)
         try:
             final = progress.sample()

@@ -15,8 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import redis
 
-from shoal.coordinator.decide import last_eval
-from shoal.events.records import JobStatus, WorkerRecord
+from shoal.events.records import Evaluation, JobStatus, WorkerRecord
 from shoal.events.states import JobState, RemovalCause, WorkerState
 from shoal.events.keys import JOBS, job_keys
 from shoal.events.models import ShardTable
@@ -89,13 +88,13 @@ def redis_lines(client: redis.Redis) -> list[str]:
     jobs = {s.value: 0 for s in JobState}
     workers = {s.value: 0 for s in WorkerState}
     gens = []
-    evals: list[tuple[str, dict]] = []  # job, its newest evaluation
+    evals: list[tuple[str, Evaluation]] = []  # job, its newest evaluation
     per_job: list[tuple[str, int, int, int, list[str]]] = []  # job, world size, restarts, failures, active ids
     removed: list[tuple[str, dict[str, int]]] = []  # job, its failed or left workers by removal cause
     for i, k in enumerate(keys):
         (state, gen, ev), records, shard, failures = replies[4 * i: 4 * i + 4]
         st = state.decode() if state else JobState.PENDING.value
-        last = last_eval(JobStatus(eval=ev.decode(errors="replace"))) if ev else None
+        last = JobStatus.from_hash({"eval": ev}).eval if ev else None
         if last is not None:
             evals.append((k.job_id, last))
         jobs[st] = jobs.get(st, 0) + 1
@@ -164,11 +163,10 @@ def redis_lines(client: redis.Redis) -> list[str]:
     out += ["# HELP shoal_job_eval Newest evaluation of each job (its eval_fn's metrics), one series per metric.",
             "# TYPE shoal_job_eval gauge"]
     out += [f'shoal_job_eval{{job="{_label(j)}",metric="{_label(str(m))}"}} {float(v):.10g}'
-            for j, ev in evals for m, v in ev["metrics"].items() if isinstance(v, (int, float))]
+            for j, ev in evals for m, v in ev.metrics.items()]
     out += ["# HELP shoal_job_eval_step Committed step of each job's newest evaluation.",
             "# TYPE shoal_job_eval_step gauge"]
-    out += [f'shoal_job_eval_step{{job="{_label(j)}"}} {int(ev["step"])}' for j, ev in evals
-            if isinstance(ev.get("step"), int)]
+    out += [f'shoal_job_eval_step{{job="{_label(j)}"}} {ev.step}' for j, ev in evals]
     return out
 
 

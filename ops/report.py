@@ -27,7 +27,6 @@ Rendering uses matplotlib's Agg canvas directly (no pyplot, no display needed).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Iterator
@@ -37,13 +36,13 @@ from pathlib import Path
 import redis
 
 from shoal.events.keys import job_keys
+from shoal.events.records import JobStatus
 from shoal.core.errors import ConfigError, ShoalError
 from shoal.core.throughput import WINDOW_S, rolling_rates, throughput
 from shoal.ops.jobs import NoSuchJob
-from shoal.events.states import TERMINAL_VALUES
+from shoal.events.states import JobState, is_terminal
 from shoal.events.streams import ControlEntry, ProgressEntry
 
-TERMINAL = TERMINAL_VALUES
 
 
 class NoProgress(ShoalError):
@@ -199,28 +198,24 @@ def load_history(client: redis.Redis, job_id: str) -> History:
     h.control = [ControlEntry.from_fields(f) for _sid, f in _xrange_from(client, keys.control)]
     if not h.state and h.control:
         h.state = h.control[-1].job_state
-    end = next((d.ts_ms for d in h.control if d.job_state in TERMINAL), 0)
+    end = next((d.ts_ms for d in h.control if is_terminal(d.job_state)), 0)
     if end:  # a point recorded after the job ended (a late sample) is not part of its history
         h.points = [p for p in h.points if p.t_ms <= end] or h.points[:1]
         h.evals = [e for e in h.evals if e.t_ms <= end]
     if not h.points:
         raise NoProgress(f"job {job_id!r} has no committed step in its progress history yet ({keys.progress})")
-    done = None
-    try:
-        done = json.loads(summary).get("step") if summary else None
-    except (ValueError, AttributeError):
-        done = None
-    h.committed = done if isinstance(done, int) else max([int(high_step or 0)]
-                                                         + [p.step for p in h.points])
+    record = JobStatus.from_hash({"summary": summary or b"", "high_step": high_step or b"0"})
+    done = record.summary.get("step")
+    h.committed = done if isinstance(done, int) else max([record.high_step] + [p.step for p in h.points])
     return h
 
 
 def _global_batch(spec_raw: bytes | None) -> int | None:
-    try:
-        batch = json.loads(spec_raw).get("global_batch_size") if spec_raw else None
-    except (ValueError, AttributeError):
-        return None
-    return batch if isinstance(batch, int) and batch > 0 else None
+    """The stored spec's global batch (None: the spec is gone or does not read)."""
+    from shoal.ops.status import stored_spec
+
+    spec = stored_spec(spec_raw)
+    return spec.global_batch_size if spec is not None else None
 
 
 def mean_throughput(history: History) -> dict[str, float] | None:
@@ -290,10 +285,10 @@ def membership_events(control: list[ControlEntry]) -> list[Marked]:
                                 joined=d.joined, removed=d.removed, failed=failed,
                                 world_size=d.world_size if not d.paused else 0))
             generation, was_paused = d.generation, d.paused
-        if d.job_state in TERMINAL and not ended:
+        if is_terminal(d.job_state) and not ended:
             ended = True
             marks.append(Marked(ts_ms=d.ts_ms, generation=max(d.generation, generation), kind="end",
-                                label="job failed" if d.job_state == "failed" else d.job_state, reason=d.reason))
+                                label="job failed" if d.job_state == JobState.FAILED else str(d.job_state), reason=d.reason))
     return marks
 
 

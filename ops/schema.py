@@ -204,23 +204,32 @@ def _wire_default(value: object) -> str:
     return str(value)
 
 
+def _inline(prop: dict, defs: dict) -> dict:
+    """``prop`` with its ``$ref`` (an enum) replaced by the definition it names."""
+    if "$ref" in prop:
+        inlined = copy.deepcopy(defs[prop.pop("$ref").split("/")[-1]])
+        inlined.pop("title", None)
+        prop.update({k: v for k, v in inlined.items() if k not in prop})
+    return prop
+
+
 def _hash_form(schema: dict) -> dict:
     """``schema`` as an HGETALL reply (or a flat stream entry's fields): integer, number,
     boolean, list and mapping properties become their string forms, an optional property (a
     value or null) is the value's form (null: the field is absent), enum references are
-    inlined, no property is required."""
+    inlined, an open enum (``SomeEnum | str``) is its values or any other text, no property
+    is required."""
     defs = schema.pop("$defs", {})
     for name, prop in schema.get("properties", {}).items():
         if "anyOf" in prop:  # X | None: absent when None
-            kept = [alt for alt in prop.pop("anyOf") if alt.get("type") != "null"]
+            kept = [_inline(alt, defs) for alt in prop.pop("anyOf") if alt.get("type") != "null"]
             if len(kept) == 1:
                 prop.update({k: v for k, v in kept[0].items() if k not in prop})
+            else:
+                prop["anyOf"] = kept
             if prop.get("default", 0) is None:
                 prop.pop("default")
-        if "$ref" in prop:
-            inlined = copy.deepcopy(defs[prop.pop("$ref").split("/")[-1]])
-            inlined.pop("title", None)
-            prop.update({k: v for k, v in inlined.items() if k not in prop})
+        _inline(prop, defs)
         kind = prop.get("type")
         if kind in _AS_STRING:
             for key in ("items", "additionalProperties", "minimum", "maximum", "exclusiveMinimum", "maxItems",

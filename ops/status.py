@@ -6,16 +6,18 @@ Ages are computed against Redis server time, like failure detection. Nothing her
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import redis
 from pydantic import ValidationError
 
-from shoal.coordinator.decide import format_metrics, last_eval
+from shoal.coordinator.decide import format_metrics
 from shoal.events.records import JobStatus, WorkerRecord
 from shoal.events.keys import JobKeys, job_keys
 from shoal.events.models import Heartbeat, ShardTable
 from shoal.events.streams import ProgressEntry
 from shoal.core.errors import ShoalError
+from shoal.core.jobspec import JobSpec
 from shoal.core.throughput import WINDOW_S, Rate, throughput, window_rate
 from shoal.core.yamlfile import escape_controls
 from shoal.ops.jobs import NoSuchJob
@@ -99,6 +101,10 @@ def job_status(client: redis.Redis, job_id: str, *, window_s: float = WINDOW_S) 
             # samples read remotely, the last step's balance error (None: not streaming)
             **{f: getattr(hb, f) if hb else None for f in STREAM_FIELDS},
             "digest": hb.digest if hb else None,
+            # a compiled model: dynamo's frames, those after the warm-up (recompiles), warm-up s
+            "compiled_frames": hb.compiled_frames if hb else None,
+            "recompiles": hb.recompiles if hb else None,
+            "compile_seconds": hb.compile_seconds if hb else None,
             "heartbeat_age_ms": (now_ms - last_seen[wid]) if wid in last_seen and not ended else None,
             "straggler": rec.straggler,
             "host": rec.host,
@@ -149,13 +155,13 @@ def job_status(client: redis.Redis, job_id: str, *, window_s: float = WINDOW_S) 
         "failures": int(failures),
         "steps_redone": status.steps_redone,
         # the newest evaluation: step, epoch (complete), generation, metrics, worker_id (None: none)
-        "eval": last_eval(status),
+        "eval": _evaluation(status),
         # generations of the same members that could not form, in a row (None: the newest formed)
-        "formation": ({"failures": status.formation_failures, "last_error": status.rendezvous_error,
-                       "configuration_error": status.formation_error or None,
-                       "strikes": status.formation_strikes,
-                       "retry_in_ms": max(0, status.formation_retry_ms - now_ms) if status.formation_retry_ms else None}
-                      if status.formation_failures and not ended else None),
+        "formation": ({"failures": formed.failures, "last_error": formed.rendezvous_error,
+                       "configuration_error": formed.config_error or None,
+                       "strikes": formed.strikes,
+                       "retry_in_ms": max(0, formed.retry_ms - now_ms) if formed.retry_ms else None}
+                      if (formed := status.formation).failures and not ended else None),
         "rejected_joins": status.rejected_joins,
         "last_rejection": status.last_rejection,
         "dead_letters": int(dead),
@@ -175,13 +181,8 @@ def job_summary(client: redis.Redis, job_id: str, *, steps: int = 0) -> dict:
     evaluation (``eval``: step, epoch, generation, metrics; None when it has none)."""
     raw = client.hgetall(job_keys(job_id).state)
     status = JobStatus.from_hash(raw)
-    summary = None
-    if status.summary:
-        try:
-            summary = json.loads(status.summary)
-        except ValueError:
-            summary = None
-    if isinstance(summary, dict) and isinstance(summary.get("step"), int):
+    summary = dict(status.summary) or None
+    if summary is not None and isinstance(summary.get("step"), int):
         steps = summary["step"]
     else:
         steps = max(steps, status.high_step)
@@ -193,7 +194,7 @@ def job_summary(client: redis.Redis, job_id: str, *, steps: int = 0) -> dict:
         "steps": steps,
         "steps_redone": status.steps_redone,
         "summary": summary,
-        "eval": last_eval(status),
+        "eval": _evaluation(status),
     }
 
 
@@ -220,13 +221,16 @@ def jobs_overview(client: redis.Redis) -> list[dict]:
     return out
 
 
-def _summary_step(summary: str) -> int:
-    """The step of a completion summary (JSON with ``step``; 0 when there is none)."""
-    try:
-        step = json.loads(summary).get("step") if summary else 0
-    except (ValueError, AttributeError):
-        return 0
+def _summary_step(summary: dict) -> int:
+    """The step of a completion summary (0 when it has none)."""
+    step = summary.get("step", 0)
     return step if isinstance(step, int) else 0
+
+
+def _evaluation(status: JobStatus) -> dict | None:
+    """The job's newest evaluation as JSON values: ``step``, ``epoch``, ``generation``,
+    ``metrics``, ``worker_id``; None when it has none."""
+    return asdict(status.eval) if status.eval is not None else None
 
 
 def _duration(seconds: float) -> str:
@@ -267,13 +271,18 @@ def no_commit_threshold(beats: list[Heartbeat], heartbeat_interval: float) -> fl
     return max(NO_COMMIT_FLOOR_S, 2 * heartbeat_interval + 1.0, NO_COMMIT_STEPS * step)
 
 
+def stored_spec(spec_raw: bytes | None) -> JobSpec | None:
+    """The stored spec through its model (None when there is none or it does not read)."""
+    try:
+        return JobSpec.from_stored(spec_raw) if spec_raw else None
+    except (ValidationError, ValueError, TypeError):
+        return None
+
+
 def _spec_params(spec_raw: bytes) -> dict:
     """The stored spec's ``params`` ({} when it has none or does not read)."""
-    try:
-        params = json.loads(spec_raw).get("params")
-    except (ValueError, TypeError, AttributeError):
-        return {}
-    return params if isinstance(params, dict) else {}
+    spec = stored_spec(spec_raw)
+    return dict(spec.params) if spec is not None else {}
 
 
 def _heartbeat_interval(spec_raw: bytes) -> float:
@@ -336,10 +345,8 @@ def _figures(beats: list[Heartbeat], entry: ProgressEntry | None, spec_raw: byte
         tokens = tokens or entry.tokens_per_sample
         if peak is None and entry.peak_flops and not beats:
             peak = entry.peak_flops * (entry.world_size or 1)
-    try:
-        batch = int(json.loads(spec_raw).get("global_batch_size") or 0) or None
-    except (ValueError, TypeError, AttributeError):
-        batch = None
+    spec = stored_spec(spec_raw)
+    batch = spec.global_batch_size if spec is not None else None
     return {"samples_per_step": batch, "tokens_per_sample": tokens, "flops_per_sample": flops, "peak_flops": peak}
 
 

@@ -14,8 +14,8 @@ from typing import TypeVar
 import redis
 
 from shoal.events.keys import JobKeys
+from shoal.events.states import is_terminal
 from shoal.events.streams import ControlEntry, LogEntry
-from shoal.ops.jobs import TERMINAL
 
 M = TypeVar("M", LogEntry, ControlEntry)
 
@@ -70,7 +70,7 @@ def _ended(client: redis.Redis, keys: JobKeys) -> bool:
     pipe.hget(keys.state, "state")
     pipe.exists(keys.spec)
     state, spec = pipe.execute()
-    return (state or b"").decode() in TERMINAL or not spec
+    return is_terminal(state) or not spec
 
 
 def follow(client: redis.Redis, keys: JobKeys, key: str, model: type[M], *, after: str = "0-0",

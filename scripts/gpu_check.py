@@ -223,9 +223,9 @@ def part_nccl(check: Check, gpus: int) -> None:
         state = status.state.value
         check.log("nccl-fail-fast", f"{state} after {took:.1f} s, {status.generation} generations: {status.reason}\n")
         # typed: the failure's classification and how many generations in a row hit it
-        ok = state == "failed" and status.formation_error == "nccl_invalid_usage" and took < 90
+        ok = state == "failed" and status.formation.config_error == "nccl_invalid_usage" and took < 90
         check.report("nccl-fail-fast", "PASS" if ok else "FAIL",
-                     f"{state} after {took:.0f} s, {status.generation} generations, {status.formation_error or 'no'} "
+                     f"{state} after {took:.0f} s, {status.generation} generations, {status.formation.config_error or 'no'} "
                      f"configuration error: {status.reason[:400]}")
 
     for fn in (refused, fail_fast):

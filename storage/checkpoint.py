@@ -26,7 +26,6 @@ then is anything handed to ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import hashlib
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -46,23 +45,16 @@ from shoal.storage.latest_object import read_latest_step, write_latest
 from shoal.storage.layout import file_key, manifest_key
 from shoal.storage.manifest import FROM_ENV, FileEntry, HmacKey, Manifest, resolve_hmac_key
 from shoal.storage.retention import apply_retention
+from shoal.storage.resume_point import ResumePoint
 from shoal.storage.safe_load import check_saveable, load_state_bytes
 from shoal.storage.sharded import ShardedCheckpoint, ShardedTrainState, open_sharded, wait_for_shards, write_shard
+from shoal.storage.threads import LazyPool
 from shoal.storage.train_state import FILES, TrainState
 from shoal.storage.verify import Warn, ignore_warning, list_checkpoint_steps, read_manifest, read_verified_files
 
 _OVERLAP_MIN = 1024 * 1024
 _MAX_PARALLEL_FILES = 4
-_hash_pool: ThreadPoolExecutor | None = None
-_hash_pool_lock = threading.Lock()
-
-
-def _hasher() -> ThreadPoolExecutor:
-    global _hash_pool
-    with _hash_pool_lock:
-        if _hash_pool is None:
-            _hash_pool = ThreadPoolExecutor(max_workers=_MAX_PARALLEL_FILES, thread_name_prefix="shoal-sha256")
-        return _hash_pool
+_HASHER = LazyPool(_MAX_PARALLEL_FILES, "shoal-sha256")
 
 
 class _HashingWriter:
@@ -79,7 +71,7 @@ class _HashingWriter:
     def write(self, data) -> int:
         nbytes = memoryview(data).nbytes
         if nbytes >= _OVERLAP_MIN:
-            hashed = _hasher().submit(self._sha.update, data)
+            hashed = _HASHER.get().submit(self._sha.update, data)
             try:
                 n = self._f.write(data)
             finally:
@@ -273,16 +265,12 @@ def load_checkpoint(
     blobs = read_verified_files(store, manifest)
     parts = {name: load_state_bytes(data, where=f"{store.uri}/{file_key(step, name)}") for name, data in blobs.items()}
     state = TrainState(
-        step=manifest.step,
         model=parts[FILES["model"]],
         optimizer=parts.get(FILES["optimizer"]),
         scheduler=parts.get(FILES["scheduler"]),
         rng=parts.get(FILES["rng"]),
         scaler=parts.get(FILES["scaler"]),
-        epoch=manifest.epoch,
-        data_cursor=manifest.data_cursor,
-        generation=manifest.generation,
-        world_size=manifest.world_size,
+        **ResumePoint.counters(manifest),
     )
     return state, manifest
 

@@ -5,6 +5,11 @@
     step-000000123/optimizer.pt
     step-000000123/manifest.json        written last; the checkpoint exists iff it verifies
 
+    a sharded checkpoint (elastic HSDP) instead of model.pt ...:
+    step-000000123/shard-0-of-2.bin     each member's part (shard_names): its tensors' bytes
+    step-000000123/shard-0-of-2.json    ... and their index
+    step-000000123/optimizer-groups.pt  the replicated values (SHARDED_FILES), from member 0
+
 A store is rooted at one job's checkpoint location (``s3://bucket/jobs/JOB``), so these
 names carry no job id.
 """
@@ -21,7 +26,16 @@ MANIFEST = "manifest.json"
 
 _DIR = re.compile(r"^step-(\d{9,})$")
 
-__all__ = ["DIR_PREFIX", "LATEST", "MANIFEST", "checkpoint_dir", "file_key", "manifest_key", "step_of_dir"]
+#: the replicated files of a sharded checkpoint (component -> file name); each member of the
+#: saving replica group also writes its part, :func:`shard_names`
+SHARDED_FILES: dict[str, str] = {
+    "optimizer_groups": "optimizer-groups.pt",
+    "scheduler": "scheduler.pt",
+    "rng": "rng.pt",
+}
+
+__all__ = ["DIR_PREFIX", "LATEST", "MANIFEST", "SHARDED_FILES", "checkpoint_dir", "expected_files", "file_key",
+           "manifest_key", "shard_names", "step_of_dir"]
 
 
 def file_key(step: int, name: str) -> str:
@@ -43,3 +57,19 @@ def step_of_key(key: str) -> int | None:
     """The step of the checkpoint holding ``key`` (``step-000000007/x.pt`` -> 7), else None."""
     head, sep, _rest = key.partition("/")
     return step_of_dir(head) if sep else None
+
+
+def shard_names(shard: int, shard_size: int) -> tuple[str, str]:
+    """(data file, index file) of member ``shard`` of a replica group of ``shard_size``
+    (a sharded checkpoint's part of that member)."""
+    stem = f"shard-{shard}-of-{shard_size}"
+    return f"{stem}.bin", f"{stem}.json"
+
+
+def expected_files(shard_size: int) -> set[str]:
+    """Every file name a sharded checkpoint of ``shard_size`` may list (the replicated
+    ones are optional but for none)."""
+    names = set(SHARDED_FILES.values())
+    for k in range(shard_size):
+        names.update(shard_names(k, shard_size))
+    return names

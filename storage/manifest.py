@@ -34,10 +34,11 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, ValidationError
 
+from shoal.events import envvars
 from shoal.storage.errors import CheckpointCorrupt, UnsafeCheckpoint
 from shoal.events.validation import first_error
 
-HMAC_ENV = "SHOAL_CHECKPOINT_HMAC_KEY"
+HMAC_ENV = envvars.CHECKPOINT_HMAC_KEY
 
 FileName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")]
 HexDigest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]

@@ -11,25 +11,15 @@ negative-bit views) use ``dst.copy_(src)``.
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 import torch
+
+from shoal.storage.threads import LazyPool
 
 CHUNK = 4 * 1024 * 1024
 MAX_THREADS = 8
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _executor() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=MAX_THREADS, thread_name_prefix="shoal-memcopy")
-        return _pool
+_POOL = LazyPool(MAX_THREADS, "shoal-memcopy")
 
 
 def _raw(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -67,6 +57,6 @@ def copy_tensors(pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int | 
             np.copyto(d, s, casting="no")
         return
     # One task per chunk: idle workers take the next one, busy cores take fewer.
-    futures = [_executor().submit(np.copyto, d, s, casting="no") for d, s in chunks]
+    futures = [_POOL.get().submit(np.copyto, d, s, casting="no") for d, s in chunks]
     for f in futures:
         f.result()

@@ -41,8 +41,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from shoal.events.validation import first_error
 from shoal.storage.backend import ObjectStore
 from shoal.storage.errors import CheckpointCorrupt, ObjectNotFound, StorageError
-from shoal.storage.layout import file_key
+from shoal.storage.layout import SHARDED_FILES, file_key, shard_names
 from shoal.storage.manifest import FileEntry, Manifest
+from shoal.storage.resume_point import ResumePoint
+from shoal.storage.verify import read_verified_file
 
 #: the dtypes a shard file may hold (the name in the index -> torch dtype)
 DTYPES: dict[str, torch.dtype] = {
@@ -52,29 +54,6 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
 DTypeName = Literal["float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"]
-
-#: the replicated files of a sharded checkpoint (component -> file name)
-SHARDED_FILES: dict[str, str] = {
-    "optimizer_groups": "optimizer-groups.pt",
-    "scheduler": "scheduler.pt",
-    "rng": "rng.pt",
-}
-
-
-def shard_names(shard: int, shard_size: int) -> tuple[str, str]:
-    """(data file, index file) of member ``shard`` of a replica group of ``shard_size``."""
-    stem = f"shard-{shard}-of-{shard_size}"
-    return f"{stem}.bin", f"{stem}.json"
-
-
-def expected_files(shard_size: int) -> set[str]:
-    """Every file name a sharded checkpoint of ``shard_size`` may list (the replicated
-    ones are optional but for none)."""
-    names = set(SHARDED_FILES.values())
-    for k in range(shard_size):
-        names.update(shard_names(k, shard_size))
-    return names
-
 
 class ChunkEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -126,21 +105,16 @@ class Chunk:
 
 
 @dataclass
-class ShardedTrainState:
+class ShardedTrainState(ResumePoint):
     """What one member of the saving replica group writes: its chunks, and (member 0 only)
-    the replicated values. Counters as :class:`~shoal.storage.train_state.TrainState`'s."""
+    the replicated values; the counters of its :class:`~shoal.storage.resume_point.ResumePoint`."""
 
-    step: int
     shard: int
     shard_size: int
     chunks: list[Chunk]
     optimizer_groups: dict[str, Any] | None = None
     scheduler: dict[str, Any] | None = None
     rng: dict[str, Any] | None = None
-    epoch: int = 0
-    data_cursor: Any = 0
-    generation: int = 0
-    world_size: int = 1
 
     def snapshot(self, reuse: "ShardedTrainState | None" = None) -> "ShardedTrainState":
         """A copy whose tensors are in CPU memory of their own (``reuse``'s buffers where
@@ -159,11 +133,7 @@ class ShardedTrainState:
         )
 
     def manifest_fields(self) -> dict[str, Any]:
-        from shoal.storage.train_state import TrainState
-
-        fields = TrainState(step=self.step, model={}, epoch=self.epoch, data_cursor=self.data_cursor,
-                            generation=self.generation, world_size=self.world_size).manifest_fields()
-        return {**fields, "shards": self.shard_size}
+        return {**super().manifest_fields(), "shards": self.shard_size}
 
     def components(self) -> dict[str, Any]:
         """Replicated file name -> object (member 0 writes them)."""
@@ -232,8 +202,6 @@ def wait_for_shards(store: ObjectStore, step: int, shard_size: int, timeout_s: f
 
 # --- reading through DCP -------------------------------------------------------------------------
 def _verified(store: ObjectStore, manifest: Manifest, name: str) -> bytes:
-    from shoal.storage.verify import read_verified_file  # verify reads this module's names
-
     return read_verified_file(store, manifest, name)
 
 
@@ -419,20 +387,16 @@ def load_into(tensors: dict[str, torch.Tensor], reader: _ChunkReader) -> None:
 
 
 @dataclass
-class ShardedCheckpoint:
-    """A sharded checkpoint opened for loading: the counters and replicated values read and
+class ShardedCheckpoint(ResumePoint):
+    """A sharded checkpoint opened for loading: the counters (its
+    :class:`~shoal.storage.resume_point.ResumePoint`) and replicated values read and
     verified; :attr:`reader` serves the tensors to :func:`load_into` (any layout)."""
 
-    step: int
     shards: int
     reader: ShardReader
     optimizer_groups: dict[str, Any] | None = None
     scheduler: dict[str, Any] | None = None
     rng: dict[str, Any] | None = None
-    epoch: int = 0
-    data_cursor: Any = 0
-    generation: int = 0
-    world_size: int = 1
 
 
 def open_sharded(store: ObjectStore, manifest: Manifest) -> ShardedCheckpoint:
@@ -445,6 +409,4 @@ def open_sharded(store: ObjectStore, manifest: Manifest) -> ShardedCheckpoint:
         if name in manifest.files:
             where = f"{store.uri}/{file_key(manifest.step, name)}"
             parts[component] = load_state_bytes(_verified(store, manifest, name), where=where)
-    return ShardedCheckpoint(step=manifest.step, shards=manifest.shards or 1, reader=reader, epoch=manifest.epoch,
-                             data_cursor=manifest.data_cursor, generation=manifest.generation,
-                             world_size=manifest.world_size, **parts)
+    return ShardedCheckpoint(shards=manifest.shards or 1, reader=reader, **ResumePoint.counters(manifest), **parts)

@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from shoal.events import envvars
 from shoal.storage.backend import ObjectStore, check_key
 from shoal.storage.datasets import INDEX, DatasetIndex
 from shoal.storage.errors import ObjectNotFound, StorageConfigError, translated
@@ -300,7 +301,7 @@ def _default_cache_dir() -> str:
     from shoal.core.procs import pid_runs
     from shoal.storage.streaming_cache import _pid_of
 
-    root = Path(os.environ.get("SHOAL_STREAM_CACHE_ROOT") or Path(tempfile.gettempdir()) / "shoal-stream-cache")
+    root = Path(envvars.STREAM_CACHE_ROOT.get() or Path(tempfile.gettempdir()) / "shoal-stream-cache")
     with translated(f"create {root}"):
         root.mkdir(parents=True, exist_ok=True)
         for old in root.iterdir():

@@ -10,7 +10,6 @@ counters into the manifest.
 from __future__ import annotations
 
 import copy
-import json
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from shoal.storage.memcopy import copy_tensors
+from shoal.storage.resume_point import ResumePoint
 from shoal.storage.rng import capture_rng, restore_rng
 
 #: Component -> file name inside a checkpoint directory. ``model.pt`` is mandatory.
@@ -31,8 +31,9 @@ FILES: dict[str, str] = {
 
 
 @dataclass
-class TrainState:
-    """Everything needed to resume training at a step boundary.
+class TrainState(ResumePoint):
+    """Everything needed to resume training at a step boundary: the counters of its
+    :class:`~shoal.storage.resume_point.ResumePoint` and the state dicts.
 
     ``model``/``optimizer``/``scheduler`` are state dicts; ``rng`` is :func:`capture_rng`
     output; ``scaler`` is the fp16 loss scale's state (``scale``, ``growth_tracker``: see
@@ -40,15 +41,10 @@ class TrainState:
     or take a :meth:`snapshot` first (the async saver does).
     """
 
-    step: int
     model: dict[str, Any]
     optimizer: dict[str, Any] | None = None
     scheduler: dict[str, Any] | None = None
     rng: dict[str, Any] | None = None
-    epoch: int = 0
-    data_cursor: Any = 0
-    generation: int = 0
-    world_size: int = 1
     scaler: dict[str, Any] | None = None
 
     @classmethod
@@ -133,28 +129,6 @@ class TrainState:
         parts = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "rng": self.rng,
                  "scaler": self.scaler}
         return {FILES[k]: v for k, v in parts.items() if v is not None}
-
-    def manifest_fields(self) -> dict[str, Any]:
-        """The counters as the manifest records them. The cursor goes through JSON (tuples
-        become lists, dict keys strings). ``ValueError`` if a counter is not an int in range
-        or the cursor is not JSON-serializable (NaN/inf included)."""
-        for name in ("step", "epoch", "generation"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"TrainState.{name} must be an int >= 0, got {value!r}")
-        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
-            raise ValueError(f"TrainState.world_size must be an int >= 1, got {self.world_size!r}")
-        try:
-            cursor = json.loads(json.dumps(self.data_cursor, allow_nan=False))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"TrainState.data_cursor must be JSON-serializable: {exc}") from exc
-        return {
-            "step": self.step,
-            "epoch": self.epoch,
-            "data_cursor": cursor,
-            "generation": self.generation,
-            "world_size": self.world_size,
-        }
 
 
 def cpu_copy(obj: Any, into: Any = None) -> Any:

@@ -11,9 +11,8 @@ from collections.abc import Callable
 
 from shoal.storage.backend import ObjectStore
 from shoal.storage.errors import CheckpointCorrupt, ObjectNotFound
-from shoal.storage.layout import file_key, manifest_key, step_of_key
+from shoal.storage.layout import expected_files, file_key, manifest_key, step_of_key
 from shoal.storage.manifest import FROM_ENV, HmacKey, Manifest, resolve_hmac_key
-from shoal.storage.sharded import expected_files
 from shoal.storage.train_state import FILES
 
 Warn = Callable[[str], None]

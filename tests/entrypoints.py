@@ -109,3 +109,24 @@ def steady_digits_flops(width: int) -> float:
     """FLOPs of one sample's forward and backward of :func:`steady_digits`' model."""
     params = 64 * width + width * 64 + 64 * 10
     return 2 * params * 2 + 2 * (width * 64 + 64 * 10)
+
+
+def digits_split_eval() -> TrainingSetup:
+    """The digits example in float64 (paced), evaluated by a distributed evaluation of its
+    1000 held-out glyphs (``eval_dataset``): the summed loss and the number correct."""
+    import torch
+
+    from shoal.examples.digits import DigitGlyphs, build_double_paced
+
+    setup = build_double_paced()
+    test = DigitGlyphs(train=False)
+    test.x = test.x.double()
+
+    def sums(model, batch):
+        inputs, targets = batch
+        logits = model(inputs)
+        return {"loss": F.cross_entropy(logits, targets, reduction="sum"),
+                "accuracy": (logits.argmax(1) == targets).sum().to(torch.float64)}
+
+    setup.eval_fn, setup.eval_dataset, setup.eval_sums, setup.eval_batch_size = None, test, sums, 50
+    return setup

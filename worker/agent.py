@@ -30,7 +30,8 @@ from pathlib import Path
 
 import redis
 
-from shoal.events import bus
+from shoal.events import bus, envvars
+from shoal.events.exits import Restart, WorkerExit
 from shoal.events.keys import LOGS_MAXLEN, job_keys
 from shoal.events.models import WorkerExited, WorkerStartFailed
 from shoal.events.streams import LogEntry
@@ -40,9 +41,6 @@ from shoal.core.registry import create_job
 from shoal.core.jobspec import JobSpec
 from shoal.storage.code_package import CodePackage, CodePackageError, unpack
 from shoal.worker import placement
-from shoal.worker.errors import ReplicaGroupLost
-from shoal.worker.lifeline import AGENT_PID_ENV, STOPPED_IN_OUTAGE_EXIT
-from shoal.worker.membership import JoinRejected
 from shoal.events.states import is_terminal
 
 log = logging.getLogger("shoal.agent")
@@ -264,10 +262,10 @@ class NodeAgent:
         env.update(self.extra_env)
         if self.placement is not None:  # its GPU alone, the backend and device (shoal.worker.placement)
             env.update(placement.slot_env(self.placement, slot.index, len(self.slots), self.slot_gpus[slot.index]))
-        # AGENT_PID_ENV: the worker knows it has an agent, and that it is orphaned once its
+        # envvars.AGENT_PID: the worker knows it has an agent, and that it is orphaned once its
         # parent is no longer this process (shoal.worker.lifeline)
         env.update({"REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1",
-                    "SHOAL_WORKER_ID_FILE": str(slot.id_file(self.run_dir)), AGENT_PID_ENV: str(os.getpid())})
+                    envvars.WORKER_ID_FILE: str(slot.id_file(self.run_dir)), envvars.AGENT_PID: str(os.getpid())})
         if self.code_dir is not None:  # like Ray's working_dir: the cwd, and first on sys.path
             env["PYTHONPATH"] = os.pathsep.join([str(self.code_dir), *filter(None, [env.get("PYTHONPATH")])])
         slot.id_file(self.run_dir).unlink(missing_ok=True)
@@ -315,11 +313,12 @@ class NodeAgent:
         slot.proc, slot.pidfd = None, None
         wid_path = slot.id_file(self.run_dir)
         wid = wid_path.read_text().strip() if wid_path.exists() else None
-        if rc == 0:
+        code = WorkerExit.parse(rc)  # None: a crash's own code, or a signal (rc < 0)
+        if code is WorkerExit.OK:
             slot.done = True
             log.info("slot %d: worker %s exited cleanly", slot.index, wid)
             return
-        if rc == ReplicaGroupLost.exit_code:
+        if code is not None and code.restart is Restart.AT_ONCE:
             try:
                 over = self._draining or self._job_over()
             except _REDIS_DOWN:
@@ -331,7 +330,7 @@ class NodeAgent:
                 log.info("slot %d: worker %s (pid %d) asked to be started again (its replica group went, or the "
                          "progress watchdog restarted it); starting it again", slot.index, wid, proc.pid)
                 return
-        if rc == JoinRejected.exit_code and not wid:
+        if code is WorkerExit.JOIN_REJECTED and not wid:
             # the job refused it (at max_workers, or already ended): not a crash, and starting
             # it again would only be refused again; the coordinator counts it in the job's record
             slot.done = True
@@ -342,7 +341,7 @@ class NodeAgent:
         # asked to stop (SIGTERM) while Redis was unreachable, it could not leave the job: not
         # a crash and not to be restarted (it was asked to stop), but reported, so that the
         # coordinator re-plans without it once Redis is back (shoal.worker.lifeline)
-        stopped = rc == STOPPED_IN_OUTAGE_EXIT
+        stopped = code is WorkerExit.STOPPED_IN_OUTAGE
         try:
             over = self._draining or (not stopped and self._job_over())
         except _REDIS_DOWN:

@@ -15,7 +15,10 @@ import torch
 
 from shoal.core.faults import FaultPlan
 from shoal.storage.async_saver import AsyncCheckpointer
-from shoal.storage.errors import CheckpointCorrupt, NoCheckpoint
+from shoal.core.jobspec import KeepBest
+from shoal.storage.errors import CheckpointCorrupt, NoCheckpoint, StorageError
+from shoal.storage.evals import best_step, record_eval
+from shoal.storage.verify import list_checkpoint_steps
 from shoal.core.durable import execute_confirmed
 from shoal.storage.latest import LatestPointer
 from shoal.storage.resume import resume
@@ -32,11 +35,14 @@ CLOSE_TIMEOUT_S = 120.0
 
 
 class Checkpoints:
-    def __init__(self, store, membership: Membership, keep: int, faults: FaultPlan | None = None):
+    def __init__(self, store, membership: Membership, keep: int, faults: FaultPlan | None = None,
+                 keep_best: KeepBest | None = None):
         self.store = store
         self.membership = membership
         self.faults = faults or FaultPlan([])
         self.keep = keep
+        #: retention also keeps the checkpoint with the best evaluation by this metric (None: no)
+        self.keep_best = keep_best
         self._pending_generation = 0
         self.saver = AsyncCheckpointer(store, keep_last=keep, on_saved=self._saved,
                                        on_error=lambda exc: log.error("checkpoint failed, LATEST not moved: %s", exc),
@@ -45,16 +51,35 @@ class Checkpoints:
 
     @classmethod
     def open(cls, spec, membership: Membership, faults: FaultPlan | None = None) -> "Checkpoints":
-        return cls(open_store(spec.checkpoint_uri, create_bucket=True), membership, spec.checkpoint_keep, faults)
+        return cls(open_store(spec.checkpoint_uri, create_bucket=True), membership, spec.checkpoint_keep, faults,
+                   keep_best=spec.checkpoint_keep_best)
 
     def _pinned(self) -> list[int]:
-        """The step the job's Redis LATEST pointer names: retention must keep it (while the
-        coordinator is away the pointer lags the store's LATEST). Redis errors propagate,
-        so that retention is skipped rather than guessing."""
+        """What retention must keep besides the newest: the step the job's Redis LATEST pointer
+        names (while the coordinator is away the pointer lags the store's LATEST), and with
+        ``checkpoint_keep_best`` the checkpoint whose recorded evaluation is the best. Redis
+        and storage errors propagate, so that retention is skipped rather than guessing."""
         client = self.membership.client  # not a value a fail-over may drop (under Sentinel)
         (raw,) = execute_confirmed(client, client.pipeline(transaction=False).get(self.membership.keys.latest),
                                    "read of LATEST")
-        return [LatestPointer.from_json(raw).step] if raw else []
+        pinned = [LatestPointer.from_json(raw).step] if raw else []
+        if self.keep_best is not None:
+            best = best_step(self.store, self.keep_best.metric, self.keep_best.mode,
+                             set(list_checkpoint_steps(self.store)))
+            if best is not None:
+                pinned.append(best)
+        return pinned
+
+    def record_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """Rank 0's evaluation of ``step``, kept for ``checkpoint_keep_best`` (nothing without
+        it). A storage error is logged: retention then only keeps the newest."""
+        if self.keep_best is None:
+            return
+        try:
+            record_eval(self.store, step, metrics)
+        except StorageError as exc:
+            log.warning("the evaluation of step %d was not recorded in %s (%s): the best checkpoint may not be kept",
+                        step, self.store.uri, exc)
 
     def _phase(self, phase: str, step: int) -> None:
         self.faults.at(self.membership.worker_id, step, phase)

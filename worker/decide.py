@@ -22,12 +22,11 @@ import logging
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from shoal.events.exits import WorkerExit
 from shoal.events.models import FormationError, Member, ShardTable
 from shoal.worker.data import contiguous_table
-from shoal.events.states import TERMINAL_VALUES
+from shoal.events.states import JobState, is_terminal
 
-#: Job states after which a worker has nothing left to do.
-TERMINAL = TERMINAL_VALUES
 #: A heartbeat carries the parameter digest every this many steps (sha256 of every parameter:
 #: cheap for small models, not free for large ones).
 DIGEST_EVERY = 50
@@ -62,7 +61,8 @@ class Phase(str, Enum):
     - TRAINING: a member of ``table``'s generation; one step per iteration. When a step's
       all-reduce says some member saw a newer generation (``switch_to``), every member leaves at
       that step boundary; a failed step leaves at once.
-    - EXITED: terminal; ``exit_code`` says how (0: finished, left, or the job ended; 1: evicted).
+    - EXITED: terminal; ``exit_code`` says how (``WorkerExit.OK``: finished, left, or the job ended;
+      ``WorkerExit.FAILED``: evicted).
     """
 
     IDLE = "idle"
@@ -490,7 +490,7 @@ def _idle(s: TrainerState, **changes) -> TrainerState:
     return replace(s, phase=Phase.IDLE, table=None, member=None, first_ranges=None, **changes)
 
 
-def _exit(s: TrainerState, code: int) -> TrainerState:
+def _exit(s: TrainerState, code: WorkerExit) -> TrainerState:
     return replace(s, phase=Phase.EXITED, exit_code=code)
 
 
@@ -516,14 +516,14 @@ def _tick(s: TrainerState, t: Tick, now: float) -> Choice:
         said.append(f"draining after step {s.step}")
         level = logging.INFO
     s = replace(s, seen=max(s.seen, t.latest))
-    if t.job_state in TERMINAL:
-        if t.job_state == "stopped" and s.saver:
+    if is_terminal(t.job_state):
+        if t.job_state == JobState.STOPPED and s.saver:
             actions.append(_checkpoint(s, final=True))  # a graceful stop keeps the progress
-        elif t.job_state == "stopped" and s.aborted_rank0 is not None and s.aborted_rank0[0] >= s.seen:
+        elif t.job_state == JobState.STOPPED and s.aborted_rank0 is not None and s.aborted_rank0[0] >= s.seen:
             g, world = s.aborted_rank0  # ... also when rank 0's last step aborted as its peer exited
             actions.append(SaveCheckpoint(s.step, s.cursor, g, world, final=True))
         said.append(f"the job is {t.job_state}")
-        return Choice(_exit(s, 0), tuple(actions), "; ".join(said), level)
+        return Choice(_exit(s, WorkerExit.OK), tuple(actions), "; ".join(said), level)
     if s.phase is Phase.TRAINING and s.switch_to <= s.group:
         ranges = s.first_ranges if s.first_ranges is not None else tuple(map(tuple, s.member.ranges))
         actions.append(TrainStep(s.step, s.cursor, ranges, s.seen, s.group, s.table.world_size))
@@ -540,7 +540,7 @@ def _tick(s: TrainerState, t: Tick, now: float) -> Choice:
 
 def _rejoined(s: TrainerState, r: Rejoined, now: float) -> Choice:
     if not r.ok:
-        return Choice(_exit(s, 1), (), "evicted by the coordinator (declared failed); exiting", logging.ERROR)
+        return Choice(_exit(s, WorkerExit.FAILED), (), "evicted by the coordinator (declared failed); exiting", logging.ERROR)
     # the new incarnation of the job plans a new generation; no step was lost on our side
     return Choice(_idle(s, worker_id=r.worker_id, switch_to=0), (LeaveGroup(),),
                     f"rejoined the job as {r.worker_id}, state kept", logging.INFO)
@@ -561,7 +561,7 @@ def _table_fetched(s: TrainerState, f: TableFetched, now: float) -> Choice:
     member = None if table.paused else table.member(s.worker_id)
     if member is None:
         if s.draining:
-            return Choice(_exit(s, 0), (SendLeft(),), f"left after step {s.step} (generation {g} no longer includes us)",
+            return Choice(_exit(s, WorkerExit.OK), (SendLeft(),), f"left after step {s.step} (generation {g} no longer includes us)",
                             logging.INFO)
         s, actions = _wait(s, g, now)
         return Choice(s, actions, f"generation {g} {'is paused' if table.paused else 'does not include this worker'}: "
@@ -643,7 +643,7 @@ def _committed(s: TrainerState, c: Committed, now: float) -> Choice:
     actions.append(Beat(s.step, g, c.loss, c.started, digest=s.step % DIGEST_EVERY == 0))
     if s.done:  # Finish evaluates (and rank 0 reports it) whether or not one was due
         actions.append(Finish(s.step, s.cursor, report=rank0, checkpoint=_checkpoint(s, final=True) if saver else None))
-        return Choice(_exit(replace(s, evaluated=s.step), 0), tuple(actions),
+        return Choice(_exit(replace(s, evaluated=s.step), WorkerExit.OK), tuple(actions),
                         f"training complete at step {s.step}, cursor {s.cursor}")
     then = f"; generation {c.max_generation} agreed: switching" if c.max_generation > g else ""
     if s.step != s.evaluated and eval_due(s.limits, s.step, s.cursor):

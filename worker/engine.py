@@ -182,6 +182,8 @@ class StepCommon:
         self.micro_batch = micro_batch
         self.max_grad_norm = max_grad_norm
         self._before_update: list[Callable[[], None]] = []
+        #: a compiled model's fixed micro-batch (None: not compiled; :meth:`compile_model`)
+        self.compiled_shape: int | None = None
         #: Called in every step once its collectives succeeded, right before anything is
         #: applied; raising StepAborted there rolls the step back like a failed collective
         #: (the training worker's fence: a member the coordinator evicted commits nothing).
@@ -191,18 +193,65 @@ class StepCommon:
         #: waited for, a step stuck in its own work is the one to evict).
         self.before_collectives: Callable[[], None] | None = None
 
-    def _loss(self, batch: Any) -> torch.Tensor:
+    def _loss(self, batch: Any, *, real: int | None = None) -> torch.Tensor:
         """The summed loss of one micro-batch (the user's ``step_fn``, or ``loss_fn`` on the
-        model's output), under the engine's autocast. TypeError unless a scalar tensor."""
+        model's output), under the engine's autocast. ``real``: the batch was padded to the
+        compiled shape and only its first ``real`` samples count (the model sees them all, the
+        loss only those). TypeError unless a scalar tensor."""
         with autocast(self.precision, self.device):
             if self.step_fn is not None:
                 loss = self.step_fn(self.model, batch)
             else:
                 inputs, targets = batch
-                loss = self.loss_fn(self.model(inputs), targets)
+                outputs = self.model(inputs)
+                if real is not None:
+                    outputs = _head(outputs, real)
+                loss = self.loss_fn(outputs, targets)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise TypeError("the loss must be a scalar tensor: the SUM of per-sample losses (reduction='sum')")
         return loss
+
+    # --- a compiled model: one shape ------------------------------------------------------------
+    def compile_model(self, options: Any, modules: list[torch.nn.Module], fixed: int | None) -> None:
+        """``torch.compile`` the forward of each of ``modules`` in place (the module objects and
+        their parameter names stay: checkpoints and digests do not see it) with ``options``
+        (:class:`~shoal.core.jobspec.CompileOptions`), and cut every rank's work into
+        micro-batches of ``fixed`` samples from now on (``micro_batch`` when set)."""
+        for module in modules:
+            compile_forward(module, options)
+        self.compiled_shape = self.micro_batch or fixed
+
+    def _loss_of(self, part: list[int]) -> torch.Tensor:
+        """:meth:`_loss` of the samples ``part``; with a compiled model and a ``loss_fn``, a part
+        shorter than the compiled shape is padded to it (copies of its first sample, which the
+        loss leaves out): the compiled graph never sees another shape. (A ``step_fn`` sees the
+        short batch as it is: the graph for it is compiled once, on first use.)"""
+        batch = self.fetch_batch(part)
+        shape = self.compiled_shape
+        if shape is not None and self.step_fn is None and 0 < len(part) < shape:
+            inputs, targets = batch
+            return self._loss((_pad(inputs, shape), targets), real=len(part))
+        return self._loss(batch)
+
+    def warm_up(self) -> float:
+        """Compile before training (a joiner must not make its peers wait for its compile):
+        one forward and backward on the compiled shape, from the dataset's first samples, with
+        nothing kept - gradients dropped, buffers and every RNG as before. Returns its seconds
+        (0: not compiled)."""
+        shape = self.compiled_shape
+        if shape is None:
+            return 0.0
+        t0 = time.perf_counter()
+        buffers = [b.detach().clone() for b in self.model.buffers()]
+        rng = _rng_state(self.device)
+        self.model.train()
+        try:
+            loss = self._loss_of(list(range(min(shape, len(self.dataset)))))
+            loss.float().backward()
+        finally:
+            self._rollback(buffers)
+            _set_rng_state(rng)
+        return time.perf_counter() - t0
 
     def _clip_coef(self, grad_norm: float | None) -> float | None:
         """The factor the reduced gradient is multiplied by (``max_grad_norm``), or None."""
@@ -258,6 +307,48 @@ class StepCommon:
                 b.copy_(saved)
 
     # --- eval -----------------------------------------------------------------------------
+    def eval_sums(self, dataset: Any, sums_fn: Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]] | None,
+                  batch_size: int, part: range, passes: int) -> tuple[list[str], torch.Tensor]:
+        """This rank's part of a distributed evaluation: the samples ``part`` of ``dataset``,
+        in ``passes`` batches of at most ``batch_size`` (a pass with none left runs on the
+        first sample and counts nothing: sharded ranks go in lock-step), each giving
+        ``sums_fn(model, batch)`` (None: the summed training loss). Returns the sums' names,
+        sorted, and one float64 tensor ``[samples, sum of each name...]`` on the device, to
+        be all-reduced. Eval mode, no gradients; UserCodeError when the user's code raises."""
+        indices = list(part)
+        total: torch.Tensor | None = None
+        names: list[str] = []
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for k in range(max(1, passes)):
+                    chunk = indices[k * batch_size:(k + 1) * batch_size]
+                    counted = bool(chunk)
+                    batch = self.collate_fn([dataset[i] for i in (chunk or [0])])
+                    if self.device.type != "cpu":
+                        batch = _to_device(batch, self.device)
+                    with autocast(self.precision, self.device):
+                        sums = sums_fn(self.model, batch) if sums_fn is not None else {"loss": self._eval_loss(batch)}
+                    if total is None:
+                        names = sorted(sums)
+                        total = torch.zeros(1 + len(names), dtype=torch.float64, device=self.device)
+                    if counted:
+                        total[0] += len(chunk)
+                        for i, name in enumerate(names):
+                            total[1 + i] += sums[name].detach().to(torch.float64)
+        except Exception as exc:  # noqa: BLE001 - user code
+            raise UserCodeError(f"the distributed evaluation raised {type(exc).__name__}: {exc} "
+                                f"(at {raised_at(exc)})") from exc
+        finally:
+            self.model.train()
+        return names, total
+
+    def _eval_loss(self, batch: Any) -> torch.Tensor:
+        if self.step_fn is not None:
+            return self.step_fn(self.model, batch)
+        inputs, targets = batch
+        return self.loss_fn(self.model(inputs), targets)
+
     def evaluate(self, eval_fn: Callable[[torch.nn.Module], dict[str, float]]) -> dict[str, float]:
         """Run ``eval_fn(model)`` in eval mode without gradients, then back in train mode;
         UserCodeError (naming the file and line) if it raises. Returns the metrics a report
@@ -485,11 +576,11 @@ class StepEngine(StepCommon):
         # a mean loss (the sum alone would be count times larger and overflow at once); the
         # reduced gradient is divided by the scale
         factor = (self.scaler.scale if self.scaler is not None else 1.0) / global_count
-        mb = self.micro_batch or max(1, len(local))
+        mb = self.compiled_shape or self.micro_batch or max(1, len(local))
         starts = list(range(0, len(local), mb))
         total = torch.zeros((), dtype=self.reducer.dtype, device=self.device)
         for k, start in enumerate(starts):
-            loss = self._loss(self.fetch_batch(local[start : start + mb]))
+            loss = self._loss_of(local[start : start + mb])
             total += loss.detach()  # on the device: no host sync per micro-batch
             if k == len(starts) - 1:  # the last micro-batch: its backward launches the buckets
                 self._write_tail(ahead, total, len(local))
@@ -576,3 +667,72 @@ class StepEngine(StepCommon):
             grad_norm=grad_norm,
             loss_scale=scale,
         )
+
+
+def compile_forward(module: torch.nn.Module, options: Any) -> None:
+    """``module.forward = torch.compile(module.forward, ...)``: the module object, its hooks
+    and its parameter names stay as they are (a compiled ``OptimizedModule`` wrapper would
+    prefix every state-dict key with ``_orig_mod.``)."""
+    kwargs = {k: v for k, v in (("mode", options.mode), ("fullgraph", options.fullgraph),
+                                 ("dynamic", options.dynamic)) if v is not None}
+    module.forward = torch.compile(module.forward, **kwargs)
+
+
+def checkpoint_forward(module: torch.nn.Module) -> None:
+    """Recompute ``module``'s activations in backward instead of keeping them
+    (``torch.utils.checkpoint``, non-reentrant: it composes with FSDP2 and with compile)."""
+    import torch.utils.checkpoint as activation
+
+    forward = module.forward
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        return activation.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed
+
+
+def _pad(inputs: Any, shape: int) -> Any:
+    """``inputs`` (a tensor, or a tuple/list/dict of them, batch first) with their first
+    sample repeated up to ``shape`` samples."""
+    if isinstance(inputs, torch.Tensor):
+        short = shape - inputs.shape[0]
+        return torch.cat([inputs, inputs[:1].expand(short, *inputs.shape[1:])]) if short > 0 else inputs
+    if isinstance(inputs, tuple) and hasattr(inputs, "_fields"):
+        return type(inputs)(*(_pad(x, shape) for x in inputs))
+    if isinstance(inputs, (list, tuple)):
+        return type(inputs)(_pad(x, shape) for x in inputs)
+    if isinstance(inputs, dict):
+        return {k: _pad(v, shape) for k, v in inputs.items()}
+    return inputs
+
+
+def _head(outputs: Any, n: int) -> Any:
+    """The first ``n`` samples of a model's ``outputs`` (a tensor, or a tuple/list/dict of
+    them, batch first)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs[:n]
+    if isinstance(outputs, tuple) and hasattr(outputs, "_fields"):
+        return type(outputs)(*(_head(x, n) for x in outputs))
+    if isinstance(outputs, (list, tuple)):
+        return type(outputs)(_head(x, n) for x in outputs)
+    if isinstance(outputs, dict):
+        return {k: _head(v, n) for k, v in outputs.items()}
+    return outputs
+
+
+def _rng_state(device: torch.device) -> tuple:
+    import random
+
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple) -> None:
+    import random
+
+    py, npy, cpu, cuda = state
+    random.setstate(py)
+    np.random.set_state(npy)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)

@@ -19,6 +19,7 @@ Outside errors (torch.distributed, redis-py) are translated into these in one pl
 from __future__ import annotations
 
 from shoal.core.errors import ShoalError
+from shoal.events.exits import WorkerExit
 from shoal.events.models import FormationError
 
 
@@ -61,7 +62,7 @@ class ReplicaGroupLost(WorkerError):
     starts it again at once, without a back-off or a restart spent; it rejoins as a new
     worker and forms a new replica group, healed from the live ones."""
 
-    exit_code = 75
+    exit_code = WorkerExit.RESTART
 
 
 class CollectiveFailed(WorkerError):
@@ -116,7 +117,7 @@ def raised_at(exc: BaseException) -> str:
 class EntrypointError(WorkerError):
     """The job's ``module:function`` entrypoint could not be imported, called, or validated."""
 
-    exit_code = 2
+    exit_code = WorkerExit.ENTRYPOINT_ERROR
 
 
 class StateMismatch(WorkerError):

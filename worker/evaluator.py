@@ -1,7 +1,12 @@
-"""A training worker's evaluations: running the job's ``eval_fn`` and reporting its metrics.
+"""A training worker's evaluations: running the job's ``eval_fn`` and its distributed
+evaluation (``TrainingSetup.eval_dataset``), and reporting their metrics.
 
 Every member evaluates the same committed step on its identical model (nobody then waits for
-rank 0 in the next step's all-reduce); rank 0 reports the metrics where people look: the
+rank 0 in the next step's all-reduce): ``eval_fn`` whole on every member, the evaluation
+dataset split across the members and reduced (:meth:`Layout.evaluate_split`: the same
+metrics at any world size, in less time as members are added). A distributed evaluation whose
+collective fails (a peer died meanwhile) is not reported; the next step fails the same way and
+the generation is replaced. Rank 0 reports the metrics where people look: the
 coordinator (job record, ``shoal status``, ``shoal events``), the progress history (the
 report, the dashboard) and TensorBoard. An evaluation and the next step's own work are one
 busy span for the step timeout: :meth:`Evaluator.busy_since` tells the step how long the
@@ -18,9 +23,11 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from shoal.worker.decide import Evaluate
-from shoal.worker.engine import StepEngine
+from shoal.worker.errors import CollectiveFailed
+from shoal.worker.layout import Layout
 from shoal.worker.membership import Membership
 from shoal.worker.progress import ProgressRecorder
 from shoal.worker.tensorboard import TensorBoardLog
@@ -32,10 +39,18 @@ class Evaluator:
     """See the module docstring. ``busy(flag)`` marks this worker's own work for the step
     timeout (the heartbeat's busy mark); ``progress`` is set once the worker joined."""
 
-    def __init__(self, engine: StepEngine, eval_fn: Callable | None, membership: Membership,
-                 tensorboard: TensorBoardLog | None, busy: Callable[[bool], None]) -> None:
+    def __init__(self, engine: Layout, eval_fn: Callable | None, membership: Membership,
+                 tensorboard: TensorBoardLog | None, busy: Callable[[bool], None], *, eval_dataset: Any = None,
+                 eval_sums: Callable | None = None, eval_batch_size: int = 64,
+                 on_report: Callable[[int, dict], None] | None = None) -> None:
         self.engine = engine
         self.eval_fn = eval_fn
+        self.eval_dataset = eval_dataset
+        self.eval_sums = eval_sums
+        self.eval_batch_size = eval_batch_size
+        #: called with (step, metrics) after rank 0 reported an evaluation (checkpoint
+        #: retention's best-by-metric record)
+        self.on_report = on_report
         self.membership = membership
         self.tensorboard = tensorboard
         self.busy = busy
@@ -46,11 +61,23 @@ class Evaluator:
         #: of that generation counts as busy that much longer
         self._took: tuple[int, int, float] | None = None
 
+    @property
+    def enabled(self) -> bool:
+        """Whether the job evaluates at all (an ``eval_fn`` or an evaluation dataset)."""
+        return self.eval_fn is not None or self.eval_dataset is not None
+
     def metrics(self, step: int, cursor: int) -> dict[str, float]:
-        """``eval_fn``'s metrics of the model as of committed ``step`` at ``cursor``: computed
-        once, then remembered. Raises UserCodeError when ``eval_fn`` raises."""
+        """The metrics of the model as of committed ``step`` at ``cursor`` (``eval_fn``'s and
+        the distributed evaluation's): computed once, then remembered. Raises UserCodeError
+        when the user's code raises, CollectiveFailed when the distributed evaluation's
+        all-reduce fails (a peer failed)."""
         if self._evaluation is None or self._evaluation[0] != (step, cursor):
-            self._evaluation = ((step, cursor), self.engine.evaluate(self.eval_fn))
+            metrics: dict[str, float] = {}
+            if self.eval_fn is not None:
+                metrics.update(self.engine.evaluate(self.eval_fn))
+            if self.eval_dataset is not None:
+                metrics.update(self.engine.evaluate_split(self.eval_dataset, self.eval_sums, self.eval_batch_size))
+            self._evaluation = ((step, cursor), metrics)
         return self._evaluation[1]
 
     def run(self, act: Evaluate) -> None:
@@ -63,6 +90,9 @@ class Evaluator:
             self.busy(True)
         try:
             metrics = self.metrics(act.step, act.cursor)
+        except CollectiveFailed as exc:  # a peer failed: the next step fails too, and is redone
+            log.warning("the evaluation of step %d is not reported: %s", act.step, exc)
+            return
         finally:
             self.busy(False)
         if fresh:
@@ -85,6 +115,8 @@ class Evaluator:
         """Rank 0's evaluation, where people look (see the module docstring). Raises redis
         errors of the coordinator's report (the action is performed again)."""
         self.membership.evaluated(step, epoch, generation, metrics, final=final)
+        if self.on_report is not None:
+            self.on_report(step, metrics)
         if self.progress is not None:
             self.progress.record_eval(step, epoch, generation, metrics)
         if self.tensorboard is not None:

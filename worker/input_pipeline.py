@@ -79,7 +79,9 @@ class InputPipeline:
         log.info("built %s: %d samples, %d steps/epoch", spec.entrypoint, n, self.order.steps_per_epoch())
         self.prefetch = Prefetcher(
             setup.dataset, engine.collate_fn, num_samples=n, seed=spec.seed,
-            global_batch=spec.global_batch_size, micro_batch=engine.micro_batch, device=engine.device,
+            global_batch=spec.global_batch_size, device=engine.device,
+            # the engine's split (a compiled model's fixed shape): the prefetcher's items are its micro-batches
+            micro_batch=engine.compiled_shape or engine.micro_batch,
             workers=spec.loader_workers if setup.loader_workers is None else setup.loader_workers,
             steps=spec.prefetch_steps if setup.prefetch_steps is None else setup.prefetch_steps,
             end=self.order.cursor_after(self.total_steps),  # nothing past the last step is fetched

@@ -15,12 +15,13 @@ training loop (:mod:`shoal.worker.training`), the checkpoint code
 that nothing outside the ``layout*`` modules branches on one). A layout owns the process groups
 of its generations: it makes them through the worker's :class:`~shoal.worker.process_group.
 Rendezvous`, hands them to whatever runs collectives (its step, the reducer, the state
-transfer), aborts exactly those an eviction concerns, and closes them. :func:`layout_for`, the
-one place that reads the spec's ``shard_size``, picks the class; :class:`LayoutOptions`, built
+transfer), aborts exactly those an eviction concerns, and closes them.
+:func:`shoal.worker.layouts.layout_for`, the one place that reads the spec's ``shard_size``,
+picks the class; :class:`LayoutOptions`, built
 once from the job spec, is what every layout reads (a field added there reaches all of them).
 
 Adding a layout (a semi-synchronous one is planned next) is one module implementing
-:class:`Layout` plus its tests, and one line in :func:`layout_for`.
+:class:`Layout` plus its tests, and one line in :func:`shoal.worker.layouts.layout_for`.
 """
 
 from __future__ import annotations
@@ -31,15 +32,13 @@ from typing import Any, Protocol
 
 import torch
 
-from shoal.core.faults import FaultPlan
-from shoal.core.jobspec import JobSpec
+from shoal.core.jobspec import CompileOptions, JobSpec
 from shoal.events.keys import JobKeys
 from shoal.events.models import Member, ShardTable
 from shoal.worker.decide import Formed, FormFailed
 from shoal.worker.engine import StepResult
 from shoal.worker.process_group import Rendezvous
 from shoal.worker.reducer import DEFAULT_BUCKET_CAP_MB
-from shoal.worker.userapi import TrainingSetup
 
 
 @dataclass(frozen=True)
@@ -52,11 +51,21 @@ class LayoutOptions:
     max_grad_norm: float | None = None
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     shard_size: int = 1
+    #: ``torch.compile``'s options (None: the model is not compiled)
+    compile: CompileOptions | None = None
+    #: a compiled job's fixed micro-batch when ``TrainingSetup.micro_batch`` is unset: the
+    #: slice of the largest world size (every rank at every world size cuts its slice in
+    #: micro-batches of this shape, the short last one padded)
+    fixed_micro_batch: int | None = None
+    activation_checkpointing: bool = False
 
     @classmethod
     def from_spec(cls, spec: JobSpec, device: torch.device) -> "LayoutOptions":
+        compile_options = spec.compile_options
+        fixed = -(-spec.global_batch_size // spec.max_workers) if compile_options is not None else None
         return cls(device=torch.device(device), precision=spec.precision, max_grad_norm=spec.max_grad_norm,
-                   bucket_cap_mb=spec.bucket_cap_mb, shard_size=spec.shard_size)
+                   bucket_cap_mb=spec.bucket_cap_mb, shard_size=spec.shard_size, compile=compile_options,
+                   fixed_micro_batch=fixed, activation_checkpointing=spec.activation_checkpointing)
 
 
 @dataclass
@@ -135,11 +144,22 @@ class Layout(Protocol):
         newest ``generation`` seen. StepAborted (nothing applied), InconsistentStep,
         UserCodeError."""
 
+    def warm_up(self) -> float:
+        """Before joining: compile on the fixed shape (a joiner must not make its peers wait
+        for its compile); its seconds (0: nothing to do - not compiled, or compiled later,
+        once the layout can run a step)."""
+
     def before_update(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` once in the next step, after its collectives, before anything applies."""
 
     def evaluate(self, eval_fn: Callable[[torch.nn.Module], dict[str, float]]) -> dict[str, float]:
         """``eval_fn(model)`` without gradients; UserCodeError if it raises."""
+
+    def evaluate_split(self, dataset: Any, sums_fn: Any, batch_size: int) -> dict[str, float]:
+        """A distributed evaluation of ``dataset`` (``TrainingSetup.eval_dataset``), split across
+        the generation's members like the training data and reduced: ``val_<name>`` metrics,
+        the same at any world size. Every member calls it for the same step; CollectiveFailed
+        when a peer fails, UserCodeError when the user's code raises."""
 
     def fetch_batch(self, indices: list[int]) -> Any:
         """The collated batch of ``indices`` on the engine's device."""
@@ -164,24 +184,9 @@ class Layout(Protocol):
         layout can take it (a sharded model, once its group formed)."""
 
 
-def layout_for(spec: JobSpec) -> type:
-    """The layout class of ``spec``: the one place that reads which layout a job uses."""
-    if spec.shard_size > 1:
-        from shoal.worker.layout_hsdp import Hsdp
-
-        return Hsdp
-    from shoal.worker.layout_dp import DataParallel
-
-    return DataParallel
-
-
-def make_layout(spec: JobSpec, setup: TrainingSetup, options: LayoutOptions, groups: GroupSettings,
-                faults: FaultPlan) -> Layout:
-    """The layout of ``spec`` for ``setup`` (see :func:`layout_for`)."""
-    return layout_for(spec).from_setup(setup, options, groups, faults)
-
-
-def prepare_process(spec: JobSpec, device_type: str) -> None:
-    """What a layout needs of the process before the user's model is built (see each
-    layout's ``prepare_process``)."""
-    layout_for(spec).prepare_process(device_type)
+def eval_metrics(names: list[str], total: torch.Tensor) -> dict[str, float]:
+    """A distributed evaluation's metrics from its reduced ``[samples, sums...]``:
+    ``val_<name>`` = each sum over the number of samples."""
+    values = total.tolist()
+    count = values[0] or 1.0
+    return {f"val_{name}": value / count for name, value in zip(names, values[1:])}

@@ -23,7 +23,7 @@ from shoal.worker.classify import formation_error
 from shoal.worker.decide import Formed, FormFailed
 from shoal.worker.engine import StepEngine, StepResult
 from shoal.worker.errors import CollectiveFailed, RendezvousFailed, StateMismatch
-from shoal.worker.layout import GroupSettings, LayoutOptions
+from shoal.worker.layout import GroupSettings, LayoutOptions, eval_metrics
 from shoal.worker.transfer import catch_up_state, state_bytes, transfer_timeout
 from shoal.worker.userapi import TrainingSetup
 
@@ -44,9 +44,12 @@ class DataParallel(StepEngine):
     @classmethod
     def from_setup(cls, setup: TrainingSetup, options: LayoutOptions, groups: GroupSettings | None = None,
                    faults: FaultPlan | None = None) -> "DataParallel":
-        return cls(setup.model, setup.optimizer, setup.dataset, options=options, groups=groups,
-                   loss_fn=setup.loss_fn, step_fn=setup.step_fn, lr_scheduler=setup.lr_scheduler,
-                   collate_fn=setup.collate_fn, micro_batch=setup.micro_batch)
+        layout = cls(setup.model, setup.optimizer, setup.dataset, options=options, groups=groups,
+                     loss_fn=setup.loss_fn, step_fn=setup.step_fn, lr_scheduler=setup.lr_scheduler,
+                     collate_fn=setup.collate_fn, micro_batch=setup.micro_batch)
+        if options.compile is not None:  # the whole model's forward
+            layout.compile_model(options.compile, [layout.model], options.fixed_micro_batch)
+        return layout
 
     @staticmethod
     def prepare_process(device_type: str) -> None:
@@ -107,6 +110,20 @@ class DataParallel(StepEngine):
         needs only its own slice)."""
         return super().step(local_indices, global_count, generation, base_generation=base_generation)
 
+    def evaluate_split(self, dataset: Any, sums_fn: Any, batch_size: int) -> dict[str, float]:
+        """A distributed evaluation (``TrainingSetup.eval_dataset``): this rank's contiguous
+        part of ``dataset``, its sums all-reduced over the generation's group (every member
+        calls it for the same step). ``val_<name>`` = sum / samples. CollectiveFailed when a
+        peer fails; UserCodeError when the user's code raises."""
+        group = self.group
+        rank, world = (group.rank, group.world_size) if group is not None else (0, 1)
+        n = len(dataset)
+        part = range(rank * n // world, (rank + 1) * n // world)
+        names, total = self.eval_sums(dataset, sums_fn, batch_size, part, -(-len(part) // batch_size))
+        if group is not None:
+            group.all_reduce(total, what="the all-reduce of the evaluation's sums")
+        return eval_metrics(names, total)
+
     # --- state ----------------------------------------------------------------------------------
     def checkpoint(self, shard: int, **counters: Any) -> TrainState:
         """The whole state (rank 0 writes it)."""
@@ -118,3 +135,4 @@ class DataParallel(StepEngine):
             state.restore(self.model, self.optimizer, self.lr_scheduler, rng=state.rng is not None, scaler=self.scaler)
         else:
             load_flat(self, state)
+

@@ -42,9 +42,9 @@ from shoal.worker.allocator import return_freed_tensors
 from shoal.worker.checkpoints import load_flat
 from shoal.worker.classify import formation_error
 from shoal.worker.decide import Formed, FormFailed
-from shoal.worker.engine import StepResult
+from shoal.worker.engine import StepResult, checkpoint_forward, compile_forward
 from shoal.worker.errors import CollectiveFailed, RendezvousFailed, StateMismatch
-from shoal.worker.layout import GroupSettings, LayoutOptions
+from shoal.worker.layout import GroupSettings, LayoutOptions, eval_metrics
 from shoal.worker.process_group import Group
 from shoal.worker.restart import exit_for_restart
 from shoal.worker.sharded_engine import ShardedEngine
@@ -72,13 +72,24 @@ class Hsdp(ShardedEngine):
         #: another thread sets the reason, the rendezvous reads it (under ``_lock``)
         self._cross_forming: list | None = None
         self._lock = threading.Lock()
+        self.prepare_unit = self._prepare_unit
 
     @classmethod
     def from_setup(cls, setup: TrainingSetup, options: LayoutOptions, groups: GroupSettings | None = None,
                    faults: FaultPlan | None = None) -> "Hsdp":
-        return cls(setup.model, setup.optimizer, setup.dataset, options=options, groups=groups,
-                   loss_fn=setup.loss_fn, step_fn=setup.step_fn, lr_scheduler=setup.lr_scheduler,
-                   collate_fn=setup.collate_fn, micro_batch=setup.micro_batch, shard_units=setup.shard_units)
+        layout = cls(setup.model, setup.optimizer, setup.dataset, options=options, groups=groups,
+                     loss_fn=setup.loss_fn, step_fn=setup.step_fn, lr_scheduler=setup.lr_scheduler,
+                     collate_fn=setup.collate_fn, micro_batch=setup.micro_batch, shard_units=setup.shard_units)
+        if options.compile is not None:  # each shard unit, before it is sharded (torchtitan's way)
+            layout.compile_model(options.compile, [], options.fixed_micro_batch)
+        return layout
+
+    def _prepare_unit(self, unit: torch.nn.Module) -> None:
+        """Each shard unit right before ``fully_shard``: activation checkpointing, then compile."""
+        if self.options.activation_checkpointing:
+            checkpoint_forward(unit)
+        if self.options.compile is not None:
+            compile_forward(unit, self.options.compile)
 
     @staticmethod
     def prepare_process(device_type: str) -> None:
@@ -254,10 +265,33 @@ class Hsdp(ShardedEngine):
         self.shard_group = None
 
     # --- the step -------------------------------------------------------------------------------
+    def warm_up(self) -> float:
+        """Nothing before the replica group forms: the shard units are compiled as they are
+        sharded, and compile on the first step of the group's first generation (its peers in
+        other groups wait for that step)."""
+        return 0.0
+
     def step(self, local_indices: Sequence[int], global_count: int, generation: int, *, base_generation: int,
              world_size: int = 0) -> StepResult:
         return super().step(local_indices, global_count, generation, base_generation=base_generation,
                             world_size=world_size or None)
+
+    def evaluate_split(self, dataset: Any, sums_fn: Any, batch_size: int) -> dict[str, float]:
+        """A distributed evaluation: every rank (replica x shard_size + shard) its contiguous
+        part of ``dataset``, as many passes on every rank as the largest part needs (FSDP's
+        collectives go in lock-step within a replica group), the sums all-reduced over the
+        shard group, then across replica groups. As :meth:`DataParallel.evaluate_split`."""
+        shard, size = self.shard_group.rank, self.shard_group.world_size
+        replica, replicas = (self.cross.rank, self.cross.world_size) if self.cross is not None else (0, 1)
+        rank, world = replica * size + shard, replicas * size
+        n = len(dataset)
+        part = range(rank * n // world, (rank + 1) * n // world)
+        largest = -(-n // world)
+        names, total = self.eval_sums(dataset, sums_fn, batch_size, part, -(-largest // batch_size))
+        self.shard_group.all_reduce(total, what="the replica group's all-reduce of the evaluation's sums")
+        if self.cross is not None:
+            self.cross.all_reduce(total, what="the cross-replica all-reduce of the evaluation's sums")
+        return eval_metrics(names, total)
 
     # --- state ----------------------------------------------------------------------------------
     def checkpoint(self, shard: int, **counters: Any) -> ShardedTrainState:

@@ -16,6 +16,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from shoal.events import envvars
 
 
 class Ledger:
@@ -26,7 +27,7 @@ class Ledger:
 
     @classmethod
     def from_env(cls) -> "Ledger":
-        d = os.environ.get("SHOAL_LEDGER_DIR")
+        d = envvars.LEDGER_DIR.get()
         if not d:
             return cls(None)
         Path(d).mkdir(parents=True, exist_ok=True)

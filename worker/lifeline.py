@@ -8,7 +8,7 @@ not ride it out for as long as the outage lasts:
   killer) while Redis is unreachable: nothing can see it, drain it or stop it, and nothing
   would restart it. Once it has had neither its agent nor an answer from Redis for
   :func:`orphan_bound` seconds (:data:`ORPHAN_REDIS_S`, 60 s, unless ``SHOAL_ORPHAN_REDIS_S``
-  says otherwise), it logs one line with the cause and exits with :data:`ORPHANED_EXIT`. An
+  says otherwise), it logs one line with the cause and exits with ``WorkerExit.ORPHANED`` (76). An
   orphan whose Redis answers trains on: its coordinator still sees it (heartbeats), counts
   its steps and can end it (the job's end, an eviction), and it ends as above if Redis goes
   away later.
@@ -16,7 +16,7 @@ not ride it out for as long as the outage lasts:
   then ``left``); with Redis gone it cannot, and the worker's Redis calls ride out for up to
   a minute each. Once the stop was asked and Redis has not answered for :data:`STOP_REDIS_S`
   seconds since (or since its last answer, if that came later), the worker logs one line
-  and exits with :data:`STOPPED_IN_OUTAGE_EXIT`. Its node agent does not restart it (it was
+  and exits with ``WorkerExit.STOPPED_IN_OUTAGE`` (77). Its node agent does not restart it (it was
   asked to stop) and reports the exit, so the coordinator re-plans without it once Redis is
   back.
 
@@ -64,24 +64,23 @@ from collections.abc import Callable
 
 import redis
 
+from shoal.events import envvars
 from shoal.core.connection import without_retries
-from shoal.events.models import STOPPED_IN_OUTAGE_EXIT  # noqa: F401 - part of this module's interface (the agent, tests)
+from shoal.events.exits import WorkerExit
 
 log = logging.getLogger("shoal.worker.lifeline")
 
 #: The environment variable in which the node agent names itself (its pid) to its workers.
-AGENT_PID_ENV = "SHOAL_AGENT_PID"
+AGENT_PID_ENV = envvars.AGENT_PID
 #: How long an orphaned worker goes on without an answer from Redis before it exits: as long
 #: as its Redis commands ride out an outage (``RIDE_OUT_S``) and as it waits for a job lost
 #: with Redis's data (``LOST_JOB_WAIT_S``). A Sentinel fail-over (2-3 s) or a Redis restart
 #: from its AOF is ridden out; an outage longer than this ends the orphan.
 ORPHAN_REDIS_S = 60.0
 #: Overrides :data:`ORPHAN_REDIS_S` (seconds, > 0), e.g. in the node agent's environment.
-ORPHAN_REDIS_ENV = "SHOAL_ORPHAN_REDIS_S"
+ORPHAN_REDIS_ENV = envvars.ORPHAN_REDIS_S
 #: How long a worker asked to stop waits for Redis to answer before it exits without leaving.
 STOP_REDIS_S = 2.0
-#: Exit code of an orphan that ended because Redis was unreachable for the bound.
-ORPHANED_EXIT = 76
 #: How often the lifeline looks at its agent and its clocks.
 POLL_S = 0.1
 #: Between two probes of Redis while they are wanted, and the longest a probe waits.
@@ -276,14 +275,14 @@ class Lifeline:
             return
         self._wanted.set()
         if stopping is not None and (silent := self._silent_since(stopping)) >= self.stop_after:
-            self._end(STOPPED_IN_OUTAGE_EXIT,
+            self._end(WorkerExit.STOPPED_IN_OUTAGE,
                       f"asked to stop while Redis is unreachable (no answer for {silent:.1f} s since): exiting "
-                      f"without leaving the job (exit code {STOPPED_IN_OUTAGE_EXIT}); the step in progress is not "
+                      f"without leaving the job (exit code {WorkerExit.STOPPED_IN_OUTAGE}); the step in progress is not "
                       "committed, nothing is lost, and the job sees this worker gone once Redis is back")
         elif self.orphaned_at is not None and (silent := self._silent_since(self.orphaned_at)) >= self.orphan_after:
-            self._end(ORPHANED_EXIT,
+            self._end(WorkerExit.ORPHANED,
                       f"orphaned: node agent (pid {self.agent}) gone and Redis unreachable for {silent:.1f} s "
-                      f"(bound {self.orphan_after:g} s, {ORPHAN_REDIS_ENV}): exiting (exit code {ORPHANED_EXIT}); "
+                      f"(bound {self.orphan_after:g} s, {ORPHAN_REDIS_ENV}): exiting (exit code {WorkerExit.ORPHANED}); "
                       "nothing uncommitted is lost, the job's state lives in its other members and checkpoints")
 
     def _end(self, code: int, line: str) -> None:

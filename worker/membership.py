@@ -13,7 +13,8 @@ import time
 
 import redis
 
-from shoal.events import bus
+from shoal.events import bus, envvars
+from shoal.events.exits import WorkerExit
 from shoal.events.keys import JobKeys, job_keys
 from shoal.events.models import (
     Checkpointed,
@@ -44,13 +45,13 @@ class MembershipError(ShoalError):
 class JoinRejected(MembershipError):
     """The coordinator refused the join; the message is its reason."""
 
-    exit_code = 4
+    exit_code = WorkerExit.JOIN_REJECTED
 
 
 class JoinTimeout(MembershipError):
     """No coordinator answered the join in time (none running, or none leading this job)."""
 
-    exit_code = 5
+    exit_code = WorkerExit.JOIN_TIMEOUT
 
 
 class Membership:
@@ -107,7 +108,7 @@ class Membership:
         if not reply.accepted:
             raise JoinRejected(reply.reason)
         self.worker_id = reply.worker_id
-        id_file = os.environ.get("SHOAL_WORKER_ID_FILE")
+        id_file = envvars.WORKER_ID_FILE.get()
         if id_file:  # lets the node agent name this worker when it reports its exit
             with open(id_file, "w") as fh:
                 fh.write(reply.worker_id)

@@ -35,12 +35,13 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from shoal.events import envvars
 from shoal.core.errors import ConfigError
 
 #: The backend, device and reason a node agent chose for its workers (set per slot).
-BACKEND_ENV = "SHOAL_BACKEND"
-DEVICE_ENV = "SHOAL_DEVICE"
-REASON_ENV = "SHOAL_PLACEMENT"
+BACKEND_ENV = envvars.BACKEND
+DEVICE_ENV = envvars.DEVICE
+REASON_ENV = envvars.PLACEMENT
 #: torchrun's variables: a worker's number among its node's workers, and their count.
 LOCAL_RANK_ENV = "LOCAL_RANK"
 LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"

@@ -85,6 +85,7 @@ from shoal.worker.errors import (
 from shoal.worker import torch_compat as tc
 from shoal.worker.placement import local_device
 from shoal.worker.store import RedisStore, legacy_rendezvous
+from shoal.events import envvars
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ def device_for(backend: str) -> torch.device:
 
 # --- the address gloo advertises ------------------------------------------------------------
 #: The environment variable of the interface option (CLI: ``--iface`` of worker and agent).
-IFACE_ENV = "SHOAL_IFACE"
+IFACE_ENV = envvars.IFACE
 #: gloo's own variable: read when a gloo group is created (torch's ``ProcessGroupGloo``
 #: constructor; ``init_process_group`` ignores ``pg_options`` for gloo, so no device can be
 #: handed in). An address, not an interface, cannot be given to gloo.

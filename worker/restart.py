@@ -4,7 +4,7 @@ Two decisions end a live worker this way, because its state cannot go on in this
 elastic HSDP's replica group losing a member (its shard group cannot be made again here:
 torch resolves FSDP's groups by name) and the coordinator's progress watchdog restarting a
 member that kept failing the same step (``coordinator/watchdog.py``). The exit code,
-:data:`RESTART_EXIT`, tells the agent to start it again without a back-off or a restart spent;
+``WorkerExit.RESTART`` (``events/exits.py``), tells the agent to start it again without a back-off or a restart spent;
 it rejoins as a new worker and catches up from the live members.
 """
 
@@ -14,22 +14,19 @@ import logging
 import os
 from typing import NoReturn
 
-from shoal.worker.errors import ReplicaGroupLost
+from shoal.events.exits import WorkerExit
 
 log = logging.getLogger("shoal.worker")
-
-#: The exit code of a worker its node agent starts again at once.
-RESTART_EXIT = ReplicaGroupLost.exit_code
 
 
 def exit_for_restart(why: str) -> NoReturn:
     """(Any thread.) Log ``why``, flush the log handlers (the job's log stream among them) and
-    end the process with :data:`RESTART_EXIT`. Nothing of its state is lost to the job: the
+    end the process with ``WorkerExit.RESTART``. Nothing of its state is lost to the job: the
     live members hold it."""
-    log.warning("%s; exiting (code %d) for the node agent to start this worker again", why, RESTART_EXIT)
+    log.warning("%s; exiting (code %d) for the node agent to start this worker again", why, WorkerExit.RESTART)
     for handler in logging.getLogger().handlers:
         try:
             handler.flush()
         except Exception:  # noqa: BLE001 - best effort: the process ends next
             pass
-    os._exit(RESTART_EXIT)
+    os._exit(WorkerExit.RESTART)

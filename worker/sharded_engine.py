@@ -111,6 +111,8 @@ class ShardedEngine(StepCommon):
         self.shard_units = shard_units or default_shard_units
         #: never in HSDP (fp16 is refused); the worker reads it
         self.scaler = None
+        #: applied to each shard unit right before it is sharded (None: nothing)
+        self.prepare_unit: Callable[[torch.nn.Module], None] | None = None
         #: the replica group's shard group (None until :meth:`shard`) and this generation's
         #: cross-replica group of this member's shard index (None: one replica group)
         self.shard_group: Group | None = None
@@ -156,6 +158,8 @@ class ShardedEngine(StepCommon):
             raise ValueError(f"the optimizer holds {len(unknown)} parameter(s) that are not the model's")
         mesh = tc.mesh_of_default_group(self.device.type)
         for unit in self.shard_units(self.model):
+            if self.prepare_unit is not None:  # activation checkpointing, compile: before it is sharded
+                self.prepare_unit(unit)
             tc.fully_shard(unit, mesh)
         tc.fully_shard(self.model, mesh)
         sharded = dict(self.model.named_parameters())
@@ -279,7 +283,7 @@ class ShardedEngine(StepCommon):
         # FSDP's reduce-scatter averages over the shard group: x S makes it the sum
         factor = self.shard_group.world_size / global_count
         largest = max(-(-global_count // world), len(local))
-        mb = self.micro_batch or largest
+        mb = self.compiled_shape or self.micro_batch or largest
         passes = max(1, -(-largest // mb))
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         root = self.model
@@ -287,10 +291,9 @@ class ShardedEngine(StepCommon):
             root.set_requires_gradient_sync(k == passes - 1)  # reduce once, after the last
             part = local[k * mb:(k + 1) * mb]
             if part:
-                batch, weight = self.fetch_batch(part), factor
+                loss, weight = self._loss_of(part), factor
             else:  # nothing left here: a pass that weighs nothing keeps the group in lock-step
-                batch, weight = self._pad_batch(), 0.0
-            loss = self._loss(batch)
+                loss, weight = self._loss(self._pad_batch(self.compiled_shape or 1)), 0.0
             if part:
                 total += loss.detach().to(total.dtype)
             if k == passes - 1:
@@ -317,9 +320,10 @@ class ShardedEngine(StepCommon):
             self._local_error = exc.local
         self._errors.append(str(exc))
 
-    def _pad_batch(self) -> Any:
-        """A one-sample batch (the dataset's first sample) for a pass that weighs nothing."""
-        batch = self.collate_fn([self.dataset[0]])
+    def _pad_batch(self, n: int = 1) -> Any:
+        """A batch of ``n`` copies of the dataset's first sample, for a pass that weighs nothing
+        (``n``: the compiled shape, when the model is compiled)."""
+        batch = self.collate_fn([self.dataset[0]] * n)
         return _to_device(batch, self.device) if self.device.type != "cpu" else batch
 
     def _abandon(self, buffers: list[torch.Tensor]) -> None:

@@ -14,10 +14,11 @@ from __future__ import annotations
 import logging
 import time
 
+from shoal.events.exits import WorkerExit
 from shoal.events.models import ShardTable
+from shoal.events.states import is_terminal
 from shoal.core.jobspec import JobSpec
 from shoal.worker.membership import Membership
-from shoal.worker.decide import TERMINAL
 from shoal.worker.runner import WorkerRunner
 
 log = logging.getLogger("shoal.worker")
@@ -43,7 +44,7 @@ class SimulatedWorker(WorkerRunner):
         """One bounded iteration; returns an exit code when the worker should end."""
         if self.evicted:
             log.error("evicted by the coordinator (declared failed); exiting")
-            return 1
+            return WorkerExit.FAILED
         if self.stop.is_set() and not self._draining:
             self._draining = True
             self._drain_deadline = time.monotonic() + max(10.0, 5 * self.spec.heartbeat_ttl)
@@ -63,10 +64,10 @@ class SimulatedWorker(WorkerRunner):
             if excluded or time.monotonic() > self._drain_deadline:
                 self.membership.left()
                 log.info("left the job")
-                return 0
+                return WorkerExit.OK
             return None
-        if self.membership.job_state() in TERMINAL:
-            return 0
+        if is_terminal(self.membership.job_state()):
+            return WorkerExit.OK
         if self.member and done:
             if self.member.rank == 0 and not self._reported:
                 self._reported = True

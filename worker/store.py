@@ -65,11 +65,12 @@ import redis
 import torch.distributed as dist
 
 from shoal.events.keys import RENDEZVOUS_TTL_S
+from shoal.events import envvars
 
 #: Set to ``1`` (benches only): the rendezvous of before issue 17 - every address read key by
 #: key (``W (2W + 1)`` blocking reads per group) and a barrier polled every 2 ms - so that
 #: ``bench/rendezvous_bench.py`` can measure both side by side in one run.
-LEGACY_ENV = "SHOAL_RENDEZVOUS_LEGACY"
+LEGACY_ENV = envvars.RENDEZVOUS_LEGACY
 
 
 def legacy_rendezvous() -> bool:

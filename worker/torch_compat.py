@@ -204,3 +204,12 @@ def chunk_of(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int,
         return None
     (chunk,) = t.__create_chunk_list__()
     return t.to_local(), tuple(chunk.offsets), tuple(t.shape)
+
+
+# --- dynamo's counters ----------------------------------------------------------------------------
+def compiled_frames() -> int:
+    """Frames dynamo compiled in this process so far (its ``counters["frames"]["ok"]``): a new
+    one after warm-up is a recompile (a new shape, a guard that failed)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])

@@ -42,7 +42,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import os
 import resource
 import time
 from collections import deque
@@ -56,6 +55,8 @@ from shoal.core.faults import FaultPlan, InjectedAbort
 from shoal.core.jobspec import JobSpec
 from shoal.events.states import is_terminal
 from shoal.worker import placement
+from shoal.worker import compile_cache
+from shoal.worker import torch_compat as tc
 from shoal.worker.checkpoints import Checkpoints
 from shoal.worker.decide import (
     Aborted,
@@ -88,7 +89,7 @@ from shoal.worker.decide import (
     decide,
 )
 from shoal.worker.digest import state_digest
-from shoal.worker.errors import StepAborted
+from shoal.worker.errors import CollectiveFailed, StepAborted
 from shoal.worker.evaluator import Evaluator
 from shoal.worker.flops import FlopMeter
 from shoal.worker.heartbeat import CutOff
@@ -96,12 +97,14 @@ from shoal.worker.input_pipeline import InputPipeline
 from shoal.worker.ledger import Ledger
 from shoal.worker.membership import Membership
 from shoal.worker.progress import ProgressRecorder
-from shoal.worker.layout import GroupSettings, Layout, LayoutOptions, make_layout, prepare_process
+from shoal.worker.layout import GroupSettings, Layout, LayoutOptions
+from shoal.worker.layouts import make_layout, prepare_process
 from shoal.worker.process_group import Rendezvous
 from shoal.worker.runner import WorkerRunner
 from shoal.worker.switch import GenerationSwitch
 from shoal.worker.tensorboard import TensorBoardLog
 from shoal.worker.userapi import TrainingSetup, load_entrypoint
+from shoal.events import envvars
 
 #: How long a member other than rank 0 that finished waits for rank 0's report of the job's
 #: completion before it reports it itself (seconds; at least 3 heartbeat TTLs): time for rank
@@ -163,6 +166,11 @@ class TrainingWorker(WorkerRunner):
         self.progress: ProgressRecorder | None = None
         #: actions decided and not yet performed (a Redis outage interrupted them)
         self._todo: deque[Action] = deque()
+        #: a compiled model: dynamo's frames after the warm-up (None: not warmed up here), the
+        #: recompiles last logged, the warm-up's seconds
+        self._frames_warm: int | None = None
+        self._recompiles_said = 0
+        self._compile_seconds: float | None = None
 
     # ---- setup -------------------------------------------------------------------------------
 
@@ -181,30 +189,55 @@ class TrainingWorker(WorkerRunner):
         self.input = InputPipeline(setup, self.engine, self.spec, self.membership)
         self.switch = GenerationSwitch(self.membership, self.spec, self.engine, faults=self.faults,
                                        evicted=lambda: self.evicted)
-        self.evaluator = Evaluator(self.engine, setup.eval_fn, self.membership, self.tensorboard, self._busy)
+        self.evaluator = Evaluator(self.engine, setup.eval_fn, self.membership, self.tensorboard, self._busy,
+                                   eval_dataset=setup.eval_dataset, eval_sums=setup.eval_sums,
+                                   eval_batch_size=setup.eval_batch_size)
         self.ckpt = Checkpoints.open(self.spec, self.membership, self.faults) if self.spec.checkpoint_uri else None
+        if self.ckpt is not None:
+            self.evaluator.on_report = self.ckpt.record_eval
         step, cursor = 0, 0
         if self.ckpt is not None:
             resumed = self.ckpt.resume(self.engine)
             if resumed is not None:
                 step, cursor = resumed
         every_steps, every_epochs = self.spec.eval_every_steps, self.spec.eval_every_epochs
-        if setup.eval_fn is None and (every_steps or every_epochs):
-            log.warning("the job sets eval_every_%s but %s returns no eval_fn: no periodic evaluation",
+        if not self.evaluator.enabled and (every_steps or every_epochs):
+            log.warning("the job sets eval_every_%s but %s returns no eval_fn or eval_dataset: no periodic evaluation",
                         "steps" if every_steps else "epochs", self.spec.entrypoint)
             every_steps = every_epochs = None
         n = self.input.num_samples
         limits = replace(self.state.limits, total_samples=n * self.spec.epochs, num_samples=n,
                          eval_every_steps=every_steps, eval_every_epochs=every_epochs)
         self.state = replace(self.state, limits=limits, step=step, cursor=cursor)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile before joining (:meth:`Layout.warm_up`), from the compile cache in the
+        checkpoint store when it holds this model's (:mod:`shoal.worker.compile_cache`; saved
+        there by the first worker to compile), and count dynamo's frames from here: a frame
+        compiled later is a recompile, logged once each and published with the beat."""
+        engine = self.engine
+        if engine.compiled_shape is None:
+            return
+        store = self.ckpt.store if self.ckpt is not None else None
+        key = compile_cache.cache_key(engine.model, entrypoint=self.spec.entrypoint, precision=self.spec.precision,
+                                      options=self.spec.compile_options, shape=engine.compiled_shape,
+                                      device=engine.device)
+        local = compile_cache.use_local_dir(key)
+        cached = compile_cache.load(store, key, local) if store is not None else "no checkpoint store"
+        took = engine.warm_up()
+        if not took:  # compiled later (the layout compiles once it can run a step)
+            return
+        self._frames_warm = tc.compiled_frames()
+        self._compile_seconds = round(took, 2)
+        log.info("compiled for micro-batches of %d in %.1f s before joining (dynamo: %d frame(s); compile cache: "
+                 "%s, in %s)", engine.compiled_shape, took, self._frames_warm, cached, local)
+        if store is not None and cached not in ("loaded", "local") and compile_cache.save(store, key, local):
+            log.info("compile cache saved to %s/%s/%s.tar.gz for the next workers", store.uri, compile_cache.PREFIX,
+                     key)
 
     def start(self) -> str:
         wid = super().start()
-        import gc, os as _os
-        if _os.environ.get("XX_GC") == "freeze":
-            gc.collect(); gc.freeze()
-        elif _os.environ.get("XX_GC") == "off":
-            gc.disable()
         self.state = replace(self.state, worker_id=wid)
         self.switch.start()
         self.progress = ProgressRecorder(without_retries(self.membership.client), self.membership.keys)
@@ -398,6 +431,13 @@ class TrainingWorker(WorkerRunner):
                       peak_rss_mb=peak_rss_mb())
         if act.digest:
             fields["digest"] = state_digest(self.engine.model)
+        if self.engine.compiled_shape is not None:
+            frames = tc.compiled_frames()
+            recompiles = frames - self._frames_warm if self._frames_warm is not None else None
+            if recompiles and recompiles != self._recompiles_said:
+                log.warning("recompiled %d time(s) since the warm-up (dynamo frames %d)", recompiles, frames)
+                self._recompiles_said = recompiles
+            fields.update(compiled_frames=frames, recompiles=recompiles, compile_seconds=self._compile_seconds)
         self.hb.update(**fields)
         self.hb.committed(time.monotonic())
 
@@ -434,16 +474,20 @@ class TrainingWorker(WorkerRunner):
     def _finish(self, act: Finish) -> None:
         self.faults.at(self.membership.worker_id, act.step, "finish")
         summary = {"step": act.step, "cursor": act.cursor, "digest": state_digest(self.engine.model)}
-        if self.setup.eval_fn is not None:
-            metrics = self.evaluator.metrics(act.step, act.cursor)
+        if self.evaluator.enabled:
+            try:
+                metrics = self.evaluator.metrics(act.step, act.cursor)
+            except CollectiveFailed as exc:  # the job's last step committed: its end is not held up by a peer lost now
+                log.warning("the final distributed evaluation failed (%s): not reported", exc)
+                metrics = {}
             # a metric named like a summary field (step, cursor, digest) does not replace it
             summary.update({k: v for k, v in metrics.items() if k not in summary})
-            if act.report:  # before the completion: the job's last evaluation is this one
+            if act.report and metrics:  # before the completion: the job's last evaluation is this one
                 self.evaluator.report(act.step, self.input.epoch(act.cursor), self.switch.group[0], metrics,
                                       final=True)
         if act.checkpoint is not None:
             self._save(act.checkpoint)
-        export = os.environ.get("SHOAL_EXPORT_DIR")
+        export = envvars.EXPORT_DIR.get()
         if export:  # tests and tools compare final weights across runs
             Path(export).mkdir(parents=True, exist_ok=True)
             torch.save(self.engine.full_state_dict(), Path(export) / f"final-{self.membership.worker_id}.pt")

@@ -78,6 +78,17 @@ class TrainingSetup:
     #: of tokens: ``shoal status``, the report and TensorBoard then show tokens/s (samples/s x
     #: this). None: no tokens/s.
     tokens_per_sample: int | None = None
+    #: Distributed evaluation: a map-style dataset split across the members like the training
+    #: data (each evaluates its part, in batches of ``eval_batch_size``, and the sums are
+    #: all-reduced), so the metrics are the same at every world size and the time an evaluation
+    #: takes drops as members are added. Reported as ``val_<name>``: a sum divided by the
+    #: number of samples. ``eval_sums(model, batch)`` gives a batch's sums, ``{name: scalar
+    #: tensor}`` (e.g. ``{"loss": summed loss, "accuracy": correct count}``); None: ``{"loss":
+    #: loss_fn(model(inputs), targets)}`` (or ``step_fn(model, batch)``). It runs when
+    #: ``eval_fn`` does (``eval_every_steps``/``eval_every_epochs``, and at the end), beside it.
+    eval_dataset: Any = None
+    eval_sums: Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]] | None = None
+    eval_batch_size: int = 64
 
     def validate(self, where: str = "TrainingSetup") -> None:
         """Raise EntrypointError naming the first field that breaks the contract."""
@@ -89,7 +100,7 @@ class TrainingSetup:
             )
         if (self.loss_fn is None) == (self.step_fn is None):
             raise EntrypointError(f"{where}: give exactly one of loss_fn and step_fn")
-        for name in ("loss_fn", "step_fn", "eval_fn", "collate_fn"):
+        for name in ("loss_fn", "step_fn", "eval_fn", "collate_fn", "eval_sums"):
             fn = getattr(self, name)
             if fn is not None and not callable(fn):
                 raise EntrypointError(f"{where}: {name} must be callable")
@@ -97,6 +108,11 @@ class TrainingSetup:
             raise EntrypointError(f"{where}: dataset must be map-style (define __len__ and __getitem__)")
         if len(self.dataset) <= 0:
             raise EntrypointError(f"{where}: dataset is empty")
+        if self.eval_dataset is not None and not (hasattr(self.eval_dataset, "__len__")
+                                                  and hasattr(self.eval_dataset, "__getitem__")):
+            raise EntrypointError(f"{where}: eval_dataset must be map-style (define __len__ and __getitem__)")
+        if not isinstance(self.eval_batch_size, int) or isinstance(self.eval_batch_size, bool) or self.eval_batch_size <= 0:
+            raise EntrypointError(f"{where}: eval_batch_size must be a positive int, got {self.eval_batch_size!r}")
         if self.micro_batch is not None and self.micro_batch <= 0:
             raise EntrypointError(f"{where}: micro_batch must be positive, got {self.micro_batch}")
         if self.tokens_per_sample is not None and (not isinstance(self.tokens_per_sample, int)

@@ -15,13 +15,14 @@ from pathlib import Path
 from fastapi import HTTPException, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from shoal.events import envvars
 from shoal.core.errors import ConfigError
 
-ENV_TOKEN = "SHOAL_API_TOKEN"
+ENV_TOKEN = envvars.API_TOKEN
 #: A token shorter than this is refused: it could be guessed.
 MIN_TOKEN_CHARS = 16
 
-_bearer = HTTPBearer(auto_error=False, description="the server's API token (SHOAL_API_TOKEN or --token-file)")
+_bearer = HTTPBearer(auto_error=False, description=f"the server's API token ({envvars.API_TOKEN} or --token-file)")
 
 
 def load_token(token_file: str | None, environ: dict[str, str] | None = None) -> str | None:

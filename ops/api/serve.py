@@ -18,6 +18,7 @@ from shoal.core.connection import connect, redact_url
 from shoal.core.errors import ConfigError
 from shoal.ops.api.app import create_app
 from shoal.ops.api.auth import ENV_TOKEN, load_token
+from shoal.ops.embedded import redis_url
 
 log = logging.getLogger("shoal.serve")
 
@@ -53,8 +54,6 @@ def _url_host(sock: socket.socket) -> str:
 def serve(*, host: str, port: int, token_file: str | None) -> int:
     """Serve until interrupted; returns the exit status. ConfigError (one line) for a bad
     token, address or Redis URL, before anything is served."""
-    from shoal.ops.cli import redis_url  # the CLI's REDIS_URL / embedded-server rule
-
     token = load_token(token_file)
     url, _server = redis_url(start_embedded=False)
     client = connect(url, check=False)  # /health reports an unreachable Redis; the server still starts

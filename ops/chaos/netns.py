@@ -51,6 +51,7 @@ import redis
 from shoal.ops.embedded import DOWN_AFTER_MS, HA_NODE_OPTIONS, server_binary
 from shoal.ops.localproc import LocalProcs, Proc
 from shoal.core.procs import pid_runs
+from shoal.core.connection import ReplicatedRedis
 
 PREFIX = "shn"
 _NAME = re.compile(rf"^{PREFIX}(\d+)-[a-z0-9]+$")
@@ -365,9 +366,8 @@ class Net:
         name = host or self.ha_primary()
         if name is None:
             raise redis.ConnectionError("the sentinels name no primary")
-        client = self._unix(self.data_sockets[name])
-        client.shoal_replicas = 1
-        return client
+        return ReplicatedRedis(unix_socket_path=str(self.data_sockets[name]), socket_timeout=5,
+                               socket_connect_timeout=2, replicas=1)
 
     def isolate(self, group: list[Host]) -> None:
         """Partition ``group`` from every other host, both ways (inside it, all is well)."""

@@ -75,6 +75,7 @@ from shoal.ops.chaos.sampler import Sampler
 from shoal.ops.chaos.verdict import Verdict
 from shoal.storage.uri import open_store
 from shoal.events.states import WorkerState
+from shoal.events import envvars
 
 #: after a heal, the next fault waits for a step committed after it, this long at most (s)
 RECOVER_WAIT = 10.0
@@ -291,7 +292,7 @@ def _soak(cfg: ChaosConfig, net: Net, root: Path, out) -> dict:
     keys = job_keys(job)
     ckpt = f"file://{root / 'ckpt'}"
     create_job(client, job_spec(cfg, steps, ckpt, len(nodes) * cfg.shard_size, job))
-    env = {**worker_env(root, cfg), "SHOAL_HOME": str(root / "home")}
+    env = {**worker_env(root, cfg), envvars.HOME: str(root / "home")}
     # steered on a longer interval than the local soak's: each interval then spans several
     # faults held for seconds (a stall at each); at the window's end the pause is released
     steer = PaceSteer(root / "pace", steps, cfg.step_pace, every=STEER_EVERY)

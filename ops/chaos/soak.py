@@ -27,6 +27,7 @@ from shoal.worker import ledger
 from shoal.worker.data import DataOrder
 from shoal.worker.engine import StepEngine
 from shoal.worker.userapi import load_entrypoint
+from shoal.events import envvars
 
 ENTRYPOINT = "shoal.examples.digits:build_double_paced"
 REFERENCE = "shoal.examples.digits:build_double"  #: the same arithmetic, without the pause
@@ -96,11 +97,11 @@ def worker_env(root: Path, cfg: ChaosConfig) -> dict[str, str]:
     """What every process of the soak gets: where workers write their ledger and final
     parameters, the pause per step (first value; then the file PaceSteer writes), and the
     fault rules the soak's kinds need the workers to hold (``SHOAL_FAULTS``; none: unset)."""
-    env = {"SHOAL_LEDGER_DIR": str(root / "ledger"), "SHOAL_EXPORT_DIR": str(root / "final"),
-           "SHOAL_STEP_PACE": str(cfg.step_pace), "SHOAL_STEP_PACE_FILE": str(root / "pace")}
+    env = {envvars.LEDGER_DIR: str(root / "ledger"), envvars.EXPORT_DIR: str(root / "final"),
+           envvars.STEP_PACE: str(cfg.step_pace), envvars.STEP_PACE_FILE: str(root / "pace")}
     rules = worker_rules(cfg.soak, cfg.ttl)
     if rules:
-        env["SHOAL_FAULTS"] = rules
+        env[envvars.FAULTS] = rules
     return env
 
 

@@ -6,7 +6,8 @@ own layer's package and any layer below it, never one above it nor a sibling on 
 ====  ===================================  ==========================================
 rank  packages                             what they hold
 ====  ===================================  ==========================================
-0     ``shoal.events``                     the wire contract: key names, TTLs, models
+0     ``shoal.events``                     the cross-process contracts: key names, TTLs,
+                                           models, environment variables, exit codes
 1     ``shoal.core``                       errors, connection, job spec, registry, faults
 2     ``shoal.storage``                    checkpoints, LATEST, datasets
 3     ``shoal.coordinator``, ``shoal.worker``  the control plane and the training runtime
@@ -41,6 +42,8 @@ RANKS: dict[str, int] = {
 #: modules whose decisions must stay pure: they import only these layers
 PURE: dict[str, tuple[str, ...]] = {
     "shoal.coordinator.decide": ("shoal.events", "shoal.core"),
+    "shoal.coordinator.formation": ("shoal.events", "shoal.core"),
+    "shoal.coordinator.redone": ("shoal.events", "shoal.core"),
     "shoal.worker.decide": ("shoal.events", "shoal.core"),
 }
 
@@ -92,12 +95,7 @@ def _imports(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, st
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _from_target(node, package)
             found.append((node.lineno, target))
             # ``from shoal import ops`` names a subpackage: count it as that subpackage
             for alias in node.names:
@@ -105,6 +103,16 @@ def _imports(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, st
                 if layer_of(sub) == sub:
                     found[-1] = (node.lineno, sub)
     return found
+
+
+def _from_target(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a ``from ... import`` names (a relative one resolved against
+    ``package``, the importing module's package)."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
 
 
 def check(root: Path, dirs: dict[str, str] | None = None) -> list[Violation]:
@@ -134,8 +142,8 @@ def check(root: Path, dirs: dict[str, str] | None = None) -> list[Violation]:
 
 #: the modules that may tell one training layout from another (``shoal.worker.layout``):
 #: the layouts themselves and the step engines they are built on
-LAYOUT_MODULES = ("shoal.worker.layout", "shoal.worker.layout_dp", "shoal.worker.layout_hsdp",
-                  "shoal.worker.engine", "shoal.worker.sharded_engine")
+LAYOUT_MODULES = ("shoal.worker.layout", "shoal.worker.layouts", "shoal.worker.layout_dp",
+                  "shoal.worker.layout_hsdp", "shoal.worker.engine", "shoal.worker.sharded_engine")
 #: names whose use in a test outside those modules branches on the layout
 LAYOUT_CLASSES = frozenset({"StepEngine", "ShardedEngine", "DataParallel", "Hsdp"})
 
@@ -180,3 +188,66 @@ def _against_one(node: ast.Compare) -> bool:
     sized = any(isinstance(n, ast.Attribute) and n.attr == "shard_size" for n in sides)
     one = any(isinstance(n, ast.Constant) and n.value == 1 for n in sides)
     return sized and one
+
+
+def import_graph(root: Path, dirs: dict[str, str] | None = None) -> dict[str, set[str]]:
+    """Module -> the modules of the tree it imports, anywhere in its body (an import inside a
+    function too: it hides a circle, it does not break one). ``from package import module``
+    counts as the module."""
+    dirs = dirs if dirs is not None else package_dirs(root / "pyproject.toml")
+    files = dict(_modules(root, dirs))
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        package = module if path.stem == "__init__" else module.rpartition(".")[0]
+        names: list[str] = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                target = _from_target(node, package)
+                names += [f"{target}.{alias.name}" if f"{target}.{alias.name}" in files else target
+                          for alias in node.names]
+        deps = set()
+        for name in names:
+            while name and name not in files:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                deps.add(name)
+        graph[module] = deps
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles of ``graph``: each strongly connected set of two or more modules, sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)

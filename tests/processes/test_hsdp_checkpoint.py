@@ -37,11 +37,11 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def _job(r, redis_url, run_dir, name: str, workers: int, shard_size: int, steps: int, ckpt,
-         first: int = 1) -> list[dict]:
+         first: int = 1, **fields) -> list[dict]:
     """Run a job to ``steps``; its workers' final states. ``first``: the step it must start
     with (its ledger says so: a resumed job trains no step before its checkpoint)."""
     spec = job_spec(name, JOB, shard_size=shard_size, min_workers=workers, max_steps=steps,
-                    checkpoint_uri=f"file://{ckpt}", checkpoint_interval=STOP)
+                    checkpoint_uri=f"file://{ckpt}", checkpoint_interval=STOP, **fields)
     env = {**ENV, "SHOAL_EXPORT_DIR": str(run_dir / "final"), "SHOAL_LEDGER_DIR": str(run_dir / "ledger")}
     watch, _procs, codes = run_job(r, redis_url, run_dir, spec, workers, env)
     assert set(codes.values()) == {0}, codes
@@ -88,3 +88,20 @@ def test_a_data_parallel_checkpoint_resumes_under_hsdp(r, redis_url, tmp_path, j
     for final in finals:
         assert _max_diff(final, ref) < 1e-12
     assert read_manifest(open_store(str(saved)), END).shards == 2
+
+
+def test_a_compiled_jobs_checkpoint_resumes_uncompiled_and_the_other_way_round(r, redis_url, tmp_path, job_id) -> None:
+    """``compile: true`` keeps the model's own names (its forward is compiled in place, no
+    ``_orig_mod.`` prefix): a compiled HSDP job's sharded checkpoint resumes as an uncompiled
+    data-parallel job, and an uncompiled job's checkpoint resumes compiled under HSDP (each
+    shard unit compiled before it is sharded). Both end where a run without a stop ends."""
+    ref = _job(r, redis_url, tmp_path / "ref", job_id + "-ref", 2, 1, END, tmp_path / "ref-ckpt")[0]
+    saved = tmp_path / "ckpt"
+    _job(r, redis_url, tmp_path / "a", job_id + "-a", 2, 2, STOP, saved, compile=True)  # compiled HSDP
+    assert read_manifest(open_store(str(saved)), STOP).shards == 2
+    for final in _job(r, redis_url, tmp_path / "b", job_id + "-b", 2, 1, END, saved, first=STOP + 1):  # eager DP
+        assert _max_diff(final, ref) < 1e-9
+    again = tmp_path / "ckpt-dp"
+    _job(r, redis_url, tmp_path / "c", job_id + "-c", 2, 1, STOP, again)  # eager DP
+    for final in _job(r, redis_url, tmp_path / "d", job_id + "-d", 2, 2, END, again, first=STOP + 1, compile=True):
+        assert _max_diff(final, ref) < 1e-9

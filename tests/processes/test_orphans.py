@@ -25,6 +25,7 @@ import pytest
 import redis
 
 from shoal.core.registry import create_job
+from shoal.events.exits import WorkerExit
 from shoal.events.keys import job_keys
 from shoal.events.models import Heartbeat
 from shoal.events.records import JobStatus
@@ -90,7 +91,7 @@ def test_the_lifeline_decides_by_its_bounds(redis_url) -> None:
     line, ended = _lifeline(client, agent=os.getppid())
     line.check()
     assert not line.agent_gone() and line.orphaned_at is None and not line._wanted.is_set() and not ended
-    # orphaned: Redis answered 1 s ago -> on; unanswered past the bound -> ORPHANED_EXIT, once
+    # orphaned: Redis answered 1 s ago -> on; unanswered past the bound -> WorkerExit.ORPHANED, once
     line, ended = _lifeline(client, agent=_dead_pid())
     line.check()
     assert line.orphaned_at is not None and line._wanted.is_set() and not ended
@@ -101,8 +102,8 @@ def test_the_lifeline_decides_by_its_bounds(redis_url) -> None:
     line.answered_at = time.monotonic() - BOUND - 0.1
     line.check()
     line.check()
-    assert ended == [lf.ORPHANED_EXIT]
-    # asked to stop: Redis answering -> the drain goes on; no answer for STOP_REDIS_S -> STOPPED_IN_OUTAGE_EXIT
+    assert ended == [WorkerExit.ORPHANED]
+    # asked to stop: Redis answering -> the drain goes on; no answer for STOP_REDIS_S -> WorkerExit.STOPPED_IN_OUTAGE
     stop = lf.StopRequest()
     line, ended = _lifeline(client, agent=None, stop=stop)
     line.check()
@@ -114,7 +115,7 @@ def test_the_lifeline_decides_by_its_bounds(redis_url) -> None:
     assert line._wanted.is_set() and not ended
     line.answered_at = time.monotonic() - lf.STOP_REDIS_S - 0.1
     line.check()
-    assert ended == [lf.STOPPED_IN_OUTAGE_EXIT]
+    assert ended == [WorkerExit.STOPPED_IN_OUTAGE]
     client.close()
 
 
@@ -140,7 +141,7 @@ def test_the_lifeline_probes_redis_only_while_it_matters(redis_server) -> None:
         stop.set()
         wait_until(lambda: ended, lf.STOP_REDIS_S + MARGIN, "the lifeline to end a stop without Redis")
         took = time.monotonic() - stop.at
-        assert ended == [lf.STOPPED_IN_OUTAGE_EXIT] and took >= lf.STOP_REDIS_S
+        assert ended == [WorkerExit.STOPPED_IN_OUTAGE] and took >= lf.STOP_REDIS_S
     finally:
         line.close()
 
@@ -162,7 +163,7 @@ def test_the_lifeline_reads_sigterm_itself_while_the_main_thread_is_elsewhere() 
         os.kill(os.getpid(), signal.SIGTERM)
         sent = time.monotonic()
         wait_until(lambda: ended, lf.STOP_REDIS_S + MARGIN, "the lifeline to end on the signal alone")
-        assert ended == [lf.STOPPED_IN_OUTAGE_EXIT] and not stop.is_set()
+        assert ended == [WorkerExit.STOPPED_IN_OUTAGE] and not stop.is_set()
         assert time.monotonic() - sent >= lf.STOP_REDIS_S - 0.2
     finally:
         line.close()
@@ -311,7 +312,7 @@ def _one_line(text: str, needle: str) -> str:
 @pytest.mark.slow
 def test_an_orphan_without_redis_exits_within_its_bound(tmp_path) -> None:
     """(a) The agent is SIGKILLed and Redis stopped: the worker ends BOUND s later (+ MARGIN),
-    with exit code ORPHANED_EXIT and one line saying why."""
+    with exit code WorkerExit.ORPHANED and one line saying why."""
     with _node(tmp_path, "orphan-" + tmp_path.name[-6:], {lf.ORPHAN_REDIS_ENV: str(BOUND)}) as node, \
             _adopting_orphans():
         loaders = _orphan(node)
@@ -321,7 +322,7 @@ def test_an_orphan_without_redis_exits_within_its_bound(tmp_path) -> None:
         _reap(loaders)
         took = ended - gone
         print(f"orphan without Redis ended {took:.2f} s after Redis was stopped (bound {BOUND:g} s), code {code}")
-        assert code == lf.ORPHANED_EXIT
+        assert code == WorkerExit.ORPHANED
         line = _one_line(node.log_text(), "orphaned: node agent")
         assert " ERROR " in line and f"pid {node.agent.pid}" in line and "Redis unreachable" in line
         assert BOUND - 1.0 <= took <= BOUND + MARGIN, f"ended {took:.2f} s after Redis went (bound {BOUND:g} s)"
@@ -353,7 +354,7 @@ def test_an_orphan_whose_redis_answers_trains_on_and_ends_when_redis_goes(tmp_pa
         took = ended - gone
         print(f"orphan trained {gone - orphaned:.1f} s with Redis up; ended {took:.2f} s after Redis was stopped, "
               f"code {code}")
-        assert code == lf.ORPHANED_EXIT
+        assert code == WorkerExit.ORPHANED
         _one_line(node.log_text(), "orphaned: node agent")
         # counted from Redis's last answer to a probe: up to PROBE_S (and a starved thread) before the stop
         assert BOUND - lf.PROBE_S - 1.0 <= took <= BOUND + MARGIN, f"ended {took:.2f} s after Redis went"
@@ -363,7 +364,7 @@ def test_an_orphan_whose_redis_answers_trains_on_and_ends_when_redis_goes(tmp_pa
 @pytest.mark.slow
 def test_sigterm_during_a_redis_outage_ends_the_worker_within_seconds(tmp_path) -> None:
     """(b) Redis stops; SIGTERM to the worker: it ends within STOP_LIMIT s (it gives Redis
-    STOP_REDIS_S to answer first) with STOPPED_IN_OUTAGE_EXIT and one line. Its agent does not
+    STOP_REDIS_S to answer first) with WorkerExit.STOPPED_IN_OUTAGE and one line. Its agent does not
     restart it (restarts are left), and once Redis is back reports its exit: the coordinator
     records it, the agent ends."""
     with _node(tmp_path, "term-" + tmp_path.name[-6:], max_restarts=2) as node:
@@ -380,17 +381,17 @@ def test_sigterm_during_a_redis_outage_ends_the_worker_within_seconds(tmp_path) 
         assert ready, f"the worker was still running {STOP_LIMIT + 10:g} s after SIGTERM"
         print(f"SIGTERM during the outage ended the worker in {took:.2f} s")
         line = _one_line(node.log_text(), "asked to stop while Redis is unreachable")
-        assert " ERROR " in line and f"exit code {lf.STOPPED_IN_OUTAGE_EXIT}" in line
+        assert " ERROR " in line and f"exit code {WorkerExit.STOPPED_IN_OUTAGE}" in line
         assert lf.STOP_REDIS_S - 0.5 <= took <= STOP_LIMIT, f"SIGTERM took {took:.2f} s"
         # the agent sees the exit once its own Redis call of the moment gives up or Redis is back
         node.restart_redis()
         assert node.agent.wait(90) == 0  # it reported the exit and ended: nothing to restart
         agent_log = node.agent.log_path.read_text()
-        said = f"stopped during a Redis outage without leaving the job with exit code {lf.STOPPED_IN_OUTAGE_EXIT}"
+        said = f"stopped during a Redis outage without leaving the job with exit code {WorkerExit.STOPPED_IN_OUTAGE}"
         assert said in agent_log
         assert agent_log.count("started worker pid") == 1, "the agent restarted a stopped worker"
         ControlWatcher(node.client, node.job).wait_for(
-            lambda d: node.wid in d.reason and f"exit code {lf.STOPPED_IN_OUTAGE_EXIT}" in d.reason, 60)
+            lambda d: node.wid in d.reason and f"exit code {WorkerExit.STOPPED_IN_OUTAGE}" in d.reason, 60)
         # asked to stop, not a crash: never the job's first failure, nothing dead-lettered
         keys = job_keys(node.job)
         assert JobStatus.from_hash(node.client.hgetall(keys.state)).first_failure_worker != node.wid

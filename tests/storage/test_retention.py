@@ -114,3 +114,25 @@ def test_local_deletion_leaves_no_empty_directories_and_sweeps_old_temporaries(t
     apply_retention(s, keep_last=1)
     assert not (tmp_path / "ck" / "step-000000001").exists()
     assert not stale.exists() and fresh.exists()
+
+
+def test_the_best_checkpoint_by_an_evaluation_metric_is_kept_besides_the_newest() -> None:
+    """``checkpoint_keep_best: {metric: val_loss, mode: min}``: the worker's retention pins the
+    step whose recorded evaluation is best (``storage/evals.py``, plain JSON records)."""
+    from shoal.storage.evals import best_step, record_eval
+
+    s = MemoryStore()
+    losses = {1: 0.9, 2: 0.4, 3: 0.7, 4: 0.8, 5: 0.6}
+
+    def pinned() -> list[int]:
+        best = best_step(s, "val_loss", "min", set(list_checkpoint_steps(s)))
+        return [best] if best is not None else []
+
+    for step, loss in losses.items():
+        save_checkpoint(s, tiny_state(step), keep_last=2, protect=pinned)
+        record_eval(s, step, {"val_loss": loss, "val_accuracy": 1 - loss})
+    assert list_checkpoint_steps(s) == [2, 4, 5]  # the newest two, and step 2 (val_loss 0.4)
+    assert best_step(s, "val_accuracy", "max", {4, 5}) == 5
+    assert best_step(s, "no_such_metric", "min", {2, 4, 5}) is None
+    s.put_bytes("evals/step-000000009.json", b"not json")  # an unreadable record is skipped
+    assert best_step(s, "val_loss", "min", set(list_checkpoint_steps(s))) == 2

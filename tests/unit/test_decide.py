@@ -10,7 +10,8 @@ from shoal.coordinator.decide import SETTLE_MS, EventInput, Forget, Publish, Rec
 from shoal.coordinator.states import CoordState
 from shoal.events.records import WorkerRecord
 from shoal.events.states import FailureCause, IllegalTransition, JobState, WorkerState
-from shoal.events.models import STOPPED_IN_OUTAGE_EXIT, JoinRequest, LeaveRequest, Left, Ready, StopJob, WorkerExited
+from shoal.events.exits import WorkerExit
+from shoal.events.models import JoinRequest, LeaveRequest, Left, Ready, StopJob, WorkerExited
 from shoal.core.jobspec import JobSpec
 
 SPEC = JobSpec(name="j", entrypoint="simulate", min_workers=2, max_workers=3, global_batch_size=10, heartbeat_ttl=2.0, heartbeat_interval=0.5)
@@ -227,7 +228,7 @@ def test_a_generation_that_could_not_form_is_replaced_by_a_new_one_of_the_same_m
     # the other members' reports of the same failure count nothing more
     late = StepFailed(job_id="j", worker_id="w2", generation=gen, step=5, error="rendezvous timed out", rendezvous=True)
     d2 = decide(d.state, _ev(late), T0 + 1, SPEC)
-    assert not tables(d2) and d2.state.status.formation_failures == 1
+    assert not tables(d2) and d2.state.status.formation.failures == 1
     assert not tables(decide(d2.state, Tick(), T0 + 499, SPEC))
     d3 = decide(d2.state, Tick(), T0 + 500, SPEC)
     (t,) = tables(d3)
@@ -259,15 +260,15 @@ def test_a_job_whose_generations_never_form_fails_after_formation_timeout_naming
 
     spec = SPEC.model_copy(update={"formation_timeout": 10.0})
     s = three_workers(spec)  # generation 1 planned at T0 + 2
-    planned = s.status.unformed_since_ms
+    planned = s.status.formation.unformed_since_ms
     assert planned == T0 + 2 and s.status.state == JobState.RUNNING
     error = ("rendezvous of generation 1 (rank 0/3): could not connect to peer 127.0.0.1:4321 (Connection refused); "
              "advertised 127.0.0.1 on lo (--iface/SHOAL_IFACE); set --iface/SHOAL_IFACE to an interface the peers reach")
     d = decide(s, _rendezvous_failed("w0", 1, error), T0 + 3000, spec)
     d = decide(d.state, Tick(), T0 + 3500, spec)  # after the back-off
     (t,) = tables(d)  # a new generation of the same members; the clock keeps running from the first
-    assert t.generation == 2 and d.state.status.unformed_since_ms == planned
-    assert d.state.status.rendezvous_error == f"w0: {error}"
+    assert t.generation == 2 and d.state.status.formation.unformed_since_ms == planned
+    assert d.state.status.formation.rendezvous_error == f"w0: {error}"
     assert JobStatus.from_hash(d.state.status.to_hash()) == d.state.status
     s = d.state
     assert not decide(s, Tick(), planned + 9_999, spec).changed  # not yet
@@ -288,13 +289,13 @@ def test_a_generation_that_forms_stops_the_formation_clock_and_the_next_plan_res
     s = decide(s, _rendezvous_failed("w0", 1, "refused"), T0 + 3000, spec).state
     s = decide(s, Tick(), T0 + 3500, spec).state  # generation 2
     d = decide(s, _ev(Ready(job_id="j", worker_id="w1", generation=2)), T0 + 4000, spec)
-    assert (d.state.status.unformed_since_ms, d.state.status.rendezvous_error) == (0, "")
-    assert (d.state.status.formation_failures, d.state.status.formation_retry_ms) == (0, 0)
+    assert (d.state.status.formation.unformed_since_ms, d.state.status.formation.rendezvous_error) == (0, "")
+    assert (d.state.status.formation.failures, d.state.status.formation.retry_ms) == (0, 0)
     s = d.state
     assert not decide(s, Tick(), T0 + 1_000_000, spec).changed  # formed: no deadline
     # a failure plans generation 3: its clock starts at that plan
     d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w2", exit_code=1)), T0 + 50_000, spec)
-    assert d.state.status.unformed_since_ms == T0 + 50_000 and tables(d)[0].generation == 3
+    assert d.state.status.formation.unformed_since_ms == T0 + 50_000 and tables(d)[0].generation == 3
     assert not decide(d.state, Tick(), T0 + 59_999, spec).changed
     assert decide(d.state, Tick(), T0 + 60_000, spec).state.status.state == JobState.FAILED
 
@@ -304,7 +305,7 @@ def test_a_paused_job_is_not_on_the_formation_clock() -> None:
     s = three_workers(spec)
     for i, wid in enumerate(("w1", "w2")):
         s = decide(s, _ev(WorkerExited(job_id="j", worker_id=wid, exit_code=1), f"{2 + i}-0"), T0 + 100 + i, spec).state
-    assert s.status.state == JobState.PAUSED and s.status.unformed_since_ms == 0
+    assert s.status.state == JobState.PAUSED and s.status.formation.unformed_since_ms == 0
     assert decide(s, Tick(), T0 + 1_000_000, spec).state.status.state == JobState.PAUSED
 
 
@@ -413,7 +414,7 @@ def test_streaming_tables_carry_sticky_shard_owners_from_the_joins_shard_count()
     first = decide(CoordState(), _ev(JoinRequest(job_id="j", host="h", pid=1)), T0, SPEC)
     assert first.state.status.num_shards == 0  # a map-style dataset: no owners
     assert s.status.num_shards == 10
-    owners = json_owners = json.loads(s.status.shard_owners)
+    owners = json_owners = s.status.shard_owners
     assert sorted(x for r in owners.values() for x in from_ranges(r)) == list(range(10))
     # the state survives its Redis hash (a coordinator taking the job over plans from it)
     assert JobStatus.from_hash(s.status.to_hash()) == s.status
@@ -460,9 +461,9 @@ def test_a_worker_stopped_during_an_outage_left_and_is_no_failure() -> None:
     the job's first failure."""
     s = decide(three_workers(), _ev(Ready(job_id="j", worker_id="w0", generation=1)), T0 + 1, SPEC).state
     assert s.workers["w0"].state == WorkerState.ACTIVE  # and w1, w2 Syncing: both ways to Left
-    d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w0", exit_code=STOPPED_IN_OUTAGE_EXIT)), T0 + 5, SPEC)
+    d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w0", exit_code=WorkerExit.STOPPED_IN_OUTAGE)), T0 + 5, SPEC)
     assert d.state.workers["w0"].state == WorkerState.LEFT and tables(d)[0].world_size == 2
-    d = decide(d.state, _ev(WorkerExited(job_id="j", worker_id="w2", exit_code=STOPPED_IN_OUTAGE_EXIT)), T0 + 5, SPEC)
+    d = decide(d.state, _ev(WorkerExited(job_id="j", worker_id="w2", exit_code=WorkerExit.STOPPED_IN_OUTAGE)), T0 + 5, SPEC)
     assert d.state.workers["w2"].state == WorkerState.LEFT and tables(d)[0].paused  # 1 < min_workers
     assert not d.state.status.first_failure
     d = decide(d.state, _ev(WorkerExited(job_id="j", worker_id="w1", exit_code=76)), T0 + 6, SPEC)  # an orphan's end is one
@@ -475,6 +476,6 @@ def test_a_worker_stopped_during_an_outage_is_no_first_failure_after_its_heartbe
     s = three_workers()
     d = decide(s, Tick(last_seen={"w0": T0}), T0 + 60_000, SPEC)
     assert d.state.workers["w0"].state == WorkerState.FAILED and d.state.status.first_failure_worker == "w0"
-    d = decide(d.state, _ev(WorkerExited(job_id="j", worker_id="w0", exit_code=STOPPED_IN_OUTAGE_EXIT)), T0 + 60_001, SPEC)
+    d = decide(d.state, _ev(WorkerExited(job_id="j", worker_id="w0", exit_code=WorkerExit.STOPPED_IN_OUTAGE)), T0 + 60_001, SPEC)
     assert not d.state.status.first_failure and not d.state.status.first_failure_worker
     assert "asked to stop during a Redis outage" in d.state.workers["w0"].reason

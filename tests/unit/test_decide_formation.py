@@ -6,16 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.coordinator.decide import (
-    CONFIG_STRIKES,
-    FORMATION_BACKOFF_MAX_MS,
-    FORMATION_BACKOFF_MS,
-    EventInput,
-    Publish,
-    Tick,
-    decide,
-    formation_backoff_ms,
-)
+from shoal.coordinator.decide import EventInput, Publish, Tick, decide
+from shoal.coordinator.formation import CONFIG_STRIKES, FORMATION_BACKOFF_MAX_MS, FORMATION_BACKOFF_MS, formation_backoff_ms
 from shoal.coordinator.states import CoordState
 from shoal.events.records import JobStatus
 from shoal.events.states import JobState
@@ -66,7 +58,7 @@ def test_a_group_that_never_forms_costs_at_most_ten_generations_a_minute() -> No
     now = T0
     while now < T0 + 300_000:
         now += 100
-        if s.status.formation_failed_generation != s.status.generation:
+        if s.status.formation.failed_generation != s.status.generation:
             s = _failed(s, "w0", now).state
         d = decide(s, Tick(), now, SPEC)
         s = d.state
@@ -85,7 +77,7 @@ def test_three_generations_in_a_row_with_the_same_configuration_error_fail_the_j
         d = _failed(s, "w0", now, kind, NO_IFACE)
         assert f"configuration error no_interface_address ({strike} of {CONFIG_STRIKES} in a row fail the job)" in d.reason
         d = _failed(d.state, "w1", now + 1, kind, NO_IFACE)  # the other member's report: counted once
-        assert d.state.status.formation_strikes == strike
+        assert d.state.status.formation.strikes == strike
         now += formation_backoff_ms(strike)
         d = decide(d.state, Tick(), now, SPEC)
         assert len(_tables(d)) == 1
@@ -109,7 +101,7 @@ def test_a_transient_failure_between_configuration_errors_neither_counts_nor_res
     for k in sequence:
         d = _failed(s, "w2", now, k, "CUDA out of memory" if k == kind else "boom")
         assert d.state.status.state == JobState.RUNNING, (k, d.reason)
-        strikes.append(d.state.status.formation_strikes)
+        strikes.append(d.state.status.formation.strikes)
         now += FORMATION_BACKOFF_MAX_MS
         s = decide(d.state, Tick(), now, SPEC).state
     assert strikes == [1, 1, 2, 1, 1, 2]
@@ -121,7 +113,7 @@ def test_a_configuration_error_reported_after_a_transient_one_of_the_same_genera
     s = _members()
     d = _failed(s, "w1", T0 + 1000)  # w1 timed out waiting for the broken member
     d = _failed(d.state, "w0", T0 + 1001, FormationError.NO_INTERFACE_ADDRESS, NO_IFACE)
-    assert (d.state.status.formation_failures, d.state.status.formation_strikes) == (1, 1)
+    assert (d.state.status.formation.failures, d.state.status.formation.strikes) == (1, 1)
 
 
 def test_new_members_start_the_count_over_and_a_formed_generation_clears_it() -> None:
@@ -135,12 +127,12 @@ def test_new_members_start_the_count_over_and_a_formed_generation_clears_it() ->
     d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w2", exit_code=1), "9-0"), now, SPEC)  # re-planned at once
     assert len(_tables(d)) == 1
     d = _failed(d.state, "w0", now + 1, kind, "invalid device ordinal")
-    assert d.state.status.state == JobState.RUNNING and d.state.status.formation_strikes == 1
-    assert d.state.status.formation_failures == 1 and "new generation in 0.5 s" in d.reason
+    assert d.state.status.state == JobState.RUNNING and d.state.status.formation.strikes == 1
+    assert d.state.status.formation.failures == 1 and "new generation in 0.5 s" in d.reason
     s = decide(d.state, Tick(), now + 501, SPEC).state
     s = decide(s, _ev(Ready(job_id="j", worker_id="w0", generation=s.status.generation), "10-0"), now + 600, SPEC).state
     st = s.status
-    assert (st.formation_failures, st.formation_strikes, st.formation_error, st.formation_retry_ms) == (0, 0, "", 0)
+    assert (st.formation.failures, st.formation.strikes, st.formation.config_error, st.formation.retry_ms) == (0, 0, "", 0)
 
 
 def test_nccl_invalid_usage_names_the_shared_gpu_in_the_fix() -> None:
@@ -187,15 +179,15 @@ def test_a_switch_that_only_removes_members_forms_when_the_survivors_say_ready()
     g = s.status.generation
     for i, wid in enumerate(("w0", "w1", "w2")):
         s = decide(s, _ev(Ready(job_id="j", worker_id=wid, generation=g, step=0), f"{10 + i}-0"), T0 + 10 + i, spec).state
-    assert s.status.unformed_since_ms == 0
+    assert s.status.formation.unformed_since_ms == 0
     exited = WorkerExited(job_id="j", worker_id="w2", exit_code=-9, signal=9)
     d = decide(s, _ev(exited, "20-0"), T0 + 1000, spec)
-    assert d.state.status.generation == g + 1 and d.state.status.unformed_since_ms == T0 + 1000
+    assert d.state.status.generation == g + 1 and d.state.status.formation.unformed_since_ms == T0 + 1000
     s = d.state
     for i, wid in enumerate(("w0", "w1")):  # still active: a removal-only switch
         assert s.workers[wid].state.value == "Active"
         s = decide(s, _ev(Ready(job_id="j", worker_id=wid, generation=g + 1, step=5), f"{30 + i}-0"),
                    T0 + 1100 + i, spec).state
-    assert s.status.unformed_since_ms == 0
+    assert s.status.formation.unformed_since_ms == 0
     later = decide(s, Tick(), T0 + 1000 + 61_000, spec)
     assert later.state.status.state == JobState.RUNNING, later.reason

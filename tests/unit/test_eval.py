@@ -13,9 +13,9 @@ import fakeredis
 import pytest
 import torch
 
-from shoal.coordinator.decide import EventInput, decide as coord_decide, last_eval
+from shoal.coordinator.decide import EventInput, decide as coord_decide
 from shoal.coordinator.states import CoordState
-from shoal.events.records import JobStatus, WorkerRecord
+from shoal.events.records import Evaluation, JobStatus, WorkerRecord
 from shoal.events.states import JobState, WorkerState
 from shoal.core.jobspec import JobSpec
 from shoal.core.registry import create_job
@@ -209,15 +209,15 @@ def test_the_coordinator_keeps_the_newest_evaluation_in_the_job_record() -> None
     d = coord_decide(s, _eval(step=40, epoch=1, metrics={"acc": 0.75, "loss": 0.5}), MS, SPEC)
     assert d.changed and d.actions == ()
     assert d.reason == "w0 evaluated step 40 (1 epoch done, generation 3): acc=0.75 loss=0.5"
-    assert last_eval(d.state.status) == {"step": 40, "epoch": 1, "generation": 3,
-                                         "metrics": {"acc": 0.75, "loss": 0.5}, "worker_id": "w0"}
+    assert d.state.status.eval == Evaluation(step=40, epoch=1, generation=3, metrics={"acc": 0.75, "loss": 0.5},
+                                             worker_id="w0")
     # stored in the state hash and read back (an older hash without the field reads as none)
     back = JobStatus.from_hash({k.encode(): v.encode() for k, v in d.state.status.to_hash().items()})
-    assert back == d.state.status and last_eval(back)["step"] == 40
-    assert JobStatus.from_hash({"state": "running"}).eval == "" and last_eval(JobStatus()) is None
+    assert back == d.state.status and back.eval.step == 40
+    assert JobStatus.from_hash({"state": "running"}).eval is None and JobStatus().eval is None
     # a newer step replaces it; the final one is said so
     d = coord_decide(d.state, _eval(step=60, metrics={"acc": 0.8}, final=True), MS + 1, SPEC)
-    assert last_eval(d.state.status)["step"] == 60 and "final" in d.reason
+    assert d.state.status.eval.step == 60 and "final" in d.reason
 
 
 def test_late_stale_and_unknown_evaluations_change_nothing() -> None:
@@ -232,7 +232,7 @@ def test_late_stale_and_unknown_evaluations_change_nothing() -> None:
     assert not d.changed and "already completed" in d.reason
     # a lower step from a newer generation is the job resuming below it: it is the newest
     d = coord_decide(s, _eval(step=20, generation=5), MS + 1, SPEC)
-    assert d.changed and last_eval(d.state.status)["step"] == 20
+    assert d.changed and d.state.status.eval.step == 20
 
 
 def test_the_final_evaluation_precedes_the_completion_which_keeps_it() -> None:
@@ -241,7 +241,7 @@ def test_the_final_evaluation_precedes_the_completion_which_keeps_it() -> None:
     done = coord_decide(s, EventInput(f"{MS}-99", JobCompleted(job_id="j", worker_id="w0", step=64,
                                                                 summary={"step": 64, "accuracy": 0.9})), MS + 1, SPEC)
     assert done.state.status.state == JobState.COMPLETED
-    assert last_eval(done.state.status) == last_eval(s.status)
+    assert done.state.status.eval == s.status.eval is not None
 
 
 # ---- what operators see -----------------------------------------------------------------------

@@ -52,3 +52,29 @@ def test_malformed_entries_raise_invalid_event_with_a_reason(fields, reason) -> 
     with pytest.raises(InvalidEvent) as exc:
         decode_event(fields, expected_job="j")
     assert reason in exc.value.reason
+
+
+def test_every_worker_event_kind_is_a_control_kind() -> None:
+    from typing import get_args
+
+    from shoal.events.models import WorkerEvent
+    from shoal.events.streams import ControlKind
+
+    kinds = {m.model_fields["kind"].default for m in get_args(get_args(WorkerEvent)[0])}
+    assert len(kinds) == 11 and kinds <= {k.value for k in ControlKind}
+    assert {k.value for k in ControlKind} - kinds == {"tick", "dead_letter"}
+
+
+def test_the_stream_enums_read_known_values_as_members_and_keep_unknown_ones() -> None:
+    from shoal.events.states import JobState
+    from shoal.events.streams import ControlEntry, ControlKind, ProgressEntry, ProgressKind
+
+    known = ControlEntry.from_fields({b"kind": b"exited", b"job_state": b"running", b"generation": b"3"})
+    assert known.kind is ControlKind.EXITED and known.job_state is JobState.RUNNING and known.generation == 3
+    assert known.to_fields()["kind"] == "exited" and known.to_fields()["job_state"] == "running"
+    newer = ControlEntry.from_fields({"kind": "resharded", "job_state": "draining", "generation": "4"})
+    assert (newer.kind, newer.job_state, newer.generation) == ("resharded", "draining", 4)
+    assert newer.to_fields()["kind"] == "resharded" and f"{known.job_state:<8}|" == "running |"
+    assert ProgressEntry.from_fields({"kind": "eval", "step": "2"}).kind is ProgressKind.EVAL
+    later = ProgressEntry.from_fields({"kind": "profile", "step": "2"})
+    assert later.kind == "profile" and not later.is_eval and not later.is_step

@@ -7,7 +7,8 @@ and the error; a commit beyond the step ends the spell."""
 from __future__ import annotations
 
 from shoal.coordinator import watchdog
-from shoal.coordinator.decide import SETTLE_MS, StepSeen, Tick, decide
+from shoal.coordinator.decide import SETTLE_MS, Tick, decide
+from shoal.coordinator.redone import StepSeen
 from shoal.events.models import StepFailed, WorkerExited
 from shoal.events.states import FailureCause, JobState, WorkerState
 from tests.unit.test_decide import SPEC, T0, _ev, join, tables, three_workers
