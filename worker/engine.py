@@ -132,15 +132,7 @@ class StepResult:
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_to_device(o, device) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj
+    return map_tensors(obj, lambda t: t.to(device, non_blocking=True))
 
 
 class StepCommon:
@@ -691,33 +683,32 @@ def checkpoint_forward(module: torch.nn.Module) -> None:
     module.forward = checkpointed
 
 
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` (a tensor, or a tuple, namedtuple, list or dict of them, nested) with ``fn``
+    applied to every tensor; anything else as it is."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_tensors(o, fn) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
 def _pad(inputs: Any, shape: int) -> Any:
-    """``inputs`` (a tensor, or a tuple/list/dict of them, batch first) with their first
-    sample repeated up to ``shape`` samples."""
-    if isinstance(inputs, torch.Tensor):
-        short = shape - inputs.shape[0]
-        return torch.cat([inputs, inputs[:1].expand(short, *inputs.shape[1:])]) if short > 0 else inputs
-    if isinstance(inputs, tuple) and hasattr(inputs, "_fields"):
-        return type(inputs)(*(_pad(x, shape) for x in inputs))
-    if isinstance(inputs, (list, tuple)):
-        return type(inputs)(_pad(x, shape) for x in inputs)
-    if isinstance(inputs, dict):
-        return {k: _pad(v, shape) for k, v in inputs.items()}
-    return inputs
+    """``inputs`` (batch first) with their first sample repeated up to ``shape`` samples."""
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        short = shape - t.shape[0]
+        return torch.cat([t, t[:1].expand(short, *t.shape[1:])]) if short > 0 else t
+
+    return map_tensors(inputs, pad)
 
 
 def _head(outputs: Any, n: int) -> Any:
-    """The first ``n`` samples of a model's ``outputs`` (a tensor, or a tuple/list/dict of
-    them, batch first)."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs[:n]
-    if isinstance(outputs, tuple) and hasattr(outputs, "_fields"):
-        return type(outputs)(*(_head(x, n) for x in outputs))
-    if isinstance(outputs, (list, tuple)):
-        return type(outputs)(_head(x, n) for x in outputs)
-    if isinstance(outputs, dict):
-        return {k: _head(v, n) for k, v in outputs.items()}
-    return outputs
+    """The first ``n`` samples of a model's ``outputs`` (batch first)."""
+    return map_tensors(outputs, lambda t: t[:n])
 
 
 def _rng_state(device: torch.device) -> tuple:
