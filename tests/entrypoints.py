@@ -130,3 +130,16 @@ def digits_split_eval() -> TrainingSetup:
 
     setup.eval_fn, setup.eval_dataset, setup.eval_sums, setup.eval_batch_size = None, test, sums, 50
     return setup
+
+
+def digits_split_eval_large() -> TrainingSetup:
+    """:func:`digits_split_eval` with 40,000 held-out glyphs (``bench/eval_split.py``)."""
+    import torch
+
+    from shoal.examples.digits import DigitGlyphs
+
+    setup = digits_split_eval()
+    big = DigitGlyphs(train=False, size=40_000)
+    big.x = big.x.double()
+    setup.eval_dataset, setup.eval_batch_size = big, 1000
+    return setup
