@@ -358,7 +358,7 @@ class Group:
         done = threading.Event()
         completed: list[BaseException | None] = []  # filled when the work ended (the event alone may be an abort)
         with self._lock:
-            if self.abort_reason:
+            if self.abort_reason and not _ended(work):  # one that ended already wins here too
                 self._abandoned.append(work)
                 raise CollectiveFailed(f"{what}: aborted ({self.abort_reason})", local=True)
             self._waiting = done
@@ -585,6 +585,17 @@ def _host_copy(tensor: torch.Tensor, *, fill: bool = True) -> torch.Tensor:
     (``fill``) or not yet (a receive's)."""
     host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda)
     return host.copy_(tensor) if fill else host
+
+
+def _ended(work: object) -> bool:
+    """Whether ``work`` ended already (succeeded or failed: waiting for it then returns at once
+    or raises what it failed with). A collective whose data all arrived before a late abort
+    was requested counts: a peer on the other side of it may have applied the step already,
+    and dropping it here would make this side redo a step that side committed."""
+    try:
+        return bool(work.is_completed())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _poll(work: object, completed: list, done: threading.Event, timeout: float | None) -> bool:

@@ -12,17 +12,30 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import NoReturn
 
 from shoal.events.exits import WorkerExit
 
 log = logging.getLogger("shoal.worker")
 
+#: Set the moment a thread decided to end the process: from then on no step commits (the
+#: training worker's commit fence reads :func:`ending`). The log lines and their flush to the
+#: job's stream take milliseconds, in which the training thread could otherwise commit a step
+#: that its replica group's peers, evicted with it, never commit: a step committed twice.
+_ending = threading.Event()
+
+
+def ending() -> bool:
+    """Whether this process is ending for its node agent to start it again."""
+    return _ending.is_set()
+
 
 def exit_for_restart(why: str) -> NoReturn:
     """(Any thread.) Log ``why``, flush the log handlers (the job's log stream among them) and
     end the process with ``WorkerExit.RESTART``. Nothing of its state is lost to the job: the
     live members hold it."""
+    _ending.set()  # first: no step commits once the decision is made
     log.warning("%s; exiting (code %d) for the node agent to start this worker again", why, WorkerExit.RESTART)
     for handler in logging.getLogger().handlers:
         try:

@@ -55,6 +55,7 @@ from shoal.core.faults import FaultPlan, InjectedAbort
 from shoal.core.jobspec import JobSpec
 from shoal.events.states import is_terminal
 from shoal.worker import placement
+from shoal.worker import restart
 from shoal.worker import compile_cache
 from shoal.worker import torch_compat as tc
 from shoal.worker.checkpoints import Checkpoints
@@ -272,6 +273,9 @@ class TrainingWorker(WorkerRunner):
         with peers frozen alike) must commit nothing more - its steps are being redone by
         the generation that replaced it. Free unless beats are late; see
         :meth:`Heartbeater.still_member`."""
+        if restart.ending():
+            raise StepAborted("this process is ending for its node agent to start it again: this step is not applied",
+                              local=True)
         if self.hb is None:
             return
         try:

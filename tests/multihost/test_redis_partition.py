@@ -137,7 +137,12 @@ def test_a_primary_cut_off_with_a_coordinator_and_a_worker_loses_nothing(net: Ne
     # for longer than the TTL): evicted, it exited and its agent started it again
     assert pids["n2"] | pids["n3"] <= {e["pid"] for e in entries if e["step"] == STEPS}
     finals = {p.stem: torch.load(p, weights_only=True) for p in sorted((tmp_path / "final").glob("final-*.pt"))}
-    assert len(finals) == 3
+    # every member of the last generation exported its parameters: the majority's two always;
+    # n1's restarted worker too when it rejoined before the end (on a loaded machine its
+    # restart - a fresh interpreter importing torch - once took longer than the steps left)
+    majority = {e["worker"] for e in entries if e["pid"] in pids["n2"] | pids["n3"]}
+    assert len(majority) == 2 and {f"final-{w}" for w in majority} <= set(finals), (sorted(finals), majority)
+    print(f"final parameters exported by {', '.join(sorted(finals))}")
     equal, close, eq_detail, close_detail = compare_to_reference(finals, reference_parameters(STEPS, SEED))
     assert equal, eq_detail
     assert close, close_detail

@@ -90,6 +90,20 @@ def test_past_the_collective_timeout_the_wait_aborts_the_group() -> None:
         group._wait(FakeNcclWork(), "all_reduce")
 
 
+def test_a_work_that_ended_before_a_late_abort_is_not_dropped() -> None:
+    """Issue 34: a step's cross-replica reduces all arrived, then the table evicting the other
+    replica group aborted the group; the wait for the next (already complete) reduce raised, so
+    this group redid a step the other group had committed - the step committed twice."""
+    group = _group()
+    ended = FakeNcclWork()
+    ended.done.set()
+    group.request_abort("generation 8 evicted w2")
+    group._wait(ended, "all_reduce of a gradient shard")  # its data is here: the wait succeeds
+    assert ended.waited == 1 and group._abandoned == []
+    with pytest.raises(CollectiveFailed, match=r"aborted \(generation 8 evicted w2\)"):
+        group._wait(FakeNcclWork(), "all_reduce of the next shard")  # one still in flight fails at once
+
+
 def test_leaving_an_aborted_nccl_group_aborts_the_communicator_first(rendezvous, nccl_group, monkeypatch) -> None:
     calls: list[str] = []
     monkeypatch.setattr(pg.tc, "abort_default_nccl", lambda: calls.append("ncclCommAbort"))
@@ -116,3 +130,22 @@ def test_only_nccl_work_is_polled() -> None:
     work = FakeNcclWork()
     assert _group("nccl")._polled(work)
     assert not _group("gloo")._polled(work)  # gloo's future completes when the collective does
+
+
+def test_no_step_commits_once_the_process_decided_to_end(monkeypatch) -> None:
+    """The fence (the last check before a step is applied) refuses every step from the moment a
+    thread decided to end the process for a restart (its replica group went whole): the log
+    flush before the exit takes milliseconds, in which the training thread committed a step its
+    evicted peers never did (issue 34)."""
+    from types import SimpleNamespace
+
+    from shoal.worker import restart
+    from shoal.worker.errors import StepAborted
+    from shoal.worker.training import TrainingWorker
+
+    worker = SimpleNamespace(hb=None)
+    TrainingWorker._fence(worker)  # nothing decided: the step goes on
+    monkeypatch.setattr(restart, "_ending", threading.Event())
+    restart._ending.set()
+    with pytest.raises(StepAborted, match="ending for its node agent"):
+        TrainingWorker._fence(worker)
