@@ -139,27 +139,6 @@ class Checkpoints:
         state, _manifest = resume(self.store, self.membership.client, self.membership.job_id, on_warning=log.warning)
         return state
 
-
-def warm_start(layout, uri: str, *, optimizer: bool) -> int:
-    """Load the newest verifying checkpoint of the store ``uri`` (``init_from``, whichever
-    job wrote it) into ``layout`` as a warm start (:class:`Restore`): its weights, and its
-    optimizer state with ``optimizer``; the job itself starts at step 0. Any checkpoint into
-    any layout, as a resume. Returns the step of the checkpoint loaded. StorageError
-    (NoCheckpoint when the store holds none) when it cannot be loaded: a job asked to start
-    from weights never starts from others."""
-    store = open_store(uri)
-    parts = Restore(warm=True, optimizer=optimizer)
-    state, manifest = resume(store, on_warning=log.warning)
-
-    def newest():  # a layout that loads later and finds that checkpoint gone
-        return resume(store, on_warning=log.warning)[0]
-
-    log.info("warm start from %s step %d (a %s checkpoint of job %s): %s; this job starts at step 0", uri,
-             state.step, f"sharded over {state.shards}" if isinstance(state, ShardedCheckpoint) else "full",
-             manifest.job_id or "(not recorded)", "weights and optimizer state" if optimizer else "weights only")
-    layout.resume(state, newest, parts)
-    return state.step
-
     def save(self, layout, *, step: int, cursor: int, epoch: int, generation: int, world_size: int, wait: bool,
              shard: int = 0) -> None:
         """Start the checkpoint of ``step``: this member's part (:meth:`Layout.checkpoint`:
@@ -184,6 +163,27 @@ def warm_start(layout, uri: str, *, optimizer: bool) -> int:
 
     def close(self) -> None:
         self.saver.close(CLOSE_TIMEOUT_S)
+
+
+def warm_start(layout, uri: str, *, optimizer: bool) -> int:
+    """Load the newest verifying checkpoint of the store ``uri`` (``init_from``, whichever
+    job wrote it) into ``layout`` as a warm start (:class:`Restore`): its weights, and its
+    optimizer state with ``optimizer``; the job itself starts at step 0. Any checkpoint into
+    any layout, as a resume. Returns the step of the checkpoint loaded. StorageError
+    (NoCheckpoint when the store holds none) when it cannot be loaded: a job asked to start
+    from weights never starts from others."""
+    store = open_store(uri)
+    parts = Restore(warm=True, optimizer=optimizer)
+    state, manifest = resume(store, on_warning=log.warning)
+
+    def newest():  # a layout that loads later and finds that checkpoint gone
+        return resume(store, on_warning=log.warning)[0]
+
+    log.info("warm start from %s step %d (a %s checkpoint of job %s): %s; this job starts at step 0", uri,
+             state.step, f"sharded over {state.shards}" if isinstance(state, ShardedCheckpoint) else "full",
+             manifest.job_id or "(not recorded)", "weights and optimizer state" if optimizer else "weights only")
+    layout.resume(state, newest, parts)
+    return state.step
 
 
 def load_flat(engine, state: TrainState | ShardedCheckpoint, parts: Restore = RESUME) -> None:
