@@ -5,6 +5,7 @@ refused with one line naming both jobs and the fix. No Redis, no user code."""
 from __future__ import annotations
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from shoal.core.errors import ConfigError
@@ -12,6 +13,8 @@ from shoal.core.jobspec import JobSpec
 from shoal.ops.submit import check_checkpoints
 from shoal.storage.checkpoint import save_checkpoint
 from shoal.storage.local import LocalStore
+from shoal.storage.train_state import TrainState
+from shoal.worker.checkpoints import Restore, load_flat, restore_warm
 from tests.storage.support import tiny_state
 
 
@@ -57,3 +60,53 @@ def test_submit_refuses_a_checkpoint_uri_holding_another_jobs_checkpoints(tmp_pa
     assert not (tmp_path / "fresh").exists()
     # the fix the line names: another store, warm-started from a's
     check_checkpoints(spec(checkpoint_uri=f"file://{tmp_path}/b", init_from=uri))
+
+
+def _trained(lr: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(1)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(5, 4)).pow(2).sum().backward()
+        opt.step()
+    return model, opt
+
+
+def _fresh(lr: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(2)
+    model = torch.nn.Linear(4, 3)
+    return model, torch.optim.Adam(model.parameters(), lr=lr)
+
+
+class _Engine:
+    def __init__(self, model, optimizer) -> None:
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, None
+
+
+@pytest.mark.parametrize("path", ["whole", "flat"])
+def test_a_warm_start_takes_the_weights_and_optionally_the_moments_never_the_hyperparameters(path) -> None:
+    """Both ways a layout loads a checkpoint: a whole one into a whole model
+    (``restore_warm``) and the flat path a sharded model (or a sharded checkpoint) takes
+    (``load_flat``); the new job's learning rate stays its own."""
+    src_model, src_opt = _trained(lr=0.5)
+    state = TrainState.capture(src_model, src_opt, None, step=3, epoch=0, data_cursor=96, generation=1,
+                               world_size=1).snapshot()
+    src_moments = [src_opt.state[p]["exp_avg"] for p in src_model.parameters()]
+    for optimizer in (False, True):
+        model, opt = _fresh(lr=0.01)
+        if path == "whole":
+            restore_warm(state, model, opt if optimizer else None)
+        else:
+            load_flat(_Engine(model, opt), state, Restore(warm=True, optimizer=optimizer))
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), src_model.state_dict().values()))
+        assert opt.param_groups[0]["lr"] == 0.01
+        moments = [opt.state[p]["exp_avg"] if p in opt.state else None for p in model.parameters()]
+        if optimizer:
+            assert all(torch.equal(a, b) for a, b in zip(moments, src_moments))
+        else:  # fresh: no moments yet (or the zeros a fresh sharded optimizer gets)
+            assert all(m is None or not m.any() for m in moments)
+    # a resume (not a warm start) takes the checkpoint's hyperparameters too
+    model, opt = _fresh(lr=0.01)
+    load_flat(_Engine(model, opt), state)
+    assert opt.param_groups[0]["lr"] == 0.5
