@@ -71,9 +71,9 @@ def connect(url: str, *, timeout: float = 5.0, check: bool = True, ride_out: flo
 
     ``ride_out`` > 0 makes every command retry connection errors with exponential backoff
     for about that many seconds (workers use it to live through a Redis restart without
-    losing their process; ``math.inf``: for as long as it takes, for a process whose every
-    Redis call may wait, such as the queue agent's RQ bookkeeping); 0 makes errors surface at once (the coordinator handles outages
-    itself, so that it knows to reload its state).
+    losing their process); ``math.inf`` for as long as it takes (a process whose every Redis
+    call may wait, such as the queue agent's RQ bookkeeping); 0 makes errors surface at once
+    (the coordinator handles outages itself, so that it knows to reload its state).
 
     Raises ConnectionFailed (naming the redacted URL and the cause) when the server cannot be
     reached, refuses authentication, or the URL is malformed.

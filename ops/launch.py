@@ -149,13 +149,15 @@ def run_launch(job_id: str, workers: int, *, meta_interval: float | None = None,
             previous = signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
         next_report = time.monotonic() + meta_interval
 
-        def report() -> None:  # a Redis error here is an outage the agent's loop waits out
+        def report() -> None:  # Redis unreachable: an outage the agent's loop waits out
             nonlocal next_report
             if time.monotonic() >= next_report:
                 next_report = time.monotonic() + meta_interval
                 try:
                     sample = progress.sample()
-                except ValueError as exc:
+                except _REDIS_DOWN:
+                    raise
+                except (redis.RedisError, ValueError) as exc:  # best effort: the workers go on
                     log.warning("progress sample failed: %s", exc)
                     return
                 _save_meta(rq_job, {**base, **sample})
