@@ -57,9 +57,9 @@ def checkpoint_owner(store: ObjectStore, *, hmac_key: HmacKey = FROM_ENV) -> Own
 
 def foreign(uri: str, owner: str, step: int, job_id: str) -> str:
     """The one line of a refusal: both jobs, and the two ways out."""
-    return (f"checkpoint_uri {uri} holds job {owner!r}'s checkpoints (its LATEST: step {step}); job {job_id!r} "
-            f"does not resume another job's checkpoint: give job {job_id!r} its own checkpoint_uri, or warm-start "
-            f"from {owner!r}'s weights with init_from: {uri}")
+    return (f"checkpoint_uri {uri} holds the checkpoints of job {owner!r} (its LATEST: step {step}); job "
+            f"{job_id!r} does not resume another job's checkpoint: give job {job_id!r} its own checkpoint_uri, or "
+            f"warm-start it from those weights with init_from: {uri}")
 
 
 def check_owned(store: ObjectStore, job_id: str, *, hmac_key: HmacKey = FROM_ENV) -> Owner | None:
