@@ -15,6 +15,7 @@ is a :class:`ReplicatedRedis`: it knows that the deployment has replicas, and
 from __future__ import annotations
 
 import functools
+import math
 import os
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
@@ -70,8 +71,9 @@ def connect(url: str, *, timeout: float = 5.0, check: bool = True, ride_out: flo
 
     ``ride_out`` > 0 makes every command retry connection errors with exponential backoff
     for about that many seconds (workers use it to live through a Redis restart without
-    losing their process); 0 makes errors surface at once (the coordinator handles outages
-    itself, so that it knows to reload its state).
+    losing their process); ``math.inf`` for as long as it takes (a process whose every Redis
+    call may wait, such as the queue agent's RQ bookkeeping); 0 makes errors surface at once
+    (the coordinator handles outages itself, so that it knows to reload its state).
 
     Raises ConnectionFailed (naming the redacted URL and the cause) when the server cannot be
     reached, refuses authentication, or the URL is malformed.
@@ -80,7 +82,9 @@ def connect(url: str, *, timeout: float = 5.0, check: bool = True, ride_out: flo
     if ride_out > 0:
         cap, base = 1.0, 0.05
         errors = (redis.ConnectionError, redis.TimeoutError)
-        retrying = dict(retry=Retry(ExponentialBackoff(cap=cap, base=base), retries=max(1, int(ride_out / cap) + 5),
+        # an infinite ride-out retries for as long as it takes (redis-py: retries < 0)
+        retries = -1 if math.isinf(ride_out) else max(1, int(ride_out / cap) + 5)
+        retrying = dict(retry=Retry(ExponentialBackoff(cap=cap, base=base), retries=retries,
                                     supported_errors=errors),
                         retry_on_error=list(errors))
     try:
@@ -151,7 +155,13 @@ def _sentinel_classes() -> tuple[type, type]:
     every socket connect. redis-py's own ask only in ``connect()``: a reconnect from inside a
     command's retry (``connect_check_health``) reuses the address the connection had, so a
     worker riding out a fail-over kept dialling the dead primary for its whole ride-out (60 s
-    seen) while a replica had been promoted 2 s after the kill."""
+    seen) while a replica had been promoted 2 s after the kill.
+
+    They also drop the connection when a reply's read is interrupted (an exception raised by a
+    signal handler, e.g. RQ's warm shutdown during its blocking dequeue), as redis-py's plain
+    connections do: its Sentinel ones default to keeping it, so the unread reply answered the
+    next command on that connection ("Wrong number of response items from pipeline
+    execution": an idle ``shoal agent --queue`` under Sentinel exited 3 on SIGTERM)."""
     from redis.sentinel import SentinelManagedConnection, SentinelManagedSSLConnection
 
     class Rediscover:
@@ -159,6 +169,10 @@ def _sentinel_classes() -> tuple[type, type]:
             if self.connection_pool.is_master:
                 self.host, self.port = self.connection_pool.get_master_address()
             return super()._connect()
+
+        def read_response(self, disable_decoding=False, *, disconnect_on_error=True, **kwargs):
+            return super().read_response(disable_decoding=disable_decoding, disconnect_on_error=disconnect_on_error,
+                                         **kwargs)
 
     class Plain(Rediscover, SentinelManagedConnection):
         pass

@@ -86,6 +86,14 @@ class JobSpec(BaseModel):
     #: Also keep the checkpoint whose evaluation was the best by a metric (an evaluation of the
     #: step a checkpoint was saved at): ``{metric: val_loss, mode: min}``. None: the newest only.
     checkpoint_keep_best: KeepBest | None = None
+    #: Warm start (fine-tuning): a job with no checkpoint of its own yet loads the newest
+    #: checkpoint in this store (``file://`` or ``s3://``, another job's ``checkpoint_uri``):
+    #: its weights, and with ``init_from_optimizer`` its optimizer's per-parameter state (the
+    #: job keeps its own hyperparameters); never its LR scheduler, RNG or data position: the
+    #: job starts at step 0 of epoch 0. Once the job has a checkpoint of its own, a restart
+    #: resumes from that. Checked at submit: a store without a readable checkpoint is refused.
+    init_from: str | None = None
+    init_from_optimizer: bool = False
     data_uri: str | None = None
     shard_strategy: ShardStrategy = ShardStrategy.contiguous
     #: Size of the index space the shard table splits. Defaults to the global batch size:
@@ -207,7 +215,7 @@ class JobSpec(BaseModel):
             raise ValueError(f"{printable(bad[0])!r} is not a keyword argument name (a Python identifier)")
         return v
 
-    @field_validator("checkpoint_uri", "data_uri")
+    @field_validator("checkpoint_uri", "data_uri", "init_from")
     @classmethod
     def _uri_scheme(cls, v: str | None) -> str | None:
         if v is not None and not (v.startswith("file://") or v.startswith("s3://")):
@@ -245,6 +253,11 @@ class JobSpec(BaseModel):
             self._check_replica_groups()
         if self.activation_checkpointing and self.shard_size == 1:
             raise ValueError("activation_checkpointing applies to elastic HSDP's shard units (shard_size > 1)")
+        if self.init_from_optimizer and not self.init_from:
+            raise ValueError("init_from_optimizer applies to a warm start: set init_from too")
+        if self.init_from and self.checkpoint_uri and _same_store(self.init_from, self.checkpoint_uri):
+            raise ValueError(f"init_from is the job's own checkpoint_uri ({self.checkpoint_uri}): a job resumes its "
+                             "own checkpoints by itself; init_from names another job's store")
         if self.backend == "nccl" and self.device == "cpu":
             raise ValueError("backend nccl needs the model on a GPU: use device cuda (or auto), or backend gloo")
         if self.entrypoint != "simulate" and self.num_samples not in (None, self.global_batch_size):
@@ -292,6 +305,10 @@ class JobSpec(BaseModel):
         data = json.loads(raw)
         known = {k: v for k, v in data.items() if k in cls.model_fields}
         return cls.model_validate(known)
+
+
+def _same_store(a: str, b: str) -> bool:
+    return a.rstrip("/") == b.rstrip("/")
 
 
 def _format_errors(exc: ValidationError) -> str:

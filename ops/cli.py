@@ -192,17 +192,22 @@ def _embedded_url(client) -> str:
 
 def _agent_queue(args: argparse.Namespace) -> int:
     """The node agent as an RQ worker on the launch queue: each launch unit it takes runs
-    ``shoal.launch.run_launch`` (a NodeAgent for that job) in RQ's forked work horse."""
+    ``shoal.launch.run_launch`` (a NodeAgent for that job) in this process (no work horse),
+    and RQ's own Redis calls wait out outages for as long as they last
+    (:func:`shoal.ops.launch.launch_worker` says why)."""
+    import math
+
     from shoal.events.keys import AGENT_HEARTBEAT_S, LAUNCH_QUEUE
     from shoal.ops.launch import launch_worker
 
-    with redis_client(start_embedded=False) as client:
-        url = url_from_env() or _embedded_url(client)
-        os.environ["REDIS_URL"] = url  # work horses inherit it: run_launch connects with it
+    with redis_client(start_embedded=False) as checked:  # unreachable at the start: one line, exit 3
+        url = url_from_env() or _embedded_url(checked)
+    with contextlib.closing(connect(url, ride_out=math.inf, check=False)) as client:
+        os.environ["REDIS_URL"] = url  # run_launch connects with it
         if args.node:
             os.environ[envvars.NODE] = args.node
         if args.iface:
-            os.environ[envvars.IFACE] = args.iface  # the work horses' workers inherit it
+            os.environ[envvars.IFACE] = args.iface  # the units' workers inherit it
         if args.run_dir:
             os.environ[envvars.AGENT_DIR] = str(Path(args.run_dir).resolve())
         worker = launch_worker(client, name=args.name,

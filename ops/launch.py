@@ -86,11 +86,20 @@ def _save_meta(rq_job, fields: dict) -> None:
         log.warning("could not update the launch unit's progress: %s", exc)
 
 
-def run_launch(job_id: str, workers: int, *, meta_interval: float | None = None) -> dict:
+def run_launch(job_id: str, workers: int, *, meta_interval: float | None = None,
+               stop: threading.Event | None = None) -> dict:
     """Run ``workers`` worker processes of ``job_id`` on this node until they are done;
     returns :func:`job_summary` plus ``node``, ``workers`` and ``agent_exit_code``.
     Progress goes to the RQ job's meta every ``meta_interval`` s (default: the node's
-    ``SHOAL_LAUNCH_META_INTERVAL``, else 3)."""
+    ``SHOAL_LAUNCH_META_INTERVAL``, else 3).
+
+    ``stop``: set, it drains the workers (they leave the job; the queue agent sets it on its
+    first SIGTERM). Without it, a unit run in the main thread drains on SIGTERM itself.
+
+    Redis being unreachable while the workers run ends nothing (``NodeAgent.run``): a
+    fail-over, a restart, a name that does not resolve or a refused connection is waited out
+    with backoff, the workers keep training, and the unit's own reads at its end wait for
+    Redis too (:func:`_when_reachable`)."""
     from rq import get_current_job
 
     from shoal.worker.agent import NodeAgent
@@ -110,7 +119,8 @@ def run_launch(job_id: str, workers: int, *, meta_interval: float | None = None)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     rq_job = get_current_job()
-    client = connect(url)
+    # the agent's loop handles outages past this ride-out itself (as `shoal agent JOB` does)
+    client = connect(url, ride_out=UNIT_RIDE_OUT_S)
     try:
         raw = client.get(keys.spec)
         if raw is None:  # the unit fails with this one line as its reason
@@ -126,42 +136,48 @@ def run_launch(job_id: str, workers: int, *, meta_interval: float | None = None)
         run_dir = Path(os.environ.get(envvars.AGENT_DIR) or default_run_dir().parent / "agent") / job_id / unit
         agent = NodeAgent(client, url, job_id, workers, run_dir=run_dir, max_restarts=spec.max_restarts,
                           node=os.environ.get(envvars.NODE) or None, spec=spec)
+        if stop is not None:
+            agent.stop = stop
         log.info("launch unit %s: %d worker(s) of job %s on node %s (Redis %s, logs in %s)",
                  unit, workers, job_id, agent.node, redact_url(url), run_dir)
         progress = Progress(client, job_id, spec)
         base = {"job_id": job_id, "node": agent.node, "workers": workers, "run_dir": str(run_dir)}
         _save_meta(rq_job, {**base, "state": "starting", "step": 0, "updated_at": time.time()})
         previous = None
-        if threading.current_thread() is threading.main_thread():
-            # SIGTERM to the unit (e.g. forwarded by `shoal agent --queue` on shutdown) drains the workers
+        if stop is None and threading.current_thread() is threading.main_thread():
+            # SIGTERM to the unit drains the workers
             previous = signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
         next_report = time.monotonic() + meta_interval
+
+        def report() -> None:  # Redis unreachable: an outage the agent's loop waits out
+            nonlocal next_report
+            if time.monotonic() >= next_report:
+                next_report = time.monotonic() + meta_interval
+                try:
+                    sample = progress.sample()
+                except _REDIS_DOWN:
+                    raise
+                except (redis.RedisError, ValueError) as exc:  # best effort: the workers go on
+                    log.warning("progress sample failed: %s", exc)
+                    return
+                _save_meta(rq_job, {**base, **sample})
+
         try:
-            while agent.run_once(timeout=0.5):
-                if time.monotonic() >= next_report:
-                    next_report = time.monotonic() + meta_interval
-                    try:
-                        _save_meta(rq_job, {**base, **progress.sample()})
-                    except (redis.RedisError, ValueError) as exc:
-                        log.warning("progress sample failed: %s", exc)
+            rc = agent.run(report)
         finally:
-            for s in agent.slots:
-                if s.proc is not None:
-                    s.proc.kill()
-                    s.proc.wait(timeout=10)
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
-        rc = 1 if any(s.gave_up for s in agent.slots) else 0
         if rc:  # the coordinator may fail the job on the agent's last report: give it a moment
             deadline = time.monotonic() + GIVE_UP_WAIT_S
-            while time.monotonic() < deadline and not is_terminal(client.hget(keys.state, "state")):
+            while time.monotonic() < deadline and not _when_reachable(
+                    lambda: is_terminal(client.hget(keys.state, "state"))):
                 time.sleep(0.1)
         try:
             final = progress.sample()
         except (redis.RedisError, ValueError):
             final = {}
-        result = {**job_summary(client, job_id, steps=progress.max_step), "node": agent.node,
-                  "workers": workers, "agent_exit_code": rc}
+        result = {**_when_reachable(lambda: job_summary(client, job_id, steps=progress.max_step)),
+                  "node": agent.node, "workers": workers, "agent_exit_code": rc}
         _save_meta(rq_job, {**base, **final, "state": result["state"], "step": result["steps"], "done": True})
         log.info("launch unit %s done: job %s is %s (%s)", unit, job_id, result["state"], result["reason"])
         if result["state"] == "failed" or rc:
@@ -174,6 +190,26 @@ def run_launch(job_id: str, workers: int, *, meta_interval: float | None = None)
         return result
     finally:
         client.close()
+
+
+#: How long the launch unit's own client retries a command before the agent's loop sees the
+#: outage (and waits it out with its own backoff, the workers running meanwhile).
+UNIT_RIDE_OUT_S = 5.0
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
+
+def _when_reachable(read, *, first: float = 0.5, most: float = 30.0):
+    """``read()``, tried again with backoff (``first`` doubling to ``most`` seconds) for as
+    long as Redis is unreachable: the unit's result is read once Redis is back, never lost to
+    an outage at the unit's end."""
+    delay = first
+    while True:
+        try:
+            return read()
+        except _REDIS_DOWN as exc:
+            log.warning("Redis is unreachable (%s); reading the unit's result again in %.1f s", exc, delay)
+            time.sleep(delay)
+            delay = min(2 * delay, most)
 
 
 #: After a unit gave up on a worker slot, how long it waits for the coordinator to decide
@@ -218,10 +254,23 @@ def unit_args(func_name: object, args: object, kwargs: object) -> tuple[str, int
 
 
 def launch_worker(client: redis.Redis, *, name: str | None = None, heartbeat: float = AGENT_HEARTBEAT_S):
-    """An RQ worker on the launch queue (JSON payloads) whose warm shutdown also drains the
-    running launch unit: SIGTERM is forwarded to the work horse, whose agent asks its
-    workers to leave the job; a second SIGTERM is RQ's cold shutdown (kills the horse's
-    process group, workers included).
+    """An RQ worker on the launch queue (JSON payloads) that runs each launch unit in its own
+    process (RQ's ``SimpleWorker``, no forked work horse): the node agent, and so the
+    supervision of the job's worker processes, is this process, whose loop waits out Redis
+    outages (:func:`run_launch`). RQ's code runs only before a unit (dequeue, start
+    bookkeeping), after it (its result) and in a heartbeat thread; give it a client that
+    rides out outages for as long as they last (``connect(url, ride_out=math.inf)``), so that
+    a fail-over, a restart or a primary's name that does not resolve makes those calls wait,
+    never ends the worker.
+
+    Why not RQ's forking ``Worker``: its parent watches the work horse in
+    ``monitor_work_horse``, whose Redis calls (``maintain_heartbeats``, ``job.get_status``)
+    raise on a fail-over; ``work()`` then quits and the horse's workers go with it (a
+    container's PID 1). Here nothing of RQ stands between the agent and its workers.
+
+    SIGTERM (warm shutdown) drains the running unit: its agent asks its workers to leave the
+    job (Draining -> Left) and the worker exits once they did; a second SIGTERM is RQ's cold
+    shutdown (SystemExit: the workers still running are killed).
 
     It runs launch units only (:func:`unit_args`), never whatever function a payload names.
     A unit that is refused, or whose launch fails with a ShoalError (e.g. the job does not
@@ -230,13 +279,17 @@ def launch_worker(client: redis.Redis, *, name: str | None = None, heartbeat: fl
 
     ``heartbeat``: the worker refreshes its registration (``last_heartbeat`` of its RQ worker
     hash) at least this often, idle (its blocking dequeue waits that long) or running a unit
-    (the horse monitor's interval): ``shoal health agent`` reads it."""
-    from rq import Worker
+    (its heartbeat thread): ``shoal health agent`` reads it."""
     from rq.exceptions import DeserializationError
     from rq.job import Job
     from rq.serializers import JSONSerializer
+    from rq.worker import SimpleWorker, WorkerStatus
+    from rq.worker.base import BaseWorker
 
     from shoal.coordinator.launcher import launch_queue
+
+    #: set by the first SIGTERM: the running unit's agent drains its workers
+    stopping = threading.Event()
 
     class LaunchUnit(Job):
         shoal_error: str | None = None
@@ -251,7 +304,7 @@ def launch_worker(client: redis.Redis, *, name: str | None = None, heartbeat: fl
 
             def launch(*_args, **_kwargs):  # the checked arguments, whatever the payload says
                 try:
-                    return run_launch(job_id, workers)
+                    return run_launch(job_id, workers, stop=stopping)
                 except ShoalError as exc:
                     self.shoal_error = str(exc)
                     raise
@@ -267,7 +320,35 @@ def launch_worker(client: redis.Redis, *, name: str | None = None, heartbeat: fl
             return "refused: the payload is not an RQ JSON job (function, instance, args, kwargs)"
         return None
 
-    class LaunchWorker(Worker):
+    class LaunchWorker(SimpleWorker):
+        def execute_job(self, job, queue):
+            """The unit in this process, RQ's heartbeats for it from a thread: a heartbeat
+            that waits for Redis never holds up the agent's loop."""
+            execution = self.prepare_execution(job)
+            done = threading.Event()
+            beats = threading.Thread(target=self._beat_until, args=(done, job, execution), daemon=True,
+                                     name="rq-heartbeat")
+            beats.start()
+            try:
+                self.perform_job(job, queue, execution)
+            finally:
+                done.set()
+                while beats.is_alive():  # in steps: a signal is still handled meanwhile
+                    beats.join(1.0)
+            self.set_state(WorkerStatus.IDLE)
+
+        def _beat_until(self, done: threading.Event, job, execution) -> None:
+            while not done.wait(self.job_monitoring_interval):
+                try:
+                    self.maintain_heartbeats(job, execution)
+                except redis.RedisError as exc:  # best effort: the next beat tries again
+                    self.log.warning("launch unit %s: heartbeat failed: %s", job.id, exc)
+
+        def get_heartbeat_ttl(self, job, working_time: float = 0.0) -> int:
+            # a unit never times out: its registration lives one monitoring interval + 60 s
+            # past each beat (SimpleWorker would hold it 420 s past a vanished node)
+            return BaseWorker.get_heartbeat_ttl(self, job, working_time)
+
         def handle_exception(self, job, *exc_info):
             reason = one_line(job)
             if reason is None:
@@ -281,11 +362,7 @@ def launch_worker(client: redis.Redis, *, name: str | None = None, heartbeat: fl
             return super().handle_job_failure(job, queue, *args, **kwargs)
 
         def request_stop(self, signum, frame):
-            if self.horse_pid:
-                try:
-                    os.kill(self.horse_pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            stopping.set()
             super().request_stop(signum, frame)
 
     beat = max(1, round(heartbeat))

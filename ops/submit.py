@@ -113,13 +113,45 @@ def check_runnable(spec: JobSpec, *, build: bool = False, isolated: bool = False
         if missing:
             raise ConfigError(f"tensorboard_dir {spec.tensorboard_dir}: the {missing} package is not installed "
                               f"(pip install 'shoal[tensorboard]'){skip}")
-    for field in ("checkpoint_uri", "data_uri", "tensorboard_dir"):
+    for field in ("checkpoint_uri", "data_uri", "tensorboard_dir", "init_from"):
         uri = getattr(spec, field)
         if uri and uri.startswith("s3://"):
             try:
                 S3Config.from_env()
             except StorageConfigError as exc:
                 raise ConfigError(f"{field} {uri}: {exc}{skip}") from None
+    check_checkpoints(spec, skip_hint=skip_hint)
+
+
+def check_checkpoints(spec: JobSpec, *, skip_hint: str = CLI_SKIP_HINT) -> None:
+    """A job's checkpoint stores, read (LATEST and manifests only) from the submitting
+    machine: ConfigError, one line, when ``checkpoint_uri`` holds another job's checkpoints
+    (:mod:`shoal.storage.ownership`: the line names both jobs and the fix), or when
+    ``init_from`` names a store without a checkpoint whose manifest reads, or one that
+    cannot be read. A ``checkpoint_uri`` that cannot be read from here is not refused (it
+    may exist for the workers only; each of them checks again before it loads anything)."""
+    from shoal.storage.errors import ForeignCheckpoint, StorageError
+    from shoal.storage.ownership import check_owned, checkpoint_owner, missing_local
+    from shoal.storage.uri import open_store
+
+    skip = f"; {skip_hint}"
+    if spec.checkpoint_uri and not missing_local(spec.checkpoint_uri):
+        try:
+            check_owned(open_store(spec.checkpoint_uri), spec.name)
+        except ForeignCheckpoint as exc:
+            raise ConfigError(str(exc)) from None
+        except StorageError:
+            pass
+    if spec.init_from:
+        where = f"init_from {spec.init_from}"
+        if missing_local(spec.init_from):
+            raise ConfigError(f"{where}: no such directory, so no checkpoint to start from{skip}")
+        try:
+            owner = checkpoint_owner(open_store(spec.init_from))
+        except StorageError as exc:
+            raise ConfigError(f"{where}: cannot read it: {exc}{skip}") from None
+        if owner is None:
+            raise ConfigError(f"{where}: the store holds no checkpoint to start from{skip}")
 
 
 def _entrypoint_problem(entrypoint: str, seed: int, build: bool, working_dir: str | None, *,

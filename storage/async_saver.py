@@ -55,8 +55,10 @@ class AsyncCheckpointer:
         reuse_buffers: bool = True,
         on_phase: Callable[[str, int], None] | None = None,
         protect: Callable[[], Iterable[int]] | None = None,
+        job_id: str | None = None,
     ) -> None:
         self._store = store
+        self._job_id = job_id
         self._reuse_buffers = reuse_buffers
         self._staging: TrainState | ShardedTrainState | None = None  # last snapshot, reused once its save is done
         self._keep_last = keep_last
@@ -115,6 +117,7 @@ class AsyncCheckpointer:
                 on_warning=self._on_warning,
                 on_phase=self._on_phase,
                 protect=self._protect,
+                job_id=self._job_id,
             )
             if self._on_saved is not None and manifest is not None:  # a sharded save's member 0 publishes
                 self._on_saved(manifest)

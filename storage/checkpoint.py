@@ -154,11 +154,14 @@ def save_checkpoint(
     on_warning: Warn | None = None,
     on_phase: PhaseHook | None = None,
     protect: Callable[[], Iterable[int]] | None = None,
+    job_id: str | None = None,
 ) -> Manifest:
     """Write ``state`` as the checkpoint of ``state.step``, publish it in LATEST, then apply
     retention (``keep_last`` newest; None disables; the steps ``protect()`` names are kept
     too: a job's Redis LATEST pointer, which lags the store's while the coordinator is away;
     when ``protect`` raises, retention is skipped this time). Returns the manifest written.
+    ``job_id``: the job writing it, recorded in the manifest and in LATEST
+    (:mod:`shoal.storage.ownership`).
     ``on_phase``: see :data:`PhaseHook`; an exception from it fails the save.
 
     Errors: ``ValueError`` for state that could not be loaded back and LatestRegression
@@ -177,18 +180,18 @@ def save_checkpoint(
     store.delete(manifest_key(step))
     files = _write_state_files(store, step, parts, on_phase)
     return _publish(store, step, files, fields, key, keep_last=keep_last, on_warning=on_warning, on_phase=on_phase,
-                    protect=protect)
+                    protect=protect, job_id=job_id)
 
 
 def _publish(store: ObjectStore, step: int, files: dict[str, FileEntry], fields: dict[str, Any], key: bytes | None,
              *, keep_last: int | None, on_warning: Warn | None, on_phase: PhaseHook | None,
-             protect: Callable[[], Iterable[int]] | None) -> Manifest:
+             protect: Callable[[], Iterable[int]] | None, job_id: str | None) -> Manifest:
     """Steps 3-5 of the write order: the manifest, LATEST, retention."""
-    manifest = Manifest.create(files=files, **fields).signed(key)
+    manifest = Manifest.create(files=files, job_id=job_id, **fields).signed(key)
     store.put_bytes(manifest_key(step), manifest.to_json())
     if on_phase is not None:
         on_phase("ckpt_before_latest", step)
-    write_latest(store, step)  # checks again: another writer may have moved it meanwhile
+    write_latest(store, step, job_id)  # checks again: another writer may have moved it meanwhile
 
     if keep_last is not None:
         try:
@@ -219,6 +222,7 @@ def save_sharded_checkpoint(
     on_phase: PhaseHook | None = None,
     protect: Callable[[], Iterable[int]] | None = None,
     parts_timeout_s: float = PARTS_TIMEOUT_S,
+    job_id: str | None = None,
 ) -> Manifest | None:
     """One member's part of a sharded checkpoint (:mod:`shoal.storage.sharded`): its shard
     files; member 0 also the replicated files and, once every member's part is there, the
@@ -244,7 +248,7 @@ def save_sharded_checkpoint(
     files = _write_state_files(store, step, parts, on_phase) if parts else {}
     files.update(wait_for_shards(store, step, state.shard_size, parts_timeout_s))
     return _publish(store, step, files, fields, key, keep_last=keep_last, on_warning=on_warning, on_phase=on_phase,
-                    protect=protect)
+                    protect=protect, job_id=job_id)
 
 
 def load_checkpoint(

@@ -44,6 +44,11 @@ class StorageConfigError(StorageError, ConfigError):
     exit_code = ConfigError.exit_code
 
 
+class ForeignCheckpoint(StorageConfigError):
+    """The checkpoint store a job would resume from holds another job's checkpoints
+    (:mod:`shoal.storage.ownership`). Nothing was loaded."""
+
+
 class CheckpointError(StorageError):
     """Base class of checkpoint-level failures."""
 

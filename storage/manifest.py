@@ -12,6 +12,8 @@ digests are rejected), never unpickled. Fields:
 ``files``          ``{name: {"size": bytes, "sha256": hex}}`` of every state file
 ``shards``         absent for a full checkpoint (``model.pt``, ...); S for a sharded one
                    written by a replica group of S members (:mod:`shoal.storage.sharded`)
+``job_id``         the job that wrote it (absent in checkpoints written before jobs were
+                   recorded): a job resumes only its own (:mod:`shoal.storage.ownership`)
 ``torch_version``  ``torch.__version__`` of the writer
 ``created_at``     UTC ISO-8601 time of writing
 ``hmac``           optional hex HMAC-SHA256 of the canonical JSON of all other fields
@@ -42,6 +44,8 @@ HMAC_ENV = envvars.CHECKPOINT_HMAC_KEY
 
 FileName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")]
 HexDigest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+#: a job id (``shoal.events.keys.valid_job_id``'s rule)
+JobId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
 
 class FileEntry(BaseModel):
@@ -66,6 +70,7 @@ class Manifest(BaseModel):
     world_size: int = Field(ge=1)
     files: dict[FileName, FileEntry] = Field(min_length=1)
     shards: int | None = Field(default=None, ge=1)
+    job_id: JobId | None = None
     torch_version: str
     created_at: str
     hmac: HexDigest | None = None
@@ -90,12 +95,14 @@ class Manifest(BaseModel):
     def canonical_bytes(self) -> bytes:
         """The bytes the HMAC covers: every field but ``hmac``, sorted keys, no spaces."""
         body = self.model_dump(mode="json", exclude={"hmac"})
-        if body["shards"] is None:  # a full checkpoint's bytes are those before the field existed
-            del body["shards"]
+        for optional in _OPTIONAL:  # unset, the bytes are those before the field existed
+            if body[optional] is None:
+                del body[optional]
         return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
     def to_json(self) -> bytes:
-        return (self.model_dump_json(indent=2, exclude={"shards"} if self.shards is None else None) + "\n").encode()
+        unset = {name for name in _OPTIONAL if getattr(self, name) is None}
+        return (self.model_dump_json(indent=2, exclude=unset or None) + "\n").encode()
 
     def signed(self, key: bytes | None) -> Manifest:
         """A copy carrying the HMAC under ``key``; unchanged (no HMAC) when ``key`` is None."""
@@ -116,6 +123,10 @@ class Manifest(BaseModel):
             raise UnsafeCheckpoint(f"{where}: manifest has no HMAC but {HMAC_ENV} is set")
         if not _hmac.compare_digest(self.hmac, _digest(key, self.canonical_bytes())):
             raise UnsafeCheckpoint(f"{where}: manifest HMAC does not match (tampered or wrong key)")
+
+
+#: fields left out of the JSON (and of the HMAC's bytes) when unset: older manifests lack them
+_OPTIONAL = ("shards", "job_id")
 
 
 def _digest(key: bytes, data: bytes) -> str:

@@ -11,6 +11,10 @@ From the chosen starting step, :func:`~storage.checkpoint.load_latest` falls bac
 checkpoints that verify; if none at or below the Redis pointer's step does (retention
 already removed them), the store's LATEST is used. Every fallback is reported through
 ``on_warning``.
+
+With a ``job_id``, only that job's checkpoints are resumed (:mod:`shoal.storage.ownership`):
+a store whose newest checkpoint another job wrote raises ForeignCheckpoint before anything
+is loaded.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ import redis
 
 from shoal.storage.backend import ObjectStore
 from shoal.storage.checkpoint import load_latest
-from shoal.storage.errors import NoCheckpoint, PointerCorrupt, StorageUnavailable
+from shoal.storage.errors import ForeignCheckpoint, NoCheckpoint, PointerCorrupt, StorageUnavailable
 from shoal.storage.latest import read_pointer
 from shoal.storage.manifest import FROM_ENV, HmacKey, Manifest
+from shoal.storage.ownership import check_owned, foreign
 from shoal.storage.train_state import TrainState
 from shoal.storage.verify import Warn, ignore_warning
 
@@ -36,9 +41,22 @@ def resume(
 ) -> tuple[TrainState, Manifest]:
     """Load the checkpoint to resume from (see module docstring).
 
-    Raises NoCheckpoint when nothing verifies (a fresh job), UnsafeCheckpoint on a security
-    failure, StorageError when the store fails. Redis trouble never fails a resume."""
+    Raises NoCheckpoint when nothing verifies (a fresh job), ForeignCheckpoint when the
+    checkpoint is another job's, UnsafeCheckpoint on a security failure, StorageError when
+    the store fails. Redis trouble never fails a resume."""
     warn = on_warning if on_warning is not None else ignore_warning
+    if job_id is not None:
+        check_owned(store, job_id, hmac_key=hmac_key)
+        loaded = _resume(store, r, job_id, hmac_key=hmac_key, warn=warn)
+        owner = loaded[1].job_id
+        if owner is not None and owner != job_id:  # an older one, fallen back to
+            raise ForeignCheckpoint(foreign(store.uri, owner, loaded[1].step, job_id))
+        return loaded
+    return _resume(store, r, job_id, hmac_key=hmac_key, warn=warn)
+
+
+def _resume(store: ObjectStore, r: redis.Redis | None, job_id: str | None, *, hmac_key: HmacKey,
+            warn: Warn) -> tuple[TrainState, Manifest]:
     start: int | None = None
     unsaid = ""
     if r is not None and job_id is not None:

@@ -25,6 +25,32 @@ def slow_digits() -> TrainingSetup:
     return setup
 
 
+def first_step_digits() -> TrainingSetup:
+    """:func:`slow_digits` whose first step writes the weights the worker starts training
+    from (before any update) to ``$SHOAL_TEST_FIRST_DIR/first-<pid>.pt``, whole: a sharded
+    model's are gathered (a collective the members of its replica group make together, at
+    their first step)."""
+    import torch
+
+    setup = slow_digits()
+    inner = setup.step_fn
+    done = False
+
+    def step_fn(model, batch):
+        nonlocal done
+        out = os.environ.get("SHOAL_TEST_FIRST_DIR")
+        if out and not done:
+            done = True
+            whole = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+                     for k, v in model.state_dict().items()}
+            os.makedirs(out, exist_ok=True)
+            torch.save(whole, os.path.join(out, f"first-{os.getpid()}.pt"))
+        return inner(model, batch)
+
+    setup.step_fn = step_fn
+    return setup
+
+
 class _CorruptAt:
     """A map-style dataset that raises at one index, like a corrupt record in a data file."""
 

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -427,13 +428,18 @@ class NodeAgent:
                 self._reap(s)
         return any(not s.done for s in self.slots)
 
-    def run(self) -> int:
+    def run(self, every: Callable[[], None] | None = None) -> int:
         """Until every slot is done; exit code 1 if any slot gave up.
 
         Redis being unreachable ends nothing: the workers keep running (they ride out the
         outage themselves), their exits are reaped and queued for reporting, no worker is
         started, and the agent tries Redis again with backoff (logged once per outage) for as
-        long as it runs. A job deleted meanwhile is noticed once Redis is back."""
+        long as it runs. A job deleted meanwhile is noticed once Redis is back.
+
+        ``every`` (the launch unit's progress report) is called after each pass while Redis is
+        reachable; a Redis error it raises counts as an outage like the agent's own. Any
+        other exception (and a SystemExit or KeyboardInterrupt) ends the loop, and the workers
+        still running are killed."""
         down_since: float | None = None
         delay = REDIS_RETRY_MIN_S
         try:
@@ -441,6 +447,8 @@ class NodeAgent:
                 try:
                     if not self.run_once():
                         break
+                    if every is not None:
+                        every()
                 except _REDIS_DOWN as exc:
                     if down_since is None:
                         down_since, delay = time.monotonic(), REDIS_RETRY_MIN_S
@@ -454,8 +462,12 @@ class NodeAgent:
                     log.warning("Redis is reachable again after %.1f s", time.monotonic() - down_since)
                     down_since = None
         finally:
-            for s in self.slots:
-                if s.proc is not None:
-                    s.proc.kill()
-                    s.proc.wait()
+            self.kill_all()
         return 1 if any(s.gave_up for s in self.slots) else 0
+
+    def kill_all(self) -> None:
+        """SIGKILL every worker still running and reap it (the end of a cold shutdown)."""
+        for s in self.slots:
+            if s.proc is not None:
+                s.proc.kill()
+                s.proc.wait()

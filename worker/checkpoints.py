@@ -10,6 +10,7 @@ logged and never stop training; LATEST simply does not move.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +35,36 @@ log = logging.getLogger("shoal.worker.checkpoints")
 CLOSE_TIMEOUT_S = 120.0
 
 
+@dataclass(frozen=True)
+class Restore:
+    """What a layout loads of a checkpoint (:meth:`Layout.resume`). A resume (the default)
+    loads everything: weights, optimizer, LR scheduler, RNG, loss scale. A warm start
+    (``init_from``) loads the weights, and the optimizer's state only with ``optimizer``;
+    never the LR scheduler, the RNG, the loss scale or the counters (the job starts at step
+    0 of epoch 0)."""
+
+    warm: bool = False
+    optimizer: bool = True
+
+
+def restore_warm(state: TrainState, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """A whole checkpoint's warm start into a whole model: its weights, and with an
+    ``optimizer`` its per-parameter state (moments, step counts); the optimizer keeps its own
+    hyperparameters (this job's learning rate, not the checkpoint's). ValueError when the
+    checkpoint has no optimizer state to give."""
+    if optimizer is None:
+        state.restore(model, rng=False)
+        return
+    own = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    state.restore(model, optimizer, rng=False)
+    for group, hyper in zip(optimizer.param_groups, own):
+        group.update(hyper)
+
+
+#: a resume: everything
+RESUME = Restore()
+
+
 class Checkpoints:
     def __init__(self, store, membership: Membership, keep: int, faults: FaultPlan | None = None,
                  keep_best: KeepBest | None = None):
@@ -47,7 +78,7 @@ class Checkpoints:
         self.saver = AsyncCheckpointer(store, keep_last=keep, on_saved=self._saved,
                                        on_error=lambda exc: log.error("checkpoint failed, LATEST not moved: %s", exc),
                                        on_phase=self._phase if self.faults else None,
-                                       protect=self._pinned)
+                                       protect=self._pinned, job_id=membership.job_id)
 
     @classmethod
     def open(cls, spec, membership: Membership, faults: FaultPlan | None = None) -> "Checkpoints":
@@ -134,13 +165,37 @@ class Checkpoints:
         self.saver.close(CLOSE_TIMEOUT_S)
 
 
-def load_flat(engine, state: TrainState | ShardedCheckpoint) -> None:
+def warm_start(layout, uri: str, *, optimizer: bool) -> int:
+    """Load the newest verifying checkpoint of the store ``uri`` (``init_from``, whichever
+    job wrote it) into ``layout`` as a warm start (:class:`Restore`): its weights, and its
+    optimizer state with ``optimizer``; the job itself starts at step 0. Any checkpoint into
+    any layout, as a resume. Returns the step of the checkpoint loaded. StorageError
+    (NoCheckpoint when the store holds none) when it cannot be loaded: a job asked to start
+    from weights never starts from others."""
+    store = open_store(uri)
+    parts = Restore(warm=True, optimizer=optimizer)
+    state, manifest = resume(store, on_warning=log.warning)
+
+    def newest():  # a layout that loads later and finds that checkpoint gone
+        return resume(store, on_warning=log.warning)[0]
+
+    log.info("warm start from %s step %d (a %s checkpoint of job %s): %s; this job starts at step 0", uri,
+             state.step, f"sharded over {state.shards}" if isinstance(state, ShardedCheckpoint) else "full",
+             manifest.job_id or "(not recorded)", "weights and optimizer state" if optimizer else "weights only")
+    layout.resume(state, newest, parts)
+    return state.step
+
+
+def load_flat(engine, state: TrainState | ShardedCheckpoint, parts: Restore = RESUME) -> None:
     """Load ``state`` - a whole checkpoint or a sharded one of any shard size - into
     ``engine``'s model and optimizer as their flat state (``torch_compat.flat_state``: a
-    sharded model takes only its own shards), scheduler and RNG."""
+    sharded model takes only its own shards), scheduler and RNG; a warm start (``parts``)
+    only the model's, and the optimizer's per-parameter state with ``parts.optimizer`` (the
+    optimizer keeps its own hyperparameters, and otherwise the fresh state it has)."""
     if isinstance(state, TrainState):  # a data-parallel checkpoint into HSDP
         try:
-            whole = tc.flatten_whole(engine.model, engine.optimizer, state.model, state.optimizer)
+            whole = tc.flatten_whole(engine.model, engine.optimizer, state.model,
+                                     state.optimizer if parts.optimizer else None)
         except ValueError as exc:
             raise CheckpointCorrupt(f"checkpoint of step {state.step}: {exc}") from exc
         reader = WholeTensorReader({k: v for k, v in whole.items() if isinstance(v, torch.Tensor)})
@@ -148,11 +203,15 @@ def load_flat(engine, state: TrainState | ShardedCheckpoint) -> None:
     else:
         reader, values = state.reader, state.optimizer_groups or {}
     target = tc.flat_state(engine.model, engine.optimizer)
-    load_into({k: v for k, v in target.items() if isinstance(v, torch.Tensor)}, reader)
+    # a warm start keeps this job's hyperparameters (the parameter groups)
+    wanted = tc.flat_keys(target, optimizer=parts.optimizer, groups=not parts.warm)
+    load_into({k: v for k, v in target.items() if k in wanted and isinstance(v, torch.Tensor)}, reader)
     for key, value in target.items():
-        if not isinstance(value, torch.Tensor) and key in values:
+        if key in wanted and not isinstance(value, torch.Tensor) and key in values:
             target[key] = values[key]
     tc.set_flat_state(engine.model, engine.optimizer, target)
+    if parts.warm:
+        return
     if engine.lr_scheduler is not None and state.scheduler is not None:
         engine.lr_scheduler.load_state_dict(state.scheduler)
     if state.rng is not None:

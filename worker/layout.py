@@ -35,6 +35,7 @@ import torch
 from shoal.core.jobspec import CompileOptions, JobSpec
 from shoal.events.keys import JobKeys
 from shoal.events.models import Member, ShardTable
+from shoal.worker.checkpoints import RESUME, Restore
 from shoal.worker.decide import Formed, FormFailed
 from shoal.worker.engine import StepResult
 from shoal.worker.process_group import Rendezvous
@@ -178,10 +179,11 @@ class Layout(Protocol):
         """This member's part of a checkpoint of the current state (``counters``: step,
         epoch, data_cursor, generation, world_size), ready for the store."""
 
-    def resume(self, state: Any, newest: Callable[[], Any]) -> None:
+    def resume(self, state: Any, newest: Callable[[], Any], parts: Restore = RESUME) -> None:
         """Load a checkpoint chosen at start (``newest``: the newest one that verifies now, for
         a layout that loads later and finds ``state`` gone). May defer the load until the
-        layout can take it (a sharded model, once its group formed)."""
+        layout can take it (a sharded model, once its group formed). ``parts``: everything
+        (a resume), or a warm start's weights (and optimizer state)."""
 
 
 def eval_metrics(names: list[str], total: torch.Tensor) -> dict[str, float]:

@@ -18,7 +18,7 @@ from typing import Any
 from shoal.core.faults import FaultPlan
 from shoal.events.models import Member, ShardTable
 from shoal.storage.train_state import TrainState
-from shoal.worker.checkpoints import load_flat
+from shoal.worker.checkpoints import RESUME, Restore, load_flat, restore_warm
 from shoal.worker.classify import formation_error
 from shoal.worker.decide import Formed, FormFailed
 from shoal.worker.engine import StepEngine, StepResult
@@ -129,10 +129,13 @@ class DataParallel(StepEngine):
         """The whole state (rank 0 writes it)."""
         return TrainState.capture(self.model, self.optimizer, self.lr_scheduler, scaler=self.scaler, **counters)
 
-    def resume(self, state: Any, newest: Callable[[], Any]) -> None:
-        """Load ``state`` now: a whole checkpoint as it is, a sharded one gathered whole."""
-        if isinstance(state, TrainState):
+    def resume(self, state: Any, newest: Callable[[], Any], parts: Restore = RESUME) -> None:
+        """Load ``state`` now: a whole checkpoint as it is, a sharded one gathered whole
+        (a warm start: the weights, and the optimizer's state with ``parts.optimizer``)."""
+        if isinstance(state, TrainState) and parts.warm:
+            restore_warm(state, self.model, self.optimizer if parts.optimizer else None)
+        elif isinstance(state, TrainState):
             state.restore(self.model, self.optimizer, self.lr_scheduler, rng=state.rng is not None, scaler=self.scaler)
         else:
-            load_flat(self, state)
+            load_flat(self, state, parts)
 

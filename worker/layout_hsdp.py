@@ -39,7 +39,7 @@ from shoal.storage.rng import capture_rng
 from shoal.storage.sharded import Chunk, ShardedTrainState
 from shoal.worker import torch_compat as tc
 from shoal.worker.allocator import return_freed_tensors
-from shoal.worker.checkpoints import load_flat
+from shoal.worker.checkpoints import RESUME, Restore, load_flat
 from shoal.worker.classify import formation_error
 from shoal.worker.decide import Formed, FormFailed
 from shoal.worker.engine import StepResult, checkpoint_forward, compile_forward
@@ -298,22 +298,25 @@ class Hsdp(ShardedEngine):
         """This member's shards (every member of the saving replica group writes its part)."""
         return capture_sharded(self, shard, **counters)
 
-    def resume(self, state: Any, newest: Callable[[], Any]) -> None:
+    def resume(self, state: Any, newest: Callable[[], Any], parts: Restore = RESUME) -> None:
         """Load ``state`` once the model is sharded (its replica group formed). A group can
         take a while to form, and retention may have removed that checkpoint meanwhile
         (measured in the HSDP chaos soak: 9 s later, ``shard-0-of-2.bin: missing``, and the
         worker died): then the newest checkpoint that verifies now (``newest()``) is loaded
-        instead, and :attr:`resumed_at` says which step and cursor the member starts from."""
+        instead, and :attr:`resumed_at` says which step and cursor the member starts from (a
+        warm start's ``parts`` start at step 0 whichever checkpoint they load)."""
 
         def load() -> None:
             try:
-                load_flat(self, state)
+                load_flat(self, state, parts)
                 return
             except CheckpointCorrupt as exc:
                 log.warning("the checkpoint of step %d is gone since this worker started (%s): loading the newest "
                             "one instead", state.step, exc)
             newer = newest()
-            load_flat(self, newer)
+            load_flat(self, newer, parts)
+            if parts.warm:
+                return
             self.resumed_at = (newer.step, int(newer.data_cursor))
             log.info("resumed from step %d (cursor %s) instead", newer.step, newer.data_cursor)
 

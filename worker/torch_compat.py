@@ -161,6 +161,15 @@ def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return {**{_MODEL + k: v for k, v in msd.items()}, **{_OPTIM + k: v for k, v in osd.items()}}
 
 
+def flat_keys(flat: dict, *, optimizer: bool = True, groups: bool = True) -> set[str]:
+    """The keys of a :func:`flat_state` dict that are the model's, and with ``optimizer`` the
+    optimizer's: its per-parameter state, and with ``groups`` its parameter groups'
+    hyperparameters (learning rate, betas...) too."""
+    state = _OPTIM + "state."
+    return {k for k in flat if k.startswith(_MODEL)
+            or (optimizer and k.startswith(_OPTIM) and (groups or k.startswith(state)))}
+
+
 def set_flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, flat: dict) -> None:
     """Load a dict shaped like :func:`flat_state`'s into ``model`` and ``optimizer``."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict

@@ -58,7 +58,7 @@ from shoal.worker import placement
 from shoal.worker import restart
 from shoal.worker import compile_cache
 from shoal.worker import torch_compat as tc
-from shoal.worker.checkpoints import Checkpoints
+from shoal.worker.checkpoints import Checkpoints, warm_start
 from shoal.worker.decide import (
     Aborted,
     Action,
@@ -197,10 +197,11 @@ class TrainingWorker(WorkerRunner):
         if self.ckpt is not None:
             self.evaluator.on_report = self.ckpt.record_eval
         step, cursor = 0, 0
-        if self.ckpt is not None:
-            resumed = self.ckpt.resume(self.engine)
-            if resumed is not None:
-                step, cursor = resumed
+        resumed = self.ckpt.resume(self.engine) if self.ckpt is not None else None
+        if resumed is not None:
+            step, cursor = resumed
+        elif self.spec.init_from:  # a fresh job asked to start from another's weights (at step 0)
+            warm_start(self.engine, self.spec.init_from, optimizer=self.spec.init_from_optimizer)
         every_steps, every_epochs = self.spec.eval_every_steps, self.spec.eval_every_epochs
         if not self.evaluator.enabled and (every_steps or every_epochs):
             log.warning("the job sets eval_every_%s but %s returns no eval_fn or eval_dataset: no periodic evaluation",

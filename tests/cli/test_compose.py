@@ -164,9 +164,13 @@ def test_dockerfile() -> None:
     lines = [line.strip() for line in (ROOT / "Dockerfile").read_text().splitlines()]
     code = [line for line in lines if line and not line.startswith("#")]
     assert code[0] == "FROM python:3.11-slim"
-    assert "RUN pip install torch==2.13.0" in code
+    # torch alone from the index the build argument names, the CPU build's by default; the
+    # project and its other dependencies from pip's own index (no other index in the file)
+    assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu" in code
+    install = 'RUN pip install --index-url "${TORCH_INDEX}" torch==2.13.0'
+    assert install in code and code.index("ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu") < code.index(install)
+    assert [line for line in lines if "index-url" in line] == [install] and "find-links" not in "".join(lines)
     assert any(line.startswith("RUN pip install .") for line in code)
-    assert not any("index-url" in line for line in lines)
     users = [line for line in code if line.startswith("USER ")]
     assert users and users[-1] not in ("USER root", "USER 0")
 

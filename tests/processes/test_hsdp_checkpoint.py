@@ -13,6 +13,8 @@ import shutil
 import pytest
 import torch
 
+from shoal.core.registry import delete_job
+
 from shoal.storage.uri import open_store
 from shoal.storage.verify import read_manifest, verify_checkpoint
 from shoal.storage.latest_object import read_latest_step
@@ -39,7 +41,10 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def _job(r, redis_url, run_dir, name: str, workers: int, shard_size: int, steps: int, ckpt,
          first: int = 1, **fields) -> list[dict]:
     """Run a job to ``steps``; its workers' final states. ``first``: the step it must start
-    with (its ledger says so: a resumed job trains no step before its checkpoint)."""
+    with (its ledger says so: a resumed job trains no step before its checkpoint). A job of
+    that name run before is deleted from Redis first: resuming is the same job starting again
+    from its checkpoint store (a checkpoint belongs to its job, storage/ownership.py)."""
+    delete_job(r, name)
     spec = job_spec(name, JOB, shard_size=shard_size, min_workers=workers, max_steps=steps,
                     checkpoint_uri=f"file://{ckpt}", checkpoint_interval=STOP, **fields)
     env = {**ENV, "SHOAL_EXPORT_DIR": str(run_dir / "final"), "SHOAL_LEDGER_DIR": str(run_dir / "ledger")}
@@ -70,8 +75,7 @@ def test_a_sharded_checkpoint_resumes_under_another_shard_size_and_as_data_paral
     for name, workers, shard_size in (("s4", 4, 4), ("dp", 2, 1)):
         ckpt = tmp_path / f"ckpt-{name}"
         shutil.copytree(saved, ckpt)
-        finals = _job(r, redis_url, tmp_path / name, f"{job_id}-{name}", workers, shard_size, END, ckpt,
-                      first=STOP + 1)
+        finals = _job(r, redis_url, tmp_path / name, job_id + "-a", workers, shard_size, END, ckpt, first=STOP + 1)
         for final in finals:
             assert _max_diff(final, ref) < 1e-12, name
         after = open_store(str(ckpt))
@@ -84,7 +88,7 @@ def test_a_data_parallel_checkpoint_resumes_under_hsdp(r, redis_url, tmp_path, j
     ref = _job(r, redis_url, tmp_path / "dp", job_id + "-dp", 2, 1, END, tmp_path / "ref-ckpt")[0]
     _job(r, redis_url, tmp_path / "a", job_id + "-a", 2, 1, STOP, saved)
     assert read_manifest(open_store(str(saved)), STOP).shards is None
-    finals = _job(r, redis_url, tmp_path / "b", job_id + "-b", 4, 2, END, saved, first=STOP + 1)
+    finals = _job(r, redis_url, tmp_path / "b", job_id + "-a", 4, 2, END, saved, first=STOP + 1)
     for final in finals:
         assert _max_diff(final, ref) < 1e-12
     assert read_manifest(open_store(str(saved)), END).shards == 2
@@ -99,9 +103,9 @@ def test_a_compiled_jobs_checkpoint_resumes_uncompiled_and_the_other_way_round(r
     saved = tmp_path / "ckpt"
     _job(r, redis_url, tmp_path / "a", job_id + "-a", 2, 2, STOP, saved, compile=True)  # compiled HSDP
     assert read_manifest(open_store(str(saved)), STOP).shards == 2
-    for final in _job(r, redis_url, tmp_path / "b", job_id + "-b", 2, 1, END, saved, first=STOP + 1):  # eager DP
+    for final in _job(r, redis_url, tmp_path / "b", job_id + "-a", 2, 1, END, saved, first=STOP + 1):  # eager DP
         assert _max_diff(final, ref) < 1e-9
     again = tmp_path / "ckpt-dp"
     _job(r, redis_url, tmp_path / "c", job_id + "-c", 2, 1, STOP, again)  # eager DP
-    for final in _job(r, redis_url, tmp_path / "d", job_id + "-d", 2, 2, END, again, first=STOP + 1, compile=True):
+    for final in _job(r, redis_url, tmp_path / "d", job_id + "-c", 2, 2, END, again, first=STOP + 1, compile=True):
         assert _max_diff(final, ref) < 1e-9
