@@ -3,6 +3,7 @@ fakeredis; heartbeats are aged by moving the last confirmation back, not by slee
 
 from __future__ import annotations
 
+import threading
 import time
 
 import fakeredis
@@ -138,3 +139,22 @@ def test_a_beat_for_an_id_now_recorded_as_another_process_finds_it_evicted() -> 
     assert unchecked.beat()
     client.hset(keys.workers, "w0", WorkerRecord("w0", WorkerState.ACTIVE).to_json())  # no pid recorded
     assert Heartbeater(client, keys, "w0", interval=0.2, ttl=1.5, pid=5151).beat()
+
+
+def test_no_step_commits_once_the_process_decided_to_end(monkeypatch) -> None:
+    """The fence (the last check before a step is applied) refuses every step from the moment a
+    thread decided to end the process for a restart (its replica group went whole): the log
+    flush before the exit takes milliseconds, in which the training thread committed a step its
+    evicted peers never did (issue 34)."""
+    from types import SimpleNamespace
+
+    from shoal.worker import restart
+    from shoal.worker.errors import StepAborted
+    from shoal.worker.training import TrainingWorker
+
+    worker = SimpleNamespace(hb=None)
+    TrainingWorker._fence(worker)  # nothing decided: the step goes on
+    monkeypatch.setattr(restart, "_ending", threading.Event())
+    restart._ending.set()
+    with pytest.raises(StepAborted, match="ending for its node agent"):
+        TrainingWorker._fence(worker)

@@ -131,21 +131,3 @@ def test_only_nccl_work_is_polled() -> None:
     assert _group("nccl")._polled(work)
     assert not _group("gloo")._polled(work)  # gloo's future completes when the collective does
 
-
-def test_no_step_commits_once_the_process_decided_to_end(monkeypatch) -> None:
-    """The fence (the last check before a step is applied) refuses every step from the moment a
-    thread decided to end the process for a restart (its replica group went whole): the log
-    flush before the exit takes milliseconds, in which the training thread committed a step its
-    evicted peers never did (issue 34)."""
-    from types import SimpleNamespace
-
-    from shoal.worker import restart
-    from shoal.worker.errors import StepAborted
-    from shoal.worker.training import TrainingWorker
-
-    worker = SimpleNamespace(hb=None)
-    TrainingWorker._fence(worker)  # nothing decided: the step goes on
-    monkeypatch.setattr(restart, "_ending", threading.Event())
-    restart._ending.set()
-    with pytest.raises(StepAborted, match="ending for its node agent"):
-        TrainingWorker._fence(worker)
