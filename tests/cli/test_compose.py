@@ -32,7 +32,7 @@ HA_COMPOSE = ROOT / "compose.ha.yaml"
 DEPLOY = ROOT / "deploy"
 
 SECRETS = ("REDIS_PASSWORD", "S3_ACCESS_KEY", "S3_SECRET_KEY")
-SERVICES = {"redis", "minio", "minio-init", "coordinator-a", "coordinator-b", "agent", "submit", "preflight"}
+SERVICES = {"redis", "minio", "minio-init", "coordinator-a", "coordinator-b", "agent", "submit", "preflight", "api"}
 TEST_ENV = {
     "REDIS_PASSWORD": "0f1e2d3c4b5a69788796a5b4c3d2e1f0",
     "S3_ACCESS_KEY": "testaccesskey",
@@ -94,7 +94,13 @@ def check_invariants(services: dict) -> None:
     assert command_list(services["submit"]) == ["shoal", "submit", "examples/job-s3.yaml"]
     assert services["submit"].get("restart") == "no"
     assert services["minio-init"]["image"].startswith("minio/mc")
-    for name in ("coordinator-a", "coordinator-b", "agent", "submit"):
+    # the HTTP API and dashboard (found missing by scripts/compose_check.py, scenario api): on
+    # loopback only, with a liveness healthcheck that never asks Redis
+    assert command_list(services["api"]) == ["shoal", "serve", "--host", "0.0.0.0", "--port", "8080"]
+    assert [p for _host, p in published_ports(services["api"])] == ["8080"]
+    assert "/health/live" in " ".join(command_list({"command": services["api"]["healthcheck"]["test"]}))
+    assert services["api"].get("restart") == "unless-stopped"
+    for name in ("coordinator-a", "coordinator-b", "agent", "submit", "api"):
         env = services[name]["environment"]
         assert {"REDIS_URL", "S3_ENDPOINT", "S3_ACCESS_KEY", "S3_SECRET_KEY"} <= set(env), name
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
@@ -246,7 +252,7 @@ def test_compose_refuses_to_start_without_credentials(tmp_path: Path, missing: s
 
 DATA_NODES = ("redis", "redis-1", "redis-2")  # the initial primary first
 SENTINEL_SERVICES = ("sentinel-0", "sentinel-1", "sentinel-2")
-SHOAL_SERVICES = ("coordinator-a", "coordinator-b", "agent", "submit")
+SHOAL_SERVICES = ("coordinator-a", "coordinator-b", "agent", "submit", "api")
 HA_URL = "redis+sentinel://default:{pw}@sentinel-0:26379,sentinel-1:26379,sentinel-2:26379/shoal/0"
 
 
