@@ -808,8 +808,18 @@ def scenario_down_up(stack: Stack) -> None:
     figure("down-up", "job", job)
     now = max([e["step"] for e in stack.ledger()] or [0])
     stack.wait_committed((now // 50 + 1) * 50 + 15, 300)  # past the next checkpoint (checkpoint_interval 50)
-    down_s = stack.down(volumes=False)
+    # `down` is stop + remove: stopped first, so that how the agents ended can be read
+    agents = stack.ids("agent")
+    t0 = time.monotonic()
+    stack.compose("stop", timeout=300)
+    stop_s = time.monotonic() - t0
+    exits = [stack.inspect(a, "{{.State.ExitCode}}") for a in agents]
+    stack.compose("logs", "--no-color", "--tail", "25", "agent", "coordinator-a", "coordinator-b", check=False)
+    down_s = stop_s + stack.down(volumes=False)
     t_down = time.time()
+    figure("down-up", "agent_exit_codes", ",".join(exits))
+    if any(x != "0" for x in exits):  # 137: killed at the stop timeout, its workers with it (not drained)
+        raise CheckFailed(f"`docker-compose stop` did not drain the agents: exit codes {','.join(exits)}")
     reached = max(e["step"] for e in read_ledger())
     figure("down-up", "down_s", down_s)
     figure("down-up", "step_at_down", reached)

@@ -91,6 +91,11 @@ def check_invariants(services: dict) -> None:
     assert command_list(services["coordinator-b"]) == ["shoal", "coordinator"]
     assert command_list(services["agent"]) == ["shoal", "agent"]
     assert services["agent"]["deploy"]["replicas"] >= 1
+    # stopped before the coordinators, so that `docker compose down` drains the agents' workers
+    # (found by scripts/compose_check.py, scenario down-up: stopped together, the agents were
+    # killed at the stop timeout, exit 137, their workers declared failed)
+    for coordinator in ("coordinator-a", "coordinator-b"):
+        assert services["agent"]["depends_on"][coordinator]["condition"] == "service_started"
     # --if-absent: the one-shot runs on every `up`; a later one leaves the job it registered as
     # it is, exit 0 (found by scripts/compose_check.py, scenario down-up: it exited 2)
     assert command_list(services["submit"]) == ["shoal", "submit", "examples/job-s3.yaml", "--if-absent"]
