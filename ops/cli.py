@@ -292,9 +292,20 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from shoal.events.keys import LAUNCH_QUEUE
     from shoal.ops.submit import submit
 
+    from shoal.core.registry import JobExists
+
     spec = _checked_spec(args)  # refused here, before anything is written or queued
     with redis_client(start_embedded=True) as client:
-        done = submit(client, spec, workers_per_unit=args.workers)
+        try:
+            done = submit(client, spec, workers_per_unit=args.workers)
+        except JobExists:
+            if not args.if_absent:
+                raise
+            # compose's one-shot `submit` runs on every `up`: the job it registered the first
+            # time (running, resumed, or finished) is left as it is, and that is a success
+            print(spec.name)
+            print(f"shoal: job {spec.name} already exists; not submitted again (--if-absent)", file=sys.stderr)
+            return 0
     print(done.job_id)
     print(f"shoal: job {done.job_id} registered; {len(done.unit_ids)} launch unit(s) queued on {LAUNCH_QUEUE} "
           f"(workers per unit: {', '.join(map(str, done.sizes))}); run 'shoal agent --queue' on each node",
@@ -741,6 +752,9 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
     sb.add_argument("spec", help="job spec YAML")
     sb.add_argument("--workers", "-n", type=_positive_int, default=1,
                     help="worker processes per launch unit, i.e. per node agent (default 1)")
+    sb.add_argument("--if-absent", action="store_true",
+                    help="when a job of that name exists, leave it as it is and exit 0 (a one-shot "
+                         "that runs on every start, like compose's submit service)")
     _add_spec_options(sb, set_help="override a spec field of the file (repeatable; validated like the file; "
                                            "params.NAME=VALUE sets one keyword argument of the entrypoint)")
     sb.set_defaults(func=cmd_submit)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -20,7 +21,11 @@ from shoal.events import envvars
 
 
 class Ledger:
-    """Appends committed steps to ``ledger-<pid>.jsonl`` in ``SHOAL_LEDGER_DIR`` (no-op when unset)."""
+    """Appends committed steps to ``ledger-<pid>-<random>.jsonl`` in ``SHOAL_LEDGER_DIR`` (no-op
+    when unset). The random part keeps one file per process even where PIDs repeat: workers of
+    several containers (each its own PID namespace) sharing one ledger folder, or a restarted
+    container whose new worker gets its predecessor's PID and would append to a file whose
+    last line a kill cut off."""
 
     def __init__(self, path: Path | None):
         self._fh = open(path, "a", buffering=1) if path else None
@@ -31,7 +36,7 @@ class Ledger:
         if not d:
             return cls(None)
         Path(d).mkdir(parents=True, exist_ok=True)
-        return cls(Path(d) / f"ledger-{os.getpid()}.jsonl")
+        return cls(Path(d) / f"ledger-{os.getpid()}-{secrets.token_hex(4)}.jsonl")
 
     def commit(self, worker_id: str, step: int, batch, generation: int, local, world: int = 0,
                extra: dict | None = None) -> None:

@@ -32,7 +32,7 @@ HA_COMPOSE = ROOT / "compose.ha.yaml"
 DEPLOY = ROOT / "deploy"
 
 SECRETS = ("REDIS_PASSWORD", "S3_ACCESS_KEY", "S3_SECRET_KEY")
-SERVICES = {"redis", "minio", "minio-init", "coordinator-a", "coordinator-b", "agent", "submit", "preflight"}
+SERVICES = {"redis", "minio", "minio-init", "coordinator-a", "coordinator-b", "agent", "submit", "preflight", "api"}
 TEST_ENV = {
     "REDIS_PASSWORD": "0f1e2d3c4b5a69788796a5b4c3d2e1f0",
     "S3_ACCESS_KEY": "testaccesskey",
@@ -91,10 +91,23 @@ def check_invariants(services: dict) -> None:
     assert command_list(services["coordinator-b"]) == ["shoal", "coordinator"]
     assert command_list(services["agent"]) == ["shoal", "agent"]
     assert services["agent"]["deploy"]["replicas"] >= 1
-    assert command_list(services["submit"]) == ["shoal", "submit", "examples/job-s3.yaml"]
+    # stopped before the coordinators, so that `docker compose down` drains the agents' workers
+    # (found by scripts/compose_check.py, scenario down-up: stopped together, the agents were
+    # killed at the stop timeout, exit 137, their workers declared failed)
+    for coordinator in ("coordinator-a", "coordinator-b"):
+        assert services["agent"]["depends_on"][coordinator]["condition"] == "service_started"
+    # --if-absent: the one-shot runs on every `up`; a later one leaves the job it registered as
+    # it is, exit 0 (found by scripts/compose_check.py, scenario down-up: it exited 2)
+    assert command_list(services["submit"]) == ["shoal", "submit", "examples/job-s3.yaml", "--if-absent"]
     assert services["submit"].get("restart") == "no"
     assert services["minio-init"]["image"].startswith("minio/mc")
-    for name in ("coordinator-a", "coordinator-b", "agent", "submit"):
+    # the HTTP API and dashboard (found missing by scripts/compose_check.py, scenario api): on
+    # loopback only, with a liveness healthcheck that never asks Redis
+    assert command_list(services["api"]) == ["shoal", "serve", "--host", "0.0.0.0", "--port", "8080"]
+    assert [p for _host, p in published_ports(services["api"])] == ["8080"]
+    assert "/health/live" in " ".join(command_list({"command": services["api"]["healthcheck"]["test"]}))
+    assert services["api"].get("restart") == "unless-stopped"
+    for name in ("coordinator-a", "coordinator-b", "agent", "submit", "api"):
         env = services[name]["environment"]
         assert {"REDIS_URL", "S3_ENDPOINT", "S3_ACCESS_KEY", "S3_SECRET_KEY"} <= set(env), name
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
@@ -246,7 +259,7 @@ def test_compose_refuses_to_start_without_credentials(tmp_path: Path, missing: s
 
 DATA_NODES = ("redis", "redis-1", "redis-2")  # the initial primary first
 SENTINEL_SERVICES = ("sentinel-0", "sentinel-1", "sentinel-2")
-SHOAL_SERVICES = ("coordinator-a", "coordinator-b", "agent", "submit")
+SHOAL_SERVICES = ("coordinator-a", "coordinator-b", "agent", "submit", "api")
 HA_URL = "redis+sentinel://default:{pw}@sentinel-0:26379,sentinel-1:26379,sentinel-2:26379/shoal/0"
 
 

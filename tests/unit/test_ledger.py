@@ -62,3 +62,24 @@ def test_read_leaves_out_a_line_still_being_written(tmp_path) -> None:
     (tmp_path / "ledger-1.jsonl").write_text(whole + "\n" + whole[:20])
     (tmp_path / "ledger-2.jsonl").write_text(whole + "\n")
     assert [e["step"] for e in read(tmp_path)] == [1, 1]
+
+
+def test_two_processes_with_one_pid_never_share_a_ledger_file(tmp_path, monkeypatch) -> None:
+    """Found by scripts/compose_check.py (agent-crash): the agents of a compose stack share one
+    ledger folder, each in its own PID namespace, so their workers have the same PIDs; and a
+    restarted container's new worker gets its killed predecessor's PID. One file per pid
+    would mix two processes' lines, or append a whole line to one a kill cut off (read: a
+    JSON error). Each process has a file of its own."""
+    import types
+
+    from shoal.worker.ledger import Ledger, read
+
+    monkeypatch.setenv("SHOAL_LEDGER_DIR", str(tmp_path))
+    first = Ledger.from_env()  # a worker killed mid-line ...
+    first._fh.write('{"step": 2, "cut off')
+    first._fh.flush()
+    second = Ledger.from_env()  # ... and its successor, with the same pid
+    batch = types.SimpleNamespace(cursor=0, epoch=0, count=3, indices=[4, 1, 0])
+    second.commit("w1", 1, batch, 1, [4, 1, 0], world=1)
+    assert len(list(tmp_path.glob("ledger-*.jsonl"))) == 2
+    assert [e["step"] for e in read(tmp_path)] == [1]
