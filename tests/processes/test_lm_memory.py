@@ -12,7 +12,7 @@ import pytest
 from shoal.ops.status import job_status
 from tests.helpers import job_spec, run_job
 
-# ~190 s and 2 x 6 GB: behind --soak, which .ci/run runs after the default suite, one test at a
+# ~190 s and 2 x 6 GB: behind --soak; .ci/run runs it after the default suite, one test at a
 # time (beside another test's processes the kernel's OOM killer once took a worker)
 pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
