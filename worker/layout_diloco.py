@@ -1,0 +1,193 @@
+"""The semi-synchronous layout (``sync: diloco``): DiLoCo, one worker per replica.
+
+A *step* of the job is a **round**: the global batch of a round is ``inner_steps`` (H) x
+``global_batch_size`` samples at the committed cursor, split among the generation's members
+by the shard table like any step's. Each member
+
+1. starts from the global weights (its model's, equal on every member at a round boundary)
+   and runs H inner steps of the user's own optimizer and LR scheduler on its slice, cut in
+   H consecutive inner batches - no collective at all (each inner step is the step engine's
+   local step: the user's micro-batches, precision and clipping apply);
+2. sends its outer gradient ``global - local`` with its sample count ``n`` once: all-reduced
+   (fp32: the sum of ``n x delta``) or all-gathered and summed in fp32 in rank order (bf16,
+   int8: :mod:`shoal.worker.outer`), so every member holds the same bits;
+3. steps the global weights with the outer Nesterov SGD on ``sum(n x delta) / sum(n)`` and
+   loads them into its model.
+
+Steps 1-3 are one step of the engine protocol (:meth:`Diloco.step`), atomic like a data-
+parallel step: when the outer collective fails (a member died, was evicted, or a new generation
+aborted the group) nothing of the round stays - the weights, the inner optimizer's state, the
+LR scheduler and the buffers are rolled back to the round's start - and the round is redone,
+from the same cursor, by the next generation. So a round's samples commit only with the outer
+step that holds their outer gradients (the ledger writes the round when :meth:`step` returns),
+and a dead member's samples are read again in the redone round (exactly once, whatever failed).
+
+Replicated state: the model (the global weights at every round boundary) and the outer
+momentum, kept in the inner optimizer's state under :data:`OUTER_STATE` (a key torch's
+``Optimizer.state_dict`` keeps as it is), so the catch-up of a joiner, a checkpoint and a
+resume carry it with the rest with no code of their own. The inner optimizer's own state
+is each member's (a joiner starts from its source's).
+
+Everything else - forming a generation, the catch-up, aborts, evaluation, checkpoints - is
+the data-parallel layout's (:class:`~shoal.worker.layout_dp.DataParallel`).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from shoal.core.faults import FaultPlan
+from shoal.worker import outer
+from shoal.worker.engine import StepEngine, StepResult
+from shoal.worker.errors import CollectiveFailed, InconsistentStep, StepAborted
+from shoal.worker.layout import GroupSettings, LayoutOptions
+from shoal.worker.layout_dp import DataParallel
+from shoal.worker.userapi import TrainingSetup
+
+log = logging.getLogger("shoal.worker")
+
+#: the key of the outer optimizer's state in the inner optimizer's ``state`` (a string key:
+#: ``state_dict()`` keeps it as it is, ``load_state_dict`` restores it)
+OUTER_STATE = "shoal_diloco_outer"
+
+
+def inner_batches(local: Sequence[int], inner_steps: int) -> list[list[int]]:
+    """A member's slice of a round cut in ``inner_steps`` consecutive inner batches whose sizes
+    differ by at most one (the empty ones left out: a slice shorter than H)."""
+    parts = np.array_split(np.asarray(local, dtype=np.int64), inner_steps)
+    return [[int(i) for i in part] for part in parts if len(part)]
+
+
+class Diloco(DataParallel):
+    """The :class:`~shoal.worker.layout.Layout` of DiLoCo (see the module docstring)."""
+
+    def __init__(self, model, optimizer, dataset, *, options: LayoutOptions, groups: GroupSettings | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(model, optimizer, dataset, options=options, groups=groups, **kwargs)
+        if options.diloco is None:
+            raise ValueError("the DiLoCo layout needs the spec's diloco options")
+        self.diloco = options.diloco
+        #: the parameters the outer step moves (the trainable ones, in model order)
+        self.outer_params = [p for p in self.model.parameters() if p.requires_grad]
+
+    @classmethod
+    def from_setup(cls, setup: TrainingSetup, options: LayoutOptions, groups: GroupSettings | None = None,
+                   faults: FaultPlan | None = None) -> "Diloco":
+        return cls(setup.model, setup.optimizer, setup.dataset, options=options, groups=groups,
+                   loss_fn=setup.loss_fn, step_fn=setup.step_fn, lr_scheduler=setup.lr_scheduler,
+                   collate_fn=setup.collate_fn, micro_batch=setup.micro_batch)
+
+    # --- the outer state ------------------------------------------------------------------------
+    def _flat(self) -> torch.Tensor:
+        """The outer parameters as one fp32 vector (a copy)."""
+        return torch.cat([p.detach().reshape(-1).float() for p in self.outer_params])
+
+    def _load_flat(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            offset = 0
+            for p in self.outer_params:
+                n = p.numel()
+                p.copy_(flat[offset:offset + n].view_as(p))
+                offset += n
+
+    def momentum_buffer(self, n: int) -> torch.Tensor:
+        """The outer Nesterov momentum (zeros before the first outer step)."""
+        state = self.optimizer.state.get(OUTER_STATE)
+        buf = state.get("momentum_buffer") if isinstance(state, dict) else None
+        if not isinstance(buf, torch.Tensor) or buf.numel() != n:
+            buf = torch.zeros(n, dtype=torch.float32, device=self.device)
+            self.optimizer.state[OUTER_STATE] = {"momentum_buffer": buf}
+        return buf
+
+    # --- the round ------------------------------------------------------------------------------
+    def step(self, local_indices: Sequence[int], global_count: int, generation: int, *, base_generation: int,
+             world_size: int = 0) -> StepResult:
+        """One round on this member's ``local_indices`` of a round of ``global_count`` samples
+        (see the module docstring). StepAborted: nothing of the round applied (redo it in the
+        next generation); InconsistentStep when the members' slices do not add up to
+        ``global_count``; UserCodeError from the user's code (fatal for this worker)."""
+        group = self.group
+        if group is None:
+            raise StepAborted("step: not in a process group (no group for this generation)")
+        local = [int(i) for i in local_indices]
+        start = self._flat()
+        saved = self._snapshot()
+        t0 = time.perf_counter()
+        loss_sum = 0.0
+        before, self.before_collectives = self.before_collectives, None
+        self.group, self.require_group = None, False  # the inner steps: local, no collective
+        try:
+            for part in inner_batches(local, self.diloco.inner_steps):
+                loss_sum += StepEngine.step(self, part, len(part), generation, base_generation=base_generation).loss_sum
+        except BaseException:
+            self._restore(start, saved)
+            raise
+        finally:
+            self.group, self.require_group, self.before_collectives = group, True, before
+        t1 = time.perf_counter()
+        if self.before_collectives is not None:
+            self.before_collectives()
+        delta = start - self._flat()
+        ahead = float(max(0, generation - base_generation))
+        tail = torch.tensor([ahead, loss_sum, float(len(local))], dtype=torch.float32, device=self.device)
+        try:
+            total, tails = self._reduce(group, delta, tail)
+        except CollectiveFailed as exc:
+            self._restore(start, saved)
+            raise StepAborted(f"round aborted, nothing applied: {exc}", local=exc.local) from exc
+        t2 = time.perf_counter()
+        reduced_ahead, reduced_loss, reduced = float(tails[0]), float(tails[1]), int(round(float(tails[2])))
+        if reduced != global_count:
+            self._restore(start, saved)
+            raise InconsistentStep(f"members trained {reduced} samples, expected a round of {global_count}: "
+                                   "shard tables or cursors differ between members")
+        if self.commit_guard is not None:
+            try:
+                self.commit_guard()
+            except StepAborted:
+                self._restore(start, saved)
+                raise
+        self._settle()  # a round with no inner step (a member behind) ran no before_update callback
+        d = self.diloco
+        outer.nesterov_step(start, total.div_(reduced), self.momentum_buffer(start.numel()), lr=d.outer_lr,
+                            momentum=d.outer_momentum)
+        self._load_flat(start)
+        return StepResult(loss=reduced_loss / reduced, loss_sum=reduced_loss, count=reduced, local_count=len(local),
+                          max_generation=base_generation + 1 if reduced_ahead > 0 else base_generation,
+                          compute_seconds=t1 - t0, comm_seconds=t2 - t1, comm_exposed_seconds=t2 - t1)
+
+    def _reduce(self, group, delta: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every member's outer gradient times its sample count, summed; and the tails summed
+        (the same bits on every member)."""
+        d = self.diloco
+        n = delta.numel()
+        what = f"the outer {d.outer_dtype} exchange of the round"
+        if d.outer_dtype == "fp32":
+            flat = torch.cat([delta.mul_(tail[-1]), tail])
+            group.all_reduce(flat, what=what)
+            return flat[:n], flat[n:]
+        messages = group.all_gather(outer.pack(delta, tail, d.outer_dtype, d.outer_block), what=what)
+        return outer.combine(messages, d.outer_dtype, d.outer_block, n)
+
+    def _snapshot(self) -> tuple[Any, Any, list[torch.Tensor]]:
+        """What a round changes besides the weights: the inner optimizer's and the scheduler's
+        state (copies) and the buffers."""
+        sched = copy.deepcopy(self.lr_scheduler.state_dict()) if self.lr_scheduler is not None else None
+        return (copy.deepcopy(self.optimizer.state_dict()), sched,
+                [b.detach().clone() for b in self.model.buffers()])
+
+    def _restore(self, start: torch.Tensor, saved: tuple[Any, Any, list[torch.Tensor]]) -> None:
+        """Roll a round back to its start: weights, inner optimizer, scheduler, buffers."""
+        opt, sched, buffers = saved
+        self._load_flat(start)
+        self.optimizer.load_state_dict(opt)
+        if sched is not None:
+            self.lr_scheduler.load_state_dict(sched)
+        self._rollback(buffers)
