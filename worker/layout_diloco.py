@@ -36,14 +36,18 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from shoal.core.faults import FaultPlan
+from shoal.events.models import Member, ShardTable
+from shoal.worker.decide import Formed, FormFailed
 from shoal.worker import outer
 from shoal.worker.engine import StepEngine, StepResult
 from shoal.worker.errors import CollectiveFailed, InconsistentStep, StepAborted
@@ -65,6 +69,22 @@ def inner_batches(local: Sequence[int], inner_steps: int) -> list[list[int]]:
     return [[int(i) for i in part] for part in parts if len(part)]
 
 
+@dataclass
+class Finished:
+    """A round this member finished (its H inner steps) whose outer exchange failed: kept so
+    that the same round, redone by the next generation, does not train these samples again.
+    ``start``: the global weights the round started from (what identifies the round);
+    ``weights``, ``optimizer``, ``scheduler``, ``buffers``: the state after the inner steps."""
+
+    start: torch.Tensor
+    indices: list[int]
+    loss_sum: float
+    weights: torch.Tensor
+    optimizer: dict
+    scheduler: Any
+    buffers: list[torch.Tensor]
+
+
 class Diloco(DataParallel):
     """The :class:`~shoal.worker.layout.Layout` of DiLoCo (see the module docstring)."""
 
@@ -76,6 +96,11 @@ class Diloco(DataParallel):
         self.diloco = options.diloco
         #: the parameters the outer step moves (the trainable ones, in model order)
         self.outer_params = [p for p in self.model.parameters() if p.requires_grad]
+        #: a round finished here whose outer exchange failed (see :class:`Finished`)
+        self.finished: Finished | None = None
+        #: whether the next round is its generation's first (the members then agree on who
+        #: trains what: some may hold finished work of it)
+        self.first_round = False
 
     @classmethod
     def from_setup(cls, setup: TrainingSetup, options: LayoutOptions, groups: GroupSettings | None = None,
@@ -83,6 +108,13 @@ class Diloco(DataParallel):
         return cls(setup.model, setup.optimizer, setup.dataset, options=options, groups=groups,
                    loss_fn=setup.loss_fn, step_fn=setup.step_fn, lr_scheduler=setup.lr_scheduler,
                    collate_fn=setup.collate_fn, micro_batch=setup.micro_batch)
+
+    def form(self, table: ShardTable, member: Member, step: int, cursor: int) -> Formed | FormFailed:
+        """As :meth:`DataParallel.form`; the generation's first round then starts with the
+        members agreeing on who trains which samples (:meth:`_assign`)."""
+        formed = super().form(table, member, step, cursor)
+        self.first_round = isinstance(formed, Formed)
+        return formed
 
     # --- the outer state ------------------------------------------------------------------------
     def _flat(self) -> torch.Tensor:
@@ -120,28 +152,48 @@ class Diloco(DataParallel):
         start = self._flat()
         saved = self._snapshot()
         t0 = time.perf_counter()
-        loss_sum = 0.0
+        finished, self.finished = self.finished, None
+        if finished is not None and not torch.equal(finished.start, start):
+            finished = None  # another round's (the others committed it without this member)
+        todo, done, loss_sum, batches = local, [], 0.0, self.diloco.inner_steps
+        if self.first_round:
+            try:
+                todo, done = self._assign(group, local, global_count, finished)
+            except CollectiveFailed as exc:
+                self.finished = finished
+                raise StepAborted(f"round aborted, nothing applied: {exc}", local=exc.local) from exc
+            if done:  # go on from the inner steps finished before, then this member's share of the rest
+                self._resume_finished(finished)
+                loss_sum = finished.loss_sum
+                size = max(1, round(global_count / (self.diloco.inner_steps * max(1, group.world_size))))
+                batches = math.ceil(len(todo) / size)
+                log.info("round redone: %d sample(s) trained before kept, %d more of the members that did not "
+                         "finish it in %d inner step(s)", len(done), len(todo), batches)
         before, self.before_collectives = self.before_collectives, None
         self.group, self.require_group = None, False  # the inner steps: local, no collective
         try:
-            for part in inner_batches(local, self.diloco.inner_steps):
+            for part in inner_batches(todo, batches) if batches else []:
                 loss_sum += StepEngine.step(self, part, len(part), generation, base_generation=base_generation).loss_sum
         except BaseException:
+            self.finished = finished if done else None  # what was finished before stays finished
             self._restore(start, saved)
             raise
         finally:
             self.group, self.require_group, self.before_collectives = group, True, before
+        trained = done + todo
         t1 = time.perf_counter()
         if self.before_collectives is not None:
             self.before_collectives()
         delta = start - self._flat()
         ahead = float(max(0, generation - base_generation))
-        tail = torch.tensor([ahead, loss_sum, float(len(local))], dtype=torch.float32, device=self.device)
+        tail = torch.tensor([ahead, loss_sum, float(len(trained))], dtype=torch.float32, device=self.device)
         try:
             total, tails = self._reduce(group, delta, tail)
         except CollectiveFailed as exc:
+            self._keep_finished(start, trained, loss_sum)
             self._restore(start, saved)
-            raise StepAborted(f"round aborted, nothing applied: {exc}", local=exc.local) from exc
+            raise StepAborted(f"round aborted, nothing applied (its {len(trained)} sample(s) trained here are "
+                              f"kept for its redo): {exc}", local=exc.local) from exc
         t2 = time.perf_counter()
         reduced_ahead, reduced_loss, reduced = float(tails[0]), float(tails[1]), int(round(float(tails[2])))
         if reduced != global_count:
@@ -159,9 +211,57 @@ class Diloco(DataParallel):
         outer.nesterov_step(start, total.div_(reduced), self.momentum_buffer(start.numel()), lr=d.outer_lr,
                             momentum=d.outer_momentum)
         self._load_flat(start)
-        return StepResult(loss=reduced_loss / reduced, loss_sum=reduced_loss, count=reduced, local_count=len(local),
+        self.first_round = False
+        return StepResult(loss=reduced_loss / reduced, loss_sum=reduced_loss, count=reduced, local_count=len(trained),
                           max_generation=base_generation + 1 if reduced_ahead > 0 else base_generation,
-                          compute_seconds=t1 - t0, comm_seconds=t2 - t1, comm_exposed_seconds=t2 - t1)
+                          compute_seconds=t1 - t0, comm_seconds=t2 - t1, comm_exposed_seconds=t2 - t1,
+                          trained=tuple(trained) if trained != local else None)
+
+    def _assign(self, group, local: list[int], global_count: int, finished: Finished | None
+                ) -> tuple[list[int], list[int]]:
+        """The generation's first round: (the samples this member trains now, the ones it
+        finished before). One all-gather of every member's slice and finished samples: when
+        nobody holds finished work of this round, everyone trains its slice; otherwise each
+        member keeps what it finished and the samples nobody finished (a dead member's) are
+        split among the members in rank order - so the round's samples are trained exactly once
+        and nobody's finished inner steps are lost."""
+        mine = finished.indices if finished is not None else []
+        row = torch.full((2, global_count), -1, dtype=torch.int64)
+        row[0, :len(local)] = torch.tensor(local, dtype=torch.int64)
+        row[1, :len(mine)] = torch.tensor(mine, dtype=torch.int64)
+        rows = [r.view(2, global_count) for r in group.all_gather(row.view(-1), what="the round's assignment")]
+        batch = [int(i) for r in rows for i in r[0].tolist() if i >= 0]
+        held = [[int(i) for i in r[1].tolist() if i >= 0] for r in rows]
+        covered = [i for h in held for i in h]
+        if not covered:
+            return local, []
+        if len(set(covered)) != len(covered) or not set(covered) <= set(batch):  # never expected: start over
+            log.warning("the members' finished work of this round overlaps or leaves its batch: redone from scratch")
+            return local, []
+        taken = set(covered)
+        free = [i for i in batch if i not in taken]
+        rank, world = group.rank, group.world_size
+        return free[rank * len(free) // world:(rank + 1) * len(free) // world], list(mine)
+
+    def _keep_finished(self, start: torch.Tensor, trained: list[int], loss_sum: float) -> None:
+        """Keep the state after this member's inner steps of a round that did not commit."""
+        sched = copy.deepcopy(self.lr_scheduler.state_dict()) if self.lr_scheduler is not None else None
+        self.finished = Finished(start=start.clone(), indices=list(trained), loss_sum=loss_sum, weights=self._flat(),
+                                 optimizer=copy.deepcopy(self.optimizer.state_dict()), scheduler=sched,
+                                 buffers=[b.detach().clone() for b in self.model.buffers()])
+
+    def _resume_finished(self, finished: Finished) -> None:
+        """Load the state after the inner steps of :attr:`finished` (its round is redone)."""
+        self._load_flat(finished.weights)
+        outer_state = self.optimizer.state.get(OUTER_STATE)  # the outer state is the round start's
+        self.optimizer.load_state_dict(copy.deepcopy(finished.optimizer))
+        if outer_state is not None:
+            self.optimizer.state[OUTER_STATE] = outer_state
+        if finished.scheduler is not None:
+            self.lr_scheduler.load_state_dict(finished.scheduler)
+        with torch.no_grad():
+            for b, saved in zip(self.model.buffers(), finished.buffers):
+                b.copy_(saved)
 
     def _reduce(self, group, delta: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every member's outer gradient times its sample count, summed; and the tails summed
