@@ -423,9 +423,10 @@ class TrainingWorker(WorkerRunner):
                                           "scale_after": scaler.state_dict()}
         if result.trained is not None:  # the layout chose this rank's samples of the step itself
             local = list(result.trained)
+        extra = {**fp16, "compute": round(result.compute_seconds, 4), "comm": round(result.comm_exposed_seconds, 4)}
         if self._ledger_digests:  # tests compare the members' weights after every step
-            fp16["digest"] = state_digest(self.engine.model)
-        self.ledger.commit(wid, act.step + 1, batch, act.base, local, act.world, fp16)
+            extra["digest"] = state_digest(self.engine.model)
+        self.ledger.commit(wid, act.step + 1, batch, act.base, local, act.world, extra)
         self.input.committed(batch, ranges, self.state.member)  # the next steps' batches
         self._step_parts = (result.compute_seconds, result.comm_exposed_seconds)
         if self.hb is not None:  # published with the next beat
