@@ -64,6 +64,8 @@ class LayoutOptions:
     activation_checkpointing: bool = False
     #: ``sync: diloco``'s options (None: every step all-reduces)
     diloco: DilocoOptions | None = None
+    #: the spec's ``global_batch_size`` (DiLoCo: the samples of one inner step over all members)
+    global_batch: int = 64
 
     @classmethod
     def from_spec(cls, spec: JobSpec, device: torch.device) -> "LayoutOptions":
@@ -72,7 +74,7 @@ class LayoutOptions:
         return cls(device=torch.device(device), precision=spec.precision, max_grad_norm=spec.max_grad_norm,
                    bucket_cap_mb=spec.bucket_cap_mb, shard_size=spec.shard_size, compile=compile_options,
                    fixed_micro_batch=fixed, activation_checkpointing=spec.activation_checkpointing,
-                   diloco=spec.diloco_options)
+                   diloco=spec.diloco_options, global_batch=spec.global_batch_size)
 
 
 @dataclass

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,8 +64,20 @@ OUTER_STATE = "shoal_diloco_outer"
 def inner_batches(local: Sequence[int], inner_steps: int) -> list[list[int]]:
     """A member's slice of a round cut in ``inner_steps`` consecutive inner batches whose sizes
     differ by at most one (the empty ones left out: a slice shorter than H)."""
+    if not inner_steps or not len(local):
+        return []
     parts = np.array_split(np.asarray(local, dtype=np.int64), inner_steps)
     return [[int(i) for i in part] for part in parts if len(part)]
+
+
+def inner_step_count(samples: int, world: int, global_batch: int, inner_steps: int) -> int:
+    """How many inner steps a member trains ``samples`` in: inner batches of about its share of
+    the global batch (``global_batch / world``), at most H. A full round's slice is H of them;
+    an epoch's short last round, or a dead member's part taken over, fewer (never H inner steps
+    of a few samples each)."""
+    if samples <= 0:
+        return 0
+    return max(1, min(inner_steps, round(samples * max(1, world) / global_batch)))
 
 
 @dataclass
@@ -94,6 +105,8 @@ class Diloco(DataParallel):
         if options.diloco is None:
             raise ValueError("the DiLoCo layout needs the spec's diloco options")
         self.diloco = options.diloco
+        #: the samples of one inner step over all members (the spec's ``global_batch_size``)
+        self.global_batch = options.global_batch
         #: the parameters the outer step moves (the trainable ones, in model order)
         self.outer_params = [p for p in self.model.parameters() if p.requires_grad]
         #: a round finished here whose outer exchange failed (see :class:`Finished`)
@@ -155,7 +168,8 @@ class Diloco(DataParallel):
         finished, self.finished = self.finished, None
         if finished is not None and not torch.equal(finished.start, start):
             finished = None  # another round's (the others committed it without this member)
-        todo, done, loss_sum, batches = local, [], 0.0, self.diloco.inner_steps
+        todo, done, loss_sum = local, [], 0.0
+        world = group.world_size
         if self.first_round:
             try:
                 todo, done = self._assign(group, local, global_count, finished)
@@ -165,14 +179,13 @@ class Diloco(DataParallel):
             if done:  # go on from the inner steps finished before, then this member's share of the rest
                 self._resume_finished(finished)
                 loss_sum = finished.loss_sum
-                size = max(1, round(global_count / (self.diloco.inner_steps * max(1, group.world_size))))
-                batches = math.ceil(len(todo) / size)
                 log.info("round redone: %d sample(s) trained before kept, %d more of the members that did not "
-                         "finish it in %d inner step(s)", len(done), len(todo), batches)
+                         "finish it", len(done), len(todo))
         before, self.before_collectives = self.before_collectives, None
         self.group, self.require_group = None, False  # the inner steps: local, no collective
         try:
-            for part in inner_batches(todo, batches) if batches else []:
+            batches = inner_step_count(len(todo), world, self.global_batch, self.diloco.inner_steps)
+            for part in inner_batches(todo, batches):
                 loss_sum += StepEngine.step(self, part, len(part), generation, base_generation=base_generation).loss_sum
         except BaseException:
             self.finished = finished if done else None  # what was finished before stays finished

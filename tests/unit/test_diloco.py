@@ -14,7 +14,7 @@ from torch import nn
 from shoal.core.errors import ConfigError
 from shoal.core.jobspec import parse_spec
 from shoal.worker import outer
-from shoal.worker.layout_diloco import OUTER_STATE, inner_batches
+from shoal.worker.layout_diloco import OUTER_STATE, inner_batches, inner_step_count
 
 BASE = {"name": "d", "sync": "diloco"}
 
@@ -119,6 +119,17 @@ def test_a_slice_is_cut_in_h_inner_batches() -> None:
     assert inner_batches(list(range(10)), 4) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
     assert inner_batches([5, 6], 4) == [[5], [6]]
     assert inner_batches([], 3) == []
+    assert inner_batches([1, 2], 0) == []
+
+
+def test_a_short_round_keeps_the_inner_batch_size() -> None:
+    # H=50, global batch 64: a full round's slice of 3 members is 50 inner steps
+    assert [inner_step_count(n, 3, 64, 50) for n in (1066, 1067)] == [50, 50]
+    # an epoch's short last round (200 samples over 2 members): ~32 a step, not 50 steps of 2
+    assert inner_step_count(100, 2, 64, 50) == 3
+    # a dead member's third taken over by 2 survivors, half each: about half a round
+    assert inner_step_count(533, 2, 64, 50) == 17
+    assert inner_step_count(0, 2, 64, 50) == 0 and inner_step_count(3, 2, 64, 50) == 1
 
 
 # --- one round on a real gloo group of one ------------------------------------------------------
@@ -142,7 +153,7 @@ def _layout(group, **diloco):
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
-    options = LayoutOptions(device=torch.device("cpu"), diloco=DilocoOptions(**diloco))
+    options = LayoutOptions(device=torch.device("cpu"), diloco=DilocoOptions(**diloco), global_batch=6)
     layout = Diloco(model, torch.optim.AdamW(model.parameters(), lr=0.01), _Points(),
                     options=options, loss_fn=nn.CrossEntropyLoss(reduction="sum"))
     layout.group = group
