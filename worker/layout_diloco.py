@@ -16,11 +16,17 @@ by the shard table like any step's. Each member
 
 Steps 1-3 are one step of the engine protocol (:meth:`Diloco.step`), atomic like a data-
 parallel step: when the outer collective fails (a member died, was evicted, or a new generation
-aborted the group) nothing of the round stays - the weights, the inner optimizer's state, the
-LR scheduler and the buffers are rolled back to the round's start - and the round is redone,
-from the same cursor, by the next generation. So a round's samples commit only with the outer
-step that holds their outer gradients (the ledger writes the round when :meth:`step` returns),
-and a dead member's samples are read again in the redone round (exactly once, whatever failed).
+aborted the group) nothing of the round is applied - the weights, the inner optimizer's state,
+the LR scheduler and the buffers are rolled back to the round's start - and the round is
+redone, from the same cursor, by the next generation. So a round's samples commit only with the
+outer step that holds their outer gradients (the ledger writes the round when :meth:`step`
+returns). A member that had finished its inner steps keeps that work aside (:class:`Finished`):
+in the redone round - the generation's first, where the members agree on who trains what with
+one all-gather (:meth:`Diloco._assign`) - it goes on from there, and only the samples nobody
+finished (a dead member's part) are split among the members and trained. A member's death
+costs the survivors no inner step, and every sample of the round is trained and committed
+exactly once, whatever failed (the ledger records what each member trained:
+``StepResult.trained``).
 
 Replicated state: the model (the global weights at every round boundary) and the outer
 momentum, kept in the inner optimizer's state under :data:`OUTER_STATE` (a key torch's
