@@ -171,6 +171,9 @@ def main() -> int:
     ap.add_argument("--loss-epochs", type=int, default=20, help="epochs of the loss comparison")
     ap.add_argument("--quick", action="store_true", help="2 epochs, 1 round")
     ap.add_argument("--recovery-only", action="store_true", help="only the kill -9 run")
+    ap.add_argument("--loss-only", action="store_true", help="only the loss comparison")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="the loss comparison's outer learning rate")
+    ap.add_argument("--outer-momentum", type=float, default=0.9, help="the loss comparison's outer momentum")
     args = ap.parse_args()
     if args.quick:
         args.epochs, args.repeat, args.loss_epochs = 2, 1, 12
@@ -181,16 +184,20 @@ def main() -> int:
         tmp = Path(t)
         server = start_server(tmp / "redis", appendonly=False)
         try:
-            for i in range(0 if args.recovery_only else args.repeat):  # interleaved: a drift hits every variant
+            for i in range(0 if args.recovery_only or args.loss_only else args.repeat):  # interleaved: a drift hits every variant
                 for name, h in (("sync", None), ("h50", 50)):
                     job = f"diloco-{name}-{i}"
                     runs[name].append(run(server.url, tmp, job, _spec(job, args.epochs, h), WORKERS))
             for name, h in () if args.recovery_only else (("sync", None), ("h25", 25), ("h50", 50)):
                 job = f"diloco-loss-{name}"
-                spec = _spec(job, args.loss_epochs, h, entrypoint="bench.diloco:build_small")
+                outer = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
+                spec = _spec(job, args.loss_epochs, h, entrypoint="bench.diloco:build_small",
+                             **({"diloco": {"inner_steps": h, **outer}} if h else {}))
                 losses[name].append(run(server.url, tmp, job, spec, WORKERS, make=make_small_model))
             if not args.recovery_only:
                 report(args, runs, losses)
+            if args.loss_only:
+                return 0
             rec = run_recovery(server.url, tmp)
         finally:
             server.stop()
@@ -202,23 +209,26 @@ def main() -> int:
 
 def report(args, runs: dict, losses: dict) -> None:
     """Print the throughput and loss figures (before the recovery run: a failure there keeps them)."""
+    loss = {name: rs[0]["loss"] for name, rs in losses.items()}
+    print(f"  test loss after {args.loss_epochs} epochs of the digits example's MLP (equal samples; outer lr "
+          f"{args.outer_lr}, momentum {args.outer_momentum}): " + ", ".join(f"{n} {v:.4f}" for n, v in loss.items()))
+    print(f"loss_gap_h25={loss['h25'] / loss['sync'] - 1:+.4f}")
+    print(f"loss_gap_h50={loss['h50'] / loss['sync'] - 1:+.4f}", flush=True)
+    if not runs["sync"]:
+        return
     med = {name: {k: statistics.median(r[k] for r in rs) for k in ("rate", "compute", "comm", "loss")}
            for name, rs in runs.items()}
-    loss = {name: rs[0]["loss"] for name, rs in losses.items()}
     h50 = med["h50"]
     print(f"\nshoal DiLoCo bench: {WORKERS} CPU processes, 5.9 M-parameter MLP, batch {BATCH}, {args.epochs} epoch(s) "
           f"of the digits, {os.cpu_count()} cores, repeat {args.repeat}")
     for name, m in med.items():
         print(f"  {name}: {m['rate']:.0f} samples/s, compute {m['compute']:.3f} s + exposed comm {m['comm']:.3f} s "
               f"per step (a step: a round with DiLoCo)")
-    print(f"  test loss after {args.loss_epochs} epochs of the digits example's MLP (equal samples): "
-          + ", ".join(f"{name} {value:.4f}" for name, value in loss.items()))
     print("link=loopback")
     print(f"speedup={h50['rate'] / med['sync']['rate']:.2f}")
     print(f"utilisation={h50['compute'] / (h50['compute'] + h50['comm']):.3f}")
-    print(f"sync_utilisation={med['sync']['compute'] / (med['sync']['compute'] + med['sync']['comm']):.3f}")
-    print(f"loss_gap_h25={loss['h25'] / loss['sync'] - 1:+.4f}")
-    print(f"loss_gap_h50={loss['h50'] / loss['sync'] - 1:+.4f}", flush=True)
+    print(f"sync_utilisation={med['sync']['compute'] / (med['sync']['compute'] + med['sync']['comm']):.3f}",
+          flush=True)
 
 
 if __name__ == "__main__":
