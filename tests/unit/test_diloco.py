@@ -233,3 +233,26 @@ def test_a_failed_outer_exchange_rolls_the_whole_round_back(solo_group) -> None:
     for key, state in before["state"].items():
         for name, value in state.items():
             assert torch.equal(torch.as_tensor(after["state"][key][name]), torch.as_tensor(value)), (key, name)
+
+
+def test_the_outer_momentum_survives_a_checkpoint_in_a_real_store(solo_group, tmp_path) -> None:
+    """The outer state rides in the optimizer's state dict: a checkpoint written to a file://
+    store and loaded back (weights_only, verified) restores it into another layout, which then
+    takes the same next round bit for bit."""
+    from shoal.storage.checkpoint import load_latest, save_checkpoint
+    from shoal.storage.uri import open_store
+
+    layout = _layout(solo_group, inner_steps=3)
+    layout.step(list(range(12)), 12, 1, base_generation=1, world_size=1)
+    store = open_store(f"file://{tmp_path / 'ckpt'}")
+    save_checkpoint(store, layout.checkpoint(0, step=1, epoch=0, data_cursor=12, generation=1, world_size=1),
+                    hmac_key=None)
+    state, _ = load_latest(store, hmac_key=None)
+    other = _layout(solo_group, inner_steps=3)
+    torch.nn.init.zeros_(other.model[0].weight)  # not the saved weights: the resume must bring them
+    other.resume(state, lambda: state)
+    assert torch.equal(other.optimizer.state[OUTER_STATE]["momentum_buffer"],
+                       layout.optimizer.state[OUTER_STATE]["momentum_buffer"])
+    layout.step(list(range(12, 24)), 12, 1, base_generation=1, world_size=1)
+    other.step(list(range(12, 24)), 12, 1, base_generation=1, world_size=1)
+    assert torch.equal(other._flat(), layout._flat())
