@@ -91,9 +91,13 @@ def _run(r, redis_url, tmp_path, spec, workers: int, script=None, env: dict | No
 
 
 @pytest.mark.slow
-def test_a_diloco_job_completes_exactly_once_with_equal_global_weights(r, redis_url, tmp_path) -> None:
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_a_diloco_job_completes_exactly_once_with_equal_global_weights(r, redis_url, tmp_path, dtype) -> None:
+    """fp32 outer gradients are all-reduced; int8 ones all-gathered and summed in fp32 in rank
+    order on every member: either way the members' weights are bit-identical after each round."""
     rounds = 5
-    spec = _spec("dl-" + tmp_path.name[-6:], rounds, min_workers=3)
+    spec = _spec("dl-" + tmp_path.name[-6:], rounds, min_workers=3,
+                 diloco={"inner_steps": H, "outer_dtype": dtype, "outer_block": 64})
     _, codes = _run(r, redis_url, tmp_path, spec, 3)
     assert set(codes.values()) == {0}
     by_step = _check_exactly_once_and_equal(tmp_path, rounds)
