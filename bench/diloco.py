@@ -31,7 +31,8 @@ Prints ``name=value``:
 way (TBF) and delayed DELAY_MS / 2 each (so DELAY_MS one way between the workers), Redis and
 the coordinator on hosts of their own; the link is measured worker to worker first and a link
 that misses 80 % of its rate refuses the run. ``--link-sync-steps`` synchronous steps, then
-``--link-rounds`` DiLoCo rounds of ``--h`` inner steps, 5.9 M-parameter MLP; prints ``link=``,
+``--link-rounds`` DiLoCo rounds of ``--h`` inner steps (``--outer-dtype`` on the wire), the
+5.9 M-parameter MLP; prints ``link=``,
 ``speedup=``, ``utilisation=``, ``sync_utilisation=``, ``exactly_once=``. Every namespace is
 deleted at the end, also on failure or SIGTERM.
 """
@@ -262,12 +263,13 @@ def main_link(args) -> int:
             res = {}
             for name, h, steps in (("sync", None, args.link_sync_steps), (f"h{args.h}", args.h, args.link_rounds)):
                 job = f"diloco-link-{name}"
-                res[name] = run_net(net, tmp, job, _spec(job, 100, h, max_steps=steps), ws)
+                extra = {"diloco": {"inner_steps": h, "outer_dtype": args.outer_dtype}} if h else {}
+                res[name] = run_net(net, tmp, job, _spec(job, 100, h, max_steps=steps, **extra), ws)
                 r = res[name]
                 print(f"  {name}: {r['steps']} steps, {r['rate']:.1f} samples/s, compute {r['compute']:.3f} s + exposed "
                       f"comm {r['comm']:.3f} s per step (a step: a round with DiLoCo)", flush=True)
     d, s = res[f"h{args.h}"], res["sync"]
-    print(f"link={mbit:g}mbit,{delay:g}ms")
+    print(f"link={mbit:g}mbit,{delay:g}ms outer_dtype={args.outer_dtype}")
     print(f"speedup={d['rate'] / s['rate']:.2f}")
     print(f"utilisation={d['compute'] / (d['compute'] + d['comm']):.3f}")
     print(f"sync_utilisation={s['compute'] / (s['compute'] + s['comm']):.3f}")
@@ -290,6 +292,8 @@ def main() -> int:
     ap.add_argument("--h", type=int, default=50, help="--link: DiLoCo's inner steps")
     ap.add_argument("--link-sync-steps", type=int, default=12, help="--link: synchronous steps")
     ap.add_argument("--link-rounds", type=int, default=5, help="--link: DiLoCo rounds")
+    ap.add_argument("--outer-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
+                    help="--link: DiLoCo's outer gradient on the wire")
     args = ap.parse_args()
     if args.link:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
