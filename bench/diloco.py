@@ -240,7 +240,7 @@ def main_link(args) -> int:
     delayed DELAY_MS / 2 each (DELAY_MS one way between the two workers); Redis and the
     coordinator on hosts of their own. The link is measured first (``Net.check_link``, worker
     to worker): a link that does not carry 80 % of the rate refuses the run."""
-    from shoal.ops.chaos.netns import Net, NetUnavailable
+    from shoal.ops.chaos.netns import LinkCheckFailed, Net, NetUnavailable
     from tests.helpers import ROOT
 
     mbit, delay = (float(x) for x in args.link.split(","))
@@ -258,7 +258,11 @@ def main_link(args) -> int:
             ws = [net.add_host("w0"), net.add_host("w1")]
             for w in ws:
                 net.set_link(w, mbit, delay / 2)
-            got = net.check_link(ws[0], ws[1], mbit, seconds=4.0, warm=2.0)
+            try:
+                got = net.check_link(ws[0], ws[1], mbit, seconds=4.0, warm=2.0)
+            except LinkCheckFailed as exc:
+                print(f"link: {exc}")
+                return 3
             print(f"link check w0 -> w1: {got:.1f} Mbit/s (set {mbit:g} Mbit/s, {delay:g} ms one way)", flush=True)
             res = {}
             for name, h, steps in (("sync", None, args.link_sync_steps), (f"h{args.h}", args.h, args.link_rounds)):
