@@ -55,6 +55,24 @@ class KeepBest(BaseModel):
     mode: Literal["min", "max"] = "min"
 
 
+class DilocoOptions(BaseModel):
+    """``diloco:`` in the spec (with ``sync: diloco``): semi-synchronous training (DiLoCo,
+    Douillard et al. 2023). Each member runs ``inner_steps`` (H) steps of the user's own
+    optimizer from the global weights on its own samples, then the outer gradient (the global
+    weights minus the members' weights, averaged weighted by their samples) is all-reduced once
+    and an outer Nesterov SGD (``outer_lr``, ``outer_momentum``) steps the global weights.
+    ``outer_dtype``: the outer gradient's wire format - fp32, bf16, or int8 with one fp32 scale
+    per ``outer_block`` values (both accumulated in fp32)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    inner_steps: Annotated[int, Field(ge=1, le=100_000)] = 50
+    outer_lr: Annotated[float, Field(gt=0, le=10)] = 0.7
+    outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    outer_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
+    outer_block: Annotated[int, Field(ge=16, le=1 << 20)] = 256
+
+
 class JobSpec(BaseModel):
     """A training job. Times are seconds. ``entrypoint`` is ``module:function``."""
 
@@ -121,6 +139,16 @@ class JobSpec(BaseModel):
     #: ``max_workers`` count workers: multiples of ``shard_size``; the global batch must divide
     #: by ``shard_size`` x every replica count between them (every rank takes as many samples).
     shard_size: Annotated[int, Field(ge=1, le=1024)] = 1
+    #: How the members' work is combined: ``step`` (every step all-reduces the gradient:
+    #: data parallelism, or HSDP with ``shard_size`` > 1) or ``diloco`` (semi-synchronous:
+    #: every member runs ``diloco.inner_steps`` local steps, then one outer step; see
+    #: :class:`DilocoOptions`). With ``diloco`` a *step* of the job - ``max_steps``, the
+    #: checkpoint interval, the ledger, ``eval_every_steps`` - is a round (one outer step) of
+    #: ``inner_steps x global_batch_size`` samples; ``global_batch_size`` is the samples of one
+    #: inner step over all members. One worker per replica (``shard_size`` 1).
+    sync: Literal["step", "diloco"] = "step"
+    #: DiLoCo's options (``sync: diloco``; defaults when omitted).
+    diloco: DilocoOptions | None = None
     #: Numeric precision of forward and backward: fp32, or autocast to bf16 / fp16 (fp16 with
     #: a gradient scaler whose state is checkpointed and sent to joiners).
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -260,7 +288,11 @@ class JobSpec(BaseModel):
                              "own checkpoints by itself; init_from names another job's store")
         if self.backend == "nccl" and self.device == "cpu":
             raise ValueError("backend nccl needs the model on a GPU: use device cuda (or auto), or backend gloo")
-        if self.entrypoint != "simulate" and self.num_samples not in (None, self.global_batch_size):
+        if self.diloco is not None and self.sync != "diloco":
+            raise ValueError("diloco options apply to sync: diloco (this job has sync: step)")
+        if self.sync == "diloco":
+            self._check_diloco()
+        if self.entrypoint != "simulate" and self.num_samples not in (None, self.step_samples):
             raise ValueError("num_samples applies to simulated jobs only: training shards each global batch")
         return self
 
@@ -285,6 +317,32 @@ class JobSpec(BaseModel):
         if self.precision == "fp16":
             raise ValueError("precision fp16 (a loss scale) is not supported with shard_size > 1: use bf16 or fp32")
 
+    def _check_diloco(self) -> None:
+        if self.shard_size != 1:
+            raise ValueError(f"sync: diloco needs shard_size 1 (a DiLoCo replica is one worker); shard_size is "
+                             f"{self.shard_size}")
+        if self.precision == "fp16":
+            raise ValueError("precision fp16 (a loss scale) is not supported with sync: diloco: use bf16 or fp32")
+        if self.entrypoint == "simulate":
+            raise ValueError("sync: diloco trains a model: not with entrypoint simulate")
+        if self.compile:
+            raise ValueError("compile is not supported with sync: diloco yet: set compile: false")
+
+    @property
+    def diloco_options(self) -> DilocoOptions | None:
+        """DiLoCo's options (the defaults when ``diloco`` is omitted); None unless ``sync: diloco``."""
+        if self.sync != "diloco":
+            return None
+        return self.diloco or DilocoOptions()
+
+    @property
+    def step_samples(self) -> int:
+        """The samples one step of the job takes from the data order: the global batch, or in
+        DiLoCo a round's (``inner_steps`` x the global batch). The data order, the shard table
+        and the prefetcher cut steps of this size."""
+        options = self.diloco_options
+        return self.global_batch_size * (options.inner_steps if options is not None else 1)
+
     @property
     def replicas(self) -> tuple[int, int]:
         """The fewest and most replica groups the job allows."""
@@ -292,7 +350,7 @@ class JobSpec(BaseModel):
 
     @property
     def shard_space(self) -> int:
-        return self.num_samples or self.global_batch_size
+        return self.num_samples or self.step_samples
 
     def to_json(self) -> str:
         return self.model_dump_json()

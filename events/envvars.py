@@ -21,6 +21,7 @@ name                               read by
 ``SHOAL_BACKEND`` ...              ``worker/placement.py`` (written and read there)
 ``SHOAL_RENDEZVOUS_LEGACY``        ``worker/store.py`` (benches only)
 ``SHOAL_LEDGER_DIR``               ``worker/ledger.py``; written by tests, the demo, the soak
+``SHOAL_LEDGER_DIGESTS``           ``worker/training.py``; written by tests
 ``SHOAL_EXPORT_DIR``               ``worker/training.py``; written by tests and the soak
 ``SHOAL_FAULTS`` ...               ``core/faults.py``; written by tests and the soak
 ``SHOAL_REDIS_WAIT_MS`` ...        ``core/durable.py``, ``core/connection.py``
@@ -99,6 +100,8 @@ RENDEZVOUS_LEGACY = EnvVar("SHOAL_RENDEZVOUS_LEGACY", "1: the rendezvous of befo
                                                       "compare both in one run)")
 LEDGER_DIR = EnvVar("SHOAL_LEDGER_DIR", "a directory each worker appends its committed steps to (the ledger "
                                         "that proves exactly-once); unset: no ledger")
+LEDGER_DIGESTS = EnvVar("SHOAL_LEDGER_DIGESTS", "1: each ledger entry also holds the digest of the worker's "
+                                              "weights after the step (tests compare the members'); unset: none")
 EXPORT_DIR = EnvVar("SHOAL_EXPORT_DIR", "a directory each worker saves its final weights to when the job "
                                         "completes (final-<worker>.pt); unset: none saved")
 

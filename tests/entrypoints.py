@@ -169,3 +169,13 @@ def digits_split_eval_large() -> TrainingSetup:
     big.x = big.x.double()
     setup.eval_dataset, setup.eval_batch_size = big, 1000
     return setup
+
+
+def diloco_digits() -> TrainingSetup:
+    """:func:`slow_digits` with AdamW as the inner optimizer (DiLoCo's usual one): the DiLoCo
+    process tests' job. ``SHOAL_TEST_STEP_DELAY`` s in each inner step's forward."""
+    import torch
+
+    setup = slow_digits()
+    setup.optimizer = torch.optim.AdamW(setup.model.parameters(), lr=1e-3)
+    return setup

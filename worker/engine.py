@@ -129,6 +129,10 @@ class StepResult:
     grad_norm: float | None = None
     #: the fp16 loss scale this step used (None unless fp16)
     loss_scale: float | None = None
+    #: the samples this rank trained in the step when a layout chose others than its slice
+    #: (DiLoCo's first round after a failure: what a member finished before, plus its share of
+    #: the samples nobody finished); None: its slice. What the ledger records.
+    trained: tuple[int, ...] | None = None
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:

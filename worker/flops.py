@@ -164,4 +164,4 @@ class FlopMeter:
         if progress is not None:
             progress.figures(**figures)
         if tensorboard is not None:
-            tensorboard.figures(samples_per_step=self.spec.global_batch_size, **figures)
+            tensorboard.figures(samples_per_step=self.spec.step_samples, **figures)

@@ -64,14 +64,14 @@ class InputPipeline:
         self.stream: StreamInput | None = None
         if is_streaming(setup.dataset):  # shard-aware order; each rank reads the shards it owns
             shard_samples = list(setup.dataset.shard_samples)
-            self.order = DataOrder(n, spec.seed, spec.global_batch_size, shard_samples=shard_samples,
+            self.order = DataOrder(n, spec.seed, spec.step_samples, shard_samples=shard_samples,
                                    window=int(getattr(setup.dataset, "shuffle_window", None) or DEFAULT_WINDOW))
             self.stream = StreamInput(setup.dataset, self.order,
                                       tolerance=int(getattr(setup.dataset, "balance_tolerance", None) or 0))
             membership.num_shards = len(shard_samples)
             log.info("streaming dataset: %d shards, shuffle window %d shards", len(shard_samples), self.order.window)
         else:
-            self.order = DataOrder(n, spec.seed, spec.global_batch_size)
+            self.order = DataOrder(n, spec.seed, spec.step_samples)
         #: the job's length in steps: ``max_steps``, else every epoch's steps (the last batch
         #: of an epoch may be short), whichever is fewer
         by_epochs = self.order.steps_per_epoch() * spec.epochs
@@ -79,7 +79,7 @@ class InputPipeline:
         log.info("built %s: %d samples, %d steps/epoch", spec.entrypoint, n, self.order.steps_per_epoch())
         self.prefetch = Prefetcher(
             setup.dataset, engine.collate_fn, num_samples=n, seed=spec.seed,
-            global_batch=spec.global_batch_size, device=engine.device,
+            global_batch=spec.step_samples, device=engine.device,
             # the engine's split (a compiled model's fixed shape): the prefetcher's items are its micro-batches
             micro_batch=engine.compiled_shape or engine.micro_batch,
             workers=spec.loader_workers if setup.loader_workers is None else setup.loader_workers,

@@ -1,6 +1,6 @@
 """The training engine protocol: one interface, one module per layout.
 
-A *layout* is how the members of a generation train one model together. Two exist:
+A *layout* is how the members of a generation train one model together. Three exist:
 
 - :class:`~shoal.worker.layout_dp.DataParallel` (``shard_size`` 1): every member holds the
   whole model; a generation's members form one group and all-reduce the gradient in buckets;
@@ -20,7 +20,10 @@ transfer), aborts exactly those an eviction concerns, and closes them.
 picks the class; :class:`LayoutOptions`, built
 once from the job spec, is what every layout reads (a field added there reaches all of them).
 
-Adding a layout (a semi-synchronous one is planned next) is one module implementing
+- :class:`~shoal.worker.layout_diloco.Diloco` (``sync: diloco``): semi-synchronous DiLoCo;
+  every member runs inner steps alone and a round ends with one outer exchange.
+
+Adding a layout is one module implementing
 :class:`Layout` plus its tests, and one line in :func:`shoal.worker.layouts.layout_for`.
 """
 
@@ -32,7 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
-from shoal.core.jobspec import CompileOptions, JobSpec
+from shoal.core.jobspec import CompileOptions, DilocoOptions, JobSpec
 from shoal.events.keys import JobKeys
 from shoal.events.models import Member, ShardTable
 from shoal.worker.checkpoints import RESUME, Restore
@@ -59,6 +62,10 @@ class LayoutOptions:
     #: micro-batches of this shape, the short last one padded)
     fixed_micro_batch: int | None = None
     activation_checkpointing: bool = False
+    #: ``sync: diloco``'s options (None: every step all-reduces)
+    diloco: DilocoOptions | None = None
+    #: the spec's ``global_batch_size`` (DiLoCo: the samples of one inner step over all members)
+    global_batch: int = 64
 
     @classmethod
     def from_spec(cls, spec: JobSpec, device: torch.device) -> "LayoutOptions":
@@ -66,7 +73,8 @@ class LayoutOptions:
         fixed = -(-spec.global_batch_size // spec.max_workers) if compile_options is not None else None
         return cls(device=torch.device(device), precision=spec.precision, max_grad_norm=spec.max_grad_norm,
                    bucket_cap_mb=spec.bucket_cap_mb, shard_size=spec.shard_size, compile=compile_options,
-                   fixed_micro_batch=fixed, activation_checkpointing=spec.activation_checkpointing)
+                   fixed_micro_batch=fixed, activation_checkpointing=spec.activation_checkpointing,
+                   diloco=spec.diloco_options, global_batch=spec.global_batch_size)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Which layout a job trains with: the one place that reads the spec's ``shard_size``
+"""Which layout a job trains with: the one place that reads the spec's ``shard_size`` and ``sync``
 (:mod:`shoal.worker.layout` has the protocol and the options every layout reads)."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 from shoal.core.faults import FaultPlan
 from shoal.core.jobspec import JobSpec
 from shoal.worker.layout import GroupSettings, Layout, LayoutOptions
+from shoal.worker.layout_diloco import Diloco
 from shoal.worker.layout_dp import DataParallel
 from shoal.worker.layout_hsdp import Hsdp
 from shoal.worker.userapi import TrainingSetup
@@ -13,6 +14,8 @@ from shoal.worker.userapi import TrainingSetup
 
 def layout_for(spec: JobSpec) -> type:
     """The layout class of ``spec``: the one place that reads which layout a job uses."""
+    if spec.diloco_options is not None:
+        return Diloco
     return Hsdp if spec.shard_size > 1 else DataParallel
 
 

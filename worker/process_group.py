@@ -461,6 +461,20 @@ class Group:
         with self._lock:
             self._abandoned.extend(p.work for p in pending)
 
+    def all_gather(self, tensor: torch.Tensor, what: str = "all_gather") -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape and dtype on every rank), in rank order;
+        CollectiveFailed on any failure. Reaps the posted sends."""
+        self._require(what)
+        outputs = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        try:
+            work = tc.allgather(self.torch_group, outputs, tensor)
+        except Exception as exc:  # noqa: BLE001 - translated
+            raise translate_error(exc, what) from exc
+        self._wait(work, what)
+        if self._pending_sends:
+            self.wait_sends()
+        return outputs
+
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """In-place broadcast from ``src``; CollectiveFailed on any failure."""
         what = f"broadcast from rank {src}"

@@ -51,6 +51,11 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int):
     return group.broadcast([tensor], opts)
 
 
+def allgather(group: dist.ProcessGroup, outputs: list[torch.Tensor], tensor: torch.Tensor):
+    """Every rank's ``tensor`` into ``outputs`` (one per rank, in rank order)."""
+    return group.allgather([outputs], [tensor])
+
+
 def send(group: dist.ProcessGroup, tensor: torch.Tensor, dst: int):
     return group.send([tensor], dst, 0)
 

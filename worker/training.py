@@ -144,6 +144,8 @@ class TrainingWorker(WorkerRunner):
         self.iface = iface
         self.faults = FaultPlan.from_env()
         self.ledger = Ledger.from_env()
+        #: whether each ledger entry holds the weights' digest after its step (``SHOAL_LEDGER_DIGESTS``)
+        self._ledger_digests = envvars.LEDGER_DIGESTS.get() == "1"
         #: the last committed step's compute and exposed all-reduce seconds (for progress)
         self._step_parts: tuple[float | None, float | None] = (None, None)
         #: bounds the Redis barrier and each wait of the rendezvous
@@ -419,7 +421,12 @@ class TrainingWorker(WorkerRunner):
         scaler = self.engine.scaler
         fp16 = {} if scaler is None else {"loss_scale": result.loss_scale, "skipped": result.skipped,
                                           "scale_after": scaler.state_dict()}
-        self.ledger.commit(wid, act.step + 1, batch, act.base, local, act.world, fp16)
+        if result.trained is not None:  # the layout chose this rank's samples of the step itself
+            local = list(result.trained)
+        extra = {**fp16, "compute": round(result.compute_seconds, 4), "comm": round(result.comm_exposed_seconds, 4)}
+        if self._ledger_digests:  # tests compare the members' weights after every step
+            extra["digest"] = state_digest(self.engine.model)
+        self.ledger.commit(wid, act.step + 1, batch, act.base, local, act.world, extra)
         self.input.committed(batch, ranges, self.state.member)  # the next steps' batches
         self._step_parts = (result.compute_seconds, result.comm_exposed_seconds)
         if self.hb is not None:  # published with the next beat

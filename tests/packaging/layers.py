@@ -143,9 +143,10 @@ def check(root: Path, dirs: dict[str, str] | None = None) -> list[Violation]:
 #: the modules that may tell one training layout from another (``shoal.worker.layout``):
 #: the layouts themselves and the step engines they are built on
 LAYOUT_MODULES = ("shoal.worker.layout", "shoal.worker.layouts", "shoal.worker.layout_dp",
-                  "shoal.worker.layout_hsdp", "shoal.worker.engine", "shoal.worker.sharded_engine")
+                  "shoal.worker.layout_hsdp", "shoal.worker.layout_diloco", "shoal.worker.engine",
+                  "shoal.worker.sharded_engine")
 #: names whose use in a test outside those modules branches on the layout
-LAYOUT_CLASSES = frozenset({"StepEngine", "ShardedEngine", "DataParallel", "Hsdp"})
+LAYOUT_CLASSES = frozenset({"StepEngine", "ShardedEngine", "DataParallel", "Hsdp", "Diloco"})
 
 
 def layout_branches(root: Path, dirs: dict[str, str] | None = None) -> list[Violation]:
