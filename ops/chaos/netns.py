@@ -20,6 +20,13 @@ port goes down: the cable is pulled), and :meth:`Net.delay` (every frame to and 
 held in a user-space delay line, :mod:`shoal.ops.chaos.delayfwd`); :meth:`Net.heal` undoes
 them all.
 
+A link you can set: :meth:`Net.set_link` gives a host's link a rate (a TBF qdisc on both ends
+of its veth, so each way is paced) and, optionally, the delay line above; :meth:`Net.check_link`
+measures the throughput through it (a TCP stream between two hosts,
+:mod:`shoal.ops.chaos.linkcheck`) and raises :class:`LinkCheckFailed`, one line, when it does
+not reach the rate (or far exceeds it: the rate is not applied) - the gate before a run that
+needs that link. :meth:`Net.heal` takes rates away too.
+
 Clean-up: :meth:`Net.close` kills every process left in the namespaces (``ip netns pids``)
 and deletes them, which deletes their interfaces and the bridge with them. Namespace names
 carry the creating process's pid (``shn<pid>-<host>``): :func:`sweep` deletes those whose
@@ -64,6 +71,11 @@ HA_SERVICE = "shoal"
 
 class NetUnavailable(RuntimeError):
     """Namespaces cannot be made here (not root, no ``ip``, no netns support)."""
+
+
+class LinkCheckFailed(RuntimeError):
+    """A link set with :meth:`Net.set_link` does not carry the rate it was set to (measured
+    through it): a run on it would measure something else. The message is one line."""
 
 
 def _run(*argv: str, check: bool = True, timeout: float = CMD_TIMEOUT) -> subprocess.CompletedProcess:
@@ -227,6 +239,8 @@ class Net:
         self._faults = False
         #: host name -> its delay line's process
         self._delays: dict[str, Proc] = {}
+        #: host name -> the rate (Mbit/s) its link was set to
+        self.rates: dict[str, float] = {}
         #: a short directory for the Redis unix socket (a socket path holds at most 107 bytes)
         self._sock_dir = Path(tempfile.mkdtemp(prefix=f"{self.tag}-"))
         try:
@@ -441,6 +455,73 @@ class Net:
         self._sw("ip", "link", "del", f"bd{name}")
         self._sw("ip", "link", "set", self.hosts[name].port, "master", "br0")
 
+    def set_link(self, host: Host, mbit: float, delay_ms: float = 0.0) -> None:
+        """Give ``host``'s link ``mbit`` Mbit/s each way (a TBF qdisc on both ends of its veth:
+        the switch port, paced toward the host, and the host's ``eth0``, paced from it) and,
+        with ``delay_ms``, the delay line of :meth:`delay` (frames held ``delay_ms`` each
+        way). Setting it again replaces the rate. Check it with :meth:`check_link` before a
+        run: a TBF on a loaded machine, or behind a user-space delay line, may not reach it."""
+        if not 0 < mbit <= 100_000:
+            raise ValueError(f"mbit must be in (0, 100000], got {mbit}")
+        # the bucket holds 4 ms at the rate (the timer's granularity at HZ=250) and at least
+        # one full frame; the queue holds 50 ms more, like a switch port's buffer
+        burst = max(16_000, int(mbit * 1e6 / 8 * 0.004))
+        for ns, dev in ((self.switch, host.port), (host.ns, "eth0")):
+            _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
+                 "burst", str(burst), "latency", "50ms")
+        self.rates[host.name] = mbit
+        if delay_ms > 0:
+            self.delay(host, delay_ms)
+
+    def _unrate(self, name: str) -> None:
+        host = self.hosts[name]
+        for ns, dev in ((self.switch, host.port), (host.ns, "eth0")):
+            _run("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
+        self.rates.pop(name, None)
+
+    def check_link(self, src: Host, dst: Host, mbit: float | None = None, *, seconds: float = 3.0,
+                   warm: float = 1.0, low: float = 0.8, high: float = 1.25, port: int = 5201) -> float:
+        """Measure the throughput of one TCP stream from ``src`` to ``dst`` for ``seconds``
+        (counted from ``warm`` s after its first byte) and return it, Mbit/s. ``mbit``: the
+        rate it must carry (default: the rate set on ``dst``'s link, else ``src``'s).
+        LinkCheckFailed, one line, when the measured rate is below ``low`` x ``mbit`` (the
+        link, the delay line or the machine cannot carry it) or above ``high`` x ``mbit``
+        (the rate is not applied)."""
+        want = mbit if mbit is not None else self.rates.get(dst.name, self.rates.get(src.name))
+        if want is None:
+            raise ValueError(f"no rate set on {src.name}'s or {dst.name}'s link: pass mbit")
+        bound = seconds + 30
+        # the file itself, not ``-m shoal...``: the package's imports cost seconds on a loaded box
+        argv = [sys.executable, str(Path(__file__).with_name("linkcheck.py"))]
+        recv = subprocess.Popen(["ip", "netns", "exec", dst.ns, *argv, "recv", dst.ip, str(port), str(warm), str(bound)],
+                                cwd=self.cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                text=True)
+        try:
+            readable, _, _ = select.select([recv.stdout], [], [], bound)
+            said = recv.stdout.readline().strip() if readable else "no word in time"
+            if said != "listening":
+                raise LinkCheckFailed(f"link check {src.name} -> {dst.name}: the receiver did not start: {said}")
+            src.exec(*argv, "send", dst.ip, str(port), str(seconds + warm), timeout=bound)
+            out, _ = recv.communicate(timeout=bound)
+        finally:
+            if recv.poll() is None:
+                recv.kill()
+                recv.wait(CMD_TIMEOUT)
+            recv.stdout.close()
+        try:
+            nbytes, secs = (float(x) for x in out.split()[-2:])
+        except ValueError:
+            raise LinkCheckFailed(f"link check {src.name} -> {dst.name}: unreadable result {out.strip()!r}") from None
+        got = nbytes * 8 / secs / 1e6 if secs > 0 else 0.0
+        if got < low * want:
+            raise LinkCheckFailed(f"link {src.name} -> {dst.name} carries {got:.1f} Mbit/s, below {low:.0%} of the "
+                                  f"{want:g} Mbit/s set: refusing to run on it (a loaded machine, or the delay line "
+                                  f"cannot forward that fast)")
+        if got > high * want:
+            raise LinkCheckFailed(f"link {src.name} -> {dst.name} carries {got:.1f} Mbit/s, above {high:.0%} of the "
+                                  f"{want:g} Mbit/s set: the rate is not applied")
+        return got
+
     def link_down(self, host: Host) -> None:
         """Pull ``host``'s cable: its switch port goes down."""
         self._sw("ip", "link", "set", host.port, "down")
@@ -449,11 +530,13 @@ class Net:
         self._sw("ip", "link", "set", host.port, "up")
 
     def heal(self) -> None:
-        """Undo every fault: rules flushed, every link up."""
+        """Undo every fault: rules flushed, delay lines and rates removed, every link up."""
         if self._faults:
             self._sw("nft", "flush", "chain", "bridge", "shoal", "faults")
         for name in list(self._delays):
             self._undelay(name)
+        for name in list(self.rates):
+            self._unrate(name)
         for host in self.hosts.values():
             self.link_up(host)
 
