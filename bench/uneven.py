@@ -5,7 +5,8 @@ side by side in one run, interleaved and repeated.
                                                  [--quota 0.4] [--slow-quota 0.2]
 
 Three CPU workers (OMP_NUM_THREADS=1 each) train the digits data with a 64-512-512-10 MLP
-(0.3 M parameters), a global batch of 2400, SGD with momentum. Each worker runs in a cgroup
+(0.3 M parameters, float64), a global batch of 14400, SGD with momentum, gradients
+all-reduced in buckets of 0.5 MiB (``bucket_cap_mb``: they leave while backward still runs). Each worker runs in a cgroup
 (v1 ``cpu`` controller) of its own: two may use ``--quota`` of a core (default 1), the third
 is held to ``--slow-quota`` (default: half a core) by a CFS quota over a 20 ms period. The
 groups' ``cpu.shares`` follow the quotas (2:2:1; the three together weigh less than one nice-0
@@ -16,13 +17,20 @@ slow worker half the others' CPU. So "half as fast" holds on a quiet box and a b
 
 Each round measures, in this order:
 
-- a job with **equal slices** and a job with **slices by speed**, each from its third
-  committed step to its last (the by-speed job's re-plans - generation switches - included);
-- around each job, the **solo rates**: the three processes, in their cgroups, at the same
-  time, each training on its own (forward, backward, optimizer step on slices of the equal
-  size, no collective) for a few seconds; their samples/s summed is what the machine gives the
-  three. A job's denominator is the mean of the sums measured just before and just after it
-  (the load of a shared box drifts within minutes).
+- ``solo=``: the three processes, in their cgroups, at the same time, each training on its own
+  (forward, backward, optimizer step on slices of the equal size, no collective) for a few
+  seconds: that the cgroups make the third half as fast (2:2:1), for information;
+- a job with **equal slices**, then one with **slices by speed**, each from its third committed
+  step to its last (the by-speed job's re-plans - generation switches - included): its
+  samples/s, and each worker's **solo rate** in that same run: the samples of its slices over
+  the seconds of its own work (data, forward, backward; ``work_s`` in the ledger), i.e. how
+  fast it goes when it waits for nobody. ``ratio`` = job samples/s over the sum of those.
+
+Why the solo rates come from the job's own run: the load other engineers put on this box
+moved a job's throughput 4x between two rounds minutes apart (2026-11-28: 8423 and 2369
+samples/s), so a denominator measured at another moment - even just before and after -
+made ratios of 0.26 and 1.7. Measured within the run, numerator and denominator share its
+load. ``speedup=`` (by speed over equal, consecutive runs) is shown too, with that caveat.
 
 Prints ``name=value`` lines: each round's figures, then ``ratio_equal=`` and ``ratio_speed=``
 (job samples/s over the sum of the solo rates, median over rounds; target: by speed >= 0.90
@@ -49,8 +57,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 
 HIDDEN = 512
-BATCH = 2400
-DATASET = 24_000
+BATCH = 14_400
+DATASET = 144_000
 CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 20_000
 SHARES_PER_CORE = 335  # a nice-5 process's weight: the three groups weigh less than one nice-0 process
@@ -173,10 +181,13 @@ def solo_rates(groups: Cgroups, seconds: float) -> list[float]:
     return out
 
 
-def run_job(url: str, tmp: Path, groups: Cgroups, job: str, split: str, steps: int) -> tuple[float, dict, list[str]]:
+def run_job(url: str, tmp: Path, groups: Cgroups, job: str, split: str,
+            steps: int) -> tuple[float, list[float], dict, list[str]]:
     """One job of three workers in the cgroups; its samples/s from its SKIP-th committed step
-    to its last (commit times from the ledger: the last rank's commit of each step), its final
-    weights, and the reasons of its generations."""
+    to its last (commit times from the ledger: the last rank's commit of each step), each
+    worker slot's rate of its own work over the same steps (its slices' samples over the
+    seconds of its own work, ``work_s`` in the ledger), its final weights, and the reasons of
+    its generations."""
     import redis
 
     from shoal.core.jobspec import JobSpec
@@ -190,14 +201,16 @@ def run_job(url: str, tmp: Path, groups: Cgroups, job: str, split: str, steps: i
     client = redis.Redis.from_url(url)
     create_job(client, JobSpec(name=job, entrypoint="bench.uneven:build", global_batch_size=BATCH, max_steps=steps,
                                epochs=1000, min_workers=3, max_workers=3, heartbeat_interval=0.5, heartbeat_ttl=5.0,
-                               batch_split=split, batch_split_every=5))
+                               batch_split=split, batch_split_every=5, bucket_cap_mb=0.5))
     watch = ControlWatcher(client, job)
     lg, final = tmp / f"ledger-{job}", tmp / f"final-{job}"
     env = {"SHOAL_LEDGER_DIR": str(lg), "SHOAL_EXPORT_DIR": str(final), "OMP_NUM_THREADS": "1"}
     with LocalProcs(url, tmp / f"logs-{job}", extra_env=env) as procs:
         procs.coordinator(f"coord-{job}")
+        pids = []
         for slot in range(3):
-            groups.put(slot, procs.worker(job, f"p{slot}").popen.pid)
+            pids.append(procs.worker(job, f"p{slot}").popen.pid)
+            groups.put(slot, pids[-1])
         try:
             watch.wait_for(lambda d: d.job_state == "completed", 600)
         except BaseException:
@@ -221,10 +234,25 @@ def run_job(url: str, tmp: Path, groups: Cgroups, job: str, split: str, steps: i
     gaps = sorted(done[s] - done[s - 1] for s in done if s > SKIP + 1)
     step_s = gaps[len(gaps) // 2] if gaps else 0.0
     switches = [done[s] - done[s - 1] - step_s for s in sorted(done) if s > SKIP + 1 and gen[s] != gen[s - 1]]
-    print(f"job={job} steps_per_s={1 / step_s if step_s else 0:.2f} switches_s={','.join(f'{x:.2f}' for x in switches)}")
+    # per step: the slowest member's own work, and what the step took beyond it (the
+    # all-reduce, the update, bookkeeping: what no split can remove)
+    slowest: dict[int, float] = {}
+    for e in entries:
+        slowest[e["step"]] = max(slowest.get(e["step"], 0.0), e["work_s"])
+    beyond = sorted(done[s] - done[s - 1] - slowest[s] for s in done if s > SKIP + 1 and gen[s] == gen[s - 1])
+    print(f"job={job} steps_per_s={1 / step_s if step_s else 0:.2f} "
+          f"beyond_slowest_ms={1000 * beyond[len(beyond) // 2] if beyond else 0:.0f} "
+          f"switches_s={','.join(f'{x:.2f}' for x in switches)}")
+    own: dict[int, list[float]] = {}  # pid -> [samples, seconds]
+    for e in entries:
+        if e["step"] > SKIP:
+            acc = own.setdefault(e["pid"], [0, 0.0])
+            acc[0] += len(e["indices"])
+            acc[1] += e["work_s"]
+    own_rates = [own[p][0] / own[p][1] if p in own and own[p][1] > 0 else 0.0 for p in pids]
     weights = torch.load(sorted(final.glob("final-*.pt"))[0], weights_only=True)
     reasons = [ShardTable.model_validate_json(f[b"data"]).reason for _s, f in client.xrange(job_keys(job).generations)]
-    return rate, weights, reasons
+    return rate, own_rates, weights, reasons
 
 
 def loadavg() -> str:
@@ -260,23 +288,18 @@ def main() -> int:
             tmp = Path(t)
             server = start_server(tmp / "redis", appendonly=False)
             try:
-                solos = [solo_rates(groups, args.solo_seconds)]
                 for i in range(args.repeat):
-                    # each job between two solo measurements, their mean its denominator: the
-                    # load of a shared box drifts within minutes
-                    eq, eq_w, _ = run_job(server.url, tmp, groups, f"equal-{i}", "equal", args.steps)
-                    solos.append(solo_rates(groups, args.solo_seconds))
-                    eq_total = (sum(solos[-2]) + sum(solos[-1])) / 2
-                    sp, sp_w, reasons = run_job(server.url, tmp, groups, f"speed-{i}", "by_speed", args.steps)
-                    solos.append(solo_rates(groups, args.solo_seconds))
-                    sp_total = (sum(solos[-2]) + sum(solos[-1])) / 2
-                    equal_r.append(eq / eq_total)
-                    speed_r.append(sp / sp_total)
+                    alone = solo_rates(groups, args.solo_seconds)
+                    eq, eq_own, eq_w, _ = run_job(server.url, tmp, groups, f"equal-{i}", "equal", args.steps)
+                    sp, sp_own, sp_w, reasons = run_job(server.url, tmp, groups, f"speed-{i}", "by_speed", args.steps)
+                    equal_r.append(eq / sum(eq_own))
+                    speed_r.append(sp / sum(sp_own))
                     finals = (eq_w, sp_w)
-                    print(f"round={i} solo={' '.join('/'.join(f'{r:.0f}' for r in x) for x in solos[-3:])} "
-                          f"equal={eq:.0f} solo_sum_equal={eq_total:.0f} by_speed={sp:.0f} "
-                          f"solo_sum_speed={sp_total:.0f} ratio_equal={eq / eq_total:.3f} "
-                          f"ratio_speed={sp / sp_total:.3f} loadavg={loadavg()}")
+                    print(f"round={i} solo={'/'.join(f'{r:.0f}' for r in alone)} "
+                          f"equal={eq:.0f} equal_own={'/'.join(f'{r:.0f}' for r in eq_own)} "
+                          f"by_speed={sp:.0f} by_speed_own={'/'.join(f'{r:.0f}' for r in sp_own)} "
+                          f"ratio_equal={eq / sum(eq_own):.3f} ratio_speed={sp / sum(sp_own):.3f} "
+                          f"speedup={sp / eq:.3f} loadavg={loadavg()}")
                     replans = [r for r in reasons if "slices by speed" in r]
                     print(f"round={i} by_speed_generations={len(reasons)} last_plan={replans[-1] if replans else ''!r}")
             finally:

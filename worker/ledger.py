@@ -1,7 +1,8 @@
 """The ledger of committed steps: proof that every sample was used exactly once.
 
 When ``SHOAL_LEDGER_DIR`` is set, every worker appends one JSON line per committed step:
-step, cursor, epoch, generation, worker, pid, the whole global batch and its own slice (plus,
+step, cursor, epoch, generation, worker, pid, the whole global batch and its own slice, the
+seconds of its own work in the step (``work_s``: data, forward, backward) (plus,
 with fp16, the loss scale the step used, whether it was an overflow step skipped, and the
 scale's state after it).
 :func:`verify` checks a run's ledgers: each step committed in one generation only, the

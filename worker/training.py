@@ -423,7 +423,9 @@ class TrainingWorker(WorkerRunner):
         scaler = self.engine.scaler
         fp16 = {} if scaler is None else {"loss_scale": result.loss_scale, "skipped": result.skipped,
                                           "scale_after": scaler.state_dict()}
-        self.ledger.commit(wid, act.step + 1, batch, act.base, local, act.world, fp16)
+        # with the seconds of its own work (benches take each worker's rate from it)
+        self.ledger.commit(wid, act.step + 1, batch, act.base, local, act.world,
+                           {**fp16, "work_s": round(result.compute_seconds, 6)})
         self.input.committed(batch, ranges, self.state.member)  # the next steps' batches
         self._step_parts = (result.compute_seconds, result.comm_exposed_seconds)
         self._work_samples += len(local)
