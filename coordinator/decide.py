@@ -33,7 +33,7 @@ import hashlib
 import statistics
 from dataclasses import dataclass, field, replace
 
-from shoal.coordinator import formation, redone, watchdog
+from shoal.coordinator import formation, redone, slices, watchdog
 from shoal.coordinator.owners import plan_owners
 from shoal.coordinator.replicas import plan_groups
 from shoal.coordinator.shards import plan_ranges
@@ -101,6 +101,9 @@ class Tick:
     #: ``busy`` set), for workers busy longer than the step timeout (pre-filtered like
     #: ``last_seen``)
     busy_since: dict[str, int] = field(default_factory=dict)
+    #: worker id -> its heartbeat's work counters (sampled with ``step_times``; may be empty):
+    #: the facts slices by speed are sized from (``coordinator.slices``)
+    work: dict[str, slices.Work] = field(default_factory=dict)
 
 
 # ---- actions --------------------------------------------------------------------------------
@@ -264,9 +267,17 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
     generation = status.generation + 1
     state, change = _membership_change(state, [] if paused else ids, generation, paused)
     members = []
+    sliced = ""
     if not paused:
         s = spec.shard_size
-        for rank, (wid, ranges) in enumerate(zip(ids, plan_ranges(spec.shard_strategy.value, spec.shard_space, ids))):
+        if by_speed(spec, status):
+            split, sizes, said = slices.plan(status.split, ids, spec.shard_space, generation, status.high_step)
+            status = replace(status, split=split)
+            sliced = f"; {said}"
+            planned = slices.ranges(sizes)
+        else:
+            planned = plan_ranges(spec.shard_strategy.value, spec.shard_space, ids)
+        for rank, (wid, ranges) in enumerate(zip(ids, planned)):
             hsdp = {"group": state.workers[wid].replica_group, "replica": rank // s, "shard": rank % s} if s > 1 else {}
             members.append(Member(worker_id=wid, rank=rank, ranges=ranges, **hsdp))
     # the members dropped by a failure decided now: peers still in a group with them abort
@@ -275,7 +286,7 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
     if paused:
         reason = f"{why}; paused: {len(ids)} < min_workers={spec.min_workers}"
     else:
-        reason = f"{why}; generation {generation}: world size {len(ids)} ({', '.join(ids)})"
+        reason = f"{why}; generation {generation}: world size {len(ids)} ({', '.join(ids)}){sliced}"
     owners = None
     if status.num_shards and not paused:
         owners, owned_why = plan_owners(status.shard_owners, ids, status.num_shards)
@@ -301,6 +312,12 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
                          formation=formation.planned(status, now_ms, paused), step_failed_ms=0, step_failure="")
     new_status = new_status.moved(JobState.PAUSED if paused else JobState.RUNNING, now_ms)
     return replace(state, status=new_status), [*grouped, Publish(table, change)], reason
+
+
+def by_speed(spec: JobSpec, status) -> bool:
+    """Whether the job's slices are sized by speed: ``batch_split: by_speed`` and a map-style
+    dataset (a streaming dataset's split by shard owner replaces the table's ranges)."""
+    return spec.batch_split == "by_speed" and spec.shard_size == 1 and not status.num_shards
 
 
 def _removal_cause(rec: WorkerRecord) -> RemovalCause:
@@ -714,6 +731,9 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
         status = redone.saw_step(status, seen, now_ms)
     if tick.step_times:
         status = replace(status, step_ms=int(1000 * statistics.median(tick.step_times.values())))
+    if tick.work and by_speed(spec, status):  # a new rate changes only the status, like a step
+        live = {w: v for w, v in tick.work.items() if w in state.workers and state.workers[w].state in LIVE}
+        status = replace(status, split=slices.observe(status.split, live))
     state = replace(state, status=status)
     if tick.step_times:
         state, flagged = _flag_stragglers(state, tick.step_times, spec.straggler_factor, now_ms)
@@ -734,6 +754,12 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
         if said:  # members restarted: the plan below leaves them out
             reasons.append(said)
             removals = True
+    if (not removals and not pending and not failed_at and not reform and not regroup and by_speed(spec, state.status)
+            and tick.work):
+        state, look = _look_at_slices(state, spec)
+        if look is not None and look.replan:
+            state, more, reason = replan(state, spec, now_ms, epoch, look.reason, force=True)
+            return Decision(state, tuple(actions + more), reason, changed=True)
     if removals or (pending and now_ms - pending >= SETTLE_MS) or step_failed or reform or regroup:
         if reasons:
             why = "; ".join(reasons)
@@ -750,6 +776,25 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
         actions += more
         return Decision(state, tuple(actions), reason, changed=True)
     return Decision(state, tuple(actions), "; ".join(reasons) or "tick", changed=changed)
+
+
+def _look_at_slices(state: CoordState, spec: JobSpec) -> tuple[CoordState, slices.Look | None]:
+    """Slices by speed between membership changes (``coordinator.slices.look``): only for a
+    running generation that formed with every member active, whose newest committed step was
+    reported by that generation. Returns the state (the split record as the look left it) and
+    the look (None: not looked at)."""
+    status = state.status
+    if (status.state != JobState.RUNNING or status.formation.unformed_since_ms
+            or status.high_step_generation != status.generation):
+        return state, None
+    ids = member_ids(state, spec)
+    if not ids or _plan_digest(ids, False) != status.plan_digest:
+        return state, None
+    if any(state.workers[w].state != WorkerState.ACTIVE for w in ids):
+        return state, None
+    look = slices.look(status.split, ids, spec.shard_space, status.generation, status.high_step,
+                       spec.batch_split_every)
+    return replace(state, status=replace(status, split=look.split)), look
 
 
 def _watch_progress(state: CoordState, spec: JobSpec, now_ms: int,

@@ -24,6 +24,7 @@ import redis
 from shoal.coordinator.balance import encode_entry, parse_registry, plan_handoffs
 from shoal.coordinator.decide import Decision, EventInput, Tick, decide
 from shoal.coordinator.redone import StepSeen
+from shoal.coordinator.slices import Work
 from shoal.coordinator.errors import StaleEpoch
 from shoal.coordinator.fenced import FencedBatch, FencedWriter
 from shoal.core.durable import execute_confirmed
@@ -446,7 +447,7 @@ class Coordinator:
         stale_lists, busy_lists = scanned[0::2], scanned[1::2]
         pipe = self.client.pipeline(transaction=False)
         for lead in leads:
-            if now - lead.last_progress_ms >= self.progress_ms:
+            if now - lead.last_progress_ms >= _progress_ms(lead.spec, self.progress_ms):
                 active = [w for w, r in lead.state.workers.items() if r.state == WorkerState.ACTIVE]
                 if active:  # step times (stragglers: two or more) and committed steps (redone steps)
                     pipe.mget([lead.keys.heartbeat(w) for w in active])
@@ -461,17 +462,17 @@ class Coordinator:
             # like heartbeats, a step counts as busy from our own taking of the job at the earliest
             busy_since = {(w.decode() if isinstance(w, bytes) else w): max(int(score), lead.taken_ms) for w, score in busy}
             sample = progress.get(lead.keys.job_id)
-            step_times, steps = _step_times(sample), _steps_seen(sample)
+            step_times, steps, work = _step_times(sample), _steps_seen(sample), _work_seen(sample)
             status = lead.state.status
             # a tick decides on stale heartbeats, step times and committed steps, a settling
             # join, a failed step awaiting its new generation, or a job whose generations have
             # not formed yet (it fails at its formation deadline)
-            if (not last_seen and not busy_since and not step_times and not steps and not status.pending_join_ms
+            if (not last_seen and not busy_since and not step_times and not steps and not work and not status.pending_join_ms
                     and not status.formation.unformed_since_ms and not status.step_failed_ms
                     and not status.regroup_at_ms and not status.formation.retry_ms):
                 continue
-            decision = decide(lead.state, Tick(last_seen=last_seen, step_times=step_times, steps=steps, busy_since=busy_since), now,
-                              lead.spec, lead.epoch)
+            tick = Tick(last_seen=last_seen, step_times=step_times, steps=steps, busy_since=busy_since, work=work)
+            decision = decide(lead.state, tick, now, lead.spec, lead.epoch)
             # a higher committed step changes only the status: stored, with no control entry
             if not decision.changed and not decision.actions and decision.state.status == status:
                 continue
@@ -499,6 +500,24 @@ def _step_times(values: list | None) -> dict[str, float]:
     """Recent step time per worker from sampled heartbeat values (missing or unreadable
     heartbeats, and those without a step time yet, are left out)."""
     return {hb.worker_id: hb.step_time for hb in _heartbeats(values) if hb.step_time}
+
+
+#: How often a job with slices by speed has its members' heartbeats sampled (at most; ms):
+#: each look measures the rate over every step since the previous one, so this bounds only
+#: how soon a re-plan can follow ``batch_split_every`` steps.
+SPEED_SAMPLE_MS = 1000
+
+
+def _progress_ms(spec, progress_ms: int) -> int:
+    """The heartbeat sampling period of a job (``progress_ms``, shorter with slices by speed)."""
+    return min(progress_ms, SPEED_SAMPLE_MS) if spec.batch_split == "by_speed" else progress_ms
+
+
+def _work_seen(values: list | None) -> dict[str, Work]:
+    """The work counters per worker from sampled heartbeat values (missing or unreadable
+    heartbeats, and those without counters yet, are left out)."""
+    return {hb.worker_id: Work(hb.work_samples, hb.work_seconds) for hb in _heartbeats(values)
+            if hb.work_samples is not None and hb.work_seconds is not None}
 
 
 def _steps_seen(values: list | None) -> dict[str, StepSeen]:

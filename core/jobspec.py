@@ -218,6 +218,21 @@ class JobSpec(BaseModel):
     #: sample for a transformer). None: measured with torch's FLOP counter on each worker's
     #: first committed step (``shoal.worker.flops``).
     flops_per_sample: Annotated[float | None, Field(gt=0)] = None
+    #: How the global batch is split among a data-parallel generation's members: ``equal``
+    #: (default: near-equal contiguous slices, a function of the membership alone) or
+    #: ``by_speed``: each member's slice follows its measured rate of its own work (samples per
+    #: second of data, forward and backward, from the counters its heartbeat reports), so a slow
+    #: member no longer sets the pace. Re-planned at every generation switch and, when the
+    #: measured rates would shorten the step by more than 10 %, at most every
+    #: ``batch_split_every`` committed steps (a re-plan is a generation switch of the same
+    #: members). The global batch never changes, so the update is the same as with equal slices
+    #: (losses are summed and divided by the global count; models without BatchNorm or dropout).
+    #: Data parallelism with contiguous slices only (``shard_size`` 1, ``shard_strategy``
+    #: contiguous); a streaming dataset keeps its split by shard owner.
+    batch_split: Literal["equal", "by_speed"] = "equal"
+    #: ``batch_split: by_speed``: committed steps between two looks at whether the slices
+    #: should be re-planned (besides membership changes, which always re-plan).
+    batch_split_every: Annotated[int, Field(ge=1, le=1_000_000)] = 50
     #: Simulated step time for workers with ``entrypoint: simulate`` (control-plane tests).
     simulate_step_time: Annotated[float, Field(ge=0)] = 0.05
 
@@ -292,6 +307,14 @@ class JobSpec(BaseModel):
             raise ValueError("diloco options apply to sync: diloco (this job has sync: step)")
         if self.sync == "diloco":
             self._check_diloco()
+        if self.batch_split == "by_speed" and self.shard_size > 1:
+            raise ValueError("batch_split by_speed applies to data parallelism (shard_size 1): every rank of an HSDP "
+                             "replica group takes as many samples")
+        if self.batch_split == "by_speed" and self.sync == "diloco":
+            raise ValueError("batch_split by_speed applies to sync: step (a DiLoCo round splits its samples equally)")
+        if self.batch_split == "by_speed" and self.shard_strategy != ShardStrategy.contiguous:
+            raise ValueError(f"batch_split by_speed sizes contiguous slices: use shard_strategy contiguous, not "
+                             f"{self.shard_strategy.value}")
         if self.entrypoint != "simulate" and self.num_samples not in (None, self.step_samples):
             raise ValueError("num_samples applies to simulated jobs only: training shards each global batch")
         return self

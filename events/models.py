@@ -457,6 +457,12 @@ class Heartbeat(_Wire):
     #: Seconds its last committed step waited on the gradient all-reduces after backward had
     #: returned: the communication NOT hidden by backward (None: not reported).
     exposed_comm_time: float | None = None
+    #: Since the process started: samples of its own slices in committed steps, and the
+    #: seconds of those steps' own work (the sum of their ``compute_time``s). Two beats give
+    #: its rate over the steps between them: what ``batch_split: by_speed`` sizes slices by
+    #: (None: not reported). A new process starts from 0 (and has a new worker id).
+    work_samples: int | None = None
+    work_seconds: float | None = None
     #: Seconds its last committed step waited for its batches (the input pipeline did not
     #: keep ahead; part of ``compute_time``) (None: not reported).
     input_wait_time: float | None = None

@@ -154,6 +154,26 @@ class Stall:
 
 
 @dataclass(frozen=True)
+class Split:
+    """Slices by speed (``batch_split: by_speed``; ``JobStatus.split``): what the coordinator
+    measured of each live worker's speed and how it split the current generation's batch.
+    Written and read only by ``shoal.coordinator.slices``; an empty one: nothing measured."""
+
+    #: worker id -> its smoothed rate of own work, samples per second
+    rates: dict[str, float] = field(default_factory=dict)
+    #: worker id -> its heartbeat's ``[work_samples, work_seconds]`` at the last look (the
+    #: next look's rate is over the steps in between)
+    seen: dict[str, list[float]] = field(default_factory=dict)
+    #: worker id -> its samples of a full global batch in the newest generation planned by
+    #: speed (empty: that generation's slices are equal)
+    sizes: dict[str, int] = field(default_factory=dict)
+    #: that generation, and the committed step (``JobStatus.high_step``) when it was planned:
+    #: the next look at re-planning comes ``batch_split_every`` steps later
+    generation: int = 0
+    step: int = 0
+
+
+@dataclass(frozen=True)
 class WorkerRecord:
     """The coordinator's record of one worker: the value of one field of a job's ``workers``
     hash (its JSON). Writer: the coordinator. Readers: the coordinator when it takes a job
@@ -300,6 +320,9 @@ class JobStatus:
     #: ... and until when a regroup's restarted members are awaited: meanwhile workers on their
     #: nodes do not form cross-node groups (0: no regroup under way).
     regroup_until_ms: int = 0
+    #: Slices by speed: the measured rates and the current split (``Split``; stored as JSON
+    #: in one field).
+    split: Annotated[Split, BeforeValidator(_json_object)] = field(default_factory=Split)
 
     def moved(self, dst: JobState, now_ms: int) -> "JobStatus":
         """This status in state ``dst``, changed at ``now_ms``; itself when it is in ``dst``

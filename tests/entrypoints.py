@@ -25,6 +25,25 @@ def slow_digits() -> TrainingSetup:
     return setup
 
 
+def per_sample_double() -> TrainingSetup:
+    """The digits example in float64 (``build_double``) whose loss sleeps
+    ``SHOAL_TEST_SAMPLE_DELAY`` seconds (default 0.002) per sample of each micro-batch: a
+    member's own work grows with its slice, and a process started with a larger delay is a
+    slower machine (slices by speed). The arithmetic is exactly ``build_double``'s."""
+    from shoal.examples.digits import build_double
+
+    setup = build_double()
+    delay = float(os.environ.get("SHOAL_TEST_SAMPLE_DELAY", "0.002"))
+    summed = setup.loss_fn
+
+    def loss_fn(outputs, targets):
+        time.sleep(delay * len(targets))
+        return summed(outputs, targets)
+
+    setup.loss_fn = loss_fn
+    return setup
+
+
 def first_step_digits() -> TrainingSetup:
     """:func:`slow_digits` whose first step writes the weights the worker starts training
     from (before any update) to ``$SHOAL_TEST_FIRST_DIR/first-<pid>.pt``, whole: a sharded

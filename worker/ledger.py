@@ -2,10 +2,11 @@
 
 When ``SHOAL_LEDGER_DIR`` is set, every worker appends one JSON line per committed step:
 step, cursor, epoch, generation, worker, pid, the whole global batch and the samples it trained
-(its slice, or what its layout chose: DiLoCo's round redone after a failure), the step's compute
-and exposed communication seconds (plus, with fp16, the loss scale the step used, whether it was
-an overflow step skipped, and the scale's state after it; with ``SHOAL_LEDGER_DIGESTS=1``, the
-digest of the weights after the step).
+(its slice, or what its layout chose: DiLoCo's round redone after a failure), the seconds of its
+own work in the step (``compute``: data, forward, backward; benches take each worker's rate from
+it) and its exposed communication seconds (``comm``) (plus, with fp16, the loss scale the step
+used, whether it was an overflow step skipped, and the scale's state after it; with
+``SHOAL_LEDGER_DIGESTS=1``, the digest of the weights after the step).
 :func:`verify` checks a run's ledgers: each step committed in one generation only, the
 ranks' slices partition the step's batch, and each complete epoch used every sample once.
 """

@@ -148,6 +148,10 @@ class TrainingWorker(WorkerRunner):
         self._ledger_digests = envvars.LEDGER_DIGESTS.get() == "1"
         #: the last committed step's compute and exposed all-reduce seconds (for progress)
         self._step_parts: tuple[float | None, float | None] = (None, None)
+        #: samples of its own slices and seconds of their own work, over its committed steps
+        #: (the heartbeat's ``work_samples``/``work_seconds``: its rate, for slices by speed)
+        self._work_samples = 0
+        self._work_seconds = 0.0
         #: bounds the Redis barrier and each wait of the rendezvous
         self.rdzv_timeout = 30.0
         #: everything the decisions read; replaced by each decision
@@ -423,15 +427,19 @@ class TrainingWorker(WorkerRunner):
                                           "scale_after": scaler.state_dict()}
         if result.trained is not None:  # the layout chose this rank's samples of the step itself
             local = list(result.trained)
-        extra = {**fp16, "compute": round(result.compute_seconds, 4), "comm": round(result.comm_exposed_seconds, 4)}
+        extra = {**fp16, "compute": round(result.compute_seconds, 6),
+                 "comm": round(result.comm_exposed_seconds, 6)}
         if self._ledger_digests:  # tests compare the members' weights after every step
             extra["digest"] = state_digest(self.engine.model)
         self.ledger.commit(wid, act.step + 1, batch, act.base, local, act.world, extra)
         self.input.committed(batch, ranges, self.state.member)  # the next steps' batches
         self._step_parts = (result.compute_seconds, result.comm_exposed_seconds)
+        self._work_samples += len(local)
+        self._work_seconds += result.compute_seconds
         if self.hb is not None:  # published with the next beat
             self.hb.update(compute_time=round(result.compute_seconds, 4),
-                           exposed_comm_time=round(result.comm_exposed_seconds, 4), **self.input.heartbeat_figures())
+                           exposed_comm_time=round(result.comm_exposed_seconds, 4), work_samples=self._work_samples,
+                           work_seconds=round(self._work_seconds, 4), **self.input.heartbeat_figures())
         self.faults.at(wid, act.step + 1, "after_commit")
         return Committed(cursor=batch.next_cursor, max_generation=result.max_generation, loss=result.loss, started=started)
 

@@ -1,0 +1,87 @@
+"""Slices sized by speed with real processes (issue 38, item 7): three workers, one of them a
+slower machine (its own work takes 3x as long per sample: ``SHOAL_TEST_SAMPLE_DELAY``), train
+the float64 digits model once with equal slices and once with ``batch_split: by_speed``.
+
+By speed, the coordinator measures the members' rates from their heartbeats' work counters
+and re-plans (a generation of the same members) with the slow member's slice smaller; the
+global batch never changes, and since shoal sums the losses and divides by the global count,
+the final weights equal those of the equal-slices run up to the order of float additions
+(float64: allclose at 1e-10). Both runs: every sample exactly once (the ledger), the three
+replicas bit-identical."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shoal.core.jobspec import JobSpec
+from shoal.core.registry import create_job
+from shoal.events.keys import job_keys
+from shoal.events.models import ShardTable
+from shoal.coordinator.shards import count
+from shoal.ops.localproc import LocalProcs
+from shoal.worker import ledger
+from tests.helpers import ControlWatcher, dump_logs
+
+pytestmark = pytest.mark.slow
+
+DIGITS = 5000  # the digits example's training samples
+STEPS = 36
+FAST, SLOW = "0.001", "0.004"  # seconds per sample of own work
+
+
+def _run(r, redis_url, tmp: Path, job: str, split: str) -> tuple[dict, list[dict], list[ShardTable], int]:
+    """One run of the job; returns the final weights, the ledger, the published tables and
+    the slow process's pid."""
+    create_job(r, JobSpec(name=job, entrypoint="tests.entrypoints:per_sample_double", global_batch_size=48,
+                          max_steps=STEPS, min_workers=3, max_workers=3, heartbeat_interval=0.2, heartbeat_ttl=2.0,
+                          batch_split=split, batch_split_every=6, prefetch_steps=0))
+    watch = ControlWatcher(r, job)
+    env = {"SHOAL_LEDGER_DIR": str(tmp / "ledger"), "SHOAL_EXPORT_DIR": str(tmp / "final"),
+           "SHOAL_TEST_SAMPLE_DELAY": FAST}
+    with LocalProcs(redis_url, tmp / "logs", extra_env=env) as procs:
+        procs.coordinator("coord")
+        procs.worker(job, "p0")
+        procs.worker(job, "p1")
+        procs.extra_env["SHOAL_TEST_SAMPLE_DELAY"] = SLOW  # this process only: a slower machine
+        slow = procs.worker(job, "p2")
+        try:
+            watch.wait_for(lambda d: d.job_state == "completed", 180)
+            codes = {p.name: p.wait(60) for p in procs.procs if p.name != "coord"}
+        except BaseException:
+            dump_logs(procs, tmp / "logs")
+            raise
+    assert codes == {"p0": 0, "p1": 0, "p2": 0}, codes
+    entries = ledger.read(tmp / "ledger")
+    verdict = ledger.verify(entries, DIGITS)
+    assert verdict.ok, verdict.problem
+    assert verdict.steps == STEPS
+    finals = [torch.load(p, weights_only=True) for p in sorted((tmp / "final").glob("final-*.pt"))]
+    assert len(finals) == 3 and all(torch.equal(finals[0][k], f[k]) for f in finals[1:] for k in finals[0])
+    tables = [ShardTable.model_validate_json(f[b"data"]) for _sid, f in r.xrange(job_keys(job).generations)]
+    return finals[0], entries, tables, slow.popen.pid
+
+
+def test_slices_by_speed_give_the_slow_member_less_and_the_same_weights_as_equal_slices(r, redis_url, tmp_path) -> None:
+    equal, equal_entries, equal_tables, _ = _run(r, redis_url, tmp_path / "equal", "eq-" + tmp_path.name[-6:], "equal")
+    fast, entries, tables, slow_pid = _run(r, redis_url, tmp_path / "speed", "sp-" + tmp_path.name[-6:], "by_speed")
+    # equal slices: 16 samples each, every step
+    assert {len(e["indices"]) for e in equal_entries} == {16}
+    assert len(equal_tables) == 1
+    # by speed: a generation of the same three re-planned with the slow member's slice smaller
+    slow_id = next(e["worker"] for e in entries if e["pid"] == slow_pid)
+    resized = [t for t in tables if len({count(m.ranges) for m in t.members}) > 1]
+    assert resized, [t.reason for t in tables]
+    sizes = {m.worker_id: count(m.ranges) for m in resized[-1].members}
+    assert sizes[slow_id] < min(v for w, v in sizes.items() if w != slow_id), sizes
+    assert "slices by speed re-planned at step" in resized[0].reason, resized[0].reason
+    # ... and the slow member's committed slices shrank accordingly
+    assert min(len(e["indices"]) for e in entries if e["worker"] == slow_id) == sizes[slow_id]
+    # the same global batches, the same update: float64 weights allclose
+    assert sorted({e["step"]: e["cursor"] for e in entries}.items()) == sorted(
+        {e["step"]: e["cursor"] for e in equal_entries}.items())
+    diff = max((fast[k].double() - equal[k].double()).abs().max().item() for k in equal)
+    assert all(torch.allclose(fast[k].double(), equal[k].double(), rtol=1e-9, atol=1e-10) for k in equal), diff
+    print(f"largest difference of a weight, by speed vs equal slices: {diff:.3g}")

@@ -1,0 +1,171 @@
+"""Slices sized by speed (issue 38, item 7): the coordinator sizes each member's slice of the
+global batch by the rate its heartbeat's work counters show, re-plans at membership changes
+and, between them, once every ``batch_split_every`` committed steps when the predicted step
+shortens by more than 10 %. Pure decisions driven with an explicit clock (ticks at later
+``now``s, no sleeping); the tables' ranges are the typed facts read here."""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal.coordinator import slices
+from shoal.coordinator.decide import EventInput, Publish, Tick, decide
+from shoal.coordinator.loop import _progress_ms, _work_seen
+from shoal.coordinator.redone import StepSeen
+from shoal.coordinator.shards import count
+from shoal.coordinator.states import CoordState
+from shoal.core.errors import ConfigError
+from shoal.core.jobspec import JobSpec, parse_spec
+from shoal.events.models import Heartbeat, JoinRequest, Ready, WorkerExited
+from shoal.events.records import JobStatus, Split
+from shoal.events.states import JobState
+from shoal.worker.data import validate_table
+
+BATCH = 60
+SPEC = JobSpec(name="j", entrypoint="simulate", min_workers=1, max_workers=3, global_batch_size=BATCH,
+               heartbeat_ttl=2.0, heartbeat_interval=0.5, batch_split="by_speed", batch_split_every=10)
+T0 = 1_000_000
+
+
+def _ev(event, sid="1-0"):
+    return EventInput(sid, event)
+
+
+def _tables(d):
+    return [a.table for a in d.actions if isinstance(a, Publish)]
+
+
+def _sizes(table) -> dict[str, int]:
+    return {m.worker_id: count(m.ranges) for m in table.members}
+
+
+def _three_active(spec=SPEC):
+    s = CoordState()
+    for i in range(3):
+        d = decide(s, _ev(JoinRequest(job_id="j", host="h", pid=i)), T0 + i, spec)
+        s = d.state
+    (table,) = _tables(d)  # max_workers reached: planned at once
+    for wid in ("w0", "w1", "w2"):
+        s = decide(s, _ev(Ready(job_id="j", worker_id=wid, generation=s.status.generation, step=0)), T0 + 10, spec).state
+    return s, table
+
+
+def _tick(state, now, step, work, spec=SPEC):
+    """A progress sample: every worker at ``step`` of the current generation, with its work
+    counters ``(samples, seconds)``."""
+    g = state.status.generation
+    return decide(state, Tick(steps={w: StepSeen(g, step) for w in work},
+                              work={w: slices.Work(*c) for w, c in work.items()}), now, spec)
+
+
+def test_sizes_follow_rates_sum_to_the_batch_and_are_bounded() -> None:
+    ids = ["w0", "w1", "w2"]
+    assert slices.sizes_for(60, ids, {}) == [20, 20, 20]  # nothing measured: equal
+    assert slices.sizes_for(60, ids, {"w0": 100, "w1": 100, "w2": 50}) == [24, 24, 12]
+    assert slices.sizes_for(61, ids, {"w0": 100, "w1": 100, "w2": 50}) == [25, 24, 12]  # remainder: lower rank
+    # a member that looked nearly stopped still counts for 1/8 of the fastest
+    assert slices.sizes_for(68, ids, {"w0": 100, "w1": 100, "w2": 0.01}) == [32, 32, 4]
+    # a member without a rate yet (a joiner) counts with the others' median
+    assert slices.sizes_for(60, ids, {"w0": 100, "w1": 50}) == [27, 13, 20]  # w2 at 75/s
+    # every member gets a sample while the batch allows
+    assert slices.sizes_for(3, ids, {"w0": 1000, "w1": 1000, "w2": 1}) == [1, 1, 1]
+    for n in range(1, 40):
+        sizes = slices.sizes_for(n, ids, {"w0": 7, "w1": 3, "w2": 1})
+        assert sum(sizes) == n
+        validate_table(slices.ranges(sizes), n)  # every position exactly once
+
+
+def test_rates_come_from_counter_differences_and_are_smoothed() -> None:
+    s = slices.observe(Split(), {"w0": slices.Work(100, 1.0)})
+    assert s.rates == {"w0": 100.0}  # since the process started
+    s = slices.observe(s, {"w0": slices.Work(100, 1.0)})
+    assert s.rates == {"w0": 100.0}  # no new step: nothing folded in
+    s = slices.observe(s, {"w0": slices.Work(300, 2.0)})  # 200 samples in 1 s
+    assert s.rates == {"w0": 150.0}  # half the old, half the new
+    assert slices.forget(s, ["w1"]).rates == {}
+
+
+def test_a_slow_member_gets_a_smaller_slice_after_every_steps_and_equal_slices_stay_until_then() -> None:
+    s, first = _three_active()
+    assert _sizes(first) == {"w0": 20, "w1": 20, "w2": 20}
+    assert "no rates measured yet, equal slices" in first.reason
+    # w2 does half the samples per second of own work; 5 steps in: no look yet
+    d = _tick(s, T0 + 1000, 5, {"w0": (100, 1.0), "w1": (100, 1.0), "w2": (100, 2.0)})
+    assert not _tables(d) and not d.changed
+    assert d.state.status.split.rates == {"w0": 100.0, "w1": 100.0, "w2": 50.0}
+    # 10 steps after the plan: the look re-plans the same members in a new generation
+    d = _tick(d.state, T0 + 2000, 10, {"w0": (200, 2.0), "w1": (200, 2.0), "w2": (200, 4.0)})
+    (table,) = _tables(d)
+    assert table.generation == first.generation + 1
+    assert [m.worker_id for m in table.members] == ["w0", "w1", "w2"]
+    assert _sizes(table) == {"w0": 24, "w1": 24, "w2": 12}
+    validate_table([m.ranges for m in table.members], BATCH)
+    assert "slices by speed re-planned at step 10: predicted step 400 ms -> 240 ms" in d.reason
+    assert d.state.status.split.sizes == {"w0": 24, "w1": 24, "w2": 12}
+    # the new generation forms; the same rates a look later: kept, no switch for nothing
+    s = d.state
+    for wid in ("w0", "w1", "w2"):
+        s = decide(s, _ev(Ready(job_id="j", worker_id=wid, generation=table.generation, step=10)), T0 + 2100,
+                   SPEC).state
+    d = _tick(s, T0 + 3000, 15, {"w0": (320, 3.0), "w1": (320, 3.0), "w2": (260, 5.0)})
+    assert not _tables(d)
+    d = _tick(d.state, T0 + 4000, 20, {"w0": (440, 4.0), "w1": (440, 4.0), "w2": (320, 6.0)})
+    assert not _tables(d) and d.state.status.split.step == 20  # looked, kept: the next look at 30
+    # w2 became as fast as the others (120 samples/s each): followed at the next look, step 30
+    d = _tick(d.state, T0 + 5000, 25, {"w0": (560, 5.0), "w1": (560, 5.0), "w2": (380, 6.5)})
+    assert not _tables(d)
+    d = _tick(d.state, T0 + 6000, 30, {"w0": (680, 6.0), "w1": (680, 6.0), "w2": (440, 7.0)})
+    (table,) = _tables(d)
+    sizes = _sizes(table)
+    assert sizes["w2"] > 12 and sum(sizes.values()) == BATCH, sizes
+    assert "slices by speed re-planned at step 30" in d.reason
+
+
+def test_a_membership_change_re_plans_by_the_rates_known_and_forgets_the_departed() -> None:
+    s, _ = _three_active()
+    s = _tick(s, T0 + 1000, 3, {"w0": (100, 1.0), "w1": (100, 1.0), "w2": (100, 4.0)}).state
+    d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w1", signal=9)), T0 + 1100, SPEC)
+    (table,) = _tables(d)
+    assert _sizes(table) == {"w0": 48, "w2": 12}
+    assert "slices by speed: w0 48 (100/s), w2 12 (25/s)" in d.reason
+    assert set(d.state.status.split.rates) == {"w0", "w2"}
+
+
+def test_no_look_while_a_generation_forms_or_before_its_own_steps() -> None:
+    s, first = _three_active()
+    # a step reported by an older generation (high_step_generation behind): no look
+    stale = Tick(steps={"w0": StepSeen(first.generation - 1, 50)},
+                 work={w: slices.Work(100, 1.0 if w != "w2" else 2.0) for w in ("w0", "w1", "w2")})
+    assert not _tables(decide(s, stale, T0 + 1000, SPEC))
+    # equal slices by default: never a look
+    equal = SPEC.model_copy(update={"batch_split": "equal"})
+    s2, _ = _three_active(equal)
+    d = _tick(s2, T0 + 1000, 50, {"w0": (100, 1.0), "w1": (100, 1.0), "w2": (100, 2.0)}, spec=equal)
+    assert not _tables(d) and d.state.status.split == Split()
+
+
+def test_heartbeat_counters_reach_the_tick_and_by_speed_jobs_are_sampled_every_second() -> None:
+    beats = [Heartbeat(worker_id="w0", step=3, work_samples=90, work_seconds=1.5).model_dump_json(),
+             Heartbeat(worker_id="w1", step=3).model_dump_json(), None, b"not json"]
+    assert _work_seen(beats) == {"w0": slices.Work(90, 1.5)}
+    assert _progress_ms(SPEC, 5000) == 1000
+    assert _progress_ms(SPEC.model_copy(update={"batch_split": "equal"}), 5000) == 5000
+    # the split survives the state hash (a coordinator that takes the job over goes on)
+    split = Split(rates={"w0": 1.5}, seen={"w0": [3, 2.0]}, sizes={"w0": 4}, generation=2, step=7)
+    assert JobStatus.from_hash(JobStatus(split=split).to_hash()).split == split
+    assert JobStatus.from_hash({"state": "running"}).split == Split()
+
+
+@pytest.mark.parametrize("fields, said", [
+    ({"batch_split": "fastest"}, "batch_split: Input should be 'equal' or 'by_speed'"),
+    ({"batch_split": "by_speed", "shard_size": 2, "min_workers": 2, "max_workers": 2, "global_batch_size": 4},
+     "batch_split by_speed applies to data parallelism (shard_size 1)"),
+    ({"batch_split": "by_speed", "shard_strategy": "round_robin"}, "use shard_strategy contiguous, not round_robin"),
+    ({"batch_split_every": 0}, "batch_split_every: Input should be greater than or equal to 1"),
+])
+def test_bad_values_are_refused_in_one_line(fields, said) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_spec({"name": "j", **fields})
+    assert said in str(err.value) and "\n" not in str(err.value)
+    assert JobSpec(name="j").batch_split == "equal"
+    assert JobState.RUNNING  # imported for the reader: the state a look needs
