@@ -6,10 +6,27 @@ from __future__ import annotations
 import os
 import time
 
+import torch
 import torch.nn.functional as F
 
 from shoal.examples.digits import build as build_digits
 from shoal.worker.userapi import TrainingSetup
+
+
+class Points(torch.utils.data.Dataset):
+    """``n`` random points of 5 features (seed 1), labelled by the sign of their sum: a tiny
+    dataset for engine and layout tests that build their own model."""
+
+    def __init__(self, n: int = 40) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 5, generator=g)
+        self.y = (self.x.sum(1) > 0).long()
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
 
 
 def slow_digits() -> TrainingSetup:

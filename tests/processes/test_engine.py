@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 
+from tests.entrypoints import Points
 from tests.helpers import run_ranks
 from shoal.worker.digest import state_digest  # noqa: E402
 from shoal.worker.engine import StepEngine  # noqa: E402
@@ -29,19 +30,6 @@ from shoal.worker.errors import EntrypointError, InconsistentStep, StepAborted, 
 from shoal.worker.userapi import TrainingSetup, load_entrypoint  # noqa: E402
 
 GLOBAL_BATCH = 64
-
-
-class Points(torch.utils.data.Dataset):
-    def __init__(self, n: int = 40) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.x = torch.randn(n, 5, generator=g)
-        self.y = (self.x.sum(1) > 0).long()
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, i: int):
-        return self.x[i], self.y[i]
 
 
 def small_setup(seed: int = 0, batchnorm: bool = False, **kw) -> TrainingSetup:

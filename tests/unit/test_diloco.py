@@ -15,6 +15,7 @@ from shoal.core.errors import ConfigError
 from shoal.core.jobspec import parse_spec
 from shoal.worker import outer
 from shoal.worker.layout_diloco import OUTER_STATE, inner_batches, inner_step_count
+from tests.entrypoints import Points
 
 BASE = {"name": "d", "sync": "diloco"}
 
@@ -133,19 +134,6 @@ def test_a_short_round_keeps_the_inner_batch_size() -> None:
 
 
 # --- one round on a real gloo group of one ------------------------------------------------------
-class _Points(torch.utils.data.Dataset):
-    def __init__(self, n: int = 48) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.x = torch.randn(n, 5, generator=g)
-        self.y = (self.x.sum(1) > 0).long()
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, i: int):
-        return self.x[i], self.y[i]
-
-
 def _layout(group, **diloco):
     from shoal.core.jobspec import DilocoOptions
     from shoal.worker.layout import LayoutOptions
@@ -154,7 +142,7 @@ def _layout(group, **diloco):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
     options = LayoutOptions(device=torch.device("cpu"), diloco=DilocoOptions(**diloco), global_batch=6)
-    layout = Diloco(model, torch.optim.AdamW(model.parameters(), lr=0.01), _Points(),
+    layout = Diloco(model, torch.optim.AdamW(model.parameters(), lr=0.01), Points(48),
                     options=options, loss_fn=nn.CrossEntropyLoss(reduction="sum"))
     layout.group = group
     return layout
