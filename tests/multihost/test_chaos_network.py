@@ -57,7 +57,6 @@ def _left(tag: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.soak  # ~95 s: behind --soak; .ci/run runs it after the default suite (each kind has its test below)
 def test_sixty_seconds_of_network_chaos_pass_with_every_fault_kind(tmp_path) -> None:
     _needs_namespaces()
     run_dir = tmp_path / "run"

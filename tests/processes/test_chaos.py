@@ -32,11 +32,8 @@ from tests.helpers import wait_until
 
 
 # alone on the 2 cores: "no failure without a fault" must not count a heartbeat thread that
-# another test starved of CPU past the TTL (seen with the suite on two xdist workers).
-# ~95 s with the other worker held: behind --soak; .ci/run runs it after the default suite
-# (the default suite keeps under 15 min; each fault kind keeps its own test below)
+# another test starved of CPU past the TTL (seen with the suite on two xdist workers)
 @pytest.mark.slow
-@pytest.mark.soak
 @pytest.mark.exclusive
 def test_sixty_seconds_of_chaos_leave_a_correct_end_state(tmp_path) -> None:
     lines: list[str] = []

@@ -12,9 +12,9 @@ import pytest
 from shoal.ops.status import job_status
 from tests.helpers import job_spec, run_job
 
-# ~190 s and 2 x 6 GB: behind --soak; .ci/run runs it after the default suite, one test at a
-# time (beside another test's processes the kernel's OOM killer once took a worker)
-pytestmark = [pytest.mark.slow, pytest.mark.soak]
+# 2 x 6 GB: alone on the machine (beside another test's processes the kernel's OOM killer once
+# took a worker); in tests/conftest.py's EXTENDED tier
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
 
 #: short windows: the step's compute is small, the memory is the model's
 ENV = {"SHOAL_LM_SEQ_LEN": "32"}
