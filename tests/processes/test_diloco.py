@@ -21,7 +21,7 @@ import pytest
 from shoal.core.registry import create_job
 from shoal.ops.localproc import LocalProcs
 from shoal.worker import ledger
-from tests.helpers import ControlWatcher, job_spec, wait_until
+from tests.helpers import ControlWatcher, dump_logs, job_spec, wait_until
 
 DIGITS = 5000
 H = 6
@@ -84,8 +84,7 @@ def _run(r, redis_url, tmp_path, spec, workers: int, script=None, env: dict | No
             watch.wait_for(lambda d: d.job_state == "completed", 240)
             codes = {p.name: p.wait(60) for p in procs.procs if p.name != "coord"}
         except BaseException:
-            for p in procs.procs:
-                print(f"===== {p.name}\n{p.log_tail(40)}")
+            dump_logs(procs, tmp_path / "logs")
             raise
     return out, codes
 
