@@ -462,7 +462,9 @@ class Coordinator:
             # like heartbeats, a step counts as busy from our own taking of the job at the earliest
             busy_since = {(w.decode() if isinstance(w, bytes) else w): max(int(score), lead.taken_ms) for w, score in busy}
             sample = progress.get(lead.keys.job_id)
-            step_times, steps, work = _step_times(sample), _steps_seen(sample), _work_seen(sample)
+            step_times, steps = _step_times(sample), _steps_seen(sample)
+            # work counters matter to slices by speed only: no decide() call for them otherwise
+            work = _work_seen(sample) if lead.spec.batch_split == "by_speed" else {}
             status = lead.state.status
             # a tick decides on stale heartbeats, step times and committed steps, a settling
             # join, a failed step awaiting its new generation, or a job whose generations have
