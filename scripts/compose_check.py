@@ -616,12 +616,12 @@ class Stack:
             return es
         return wait_until(f"step {step} committed" + (f" by {world} workers" if world else ""), enough, timeout, 1)
 
-    def wait_done(self, timeout: float, job: str = JOB) -> dict:
+    def wait_done(self, timeout: float, job: str = JOB, want: str = "completed") -> dict:
         def done():
             s = self.status(job)
             return s if s and s.get("state") in ("completed", "failed", "stopped") else None
         s = wait_until(f"job {job} to end", done, timeout, 2)
-        if s["state"] != "completed":
+        if s["state"] != want:
             raise CheckFailed(f"job {job} ended {s['state']}: {str(s.get('reason') or '')[:200]}")
         return s
 
@@ -717,6 +717,7 @@ def scenario_up(stack: Stack) -> None:
     s = stack.wait_done(420)
     figure("up", "completed_s", time.monotonic() - t)
     entries = stack.ledger()
+    measure_rate(entries)
     check_ledger(stack, check_completed(s, entries, "up"), "up")
     if s.get("failures"):
         raise CheckFailed(f"{s['failures']} worker failure(s) declared in a run without faults")
@@ -746,16 +747,34 @@ def scenario_api(stack: Stack) -> None:
     figure("api", "health", body.split(" ", 1)[1].replace(" ", "")[:160])
 
 
-#: agent-crash and down-up each submit the example job under another name with more epochs
-#: (after the crash one worker trains alone, several times faster: the restarted agent's
-#: worker must still find the job running; `down` must come mid-job)
-LONG_JOB, LONG_EPOCHS = "crash", 6
-RESUME_JOB = "resume"
+#: agent-crash, down-up and ha-primary-kill each submit the example job under another name with
+#: more epochs, sized from the speed ``up`` measured on this machine: a fault must land mid-job
+#: and the job must outlast the recovery (in CI, two workers trained the 3-epoch job in 9 s and
+#: one survivor ended a 6-epoch job before the restarted agent's worker had started).
+CRASH_JOB, RESUME_JOB, HA_JOB = "crash", "resume", "failover"
+STEPS_PER_EPOCH = 79  # examples/job-s3.yaml: 5000 samples, global batch 64
+#: steps per second of two workers (``up`` measures it; until then a fast machine's, so that a
+#: job sized from it is long enough anywhere)
+RATE = {"steps_per_s": 40.0}
+
+
+def measure_rate(entries: list[dict]) -> None:
+    """Two workers' steps per second in the ledger of a finished job (a figure of ``up``)."""
+    two = sorted((e["t"], e["step"]) for e in entries if e["world"] == 2)
+    if len(two) > 20 and two[-1][0] > two[0][0]:
+        RATE["steps_per_s"] = (two[-1][1] - two[0][1]) / (two[-1][0] - two[0][0])
+        figure("up", "steps_per_s", RATE["steps_per_s"])
+
+
+def epochs_lasting(steps: int, seconds: float) -> int:
+    """Epochs of a job that trains ``steps`` steps and then ``seconds`` more at two workers' speed."""
+    return max(3, -(-int(steps + seconds * RATE["steps_per_s"]) // STEPS_PER_EPOCH))
 
 
 def scenario_agent_crash(stack: Stack) -> None:
     t = time.monotonic()
-    stack.submit(LONG_JOB, LONG_EPOCHS)
+    # a job far longer than the check: it is stopped once the restarted worker trains again
+    stack.submit(CRASH_JOB, epochs_lasting(20, 900))
     before = stack.wait_committed(20, 300, world=2)
     victim = stack.ids("agent")[-1]
     name = stack.inspect(victim, "{{.Name}}").lstrip("/")
@@ -766,7 +785,7 @@ def scenario_agent_crash(stack: Stack) -> None:
     t_kill = time.time()
     generation = max(e["generation"] for e in stack.ledger())
     os.kill(pid, signal.SIGKILL)
-    log(f"kill -9 {pid} (PID 1 of {name}, host PID) at step {last} of job {LONG_JOB}")
+    log(f"kill -9 {pid} (PID 1 of {name}, host PID) at step {last} of job {CRASH_JOB}")
 
     def restarted():
         return int(stack.inspect(victim, "{{.RestartCount}}")) > restarts and \
@@ -776,38 +795,38 @@ def scenario_agent_crash(stack: Stack) -> None:
 
     def rejoined():
         es = stack.ledger()
-        return es if any(e["t"] > t_kill and e["worker"] not in workers_before and e["world"] == 2 for e in es) else None
-    es = wait_until("the restarted agent's worker to commit steps with the other worker", rejoined, 240, 1)
+        new = [e for e in es if e["t"] > t_kill and e["worker"] not in workers_before and e["world"] == 2]
+        return es if len(new) >= 10 else None  # ten steps together, not a join that fails again
+    es = wait_until("the restarted agent's worker to commit 10 steps with the other worker", rejoined, 300, 1)
     after = sorted((e for e in es if e["t"] > t_kill), key=lambda e: e["t"])
     # the cost of the crash: until the survivor commits in a new generation without the lost worker
     figure("agent-crash", "recovery_s", min(e["t"] for e in after if e["generation"] > generation) - t_kill)
     figure("agent-crash", "rejoin_s", min(e["t"] for e in after if e["worker"] not in workers_before) - t_kill)
     figure("agent-crash", "steps_by_one_worker", len({e["step"] for e in after if e["world"] == 1}))
+    # the job is stopped as a user would (`shoal stop`): every committed step exactly once, the
+    # last one the step status reports, both workers out cleanly (the agents take the next job)
+    stack.exec("coordinator-a", "shoal", "stop", CRASH_JOB, timeout=60)
+    s = stack.wait_done(120, CRASH_JOB, want="stopped")
     figure("agent-crash", "elapsed_s", time.monotonic() - t)
-    # exactly once so far (the job goes on: down-up takes it over), then to its end if alone
     v = stack.verify({})
     if not v["ok"]:
         raise CheckFailed(f"ledger: {v['problem']}")
-    figure("agent-crash", "steps_committed_so_far", v["steps"])
+    step, _total = progress(s)
+    last = max(e["step"] for e in stack.ledger())
+    figure("agent-crash", "status", f"{s['state']}@{step}")
+    if step != last:
+        raise CheckFailed(f"stopped at step {step} by status, the ledger's last committed step is {last}")
+    figure("agent-crash", "steps_committed", v["steps"])
     figure("agent-crash", "steps_committed_twice", 0)
     figure("agent-crash", "partial_commits_resynced", v["partial"])
 
 
 def scenario_down_up(stack: Stack) -> None:
     t = time.monotonic()
-    # the job agent-crash left running, when it is far enough from its end; else a new one
-    s = stack.status(LONG_JOB)
-    step, total = progress(s) if s else (0, 0)
-    job = LONG_JOB if s and s.get("state") == "running" and total - step > 200 else RESUME_JOB
-    if s and s.get("state") == "running" and job == RESUME_JOB:  # let it end (its agents are busy)
-        s = stack.wait_done(300, LONG_JOB)
-        check_completed(s, stack.ledger(), "agent-crash")
-        figure("agent-crash", "ledger_at_the_end", stack.verify({})["ok"])
-    if job == RESUME_JOB:
-        stack.submit(RESUME_JOB, LONG_EPOCHS)
-    figure("down-up", "job", job)
-    now = max([e["step"] for e in stack.ledger()] or [0])
-    stack.wait_committed((now // 50 + 1) * 50 + 15, 300)  # past the next checkpoint (checkpoint_interval 50)
+    # `down` past the first checkpoint (checkpoint_interval 50), and enough of the job after `up`
+    stack.submit(RESUME_JOB, epochs_lasting(65, 40))
+    job = RESUME_JOB
+    stack.wait_committed(65, 300)
     # `down` is stop + remove: stopped first, so that how the agents ended can be read
     agents = stack.ids("agent")
     t0 = time.monotonic()
@@ -847,6 +866,9 @@ def scenario_down_up(stack: Stack) -> None:
 def scenario_ha_primary_kill(stack: Stack) -> None:
     t = time.monotonic()
     figure("ha-primary-kill", "up_s", stack.up())
+    # the stack's own job first (its `submit` service), then one long enough to outlast the fail-over
+    stack.wait_done(420)
+    stack.submit(HA_JOB, epochs_lasting(40, 40))
     before = stack.wait_committed(40, 300, world=2)
     agents = stack.ids("agent")
     agent_state = {a: (stack.inspect(a, "{{.State.Pid}}"), stack.inspect(a, "{{.RestartCount}}")) for a in agents}
@@ -875,7 +897,7 @@ def scenario_ha_primary_kill(stack: Stack) -> None:
                     lambda: [e for e in stack.ledger() if e["t"] > t_kill] or None, 120, 1)
     figure("ha-primary-kill", "first_commit_after_kill_s", min(e["t"] for e in es) - t_kill)
     procs_after = {a: worker_pids(stack, a) for a in agents}
-    s = stack.wait_done(420)
+    s = stack.wait_done(420, HA_JOB)
     figure("ha-primary-kill", "completed_s", time.monotonic() - t)
     entries = stack.ledger()
     after = [e for e in entries if e["t"] > t_kill]

@@ -122,6 +122,14 @@ def _killing_store(inner, crash_point: str, armed: threading.Event):
     return KillingStore()
 
 
+def _say(line: str) -> None:
+    """One line to the test in one write: ``print`` writes the text and its newline apart, so a
+    SIGKILL between the two left ``saved 7`` without its newline and the supervisor's ``exit -9``
+    was read as part of it (``saved 7exit -9``): the test counted a save and waited for a line
+    that never came (a flake of 2-10 % under load)."""
+    os.write(1, f"{line}\n".encode())
+
+
 def writer_main(root: str, crash_point: str) -> None:
     """Resume from the store, then save steps start+1, start+2, ... until killed."""
     from shoal.storage.checkpoint import load_latest, save_checkpoint
@@ -135,14 +143,14 @@ def writer_main(root: str, crash_point: str) -> None:
         start = state.step
     except NoCheckpoint:
         start = 0
-    print(f"resumed {start}", flush=True)
+    _say(f"resumed {start}")
     step = start
     while True:
         step += 1
         if crash_point and step == start + 4:
             armed.set()
         save_checkpoint(store, state_for(step), keep_last=KEEP)
-        print(f"saved {step}", flush=True)
+        _say(f"saved {step}")
 
 
 def supervisor_main(root: str) -> None:
@@ -159,7 +167,7 @@ def supervisor_main(root: str) -> None:
         pid = os.fork()
         if pid == 0:
             try:
-                print(f"child {os.getpid()}", flush=True)  # before anything else the child says
+                _say(f"child {os.getpid()}")  # before anything else the child says
                 writer_main(root, crash_point)
             except BaseException:
                 import traceback
@@ -169,7 +177,7 @@ def supervisor_main(root: str) -> None:
             os._exit(1)
         _, status = os.waitpid(pid, 0)
         code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        print(f"exit {code}", flush=True)
+        _say(f"exit {code}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,6 +229,7 @@ class Supervisor:
         )
         self.deadline = deadline
         self.child: int | None = None  # pid of a writer not yet reported dead
+        self.seen: list[str] = []  # every line read, for a failure's message
 
     def _abort(self) -> None:
         self.kill_child()
@@ -228,6 +237,7 @@ class Supervisor:
 
     def kill_child(self) -> None:
         if self.child is not None:
+            self.seen.append(f"{time.monotonic():.3f} kill {self.child}")
             with contextlib.suppress(ProcessLookupError):  # already dead, not yet reported
                 os.kill(self.child, signal.SIGKILL)
 
@@ -236,9 +246,15 @@ class Supervisor:
         timer = threading.Timer(max(0.0, self.deadline - time.monotonic()), self._abort)
         timer.start()
         try:
-            words = self.proc.stdout.readline().split()  # type: ignore[union-attr]
+            raw = self.proc.stdout.readline()  # type: ignore[union-attr]
         finally:
             timer.cancel()
+        self.seen.append(f"{time.monotonic():.3f} {raw!r}")
+        words = raw.split()
+        if words and (len(words) != 2 or words[0] not in ("child", "resumed", "saved", "exit")
+                      or not words[1].lstrip("-").isdigit()):
+            self._abort()
+            pytest.fail(f"a malformed line from the supervisor: {raw!r} (last lines: {self.seen[-8:]})")
         if words[:1] == ["child"]:
             self.child = int(words[1])
         elif words[:1] == ["exit"]:
@@ -293,7 +309,8 @@ def _campaign(root: Path, plan: list[str], min_saves: int, seed: int, budget_s: 
                     saves += 1
                     words = sup.line()
             if words != ["exit", str(-signal.SIGKILL)]:
-                pytest.fail(f"writer ended with {words}; supervisor stderr:\n{sup.close()[-3000:]}")
+                pytest.fail(f"writer ended with {words}; last lines: {sup.seen[-12:]}; "
+                            f"supervisor stderr:\n{sup.close()[-3000:]}")
             if crash_point:
                 assert saves == 3, f"self-kill at {crash_point} should hit the 4th save, got {saves} saves"
             total_saves += saves
