@@ -29,12 +29,25 @@ class Points(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
+def _held(hold: str | None) -> None:
+    """While the file ``hold`` (``SHOAL_TEST_HOLD_FILE``) exists, wait (at most 120 s): a test
+    holds the members inside a step until something it awaits has happened, whatever the
+    machine's load (a joiner's start-up, which took longer than the rest of the job on a
+    loaded machine)."""
+    if hold:
+        deadline = time.monotonic() + 120
+        while os.path.exists(hold) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
 def slow_digits() -> TrainingSetup:
     setup = build_digits()
     delay = float(os.environ.get("SHOAL_TEST_STEP_DELAY", "0.1"))
+    hold = os.environ.get("SHOAL_TEST_HOLD_FILE")
 
     def step_fn(model, batch):
         inputs, targets = batch
+        _held(hold)
         time.sleep(delay)
         return F.cross_entropy(model(inputs), targets, reduction="sum")
 

@@ -138,13 +138,22 @@ def test_a_joiner_joins_at_a_round_boundary_with_the_global_state(r, redis_url, 
     rounds = 40  # ~0.4 s a round: time for a process to start and join (3 epochs of the digits)
     spec = _spec("dj-" + tmp_path.name[-6:], rounds, min_workers=2, epochs=3)
 
+    hold = tmp_path / "hold"
+
     def join_later(watch, procs, ws):
         wait_until(lambda: len(_committed_by(tmp_path, 2)) == 2, 120, "round 2 committed by both members")
-        joiner = procs.worker(spec.name, "p2")
-        watch.wait_for(lambda d: d.world_size == 3, 90)
+        # the members wait inside their next inner step until the joiner is in the plan: on a
+        # loaded machine its start-up outlasted the other 38 rounds ("join rejected: job is completed")
+        hold.touch()
+        try:
+            joiner = procs.worker(spec.name, "p2")
+            watch.wait_for(lambda d: d.world_size == 3, 90)
+        finally:
+            hold.unlink()
         return joiner.pid
 
-    joiner, codes = _run(r, redis_url, tmp_path, spec, 2, join_later, env=_env(tmp_path, "0.05"))
+    env = {**_env(tmp_path, "0.05"), "SHOAL_TEST_HOLD_FILE": str(hold)}
+    joiner, codes = _run(r, redis_url, tmp_path, spec, 2, join_later, env=env)
     assert set(codes.values()) == {0}
     by_step = _check_exactly_once_and_equal(tmp_path, rounds)
     joined = [step for step, group in sorted(by_step.items()) if joiner in {e["pid"] for e in group}]
