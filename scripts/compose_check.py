@@ -877,7 +877,10 @@ def scenario_ha_primary_kill(stack: Stack) -> None:
     agent_state = {a: (stack.inspect(a, "{{.State.Pid}}"), stack.inspect(a, "{{.RestartCount}}")) for a in agents}
     procs_before = {a: worker_pids(stack, a) for a in agents}
     last = max(e["step"] for e in before)
-    members = {(e["worker"], e["pid"]) for e in before if e["step"] == last}
+    # the processes of the generation training now (not those at the last step: one worker's
+    # line of a step can land before the other's, and the other then looked like a newcomer)
+    newest = max(e["generation"] for e in before)
+    members = {(e["worker"], e["pid"]) for e in before if e["generation"] == newest}
     def master() -> str | None:
         res = stack.exec("sentinel-0", "redis-cli", "-p", "26379", "sentinel", "get-master-addr-by-name", "shoal",
                          check=False, timeout=20, quiet=True)

@@ -145,11 +145,15 @@ class TrainerState:
     #: stopped before any newer generation, it writes the final checkpoint (a peer that saw
     #: the stop one step earlier exits, and rank 0's next step aborts for want of it)
     aborted_rank0: tuple[int, int] | None = None
-    #: (generation, world size) of the data-parallel group this draining worker left as rank 0
-    #: (an orderly switch or an aborted last step): its weights are that group's last committed
-    #: state, so if the next table pauses the job (every member drained: ``docker compose
-    #: down``, a node pool scaled to zero) it writes a checkpoint of them before it leaves -
-    #: the job resumes where it stopped instead of redoing every step since the last interval
+    #: (generation, world size) of the last group this worker formed (and committed steps in):
+    #: the group whose committed state its weights are
+    trained_in: tuple[int, int] | None = None
+    #: :attr:`trained_in`, when this worker was rank 0 of the newest data-parallel table it
+    #: belonged to (the group it trained in, or a table it was forming when a newer one came):
+    #: its weights are the job's last committed state, so if it drains and the next table
+    #: pauses the job (every member drained: ``docker compose down``, a node pool scaled to
+    #: zero) it writes a checkpoint of them before it leaves - the job resumes where it stopped
+    #: instead of redoing every step since the last interval's checkpoint
     drained_saver: tuple[int, int] | None = None
 
     @property
@@ -493,7 +497,17 @@ def decide(state: TrainerState, event: Input, now: float) -> Choice:
 
 
 def _idle(s: TrainerState, **changes) -> TrainerState:
+    if s.member is not None:  # leaving a table (TRAINING or FORMING): was this worker its rank 0?
+        changes.setdefault("drained_saver", _drained_saver(s))
     return replace(s, phase=Phase.IDLE, table=None, member=None, first_ranges=None, **changes)
+
+
+def _drained_saver(s: TrainerState) -> tuple[int, int] | None:
+    """:attr:`TrainerState.drained_saver` of a worker leaving its table now: only rank 0 of
+    data parallelism (an HSDP checkpoint needs every member of the saving replica group)."""
+    if s.member is not None and s.member.rank == 0 and s.table is not None and s.table.shard_size == 1:
+        return s.trained_in
+    return None
 
 
 def _exit(s: TrainerState, code: WorkerExit) -> TrainerState:
@@ -535,24 +549,13 @@ def _tick(s: TrainerState, t: Tick, now: float) -> Choice:
         actions.append(TrainStep(s.step, s.cursor, ranges, s.seen, s.group, s.table.world_size))
         said.append(f"step {s.step + 1} in generation {s.group}")
         return Choice(replace(s, first_ranges=None), tuple(actions), "; ".join(said), level)
-    drained = s.drained_saver
     if s.phase is Phase.TRAINING:  # an orderly switch: the old group's teardown runs in the background
         actions.append(LeaveGroup(background=True))
         said.append(f"generation {s.switch_to} agreed after step {s.step}: leaving generation {s.group}")
-        drained = _drained_saver(s)
     else:
         said.append("in no group: looking for the newest table")
     actions.append(FetchTable())
-    return Choice(_idle(s, drained_saver=drained), tuple(actions), "; ".join(said), level)
-
-
-def _drained_saver(s: TrainerState) -> tuple[int, int] | None:
-    """:attr:`TrainerState.drained_saver` of a worker leaving its group now (TRAINING): only a
-    draining rank 0 of data parallelism (an HSDP checkpoint needs every member of the saving
-    replica group, and those that do not drain write none)."""
-    if s.draining and s.saver and s.table is not None and s.table.shard_size == 1:
-        return s.group, s.table.world_size
-    return None
+    return Choice(_idle(s), tuple(actions), "; ".join(said), level)
 
 
 def _rejoined(s: TrainerState, r: Rejoined, now: float) -> Choice:
@@ -639,7 +642,7 @@ def _formed(s: TrainerState, f: Formed, now: float) -> Choice:
         first = tuple(tuple(r) for r in mine)
     g = table.generation
     s = replace(s, phase=Phase.TRAINING, step=f.step, cursor=f.cursor, switch_to=g, first_ranges=first,
-                aborted_rank0=None, drained_saver=None)
+                aborted_rank0=None, drained_saver=None, trained_in=(g, table.world_size))
     return Choice(s, (Announce(g, rank, table.world_size, f.step, f.cursor, f.took, f.src, f.behind),),
                     f"formed generation {g} as rank {rank}/{table.world_size} at step {f.step}")
 
@@ -656,7 +659,7 @@ def _form_failed(s: TrainerState, f: FormFailed, now: float) -> Choice:
 
 def _committed(s: TrainerState, c: Committed, now: float) -> Choice:
     g, world, rank0, saver = s.group, s.table.world_size, s.rank0, s.saver
-    s = replace(s, step=s.step + 1, cursor=c.cursor, switch_to=c.max_generation)
+    s = replace(s, step=s.step + 1, cursor=c.cursor, switch_to=c.max_generation, trained_in=(g, world))
     actions: list[Action] = []
     if rank0:  # the history `shoal report` draws
         actions.append(RecordProgress(s.step, c.loss, g, world))
@@ -681,8 +684,7 @@ def _aborted(s: TrainerState, a: Aborted, now: float) -> Choice:
     g, step = s.group, s.step
     # the cursor stays: the same global batch is redone in the next generation
     failed = (LeaveGroup(), ReportFailure(g, step, a.error, local=a.local))
-    s, wait = _wait(replace(s, aborted_rank0=(g, s.table.world_size) if s.saver else None,
-                            drained_saver=_drained_saver(s)), g, now)
+    s, wait = _wait(replace(s, aborted_rank0=(g, s.table.world_size) if s.saver else None), g, now)
     return Choice(s, failed + wait, f"step {step} aborted in generation {g}: {a.error}", logging.WARNING)
 
 

@@ -332,13 +332,24 @@ def test_when_every_member_drained_rank0_checkpoints_before_it_leaves_the_paused
     assert w1.drained_saver is None and decide(w1, TableFetched(table(2, paused=True)), T0).actions == (SendLeft(),)
     # not draining (a peer's leave paused the job): it waits for a newer table, state kept
     k = decide(decide(training(1, step=2), Committed(cursor=192, max_generation=2), T0).state, Tick(latest=2), T0).state
-    assert k.drained_saver is None and types(decide(k, TableFetched(table(2, paused=True)), T0)) == [WaitTable]
+    assert types(decide(k, TableFetched(table(2, paused=True)), T0)) == [WaitTable]
     # its last step aborted (a peer left first): the same, from the aborted step's group
     a = decide(training(1, step=2, cursor=128), Tick(stop=True, latest=1), T0).state
     a = decide(a, Aborted("peer closed"), T0).state
     assert a.drained_saver == (1, 2)
     assert decide(a, TableFetched(table(2, paused=True)), T0).actions == (SaveCheckpoint(2, 128, 1, 2, final=True),
                                                                          SendLeft())
+    # the second to drain was rank 1 of the last group that trained and rank 0 of the table
+    # without the first (never formed: the pause came first): it holds the last committed state
+    w1 = decide(training(1, wid="w1", step=2, cursor=128), Tick(latest=1), T0).state
+    w1 = decide(w1, Committed(cursor=192, max_generation=2), T0).state
+    w1 = decide(w1, Tick(latest=2), T0).state
+    w1 = decide(w1, TableFetched(table(2, "w1")), T0).state  # rank 0 of generation 2: meeting its members
+    w1 = decide(w1, Tick(stop=True, latest=2), T0).state
+    w1 = decide(w1, BarrierPolled(arrived=0, newest=3), T0).state  # generation 3 (paused) came first
+    assert w1.phase is Phase.IDLE and w1.drained_saver == (1, 2)
+    assert decide(w1, TableFetched(table(3, paused=True)), T0).actions == (SaveCheckpoint(3, 192, 1, 2, final=True),
+                                                                          SendLeft())
     # HSDP: the saving replica group's members would each write their shards; one alone cannot
     h = decide(training(1, step=2), Tick(stop=True, latest=1), T0).state
     h = replace(h, table=h.table.model_copy(update={"shard_size": 2}))
