@@ -772,6 +772,7 @@ def epochs_lasting(steps: int, seconds: float) -> int:
 
 
 def scenario_agent_crash(stack: Stack) -> None:
+    stack.wait_done(420)  # the stack's own job (its `submit` service) first: the agents are free then
     t = time.monotonic()
     # a job far longer than the check: it is stopped once the restarted worker trains again
     stack.submit(CRASH_JOB, epochs_lasting(20, 900))
@@ -822,6 +823,7 @@ def scenario_agent_crash(stack: Stack) -> None:
 
 
 def scenario_down_up(stack: Stack) -> None:
+    stack.wait_done(420)  # the stack's own job first (when run without `up`)
     t = time.monotonic()
     # `down` past the first checkpoint (checkpoint_interval 50), and enough of the job after `up`
     stack.submit(RESUME_JOB, epochs_lasting(65, 40))
@@ -942,13 +944,45 @@ def worker_pids(stack: Stack, cid: str) -> set[int]:
 # ------------------------------------------------------------------------------------------
 
 
+def down_kept() -> int:
+    """``--down``: the containers of a ``--keep`` run removed (volumes too), then every process
+    left in the check's network namespace (dockerd, containerd, the DNS responder) and the
+    namespace itself."""
+    if NETNS not in sh(["ip", "netns", "list"]).stdout.split():
+        log(f"nothing to tear down: no network namespace {NETNS}")
+        return 0
+    env = dict(os.environ, DOCKER_HOST=f"unix://{SOCK}")
+    if SOCK.exists() and shutil.which("docker"):
+        ids = sh(["docker", "ps", "-aq"], check=False, env=env, timeout=30).stdout.split()
+        if ids:
+            sh(["docker", "rm", "-f", "-v", *ids], check=False, env=env, timeout=180)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = [int(p) for p in sh(["ip", "netns", "pids", NETNS], check=False).stdout.split()]
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 30
+        while pids and time.monotonic() < deadline and sh(["ip", "netns", "pids", NETNS], check=False).stdout.split():
+            time.sleep(0.5)
+    sh(["ip", "netns", "delete", NETNS], check=False)
+    for p in (SOCK, RUN / "dockerd.pid"):
+        p.unlink(missing_ok=True)
+    log(f"torn down: the kept stack, dockerd and network namespace {NETNS}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="", help="comma-separated scenarios (default all): up,api,agent-crash,down-up,ha")
     ap.add_argument("--keep", action="store_true", help="leave the last stack and dockerd running (for a look)")
+    ap.add_argument("--down", action="store_true", help="tear down what a --keep run left running, then exit")
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise CannotRun("needs root (a network namespace, mounts, chroot, dockerd)")
+    if args.down:
+        return down_kept()
     missing = [c for c in ("dockerd", "docker-compose", "debootstrap", "ip", "chroot") if not shutil.which(c)]
     if missing:
         raise CannotRun(f"missing {', '.join(missing)} (apt-get install docker.io docker-compose debootstrap iproute2)")
