@@ -956,6 +956,9 @@ def down_kept() -> int:
         ids = sh(["docker", "ps", "-aq"], check=False, env=env, timeout=30).stdout.split()
         if ids:
             sh(["docker", "rm", "-f", "-v", *ids], check=False, env=env, timeout=180)
+        vols = sh(["docker", "volume", "ls", "-q"], check=False, env=env, timeout=30).stdout.split()
+        if vols:  # the stacks' named volumes (Redis, MinIO data): a next run starts clean
+            sh(["docker", "volume", "rm", "-f", *vols], check=False, env=env, timeout=120)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         pids = [int(p) for p in sh(["ip", "netns", "pids", NETNS], check=False).stdout.split()]
         for pid in pids:
@@ -1019,6 +1022,11 @@ def main() -> int:
         signal.signal(s, teardown)
     try:
         daemon.start()
+        # volumes a killed run left (a stack's Redis and MinIO data): every run starts from none
+        leftover = daemon.docker_cmd("volume", "ls", "-q").stdout.split()
+        if leftover:
+            daemon.docker_cmd("volume", "rm", "-f", *leftover, timeout=120)
+            log(f"removed {len(leftover)} volume(s) an earlier run left")
         figs = images.build_all()
         figure("images", "base_images_s", figs["base_images_s"])
         figure("images", "built", figs["built"])
