@@ -762,8 +762,10 @@ def measure_rate(entries: list[dict]) -> None:
     """Two workers' steps per second in the ledger of a finished job (a figure of ``up``)."""
     two = sorted((e["t"], e["step"]) for e in entries if e["world"] == 2)
     if len(two) > 20 and two[-1][0] > two[0][0]:
-        RATE["steps_per_s"] = (two[-1][1] - two[0][1]) / (two[-1][0] - two[0][0])
-        figure("up", "steps_per_s", RATE["steps_per_s"])
+        rate = (two[-1][1] - two[0][1]) / (two[-1][0] - two[0][0])
+        figure("up", "steps_per_s", rate)
+        # at most 50: a burst in a short job must not size the later jobs for minutes here
+        RATE["steps_per_s"] = min(rate, 50.0)
 
 
 def epochs_lasting(steps: int, seconds: float) -> int:
