@@ -360,10 +360,14 @@ class PollBarrier:
 @dataclass(frozen=True)
 class Form:
     """Join the group of ``table``'s generation as ``rank`` and catch up state from the most
-    advanced member. -> :class:`Formed` or :class:`FormFailed`."""
+    advanced member. -> :class:`Formed` or :class:`FormFailed`. ``restore``: first load the
+    newest checkpoint from the store (the generation starts from the checkpoint of that step,
+    ``ShardTable.restore_step``, and this member's committed step is below it); None: train
+    on from this member's own state."""
 
     table: ShardTable
     rank: int
+    restore: int | None = None
 
 
 @dataclass(frozen=True)
@@ -588,8 +592,13 @@ def _barrier_polled(s: TrainerState, b: BarrierPolled, now: float) -> Choice:
     if s.used >= g:
         return Choice(s, (), f"the barrier of generation {g} is over: its group is being formed")
     if b.arrived >= world:
-        return Choice(replace(s, used=max(s.used, g)), (Form(s.table, s.member.rank),),
-                        f"all {world} members of generation {g} arrived: forming its group")
+        restore = s.table.restore_step
+        if restore is None or s.step >= restore:
+            return Choice(replace(s, used=max(s.used, g)), (Form(s.table, s.member.rank),),
+                          f"all {world} members of generation {g} arrived: forming its group")
+        return Choice(replace(s, used=max(s.used, g)), (Form(s.table, s.member.rank, restore=restore),),
+                      f"all {world} members of generation {g} arrived: forming its group from the checkpoint of "
+                      f"step {restore} (no member holds the job's state; this one is at step {s.step})")
     if b.newest > g:
         return Choice(_idle(s, seen=max(s.seen, b.newest), switch_to=b.newest), (),
                         f"generation {b.newest} published while meeting generation {g}'s members: switching to it")
