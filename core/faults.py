@@ -17,7 +17,8 @@ Rules are comma-separated ``WHO@N:PHASE:ACTION``. Workers read ``SHOAL_FAULTS``:
   ``rendezvous``           a generation switch: every member met at the Redis barrier, this
                            one has not yet published its address for the process group;
   ``transfer``             a generation switch's catch-up, on the member that sends its state
-                           to the members behind (a joiner): the state's header is posted to
+                           to the members behind (a joiner; data parallelism and DiLoCo, not
+                           HSDP's cross-replica catch-up): the state's header is posted to
                            them, none of its tensors yet - a ``kill`` here is a source that
                            dies mid-transfer, with the receivers waiting for its tensors;
   ``finish``               the job's last step committed here (N: that step), before the final
