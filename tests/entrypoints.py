@@ -30,11 +30,17 @@ class Points(torch.utils.data.Dataset):
 
 
 def slow_digits() -> TrainingSetup:
+    """The digits example whose every step sleeps ``SHOAL_TEST_STEP_DELAY`` s (default 0.1)
+    and, while the file ``SHOAL_TEST_HOLD`` names exists, waits for it to go (a test holds the
+    job's progress, e.g. until a joiner has joined)."""
     setup = build_digits()
     delay = float(os.environ.get("SHOAL_TEST_STEP_DELAY", "0.1"))
+    hold = os.environ.get("SHOAL_TEST_HOLD")  # while this file exists, every step waits for it to go
 
     def step_fn(model, batch):
         inputs, targets = batch
+        while hold and os.path.exists(hold):
+            time.sleep(0.02)
         time.sleep(delay)
         return F.cross_entropy(model(inputs), targets, reduction="sum")
 

@@ -63,7 +63,8 @@ def _run(r, redis_url, tmp_path, spec, old: int, env: dict, hung: bool = False
     other old workers, the joiner's, w0's pid, the joiner's pid and the watcher."""
     create_job(r, spec)
     watch = ControlWatcher(r, spec.name)
-    with LocalProcs(redis_url, tmp_path / "logs", extra_env=env) as procs:
+    hold = tmp_path / "hold"
+    with LocalProcs(redis_url, tmp_path / "logs", extra_env=env | {"SHOAL_TEST_HOLD": str(hold)}) as procs:
         procs.coordinator("coord")
         ws = [procs.worker(spec.name, f"p{i}") for i in range(old)]
         try:
@@ -74,7 +75,12 @@ def _run(r, redis_url, tmp_path, spec, old: int, env: dict, hung: bool = False
             # the catch-up's source: rank 0 of the generation, w0 (lowest id), whichever process it is
             source = next(w for w in ws if w.pid == watch.workers()["w0"]["pid"])
             source.signal(signal.SIGUSR1)  # arms the fault: at its next catch-up, mid-transfer
+            # the old members wait at their next step until the joiner has joined: the job cannot
+            # end before it, however long the joiner's process takes to start
+            hold.touch()
             joiner = procs.worker(spec.name, "joiner")
+            watch.wait_for(lambda d: d.planned and d.world_size == old + 1, 120)
+            hold.unlink()
             if hung:  # stopped mid-transfer: no connection reset, no heartbeat; gone once replaced
                 watch.wait_for(lambda d: "w0" in d.removed, 120)
                 helpers = _children(source.pid)  # the fault's SIGCONT sender
@@ -86,23 +92,19 @@ def _run(r, redis_url, tmp_path, spec, old: int, env: dict, hung: bool = False
             codes = [w.wait(60) for w in ws if w is not source]
             code = joiner.wait(60)
         except BaseException:
+            hold.unlink(missing_ok=True)
             dump_logs(procs, tmp_path / "logs")
             raise
     return codes, code, source.pid, joiner.pid, watch
 
 
 JOBS = {
-    # ~0.3 s a round; a checkpoint every round: LATEST moves on while the joiner starts, so the
-    # checkpoint it loaded when its process started is older than the one it must resume from
-    "diloco": dict(entrypoint="tests.entrypoints:diloco_digits", global_batch_size=BATCH, max_steps=30, epochs=2,
+    # ~0.3 s a round, a checkpoint every round
+    "diloco": dict(entrypoint="tests.entrypoints:diloco_digits", global_batch_size=BATCH, max_steps=15,
                    sync="diloco", diloco={"inner_steps": H}, checkpoint_interval=1),
-    # ~0.15 s a step (SHOAL_TEST_STEP_DELAY 0.1: time for the joiner's process to start); a
-    # checkpoint every 2 steps
-    "dp": dict(entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, max_steps=100, epochs=2,
-               checkpoint_interval=2),
+    # ~0.1 s a step, a checkpoint every 2 steps
+    "dp": dict(entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, max_steps=40, checkpoint_interval=2),
 }
-#: seconds of SHOAL_TEST_STEP_DELAY (each inner step's, in DiLoCo)
-DELAY = {"diloco": "0.05", "dp": "0.1"}
 
 
 def _alone(sync: str, name: str, tmp_path: Path):
@@ -111,8 +113,8 @@ def _alone(sync: str, name: str, tmp_path: Path):
                                            checkpoint_uri=f"file://{tmp_path / 'ckpt'}", checkpoint_keep=3))
 
 
-def _env(tmp_path: Path, fault: str, sync: str = "diloco") -> dict[str, str]:
-    return {"SHOAL_TEST_STEP_DELAY": DELAY[sync], "SHOAL_LEDGER_DIR": str(tmp_path / "ledger"), "SHOAL_LEDGER_DIGESTS": "1",
+def _env(tmp_path: Path, fault: str) -> dict[str, str]:
+    return {"SHOAL_TEST_STEP_DELAY": "0.05", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger"), "SHOAL_LEDGER_DIGESTS": "1",
             "SHOAL_FAULTS": f"*@usr1:transfer:{fault}"}
 
 
@@ -156,7 +158,7 @@ def test_a_joiner_whose_only_source_is_killed_mid_transfer_resumes_from_the_newe
         r, redis_url, tmp_path, sync) -> None:
     """Shape (b), the source killed: no live member holds the job's state."""
     spec = _alone(sync, f"jk{sync[:2]}-" + tmp_path.name[-6:], tmp_path)
-    (), code, source, joiner, watch = _run(r, redis_url, tmp_path, spec, 1, _env(tmp_path, "kill", sync))
+    (), code, source, joiner, watch = _run(r, redis_url, tmp_path, spec, 1, _env(tmp_path, "kill"))
     assert code == 0
     at, redone = _check_resumed_from_newest_checkpoint(tmp_path, watch, spec, source, joiner)
     print(f"{sync}: resumed from the checkpoint of step {at}; {redone} step(s) rolled back and redone")
@@ -185,8 +187,8 @@ def test_a_diloco_joiner_whose_source_is_killed_mid_transfer_joins_from_another_
     """Shape (a): two members and a joiner; the source (rank 0) is killed while the joiner
     receives its state. The other member holds the job's state: the next generation catches the
     joiner up from it - no checkpoint, nothing redone - and the ledger is exactly once as it is."""
-    rounds = 30
-    spec = _diloco("ja-" + tmp_path.name[-6:], rounds, min_workers=1, max_workers=3, epochs=2,
+    rounds = 15
+    spec = _diloco("ja-" + tmp_path.name[-6:], rounds, min_workers=1, max_workers=3,
                    checkpoint_uri=f"file://{tmp_path / 'ckpt'}", checkpoint_interval=1, checkpoint_keep=3)
     (other,), code, source, joiner, watch = _run(r, redis_url, tmp_path, spec, 2, _env(tmp_path, "kill"))
     assert other == 0 and code == 0
