@@ -255,6 +255,9 @@ class FormFailed:
 
     error: str
     kind: FormationError = FormationError.TRANSIENT
+    #: the (step, cursor) of the state this member holds now when :class:`Form` loaded a
+    #: checkpoint (``Form.restore``) before the group failed; None: unchanged
+    restored: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -634,6 +637,8 @@ def _form_failed(s: TrainerState, f: FormFailed, now: float) -> Choice:
     g = s.table.generation
     if s.used < g:
         return Choice(s, (), f"generation {g}'s group is not being formed yet: FormFailed ignored")
+    if f.restored is not None:  # the model holds that checkpoint now: its step and cursor go with it
+        s = replace(s, step=f.restored[0], cursor=f.restored[1])
     # a generation is never retried (its rendezvous prefix is spent): ask for a new one
     failed = (LeaveGroup(), ReportFailure(g, s.step, f.error, rendezvous=True, kind=f.kind))
     s, wait = _wait(s, g, now)

@@ -387,6 +387,8 @@ class TrainingWorker(WorkerRunner):
                 formed = self.switch.form(table, step, cursor)
                 if isinstance(formed, Formed):
                     self.input.formed(table.generation, formed.step, frozenset(formed.behind))
+                elif restore is not None:
+                    formed = replace(formed, restored=(step, cursor))
                 return formed
             case Announce():
                 self._announce(action)

@@ -155,6 +155,12 @@ def test_a_generation_from_a_checkpoint_loads_it_first_where_this_member_is_behi
     # then it trains from the step and cursor the formed group agreed on (the checkpoint's)
     d = decide(d.state, Formed(step=21, cursor=5864), T0 + 2)
     assert (d.state.step, d.state.cursor, d.state.phase) == (21, 5864, Phase.TRAINING)
+    # the group failed after the checkpoint was loaded: its step and cursor are this member's now
+    s = decide(decide(fresh("w1", step=19), Tick(), T0).state, TableFetched(from_ckpt), T0).state
+    s = decide(s, BarrierPolled(arrived=1, newest=5), T0 + 1).state
+    d = decide(s, FormFailed("peer gone", restored=(21, 5864)), T0 + 2)
+    assert (d.state.step, d.state.cursor, d.state.phase) == (21, 5864, Phase.IDLE)
+    assert one(d, ReportFailure).step == 21
 
 
 def test_a_newer_table_during_the_barrier_abandons_it_for_the_newer_one() -> None:
