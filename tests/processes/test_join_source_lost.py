@@ -56,6 +56,15 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _kill_stopped(source) -> None:
+    """SIGKILL a source frozen by the ``stop`` fault, and the helper it started to send it
+    SIGCONT later (it would outlive the test)."""
+    helpers = _children(source.pid)
+    source.signal(signal.SIGKILL)
+    for pid in helpers:
+        os.kill(pid, signal.SIGKILL)
+
+
 def _run(r, redis_url, tmp_path, spec, old: int, env: dict, hung: bool = False
          ) -> tuple[list, int, int, int, ControlWatcher]:
     """``old`` workers train; once the job has a checkpoint, w0 (rank 0: the catch-up's source)
@@ -67,6 +76,7 @@ def _run(r, redis_url, tmp_path, spec, old: int, env: dict, hung: bool = False
     with LocalProcs(redis_url, tmp_path / "logs", extra_env=env | {"SHOAL_TEST_HOLD": str(hold)}) as procs:
         procs.coordinator("coord")
         ws = [procs.worker(spec.name, f"p{i}") for i in range(old)]
+        source = None
         try:
             watch.wait_for(lambda d: d.world_size == old, 120)
             # a checkpoint exists, and every old member trained (its fault plan's handler is set)
@@ -83,16 +93,15 @@ def _run(r, redis_url, tmp_path, spec, old: int, env: dict, hung: bool = False
             hold.unlink()
             if hung:  # stopped mid-transfer: no connection reset, no heartbeat; gone once replaced
                 watch.wait_for(lambda d: "w0" in d.removed, 120)
-                helpers = _children(source.pid)  # the fault's SIGCONT sender
-                source.signal(signal.SIGKILL)
-                for pid in helpers:
-                    os.kill(pid, signal.SIGKILL)
+                _kill_stopped(source)
             assert source.wait(120) == -signal.SIGKILL
             watch.wait_for(lambda d: d.job_state == "completed", 180)
             codes = [w.wait(60) for w in ws if w is not source]
             code = joiner.wait(60)
         except BaseException:
             hold.unlink(missing_ok=True)
+            if hung and source is not None and source.popen.poll() is None:
+                _kill_stopped(source)
             dump_logs(procs, tmp_path / "logs")
             raise
     return codes, code, source.pid, joiner.pid, watch
