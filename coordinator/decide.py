@@ -126,11 +126,15 @@ class Change:
     joined: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
     causes: tuple[RemovalCause, ...] = ()
+    #: the checkpoint step the generation starts from when no member holds the job's state
+    #: (:func:`restore_point`); None otherwise
+    restored_from: int | None = None
 
     def fields(self) -> dict:
         """The :class:`~shoal.events.streams.ControlEntry` fields it fills."""
         return {"world_size": self.world_size, "paused": self.paused, "joined": self.joined,
-                "removed": self.removed, "causes": tuple(c.value for c in self.causes)}
+                "removed": self.removed, "causes": tuple(c.value for c in self.causes),
+                "restored_from": self.restored_from}
 
 
 @dataclass(frozen=True)
@@ -240,6 +244,29 @@ def _replica_groups(state: CoordState, spec: JobSpec, now_ms: int) -> tuple[Coor
     return replace(state, status=status, workers=g.workers), actions, "; ".join(g.notes)
 
 
+def restore_point(state: CoordState, ids: list[str]) -> int | None:
+    """The checkpoint step a generation of ``ids`` starts from, or None when its members carry
+    the job's state on.
+
+    The job's state lives in its Active workers (each reported ``ready`` for a generation and
+    trains on from there); a worker that joined and never became Active holds only what it
+    loaded when its process started (a checkpoint as it was then, or the seed's model). A
+    generation with no Active member, once the job has committed steps and written a
+    checkpoint, has lost every replica of that state - typically a joiner whose catch-up
+    source was killed mid-transfer, with no other member left: it starts from the job's
+    LATEST checkpoint (``JobStatus.latest_step``), and the steps committed after it are redone
+    (:mod:`shoal.coordinator.redone` counts them from the members' ``ready``). None without a
+    checkpoint (the members' own state: from scratch) or before any step was committed (a new
+    job, or one started again after a Redis wipe: its workers load the store's LATEST when
+    they start)."""
+    status = state.status
+    if not ids or status.latest_step <= 0 or status.high_step <= 0:
+        return None
+    if any(state.workers[w].state == WorkerState.ACTIVE for w in ids):
+        return None
+    return status.latest_step
+
+
 def _plan_digest(ids: list[str], paused: bool) -> str:
     return hashlib.sha256(("P" if paused else "R") .encode() + ",".join(ids).encode()).hexdigest()[:16]
 
@@ -265,7 +292,9 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
     if digest == status.plan_digest and not force:
         return replace(state, status=replace(status, pending_join_ms=0)), grouped, why
     generation = status.generation + 1
+    restore = None if paused else restore_point(state, ids)
     state, change = _membership_change(state, [] if paused else ids, generation, paused)
+    change = replace(change, restored_from=restore)
     members = []
     sliced = ""
     if not paused:
@@ -287,6 +316,9 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
         reason = f"{why}; paused: {len(ids)} < min_workers={spec.min_workers}"
     else:
         reason = f"{why}; generation {generation}: world size {len(ids)} ({', '.join(ids)}){sliced}"
+    if restore is not None:
+        reason += (f"; no member holds the job's state (every member that held it was lost): generation "
+                   f"{generation} starts from the checkpoint of step {restore}, the members behind it load it")
     owners = None
     if status.num_shards and not paused:
         owners, owned_why = plan_owners(status.shard_owners, ids, status.num_shards)
@@ -306,6 +338,7 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
         evicted=evicted,
         shard_owners=owners,
         shard_size=spec.shard_size,
+        restore_step=restore,
     )
     # the formation clock runs from the first generation planned since one last formed
     new_status = replace(status, generation=generation, plan_digest=digest, pending_join_ms=0, reason=reason,

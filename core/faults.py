@@ -16,6 +16,11 @@ Rules are comma-separated ``WHO@N:PHASE:ACTION``. Workers read ``SHOAL_FAULTS``:
                            so the Redis LATEST pointer has not moved either;
   ``rendezvous``           a generation switch: every member met at the Redis barrier, this
                            one has not yet published its address for the process group;
+  ``transfer``             a generation switch's catch-up, on the member that sends its state
+                           to the members behind (a joiner; data parallelism and DiLoCo, not
+                           HSDP's cross-replica catch-up): the state's header is posted to
+                           them, none of its tensors yet - a ``kill`` here is a source that
+                           dies mid-transfer, with the receivers waiting for its tensors;
   ``finish``               the job's last step committed here (N: that step), before the final
                            evaluation, checkpoint and report of the completion.
 
@@ -54,7 +59,7 @@ from shoal.events import envvars
 from shoal.core.errors import ConfigError
 
 WORKER_PHASES = ("before_step", "mid_step", "after_commit", "ckpt_write", "ckpt_before_latest", "ckpt_before_event",
-                 "rendezvous", "finish")
+                 "rendezvous", "transfer", "finish")
 COORDINATOR_PHASES = ("before_apply", "after_apply")
 WORKER_ENV = envvars.FAULTS
 COORDINATOR_ENV = envvars.COORD_FAULTS

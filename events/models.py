@@ -400,6 +400,12 @@ class ShardTable(_Wire):
     #: rank reads its own shards' samples of a global batch locally (see
     #: ``shoal.worker.stream_order``); planned by ``shoal.coordinator.owners.plan_owners``.
     shard_owners: dict[str, list[tuple[int, int]]] | None = None
+    #: None, unless no member of this generation holds the job's state (every member that held
+    #: it was lost, e.g. a joiner's catch-up source killed mid-transfer): then the step of the
+    #: job's LATEST checkpoint, which the generation starts from - a member whose committed
+    #: step is below it loads the newest checkpoint from the store before forming the group
+    #: (one at or above it keeps its state; the catch-up takes the most advanced).
+    restore_step: int | None = None
 
     def member(self, worker_id: str) -> Member | None:
         return next((m for m in self.members if m.worker_id == worker_id), None)

@@ -161,6 +161,10 @@ class ControlEntry(FlatEntry):
     removed: Names = ()
     #: Why each of ``removed`` was removed (same order): a ``RemovalCause`` value.
     causes: Names = ()
+    #: Only on a decision that planned a generation no member of which holds the job's state
+    #: (every member that held it was lost): the step of the checkpoint it starts from
+    #: (:attr:`~shoal.events.models.ShardTable.restore_step`). None otherwise.
+    restored_from: int | None = None
 
     @property
     def planned(self) -> bool:

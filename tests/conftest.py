@@ -45,6 +45,7 @@ HEAVY = (
     "tests/processes/test_hsdp_stall.py",  # recovery within 1 s of a coordinator's return
     "tests/processes/test_lm_memory.py",  # 2 x 6 GB, then 2 x 3.3 GB
     "tests/processes/test_hung_peer.py",
+    "tests/processes/test_join_source_lost.py",  # a source frozen past a 1.5 s heartbeat TTL
     "tests/processes/test_large_join.py",
     "tests/processes/test_load_many_jobs.py",
     "tests/processes/test_demo_ha.py",

@@ -41,6 +41,9 @@ def _held(hold: str | None) -> None:
 
 
 def slow_digits() -> TrainingSetup:
+    """The digits example whose every step sleeps ``SHOAL_TEST_STEP_DELAY`` s (default 0.1)
+    and, while the file ``SHOAL_TEST_HOLD_FILE`` names exists, waits for it to go (a test holds
+    the job's progress, e.g. until a joiner has joined: :func:`_held`)."""
     setup = build_digits()
     delay = float(os.environ.get("SHOAL_TEST_STEP_DELAY", "0.1"))
     hold = os.environ.get("SHOAL_TEST_HOLD_FILE")

@@ -265,6 +265,9 @@ class FormFailed:
 
     error: str
     kind: FormationError = FormationError.TRANSIENT
+    #: the (step, cursor) of the state this member holds now when :class:`Form` loaded a
+    #: checkpoint (``Form.restore``) before the group failed; None: unchanged
+    restored: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -370,10 +373,14 @@ class PollBarrier:
 @dataclass(frozen=True)
 class Form:
     """Join the group of ``table``'s generation as ``rank`` and catch up state from the most
-    advanced member. -> :class:`Formed` or :class:`FormFailed`."""
+    advanced member. -> :class:`Formed` or :class:`FormFailed`. ``restore``: first load the
+    newest checkpoint from the store (the generation starts from the checkpoint of that step,
+    ``ShardTable.restore_step``, and this member's committed step is below it); None: train
+    on from this member's own state."""
 
     table: ShardTable
     rank: int
+    restore: int | None = None
 
 
 @dataclass(frozen=True)
@@ -614,8 +621,13 @@ def _barrier_polled(s: TrainerState, b: BarrierPolled, now: float) -> Choice:
     if s.used >= g:
         return Choice(s, (), f"the barrier of generation {g} is over: its group is being formed")
     if b.arrived >= world:
-        return Choice(replace(s, used=max(s.used, g)), (Form(s.table, s.member.rank),),
-                        f"all {world} members of generation {g} arrived: forming its group")
+        restore = s.table.restore_step
+        if restore is None or s.step >= restore:
+            return Choice(replace(s, used=max(s.used, g)), (Form(s.table, s.member.rank),),
+                          f"all {world} members of generation {g} arrived: forming its group")
+        return Choice(replace(s, used=max(s.used, g)), (Form(s.table, s.member.rank, restore=restore),),
+                      f"all {world} members of generation {g} arrived: forming its group from the checkpoint of "
+                      f"step {restore} (no member holds the job's state; this one is at step {s.step})")
     if b.newest > g:
         return Choice(_idle(s, seen=max(s.seen, b.newest), switch_to=b.newest), (),
                         f"generation {b.newest} published while meeting generation {g}'s members: switching to it")
@@ -651,6 +663,8 @@ def _form_failed(s: TrainerState, f: FormFailed, now: float) -> Choice:
     g = s.table.generation
     if s.used < g:
         return Choice(s, (), f"generation {g}'s group is not being formed yet: FormFailed ignored")
+    if f.restored is not None:  # the model holds that checkpoint now: its step and cursor go with it
+        s = replace(s, step=f.restored[0], cursor=f.restored[1])
     # a generation is never retried (its rendezvous prefix is spent): ask for a new one
     failed = (LeaveGroup(), ReportFailure(g, s.step, f.error, rendezvous=True, kind=f.kind))
     s, wait = _wait(s, g, now)

@@ -124,9 +124,11 @@ class Diloco(DataParallel):
     @classmethod
     def from_setup(cls, setup: TrainingSetup, options: LayoutOptions, groups: GroupSettings | None = None,
                    faults: FaultPlan | None = None) -> "Diloco":
-        return cls(setup.model, setup.optimizer, setup.dataset, options=options, groups=groups,
-                   loss_fn=setup.loss_fn, step_fn=setup.step_fn, lr_scheduler=setup.lr_scheduler,
-                   collate_fn=setup.collate_fn, micro_batch=setup.micro_batch)
+        layout = cls(setup.model, setup.optimizer, setup.dataset, options=options, groups=groups,
+                     loss_fn=setup.loss_fn, step_fn=setup.step_fn, lr_scheduler=setup.lr_scheduler,
+                     collate_fn=setup.collate_fn, micro_batch=setup.micro_batch)
+        layout.faults = faults or FaultPlan([])
+        return layout
 
     def form(self, table: ShardTable, member: Member, step: int, cursor: int) -> Formed | FormFailed:
         """As :meth:`DataParallel.form`; the generation's first round then starts with the

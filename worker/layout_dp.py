@@ -40,6 +40,8 @@ class DataParallel(StepEngine):
         super().__init__(model, optimizer, dataset, device=options.device, precision=options.precision,
                          max_grad_norm=options.max_grad_norm, bucket_cap_mb=options.bucket_cap_mb, **kwargs)
         self.groups = groups
+        #: the worker's fault plan (its ``transfer`` phase: a catch-up's source mid-transfer)
+        self.faults: FaultPlan = FaultPlan([])
 
     @classmethod
     def from_setup(cls, setup: TrainingSetup, options: LayoutOptions, groups: GroupSettings | None = None,
@@ -47,6 +49,7 @@ class DataParallel(StepEngine):
         layout = cls(setup.model, setup.optimizer, setup.dataset, options=options, groups=groups,
                      loss_fn=setup.loss_fn, step_fn=setup.step_fn, lr_scheduler=setup.lr_scheduler,
                      collate_fn=setup.collate_fn, micro_batch=setup.micro_batch)
+        layout.faults = faults or FaultPlan([])
         if options.compile is not None:  # the whole model's forward
             layout.compile_model(options.compile, [layout.model], options.fixed_micro_batch)
         return layout
@@ -68,8 +71,9 @@ class DataParallel(StepEngine):
                 collective_timeout=max(g.collective_timeout, transfer_timeout(state_bytes(self.model, self.optimizer))))
             # the engine's replicated state (the fp16 loss scale) travels in extra
             extra = {"step": step, "cursor": cursor, **self.state_extras()}
-            src, got, behind = catch_up_state(self.model, self.optimizer, extra, step, lr_scheduler=self.lr_scheduler,
-                                              group=self.group)
+            src, got, behind = catch_up_state(
+                self.model, self.optimizer, extra, step, lr_scheduler=self.lr_scheduler, group=self.group,
+                on_header_sent=(lambda: self.faults.at(g.worker_id(), step, "transfer")) if self.faults else None)
             self.load_state_extras(got)
         except (RendezvousFailed, CollectiveFailed, StateMismatch) as exc:
             return FormFailed(str(exc), formation_error(exc))

@@ -299,7 +299,8 @@ class Hsdp(ShardedEngine):
         return capture_sharded(self, shard, **counters)
 
     def resume(self, state: Any, newest: Callable[[], Any], parts: Restore = RESUME) -> None:
-        """Load ``state`` once the model is sharded (its replica group formed). A group can
+        """Load ``state`` once the model is sharded (its replica group formed; at once when it is
+        already: a later generation that starts from a checkpoint). A group can
         take a while to form, and retention may have removed that checkpoint meanwhile
         (measured in the HSDP chaos soak: 9 s later, ``shard-0-of-2.bin: missing``, and the
         worker died): then the newest checkpoint that verifies now (``newest()``) is loaded
@@ -320,6 +321,9 @@ class Hsdp(ShardedEngine):
             self.resumed_at = (newer.step, int(newer.data_cursor))
             log.info("resumed from step %d (cursor %s) instead", newer.step, newer.data_cursor)
 
+        if self.shard_group is not None:  # sharded already: a generation that starts from a checkpoint
+            load()
+            return
         self.after_shard(load)
 
 

@@ -380,10 +380,15 @@ class TrainingWorker(WorkerRunner):
                 self.switch.arrive(generation, self.state.table.world_size)
             case PollBarrier(generation=generation, wait=wait):
                 return self.switch.poll_barrier(generation, self.state.table.world_size, wait)
-            case Form(table=table):
-                formed = self.switch.form(table, self.state.step, self.state.cursor)
+            case Form(table=table, restore=restore):
+                step, cursor = self.state.step, self.state.cursor
+                if restore is not None:
+                    step, cursor = self._restore(restore, step, cursor)
+                formed = self.switch.form(table, step, cursor)
                 if isinstance(formed, Formed):
                     self.input.formed(table.generation, formed.step, frozenset(formed.behind))
+                elif restore is not None:
+                    formed = replace(formed, restored=(step, cursor))
                 return formed
             case Announce():
                 self._announce(action)
@@ -394,6 +399,19 @@ class TrainingWorker(WorkerRunner):
         return None
 
     # ---- performers --------------------------------------------------------------------------
+
+    def _restore(self, restore: int, step: int, cursor: int) -> tuple[int, int]:
+        """Load the newest checkpoint (the generation starts from the one of step ``restore``:
+        no member holds the job's state); the (step, cursor) to form with. This member's own
+        state when there is no store or no checkpoint verifies (then its catch-up decides)."""
+        resumed = self.ckpt.resume(self.engine) if self.ckpt is not None else None
+        if resumed is None:
+            log.warning("generation starts from the checkpoint of step %d, but none could be loaded here: forming "
+                        "with this member's own state (step %d)", restore, step)
+            return step, cursor
+        if resumed[0] != restore:
+            log.info("the checkpoint of step %d was asked for; the newest one is of step %d", restore, resumed[0])
+        return resumed
 
     def _train_step(self, act: TrainStep) -> Input:
         """Train one step; the ledger records a committed one before anything else happens."""

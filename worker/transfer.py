@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -312,6 +313,7 @@ def catch_up_state(
     *,
     lr_scheduler: Any | None = None,
     group: pg.Group | None,
+    on_header_sent: Callable[[], None] | None = None,
 ) -> tuple[int, dict[str, Any], list[int]]:
     """Start a generation from the most advanced member's state, moving it only where needed.
 
@@ -334,6 +336,9 @@ def catch_up_state(
     ``group`` (default: the current generation's) is the group it runs over: an HSDP cross
     group moves each member's own shards between the replica groups' members of one shard
     index (sharded tensors go as their local shards and are loaded back into them).
+
+    ``on_header_sent`` (fault injection: the ``transfer`` phase) is called on ``src`` once the
+    ranks behind have its header and before any tensor is posted to them.
 
     Returns ``(src, extra, behind)``: ``extra`` is ``src``'s (received on the ranks behind,
     the caller's own elsewhere). Raises StateMismatch as above (or on ``src`` and the ranks
@@ -358,13 +363,14 @@ def catch_up_state(
             [r for r in range(world) if r != src]
     behind = [r for r, s in enumerate(steps) if s < top]
     if rank == src and behind:
-        _send_state(g, model, optimizer, extra, lr_scheduler, behind, comm)
+        _send_state(g, model, optimizer, extra, lr_scheduler, behind, comm, on_header_sent)
     elif rank in behind:
         return src, _recv_state(g, model, optimizer, lr_scheduler, src, mine, comm), behind
     return src, dict(extra or {}), behind
 
 
-def _send_state(g: pg.Group, model, optimizer, extra, lr_scheduler, dsts: list[int], comm: torch.device) -> None:
+def _send_state(g: pg.Group, model, optimizer, extra, lr_scheduler, dsts: list[int], comm: torch.device,
+                on_header_sent: Callable[[], None] | None = None) -> None:
     """Post ``src``'s state to ``dsts``: the header length, the header, then every tensor as its
     own message. Parameters and optimizer state go as they are (no copy): they change only in
     ``optimizer.step``, i.e. after the next all-reduce, which cannot complete before every
@@ -399,9 +405,14 @@ def _send_state(g: pg.Group, model, optimizer, extra, lr_scheduler, dsts: list[i
     # the sends, since each receiver takes everything before it joins that all-reduce
     for dst in dsts:
         g.isend(size, dst)
+        if not error:
+            g.isend(buf, dst)
+    if on_header_sent is not None and not error:
+        g.wait_sends()  # the header has arrived: what the hook does lands mid-transfer
+        on_header_sent()
+    for dst in dsts:
         if error:
             continue
-        g.isend(buf, dst)
         for w in wire:
             for piece in _pieces(w):
                 g.isend(piece, dst)

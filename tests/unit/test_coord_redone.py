@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from shoal.coordinator.decide import SETTLE_MS, EventInput, Publish, Tick, decide
+from shoal.coordinator.decide import SETTLE_MS, EventInput, Publish, Tick, decide, restore_point
 from shoal.coordinator.redone import StepSeen
 from shoal.coordinator.loop import _steps_seen
 from shoal.coordinator.states import CoordState
@@ -123,6 +123,55 @@ def test_resuming_from_a_checkpoint_redoes_the_steps_after_it_and_a_second_loss_
     d = _ready(s, "w4", T0 + 6000, 10)
     assert "steps 11-18, committed before, are redone" in d.reason and "(from a checkpoint)" in d.reason
     assert d.state.status.steps_redone == 15 + 8
+
+
+def _one_active_and_a_joiner(checkpoint: int | None):
+    """w0 Active in generation 1 (at step 25 by its heartbeat, with a checkpoint of ``checkpoint``),
+    then w1 joins: generation 2 of both, w1 Syncing (its catch-up from w0 under way)."""
+    s = _join(CoordState(), T0)
+    s = decide(s, Tick(), T0 + SETTLE_MS, SPEC).state
+    s = _ready(s, "w0", T0 + SETTLE_MS + 1, 0).state
+    if checkpoint is not None:
+        s = decide(s, _ev(Checkpointed(job_id="j", worker_id="w0", step=checkpoint, store="file:///c", generation=1)),
+                   T0 + 500, SPEC).state
+    s = _heartbeats(s, T0 + 1000, w0=(1, 25)).state
+    d = decide(s, _ev(JoinRequest(job_id="j", host="h", pid=2)), T0 + 2000, SPEC)  # max_workers: planned at once
+    (t,) = _tables(d)
+    assert t.world_size == 2 and t.restore_step is None  # w0 holds the job's state: w1 catches up from it
+    assert d.state.workers["w1"].state == WorkerState.SYNCING
+    return d.state
+
+
+def test_a_joiner_whose_only_source_is_lost_mid_transfer_gets_a_generation_from_the_latest_checkpoint() -> None:
+    """Issue 38: the only member holding the job's state dies while the joiner receives it. The
+    generation of the joiner alone starts from LATEST, said in the reason and as typed fields
+    (the table's ``restore_step``, the control entry's ``restored_from``); the joiner's ready
+    at that step then counts the steps after it as redone."""
+    s = _one_active_and_a_joiner(checkpoint=20)
+    d = decide(s, _ev(WorkerExited(job_id="j", worker_id="w0", signal=9)), T0 + 3000, SPEC)
+    (t,) = _tables(d)
+    gen = t.generation
+    assert t.world_size == 1 and t.restore_step == 20
+    (change,) = [a.change for a in d.actions if isinstance(a, Publish)]
+    assert change.restored_from == 20 and change.fields()["restored_from"] == 20 and change.removed == ("w0",)
+    assert (f"no member holds the job's state (every member that held it was lost): generation {gen} starts from "
+            "the checkpoint of step 20") in d.reason
+    d = _ready(d.state, "w1", T0 + 4000, 20)
+    assert f"generation {gen} resumed at step 20 (from the checkpoint of step 20): steps 21-25" in d.reason
+    assert d.state.status.steps_redone == 5
+
+
+def test_no_generation_from_a_checkpoint_while_a_member_holds_the_state_or_there_is_none() -> None:
+    # no checkpoint: the joiner's own state (from scratch), as before
+    s = _one_active_and_a_joiner(checkpoint=None)
+    (t,) = _tables(decide(s, _ev(WorkerExited(job_id="j", worker_id="w0", signal=9)), T0 + 3000, SPEC))
+    assert t.restore_step is None
+    # an Active member among the generation's: it carries the state on
+    s = _one_active_and_a_joiner(checkpoint=20)
+    assert restore_point(s, ["w0", "w1"]) is None and restore_point(s, ["w1"]) == 20
+    # a job's first generation: nobody Active, nothing committed yet
+    s = _join(_join(CoordState(), T0), T0 + 1)
+    assert s.status.generation == 1 and restore_point(s, ["w0", "w1"]) is None
 
 
 def test_a_normal_elastic_switch_never_counts_steps_redone() -> None:

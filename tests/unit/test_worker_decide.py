@@ -141,6 +141,28 @@ def test_the_barrier_forms_when_everyone_arrived_and_gives_up_at_its_deadline() 
     assert gone.actions == () and gone.state.phase is Phase.IDLE
 
 
+def test_a_generation_from_a_checkpoint_loads_it_first_where_this_member_is_behind_it() -> None:
+    """``restore_step``: no member holds the job's state, the generation starts from the
+    checkpoint of that step. A member behind it (a joiner that loaded an older one when it
+    started, or none) loads the newest first; one at or past it keeps its state (the catch-up
+    takes the most advanced)."""
+    from_ckpt = table(5, "w1").model_copy(update={"restore_step": 21})
+    for step, restore in ((0, 21), (19, 21), (21, None), (23, None)):
+        s = decide(decide(fresh("w1", step=step), Tick(), T0).state, TableFetched(from_ckpt), T0).state
+        d = decide(s, BarrierPolled(arrived=1, newest=5), T0 + 1)
+        assert d.actions == (Form(from_ckpt, 0, restore=restore),) and d.state.used == 5, step
+        assert ("from the checkpoint of step 21" in d.reason) == (restore is not None)
+    # then it trains from the step and cursor the formed group agreed on (the checkpoint's)
+    d = decide(d.state, Formed(step=21, cursor=5864), T0 + 2)
+    assert (d.state.step, d.state.cursor, d.state.phase) == (21, 5864, Phase.TRAINING)
+    # the group failed after the checkpoint was loaded: its step and cursor are this member's now
+    s = decide(decide(fresh("w1", step=19), Tick(), T0).state, TableFetched(from_ckpt), T0).state
+    s = decide(s, BarrierPolled(arrived=1, newest=5), T0 + 1).state
+    d = decide(s, FormFailed("peer gone", restored=(21, 5864)), T0 + 2)
+    assert (d.state.step, d.state.cursor, d.state.phase) == (21, 5864, Phase.IDLE)
+    assert one(d, ReportFailure).step == 21
+
+
 def test_a_newer_table_during_the_barrier_abandons_it_for_the_newer_one() -> None:
     s = decide(decide(fresh(), Tick(), T0).state, TableFetched(table(1, "w0", "w1")), T0).state
     d = decide(s, BarrierPolled(arrived=1, newest=2), T0 + 0.5)
