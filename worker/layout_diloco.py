@@ -288,11 +288,19 @@ class Diloco(DataParallel):
         d = self.diloco
         n = delta.numel()
         what = f"the outer {d.outer_dtype} exchange of the round"
+        # in pieces, one collective each: the collective timeout bounds a piece, so a slow link
+        # that keeps moving bytes never times the exchange out (see shoal.worker.outer)
+        size = outer.piece_bytes(group.timeout)
         if d.outer_dtype == "fp32":
             flat = torch.cat([delta.mul_(tail[-1]), tail])
-            group.all_reduce(flat, what=what)
+            parts = outer.spans(flat.numel(), size // flat.element_size())
+            for i, (a, b) in enumerate(parts):
+                group.all_reduce(flat[a:b], what=_piece(what, i, len(parts)))
             return flat[:n], flat[n:]
-        messages = group.all_gather(outer.pack(delta, tail, d.outer_dtype, d.outer_block), what=what)
+        message = outer.pack(delta, tail, d.outer_dtype, d.outer_block)
+        parts = outer.spans(message.numel(), size)
+        pieces = [group.all_gather(message[a:b], what=_piece(what, i, len(parts))) for i, (a, b) in enumerate(parts)]
+        messages = [torch.cat([got[r] for got in pieces]) for r in range(group.world_size)]
         return outer.combine(messages, d.outer_dtype, d.outer_block, n)
 
     def _snapshot(self) -> tuple[Any, Any, list[torch.Tensor]]:
@@ -310,3 +318,8 @@ class Diloco(DataParallel):
         if sched is not None:
             self.lr_scheduler.load_state_dict(sched)
         self._rollback(buffers)
+
+
+def _piece(what: str, i: int, count: int) -> str:
+    """``what`` naming piece ``i`` of ``count`` (as it is: a one-piece exchange)."""
+    return what if count == 1 else f"{what} (piece {i + 1} of {count})"
