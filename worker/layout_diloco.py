@@ -289,8 +289,11 @@ class Diloco(DataParallel):
         n = delta.numel()
         what = f"the outer {d.outer_dtype} exchange of the round"
         # in pieces, one collective each: the collective timeout bounds a piece, so a slow link
-        # that keeps moving bytes never times the exchange out (see shoal.worker.outer)
-        size = outer.piece_bytes(group.timeout)
+        # that keeps moving bytes never times the exchange out (see shoal.worker.outer). Every
+        # member must cut the same pieces: sized by the spec's collective timeout, the same on
+        # every member and never above the group's (whose size-scaled part follows each member's
+        # own state: a joiner without optimizer state has a smaller one)
+        size = outer.piece_bytes(self.groups.collective_timeout if self.groups is not None else group.timeout)
         if d.outer_dtype == "fp32":
             flat = torch.cat([delta.mul_(tail[-1]), tail])
             parts = outer.spans(flat.numel(), size // flat.element_size())

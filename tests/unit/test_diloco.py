@@ -257,8 +257,9 @@ def test_a_piece_is_what_the_floor_rate_carries_in_the_collective_timeout() -> N
 
 
 @pytest.fixture
-def pair_groups(tmp_path):
-    """Two real gloo groups of one group of two ranks (one FileStore), closed after the test."""
+def pair_groups(tmp_path, request):
+    """Two real gloo groups of one group of two ranks (one FileStore), closed after the test;
+    each rank's collective timeout from an indirect parameter (default 30 s each)."""
     import threading
 
     import torch.distributed as dist
@@ -266,12 +267,13 @@ def pair_groups(tmp_path):
     from shoal.worker import torch_compat as tc
     from shoal.worker.process_group import Group
 
+    timeouts = getattr(request, "param", (30.0, 30.0))
     made: dict[int, Group] = {}
 
     def make(rank: int) -> None:
         store = dist.FileStore(str(tmp_path / "store"), 2)
-        tg = tc.new_gloo_group(store, rank, 2, 30.0, "127.0.0.1")
-        made[rank] = Group("j", 1, rank, 2, "gloo", torch.device("cpu"), store, 30.0, tg, registered=False)
+        tg = tc.new_gloo_group(store, rank, 2, timeouts[rank], "127.0.0.1")
+        made[rank] = Group("j", 1, rank, 2, "gloo", torch.device("cpu"), store, timeouts[rank], tg, registered=False)
 
     threads = [threading.Thread(target=make, args=(rank,)) for rank in (0, 1)]
     for t in threads:
@@ -328,3 +330,31 @@ def test_an_exchange_in_pieces_is_the_exchange_in_one(pair_groups, monkeypatch, 
         assert calls["all_gather"] == 2 * -(-messages[0].numel() // 1024)
         want, _ = outer.combine(messages, dtype, 64, 50_000)
         assert torch.equal(total0, want)
+
+
+@pytest.mark.parametrize("pair_groups", [(3.0, 100.0)], indirect=True, ids=["3s-100s"])
+def test_members_whose_groups_have_different_timeouts_cut_the_same_pieces(pair_groups) -> None:
+    """A group's timeout has a part scaled by each member's own state (a joiner without
+    optimizer state gets a smaller one): the pieces follow the spec's collective timeout,
+    the same on every member. Cut by each group's own (375 KB vs 12.5 MB here), the members'
+    collectives would not match."""
+    import threading
+
+    from shoal.worker.layout import GroupSettings
+
+    delta = torch.ones(200_000)  # 800 KB: 3 pieces at 3 s, 1 at 100 s
+    results: dict[int, torch.Tensor] = {}
+
+    def exchange(rank: int) -> None:
+        layout = _layout(pair_groups[rank], inner_steps=2)
+        layout.groups = GroupSettings(rendezvous=None, keys=None, worker_id=lambda: "", rdzv_timeout=1.0,
+                                      collective_timeout=3.0)
+        results[rank] = layout._reduce(pair_groups[rank], delta.clone(), torch.tensor([0.0, 0.0, 1.0]))[0]
+
+    threads = [threading.Thread(target=exchange, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 2, "the exchange failed: the members cut different pieces"
+    assert torch.equal(results[0], torch.full((200_000,), 2.0)) and torch.equal(results[1], results[0])
