@@ -10,8 +10,9 @@ Wire formats of a member's outer gradient (``outer_dtype`` in the spec)
     the sum is the same bits on every member (and no sum is ever formed in 8 or 16 bits).
 
 Pieces on the wire
-    A member's message crosses in pieces of :func:`piece_bytes` (one collective each, in
-    order), so the group's collective timeout bounds one piece, not the exchange: an exchange
+    A member's message crosses in pieces of :func:`piece_bytes` of the spec's collective
+    timeout (one collective each, in order; the same cut on every member), so the collective
+    timeout bounds one piece, not the exchange: an exchange
     that keeps moving bytes at :data:`FLOOR_RATE` or more is never timed out, however long it
     takes (a 150 MB outer gradient takes 2 minutes at 10 Mbit/s), while a peer that moves
     nothing (partitioned, hung) still fails it within the timeout. gloo's ring all-reduce
