@@ -296,6 +296,9 @@ class Diloco(DataParallel):
         size = outer.piece_bytes(self.groups.collective_timeout if self.groups is not None else group.timeout)
         if d.outer_dtype == "fp32":
             flat = torch.cat([delta.mul_(tail[-1]), tail])
+            if outer.waits_by_segment(group.backend, d.outer_dtype):  # one collective, as it was
+                group.all_reduce(flat, what=what)
+                return flat[:n], flat[n:]
             parts = outer.spans(flat.numel(), size // flat.element_size())
             for i, (a, b) in enumerate(parts):
                 group.all_reduce(flat[a:b], what=_piece(what, i, len(parts)))

@@ -17,9 +17,11 @@ Pieces on the wire
     takes (a 150 MB outer gradient takes 2 minutes at 10 Mbit/s), while a peer that moves
     nothing (partitioned, hung) still fails it within the timeout. gloo's ring all-reduce
     already waits segment by segment (measured: a 40 MB fp32 all-reduce over a 10 Mbit/s link
-    completed in 39 s under a 4 s timeout), but its all-gather waits for a member's whole
-    message and an NCCL wait here is bounded whole (:meth:`Group._wait`): without pieces, a
-    bf16 or int8 message longer than the timeout at the link's rate failed every round.
+    completed in 39 s under a 4 s timeout): it goes whole, as one collective
+    (:func:`waits_by_segment`; pieces would only add a collective's latency each). gloo's
+    all-gather waits for a member's whole message and an NCCL wait here is bounded whole
+    (:meth:`Group._wait`): without pieces, a bf16 or int8 message longer than the timeout at the
+    link's rate failed every round.
 
 The outer optimizer
     :func:`nesterov_step` is ``torch.optim.SGD(lr, momentum, nesterov=True)`` (no dampening,
@@ -52,6 +54,14 @@ def piece_bytes(timeout: float) -> int:
     if not timeout > 0:
         raise ValueError(f"a collective timeout must be positive, got {timeout!r}")
     return int(min(MAX_PIECE, max(MIN_PIECE, timeout * FLOOR_RATE)))
+
+
+def waits_by_segment(backend: str, dtype: str) -> bool:
+    """Whether an outer exchange of ``dtype`` over a ``backend`` group already waits piece by
+    piece on its own, so it goes as one collective: gloo's ring all-reduce (fp32), whose
+    timeout bounds each segment's transfer. Everything else - all-gathers (bf16, int8) and
+    NCCL, whose wait is bounded whole - goes in pieces."""
+    return backend == "gloo" and dtype == "fp32"
 
 
 def spans(n: int, size: int) -> list[tuple[int, int]]:

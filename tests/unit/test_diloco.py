@@ -254,6 +254,9 @@ def test_a_piece_is_what_the_floor_rate_carries_in_the_collective_timeout() -> N
         outer.piece_bytes(0.0)
     assert outer.spans(10, 4) == [(0, 4), (4, 8), (8, 10)]
     assert outer.spans(8, 4) == [(0, 4), (4, 8)] and outer.spans(0, 4) == []
+    # only gloo's ring all-reduce waits piece by piece on its own
+    assert outer.waits_by_segment("gloo", "fp32")
+    assert not any(outer.waits_by_segment(b, d) for b, d in (("gloo", "bf16"), ("gloo", "int8"), ("nccl", "fp32")))
 
 
 @pytest.fixture
@@ -303,6 +306,9 @@ def test_an_exchange_in_pieces_is_the_exchange_in_one(pair_groups, monkeypatch, 
 
             monkeypatch.setattr(g, name, counted)
     monkeypatch.setattr(outer, "piece_bytes", lambda timeout: 1024)
+    # gloo's fp32 all-reduce goes whole (it waits segment by segment on its own): its pieces
+    # are NCCL's, cut here over gloo
+    monkeypatch.setattr(outer, "waits_by_segment", lambda backend, dtype: False)
     gen = torch.Generator().manual_seed(3)
     deltas = [torch.randn(50_000, generator=gen) for _ in range(2)]
     counts = [7.0, 5.0]
@@ -342,11 +348,11 @@ def test_members_whose_groups_have_different_timeouts_cut_the_same_pieces(pair_g
 
     from shoal.worker.layout import GroupSettings
 
-    delta = torch.ones(200_000)  # 800 KB: 3 pieces at 3 s, 1 at 100 s
+    delta = torch.ones(800_000)  # 800 KB in int8: 3 pieces at 3 s, 1 at 100 s
     results: dict[int, torch.Tensor] = {}
 
     def exchange(rank: int) -> None:
-        layout = _layout(pair_groups[rank], inner_steps=2)
+        layout = _layout(pair_groups[rank], inner_steps=2, outer_dtype="int8")
         layout.groups = GroupSettings(rendezvous=None, keys=None, worker_id=lambda: "", rdzv_timeout=1.0,
                                       collective_timeout=3.0)
         results[rank] = layout._reduce(pair_groups[rank], delta.clone(), torch.tensor([0.0, 0.0, 1.0]))[0]
@@ -357,4 +363,4 @@ def test_members_whose_groups_have_different_timeouts_cut_the_same_pieces(pair_g
     for t in threads:
         t.join(60)
     assert len(results) == 2, "the exchange failed: the members cut different pieces"
-    assert torch.equal(results[0], torch.full((200_000,), 2.0)) and torch.equal(results[1], results[0])
+    assert torch.equal(results[0], torch.full((800_000,), 2.0)) and torch.equal(results[1], results[0])
