@@ -12,10 +12,10 @@ Wire formats of a member's outer gradient (``outer_dtype`` in the spec)
 Pieces on the wire
     A member's message crosses in pieces of :func:`piece_bytes` of the spec's collective
     timeout (one collective each, in order; the same cut on every member), so the collective
-    timeout bounds one piece, not the exchange: an exchange
-    that keeps moving bytes at :data:`FLOOR_RATE` or more is never timed out, however long it
-    takes (a 150 MB outer gradient takes 2 minutes at 10 Mbit/s), while a peer that moves
-    nothing (partitioned, hung) still fails it within the timeout. gloo's ring all-reduce
+    timeout bounds one piece, not the exchange: an exchange that keeps moving bytes at
+    :data:`FLOOR_RATE` or more is never timed out, however long it takes (a 150 MB outer
+    gradient takes 2 minutes at 10 Mbit/s), while a peer that moves nothing (partitioned,
+    hung) still fails it within the timeout. gloo's ring all-reduce
     already waits segment by segment (measured: a 40 MB fp32 all-reduce over a 10 Mbit/s link
     completed in 39 s under a 4 s timeout): it goes whole, as one collective
     (:func:`waits_by_segment`; pieces would only add a collective's latency each). gloo's
