@@ -33,7 +33,8 @@ the coordinator on hosts of their own; the link is measured worker to worker fir
 that misses 80 % of its rate refuses the run. ``--link-sync-steps`` synchronous steps, then
 ``--link-rounds`` DiLoCo rounds of ``--h`` inner steps (``--outer-dtype`` on the wire), the
 5.9 M-parameter MLP; prints ``link=``,
-``speedup=``, ``utilisation=``, ``sync_utilisation=``, ``exactly_once=``. Every namespace is
+``speedup=``, ``utilisation=``, ``sync_utilisation=``, ``exactly_once=``, ``false_evictions=`` (members
+the coordinator declared failed in either run: nothing is injected, so every one is false). Every namespace is
 deleted at the end, also on failure or SIGTERM.
 """
 
@@ -231,7 +232,9 @@ def run_net(net, tmp: Path, job: str, spec: JobSpec, hosts: list) -> dict:
     return {"rate": samples / (steady[-1]["t"] - steady[0]["t"]),
             "compute": statistics.median(e["compute"] for e in steady),
             "comm": statistics.median(e["comm"] for e in steady), "steps": len(mine),
-            "exactly_once": ledger.verify(entries, DIGITS).ok}
+            "exactly_once": ledger.verify(entries, DIGITS).ok,
+            # nothing is injected here: every member the coordinator declared failed is a false one
+            "false_evictions": sum(len(d.removed_by(failure=True)) for d in watch.seen)}
 
 
 def main_link(args) -> int:
@@ -277,7 +280,8 @@ def main_link(args) -> int:
     print(f"speedup={d['rate'] / s['rate']:.2f}")
     print(f"utilisation={d['compute'] / (d['compute'] + d['comm']):.3f}")
     print(f"sync_utilisation={s['compute'] / (s['compute'] + s['comm']):.3f}")
-    print(f"exactly_once={d['exactly_once'] and s['exactly_once']}", flush=True)
+    print(f"exactly_once={d['exactly_once'] and s['exactly_once']}")
+    print(f"false_evictions={d['false_evictions'] + s['false_evictions']}", flush=True)
     return 0
 
 

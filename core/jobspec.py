@@ -128,7 +128,9 @@ class JobSpec(BaseModel):
     #: naming the step timeout, and its peers go on without it. Until then a slow peer is
     #: waited for, like DDP does. Raise it for steps that can legitimately take longer. The
     #: workers' collective timeout is derived from it (plus a margin over the heartbeat TTL):
-    #: a collective is never the failure detector.
+    #: a collective is never the failure detector. With ``sync: diloco`` it bounds a round's
+    #: inner steps; the outer exchange is waiting on peers, however long a slow link makes it
+    #: (its collective timeout bounds each piece of it: ``shoal.worker.outer``).
     step_timeout: Annotated[float, Field(gt=0, le=86400)] = 60.0
     #: Elastic HSDP: workers form replica groups of ``shard_size``; each replica group shards
     #: the model, its gradients and its optimizer state over its members (FSDP2), and the

@@ -91,6 +91,11 @@ EXTENDED = (
     "tests/processes/test_fault_phases.py::test_rank0_dies_at_a_checkpoint_phase_and_the_job_still_ends_exactly_once[ckpt_before_latest-kill]",
     "tests/processes/test_fault_phases.py::test_rank0_dies_at_a_checkpoint_phase_and_the_job_still_ends_exactly_once[ckpt_before_event-kill]",
     "tests/processes/test_diloco.py::test_a_diloco_job_completes_exactly_once_with_equal_global_weights[int8]",
+    # DiLoCo over a slow link: exchanges of more than 100 s at 10 Mbit/s (fp32: 2 rounds, bf16: 1),
+    # and an int8 message longer than the group's own timeout (the short exchanges and the
+    # frozen member stay)
+    "tests/multihost/test_slow_link.py::test_at_10_mbit_an_outer_exchange_longer_than_100_s_evicts_nobody",
+    "tests/multihost/test_slow_link.py::test_a_compressed_message_longer_than_the_group_timeout_evicts_nobody",
 )
 
 

@@ -231,3 +231,32 @@ def diloco_digits() -> TrainingSetup:
     setup = slow_digits()
     setup.optimizer = torch.optim.AdamW(setup.model.parameters(), lr=1e-3)
     return setup
+
+
+class _Ballasted(torch.nn.Module):
+    """A model plus a flat ballast parameter: its size sets the bytes of an outer exchange."""
+
+    def __init__(self, inner: torch.nn.Module, n: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.ballast = torch.nn.Parameter(torch.zeros(n))
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def diloco_ballast() -> TrainingSetup:
+    """:func:`slow_digits` whose model carries ``SHOAL_TEST_BALLAST`` more parameters (default
+    1,000,000: 4 MB of fp32 outer gradient per member), trained with plain SGD (no optimizer
+    state to copy): the slow-link DiLoCo tests size their outer exchange with it. The ballast
+    gets a small constant gradient, so its outer gradient is not zero."""
+    setup = slow_digits()
+    model = _Ballasted(setup.model, int(os.environ.get("SHOAL_TEST_BALLAST", "1000000")))
+    digits_step = setup.step_fn
+
+    def step_fn(m, batch):
+        return digits_step(m.inner, batch) + 1e-3 * m.ballast.sum()
+
+    setup.model, setup.step_fn = model, step_fn
+    setup.optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    return setup

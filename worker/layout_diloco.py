@@ -10,7 +10,9 @@ by the shard table like any step's. Each member
    local step: the user's micro-batches, precision and clipping apply);
 2. sends its outer gradient ``global - local`` with its sample count ``n`` once: all-reduced
    (fp32: the sum of ``n x delta``) or all-gathered and summed in fp32 in rank order (bf16,
-   int8: :mod:`shoal.worker.outer`), so every member holds the same bits;
+   int8: :mod:`shoal.worker.outer`), so every member holds the same bits - over a slow link
+   as long as it takes: the collective timeout bounds a piece of it, not the whole (see
+   :mod:`shoal.worker.outer`), and ``step_timeout`` only the inner steps;
 3. steps the global weights with the outer Nesterov SGD on ``sum(n x delta) / sum(n)`` and
    loads them into its model.
 
@@ -290,12 +292,31 @@ class Diloco(DataParallel):
         d = self.diloco
         n = delta.numel()
         what = f"the outer {d.outer_dtype} exchange of the round"
+        # one collective per piece: the collective timeout bounds a piece, so a slow link that
+        # keeps moving bytes never times the exchange out (see shoal.worker.outer)
+        size = self._piece_bytes(group)
         if d.outer_dtype == "fp32":
             flat = torch.cat([delta.mul_(tail[-1]), tail])
-            group.all_reduce(flat, what=what)
+            if outer.waits_by_segment(group.backend, d.outer_dtype):  # gloo's ring: whole, as it was
+                group.all_reduce(flat, what=what)
+            else:
+                parts = outer.spans(flat.numel(), size // flat.element_size())
+                for i, (a, b) in enumerate(parts):
+                    group.all_reduce(flat[a:b], what=_piece(what, i, len(parts)))
             return flat[:n], flat[n:]
-        messages = group.all_gather(outer.pack(delta, tail, d.outer_dtype, d.outer_block), what=what)
+        message = outer.pack(delta, tail, d.outer_dtype, d.outer_block)
+        parts = outer.spans(message.numel(), size)
+        pieces = [group.all_gather(message[a:b], what=_piece(what, i, len(parts))) for i, (a, b) in enumerate(parts)]
+        messages = [torch.cat([got[r] for got in pieces]) for r in range(group.world_size)]
         return outer.combine(messages, d.outer_dtype, d.outer_block, n)
+
+    def _piece_bytes(self, group) -> int:
+        """The bytes of a piece of the outer exchange (:func:`outer.piece_bytes`). Every member
+        must cut the same pieces, or their collectives would not match: sized by the spec's
+        collective timeout, the same on every member and never above the group's own (whose
+        size-scaled part follows each member's local state: a joiner without optimizer state
+        gets a smaller one). A group made outside a worker (no settings): its own."""
+        return outer.piece_bytes(self.groups.collective_timeout if self.groups is not None else group.timeout)
 
     def _snapshot(self) -> tuple[Any, Any, list[torch.Tensor]]:
         """What a round changes besides the weights: the inner optimizer's and the scheduler's
@@ -312,3 +333,8 @@ class Diloco(DataParallel):
         if sched is not None:
             self.lr_scheduler.load_state_dict(sched)
         self._rollback(buffers)
+
+
+def _piece(what: str, i: int, count: int) -> str:
+    """``what`` naming piece ``i`` of ``count`` (as it is: a one-piece exchange)."""
+    return what if count == 1 else f"{what} (piece {i + 1} of {count})"

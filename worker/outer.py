@@ -9,6 +9,20 @@ Wire formats of a member's outer gradient (``outer_dtype`` in the spec)
     every member decodes every member's message and sums them **in fp32, in rank order**, so
     the sum is the same bits on every member (and no sum is ever formed in 8 or 16 bits).
 
+Pieces on the wire
+    A member's message crosses in pieces of :func:`piece_bytes` of the spec's collective
+    timeout (one collective each, in order; the same cut on every member), so the collective
+    timeout bounds one piece, not the exchange: an exchange that keeps moving bytes at
+    :data:`FLOOR_RATE` or more is never timed out, however long it takes (a 150 MB outer
+    gradient takes 2 minutes at 10 Mbit/s), while a peer that moves nothing (partitioned,
+    hung) still fails it within the timeout. gloo's ring all-reduce
+    already waits segment by segment (measured: a 40 MB fp32 all-reduce over a 10 Mbit/s link
+    completed in 39 s under a 4 s timeout): it goes whole, as one collective
+    (:func:`waits_by_segment`; pieces would only add a collective's latency each). gloo's
+    all-gather waits for a member's whole message and an NCCL wait here is bounded whole
+    (:meth:`Group._wait`): without pieces, a bf16 or int8 message longer than the timeout at the
+    link's rate failed every round.
+
 The outer optimizer
     :func:`nesterov_step` is ``torch.optim.SGD(lr, momentum, nesterov=True)`` (no dampening,
     no weight decay) on flat fp32 tensors, with the same operations in the same order, so its
@@ -24,6 +38,37 @@ import torch
 TAIL = 3
 #: the wire formats (``outer_dtype``)
 DTYPES = ("fp32", "bf16", "int8")
+#: The slowest link an outer exchange must survive, bytes/s (1 Mbit/s): a piece is what it
+#: carries in one collective timeout, so only a link slower than this - or one moving nothing
+#: - times a piece out.
+FLOOR_RATE = 125_000
+#: Bounds of a piece, bytes: small enough that a slow link moves one well within the timeout,
+#: large enough that a fast link does not pay a collective's latency per few KB.
+MIN_PIECE = 256 * 1024
+MAX_PIECE = 16 * 2**20
+
+
+def piece_bytes(timeout: float) -> int:
+    """The bytes of one piece of an outer exchange over a group whose collective timeout is
+    ``timeout`` s: what :data:`FLOOR_RATE` carries in it, within [MIN_PIECE, MAX_PIECE]."""
+    if not timeout > 0:
+        raise ValueError(f"a collective timeout must be positive, got {timeout!r}")
+    return int(min(MAX_PIECE, max(MIN_PIECE, timeout * FLOOR_RATE)))
+
+
+def waits_by_segment(backend: str, dtype: str) -> bool:
+    """Whether an outer exchange of ``dtype`` over a ``backend`` group already waits piece by
+    piece on its own, so it goes as one collective: gloo's ring all-reduce (fp32), whose
+    timeout bounds each segment's transfer. Everything else - all-gathers (bf16, int8) and
+    NCCL, whose wait is bounded whole - goes in pieces."""
+    return backend == "gloo" and dtype == "fp32"
+
+
+def spans(n: int, size: int) -> list[tuple[int, int]]:
+    """``[0, n)`` cut in consecutive ``(start, end)`` spans of at most ``size`` (n 0: none)."""
+    if size < 1:
+        raise ValueError(f"a span holds at least one element, got {size}")
+    return [(a, min(n, a + size)) for a in range(0, n, size)]
 
 
 def nesterov_step(params: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, *, lr: float,

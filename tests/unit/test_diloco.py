@@ -244,3 +244,123 @@ def test_the_outer_momentum_survives_a_checkpoint_in_a_real_store(solo_group, tm
     layout.step(list(range(12, 24)), 12, 1, base_generation=1, world_size=1)
     other.step(list(range(12, 24)), 12, 1, base_generation=1, world_size=1)
     assert torch.equal(other._flat(), layout._flat())
+
+
+# --- the exchange in pieces -----------------------------------------------------------------------
+def test_a_piece_is_what_the_floor_rate_carries_in_the_collective_timeout() -> None:
+    assert outer.piece_bytes(65.0) == 65 * outer.FLOOR_RATE  # the default step_timeout's groups
+    assert outer.piece_bytes(0.5) == outer.MIN_PIECE and outer.piece_bytes(86400.0) == outer.MAX_PIECE
+    with pytest.raises(ValueError, match="must be positive"):
+        outer.piece_bytes(0.0)
+    assert outer.spans(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert outer.spans(8, 4) == [(0, 4), (4, 8)] and outer.spans(0, 4) == []
+    # only gloo's ring all-reduce waits piece by piece on its own
+    assert outer.waits_by_segment("gloo", "fp32")
+    assert not any(outer.waits_by_segment(b, d) for b, d in (("gloo", "bf16"), ("gloo", "int8"), ("nccl", "fp32")))
+
+
+@pytest.fixture
+def pair_groups(tmp_path, request):
+    """Two real gloo groups of one group of two ranks (one FileStore), closed after the test;
+    each rank's collective timeout from an indirect parameter (default 30 s each)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from shoal.worker import torch_compat as tc
+    from shoal.worker.process_group import Group
+
+    timeouts = getattr(request, "param", (30.0, 30.0))
+    made: dict[int, Group] = {}
+
+    def make(rank: int) -> None:
+        store = dist.FileStore(str(tmp_path / "store"), 2)
+        tg = tc.new_gloo_group(store, rank, 2, timeouts[rank], "127.0.0.1")
+        made[rank] = Group("j", 1, rank, 2, "gloo", torch.device("cpu"), store, timeouts[rank], tg, registered=False)
+
+    threads = [threading.Thread(target=make, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(made) == 2, "the group of two did not form"
+    yield made[0], made[1]
+    for g in made.values():
+        g.close()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
+def test_an_exchange_in_pieces_is_the_exchange_in_one(pair_groups, monkeypatch, dtype: str) -> None:
+    """Two ranks exchange outer gradients in pieces of 1 KB (a few hundred collectives): each
+    rank gets the same sum, and the same bits as the whole messages combined at once."""
+    import threading
+
+    calls = {"all_reduce": 0, "all_gather": 0}
+    for g in pair_groups:
+        for name in calls:
+            real = getattr(g, name)
+
+            def counted(*args, _real=real, _name=name, **kwargs):
+                calls[_name] += 1
+                return _real(*args, **kwargs)
+
+            monkeypatch.setattr(g, name, counted)
+    monkeypatch.setattr(outer, "piece_bytes", lambda timeout: 1024)
+    # gloo's fp32 all-reduce goes whole (it waits segment by segment on its own): its pieces
+    # are NCCL's, cut here over gloo
+    monkeypatch.setattr(outer, "waits_by_segment", lambda backend, dtype: False)
+    gen = torch.Generator().manual_seed(3)
+    deltas = [torch.randn(50_000, generator=gen) for _ in range(2)]
+    counts = [7.0, 5.0]
+    results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def exchange(rank: int) -> None:
+        layout = _layout(pair_groups[rank], inner_steps=2, outer_dtype=dtype, outer_block=64)
+        tail = torch.tensor([0.0, 1.5, counts[rank]])
+        results[rank] = layout._reduce(pair_groups[rank], deltas[rank].clone(), tail)
+
+    threads = [threading.Thread(target=exchange, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == 2
+    (total0, tails0), (total1, tails1) = results[0], results[1]
+    assert torch.equal(total0, total1) and torch.equal(tails0, tails1)
+    assert tails0.tolist() == [0.0, 3.0, 12.0]
+    if dtype == "fp32":
+        assert calls["all_reduce"] == 2 * -(-(50_000 + outer.TAIL) * 4 // 1024)
+        torch.testing.assert_close(total0, deltas[0] * 7 + deltas[1] * 5)
+    else:
+        messages = [outer.pack(deltas[r], torch.tensor([0.0, 1.5, counts[r]]), dtype, 64) for r in (0, 1)]
+        assert calls["all_gather"] == 2 * -(-messages[0].numel() // 1024)
+        want, _ = outer.combine(messages, dtype, 64, 50_000)
+        assert torch.equal(total0, want)
+
+
+@pytest.mark.parametrize("pair_groups", [(3.0, 100.0)], indirect=True, ids=["3s-100s"])
+def test_members_whose_groups_have_different_timeouts_cut_the_same_pieces(pair_groups) -> None:
+    """A group's timeout has a part scaled by each member's own state (a joiner without
+    optimizer state gets a smaller one): the pieces follow the spec's collective timeout,
+    the same on every member. Cut by each group's own (375 KB vs 12.5 MB here), the members'
+    collectives would not match."""
+    import threading
+
+    from shoal.worker.layout import GroupSettings
+
+    delta = torch.ones(800_000)  # 800 KB in int8: 3 pieces at 3 s, 1 at 100 s
+    results: dict[int, torch.Tensor] = {}
+
+    def exchange(rank: int) -> None:
+        layout = _layout(pair_groups[rank], inner_steps=2, outer_dtype="int8")
+        layout.groups = GroupSettings(rendezvous=None, keys=None, worker_id=lambda: "", rdzv_timeout=1.0,
+                                      collective_timeout=3.0)
+        results[rank] = layout._reduce(pair_groups[rank], delta.clone(), torch.tensor([0.0, 0.0, 1.0]))[0]
+
+    threads = [threading.Thread(target=exchange, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 2, "the exchange failed: the members cut different pieces"
+    assert torch.equal(results[0], torch.full((800_000,), 2.0)) and torch.equal(results[1], results[0])
