@@ -96,6 +96,21 @@ EXTENDED = (
     # frozen member stay)
     "tests/multihost/test_slow_link.py::test_at_10_mbit_an_outer_exchange_longer_than_100_s_evicts_nobody",
     "tests/multihost/test_slow_link.py::test_a_compressed_message_longer_than_the_group_timeout_evicts_nobody",
+    # the int8 exchange (its pieces) and the frozen member stay; fp32 is the default path, whole
+    "tests/multihost/test_slow_link.py::test_an_outer_exchange_longer_than_the_step_timeout_evicts_nobody[fp32]",
+    # a killed only source (DiLoCo and data parallelism) and a second live source stay
+    "tests/processes/test_join_source_lost.py::test_a_joiner_whose_only_source_hangs_mid_transfer_is_released_by_its_eviction",
+    # a DiLoCo join at a round boundary: test_join_source_lost's live-member test joins one too
+    "tests/processes/test_diloco.py::test_a_joiner_joins_at_a_round_boundary_with_the_global_state",
+    # the stall's kill stays (exclusive: it holds both xdist workers for its whole run)
+    "tests/processes/test_hsdp_stall.py::test_a_fault_inside_a_coordinator_stall_never_wedges_the_surviving_group[leave]",
+    # HSDP group joins and leaves, a frozen member: the killed member's test and test_hsdp_smoke stay
+    "tests/processes/test_hsdp.py::test_a_group_joins_a_group_leaves_and_a_frozen_member_takes_its_group_out_within_the_ttl",
+    # a primary cut off: test_redis_failover (a killed primary) and test_faults[partition-5s] stay
+    "tests/multihost/test_redis_partition.py::test_a_primary_cut_off_with_a_coordinator_and_a_worker_loses_nothing",
+    "tests/multihost/test_faults.py::test_one_fault_during_training_is_ridden_out_exactly_once[leader-coordinator-cut-off]",
+    # prefetching is the default (loader_workers 1, prefetch_steps 2): every elastic process test drives it
+    "tests/processes/test_prefetch_processes.py::test_prefetching_workers_survive_a_join_and_a_kill_exactly_once",
 )
 
 

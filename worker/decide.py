@@ -109,6 +109,10 @@ class Limits:
     #: of every this many epochs (None: not periodically; both None when there is no eval_fn)
     eval_every_steps: int | None = None
     eval_every_epochs: int | None = None
+    #: rank 0 can write a whole checkpoint alone, outside any group (the layout's
+    #: ``saves_alone``: data parallelism and DiLoCo; not HSDP, whose checkpoint needs the
+    #: saving replica group)
+    saves_alone: bool = True
 
 
 @dataclass(frozen=True)
@@ -510,9 +514,10 @@ def _idle(s: TrainerState, **changes) -> TrainerState:
 
 
 def _drained_saver(s: TrainerState) -> tuple[int, int] | None:
-    """:attr:`TrainerState.drained_saver` of a worker leaving its table now: only rank 0 of
-    data parallelism (an HSDP checkpoint needs every member of the saving replica group)."""
-    if s.member is not None and s.member.rank == 0 and s.table is not None and s.table.shard_size == 1:
+    """:attr:`TrainerState.drained_saver` of a worker leaving its table now: only rank 0 of a
+    layout whose rank 0 saves alone (``Limits.saves_alone``; an HSDP checkpoint needs every
+    member of the saving replica group)."""
+    if s.member is not None and s.member.rank == 0 and s.limits.saves_alone:
         return s.trained_in
     return None
 

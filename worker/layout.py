@@ -114,6 +114,10 @@ class Layout(Protocol):
     #: whether a checkpoint save waits for the previous one rather than being skipped (every
     #: member of a sharded layout writes its own part of the same step)
     save_waits: bool
+    #: whether rank 0's own part is the whole checkpoint, so it can write one alone, outside any
+    #: group (a drained job's last state: ``worker.decide``); a sharded layout's needs its
+    #: whole saving replica group
+    saves_alone: bool
 
     # --- a generation's groups ----------------------------------------------------------------
     def form(self, table: ShardTable, member: Member, step: int, cursor: int) -> Formed | FormFailed:

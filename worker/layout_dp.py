@@ -34,6 +34,7 @@ class DataParallel(StepEngine):
     """The :class:`~shoal.worker.layout.Layout` of data parallelism (see the module docstring)."""
 
     save_waits = False
+    saves_alone = True
 
     def __init__(self, model, optimizer, dataset, *, options: LayoutOptions, groups: GroupSettings | None = None,
                  **kwargs: Any) -> None:

@@ -58,6 +58,7 @@ class Hsdp(ShardedEngine):
     """The :class:`~shoal.worker.layout.Layout` of elastic HSDP (see the module docstring)."""
 
     save_waits = True
+    saves_alone = False
 
     def __init__(self, model, optimizer, dataset, *, options: LayoutOptions, groups: GroupSettings | None = None,
                  **kwargs: Any) -> None:

@@ -215,7 +215,8 @@ class TrainingWorker(WorkerRunner):
             every_steps = every_epochs = None
         n = self.input.num_samples
         limits = replace(self.state.limits, total_samples=n * self.spec.epochs, num_samples=n,
-                         eval_every_steps=every_steps, eval_every_epochs=every_epochs)
+                         eval_every_steps=every_steps, eval_every_epochs=every_epochs,
+                         saves_alone=self.engine.saves_alone)
         self.state = replace(self.state, limits=limits, step=step, cursor=cursor)
         self._warm_up()
 

@@ -374,7 +374,7 @@ def test_when_every_member_drained_rank0_checkpoints_before_it_leaves_the_paused
                                                                           SendLeft())
     # HSDP: the saving replica group's members would each write their shards; one alone cannot
     h = decide(training(1, step=2), Tick(stop=True, latest=1), T0).state
-    h = replace(h, table=h.table.model_copy(update={"shard_size": 2}))
+    h = replace(h, limits=replace(h.limits, saves_alone=False))
     h = decide(decide(h, Committed(cursor=192, max_generation=2), T0).state, Tick(stop=True, latest=2), T0).state
     assert h.drained_saver is None
 
