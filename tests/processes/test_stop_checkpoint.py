@@ -21,20 +21,34 @@ from shoal.worker import ledger
 pytestmark = pytest.mark.slow
 
 
+def _job(job_id: str, ckpt: str, **fields) -> JobSpec:
+    """The file's job: the slow digits on at most two workers, with no periodic checkpoint
+    (``checkpoint_interval: 0``: only those a stop or a drain writes)."""
+    return JobSpec(**(dict(name=job_id, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64,
+                           min_workers=1, max_workers=2, heartbeat_interval=0.2, heartbeat_ttl=1.5,
+                           checkpoint_uri=ckpt, checkpoint_interval=0) | fields))
+
+
+def _env(tmp_path) -> dict[str, str]:
+    return {"SHOAL_TEST_STEP_DELAY": "0.05", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger")}
+
+
+def _two_workers(procs: LocalProcs, watch: ControlWatcher, job_id: str) -> list:
+    """A coordinator and two workers, once they formed a generation of two."""
+    procs.coordinator("coord")
+    workers = [procs.worker(job_id, "a"), procs.worker(job_id, "b")]
+    watch.wait_for(lambda d: d.world_size == 2, 90)
+    return workers
+
+
 def test_stop_writes_a_final_checkpoint_latest_follows_and_purge_leaves_no_key(
         r, redis_url, subprocess_env, tmp_path, job_id) -> None:
     keys = job_keys(job_id)
     ckpt = f"file://{tmp_path / 'ckpt'}"
-    spec = JobSpec(name=job_id, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, epochs=5,
-                   min_workers=1, max_workers=2, heartbeat_interval=0.2, heartbeat_ttl=1.5,
-                   checkpoint_uri=ckpt, checkpoint_interval=0)  # 0: no periodic saves, only the final one
-    create_job(r, spec)
+    create_job(r, _job(job_id, ckpt, epochs=5))
     watch = ControlWatcher(r, job_id)
-    env = {"SHOAL_TEST_STEP_DELAY": "0.05", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger")}
-    with LocalProcs(redis_url, tmp_path / "logs", extra_env=env) as procs:
-        procs.coordinator("coord")
-        workers = [procs.worker(job_id, "a"), procs.worker(job_id, "b")]
-        watch.wait_for(lambda d: d.world_size == 2, 90)
+    with LocalProcs(redis_url, tmp_path / "logs", extra_env=_env(tmp_path)) as procs:
+        workers = _two_workers(procs, watch, job_id)
         rank0 = next(m.worker_id for m in watch.table().members if m.rank == 0)
         wait_until(lambda: max((w["step"] or 0 for w in job_status(r, job_id)["workers"]), default=0) >= 8, 60,
                    lambda: f"a worker at step 8; logs: {[p.log_tail() for p in procs.procs]}", interval=0.1)
@@ -79,17 +93,11 @@ def test_a_peer_that_sees_the_stop_one_step_before_rank_0_does_not_cost_the_fina
     rank 0's step 11 aborts (nothing applied). Rank 0 still holds the group's last
     committed state (step 10): it writes the final checkpoint and LATEST follows."""
     ckpt = f"file://{tmp_path / 'ckpt'}"
-    spec = JobSpec(name=job_id, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, epochs=5,
-                   min_workers=2, max_workers=2, heartbeat_interval=0.2, heartbeat_ttl=1.5,
-                   checkpoint_uri=ckpt, checkpoint_interval=0)
-    create_job(r, spec)
+    create_job(r, _job(job_id, ckpt, epochs=5, min_workers=2))
     watch = ControlWatcher(r, job_id)
-    env = {"SHOAL_TEST_STEP_DELAY": "0.05", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger"),
-           "SHOAL_FAULTS": "w1@10:after_commit:sleep=10"}
+    env = _env(tmp_path) | {"SHOAL_FAULTS": "w1@10:after_commit:sleep=10"}
     with LocalProcs(redis_url, tmp_path / "logs", extra_env=env) as procs:
-        procs.coordinator("coord")
-        workers = [procs.worker(job_id, "a"), procs.worker(job_id, "b")]
-        watch.wait_for(lambda d: d.world_size == 2, 90)
+        workers = _two_workers(procs, watch, job_id)
         assert {m.worker_id: m.rank for m in watch.table().members} == {"w0": 0, "w1": 1}
         sleeper = wait_until(lambda: next((p for p in workers if "fault injected: sleep=10 at w1@10" in
                                            p.log_tail(50)), None), 60,
@@ -122,16 +130,10 @@ def test_draining_every_worker_checkpoints_the_last_step_and_the_job_resumes_the
     import signal
 
     ckpt = f"file://{tmp_path / 'ckpt'}"
-    spec = JobSpec(name=job_id, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, max_steps=30,
-                   min_workers=1, max_workers=2, heartbeat_interval=0.2, heartbeat_ttl=1.5,
-                   checkpoint_uri=ckpt, checkpoint_interval=0)  # no periodic checkpoint to fall back on
-    create_job(r, spec)
+    create_job(r, _job(job_id, ckpt, max_steps=30))  # no periodic checkpoint to fall back on
     watch = ControlWatcher(r, job_id)
-    env = {"SHOAL_TEST_STEP_DELAY": "0.05", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger")}
-    with LocalProcs(redis_url, tmp_path / "logs", extra_env=env) as procs:
-        procs.coordinator("coord")
-        workers = [procs.worker(job_id, "a"), procs.worker(job_id, "b")]
-        watch.wait_for(lambda d: d.world_size == 2, 90)
+    with LocalProcs(redis_url, tmp_path / "logs", extra_env=_env(tmp_path)) as procs:
+        workers = _two_workers(procs, watch, job_id)
         wait_until(lambda: max((w["step"] or 0 for w in job_status(r, job_id)["workers"]), default=0) >= 6, 60,
                    "a worker at step 6", interval=0.1)
         for w in workers:
