@@ -42,8 +42,14 @@ from shoal.events.records import Split
 SMOOTHING = 0.5
 #: No member's rate counts for less than the fastest's over this.
 MAX_SKEW = 8.0
-#: Re-plan between membership changes only when the predicted step shortens by more than this.
-MIN_GAIN = 0.10
+#: Re-plan between membership changes only when the predicted step shortens by more than this
+#: (a re-slice costs about nothing: its members switch in place, see ``ShardTable.continues``;
+#: what this keeps out is chasing the noise of the measured rates).
+MIN_GAIN = 0.05
+#: A generation planned before every member had a rate (equal slices) is looked at this many
+#: committed steps after it was planned, not ``batch_split_every``: its first steps measure
+#: the rates, and every step on equal slices waits for the slowest member.
+FIRST_LOOK = 2
 
 Range = tuple[int, int, int]
 
@@ -169,20 +175,23 @@ def plan(split: Split, ids: Sequence[str], n: int, generation: int, step: int) -
     measured = weights(ids, split.rates) is not None
     said = (f"slices by speed: {_describe(ids, sizes, split.rates)}" if measured
             else "slices by speed: no rates measured yet, equal slices")
-    return replace(split, sizes=dict(zip(ids, sizes)), generation=generation, step=step), sizes, said
+    sized = dict(zip(ids, sizes)) if measured else {}  # empty: equal slices, looked at after FIRST_LOOK steps
+    return replace(split, sizes=sized, generation=generation, step=step), sizes, said
 
 
 def look(split: Split, ids: Sequence[str], n: int, generation: int, high_step: int, every: int) -> Look:
     """Whether the running generation ``generation`` (members ``ids``, rank order; its
     newest committed step ``high_step``) should be re-planned now for speed. Not before
-    ``every`` steps since it was planned or last looked at; then only when every member has a
-    rate and the new split shortens the predicted step by more than :data:`MIN_GAIN` (else the
-    next look is ``every`` steps later)."""
+    ``every`` steps since it was planned or last looked at (:data:`FIRST_LOOK` steps while its
+    slices are equal: planned before every member had a rate); then only when every member
+    has a rate and the new split shortens the predicted step by more than :data:`MIN_GAIN`
+    (else the next look is ``every`` steps later)."""
     if split.generation != generation:  # planned before by_speed was on (an older coordinator): from now
-        return Look(replace(split, generation=generation, step=high_step,
-                            sizes=dict(zip(ids, equal_sizes(n, len(ids))))), False, "slices by speed: first look")
-    if high_step < split.step + every:
-        return Look(split, False, f"slices by speed: next look at step {split.step + every}")
+        return Look(replace(split, generation=generation, step=high_step, sizes={}), False,
+                    "slices by speed: first look")
+    due = split.step + (every if split.sizes else min(every, FIRST_LOOK))
+    if high_step < due:
+        return Look(split, False, f"slices by speed: next look at step {due}")
     missing = [w for w in ids if split.rates.get(w, 0) <= 0]
     if missing:
         return Look(split, False, f"slices by speed: no rate yet for {', '.join(missing)}")
@@ -191,7 +200,7 @@ def look(split: Split, ids: Sequence[str], n: int, generation: int, high_step: i
         current = equal_sizes(n, len(ids))
     new = sizes_for(n, ids, split.rates)
     now_s, then_s = predicted_step(current, ids, split.rates), predicted_step(new, ids, split.rates)
-    later = replace(split, step=high_step)
+    later = replace(split, step=high_step, sizes=dict(zip(ids, current)))
     if new == current or then_s >= (1 - MIN_GAIN) * now_s:
         return Look(later, False, f"slices by speed kept at step {high_step}: predicted step {now_s * 1000:.0f} ms, "
                                   f"{then_s * 1000:.0f} ms re-planned (less than {MIN_GAIN:.0%} shorter)")

@@ -67,12 +67,14 @@ from shoal.worker.decide import (
     Beat,
     Committed,
     Evaluate,
+    FetchNext,
     FetchTable,
     Finish,
     Form,
     Formed,
     Input,
     LeaveGroup,
+    NextFetched,
     Limits,
     PollBarrier,
     RecordProgress,
@@ -374,6 +376,8 @@ class TrainingWorker(WorkerRunner):
                                             local=local)
             case FetchTable():
                 return TableFetched(self.membership.current_table())
+            case FetchNext(generation=generation):
+                return NextFetched(self.membership.table_of(generation))
             case WaitTable(after=after):
                 return self.switch.wait_table(after)
             case Arrive(generation=generation):

@@ -1,7 +1,8 @@
 """Slices sized by speed (issue 38, item 7): the coordinator sizes each member's slice of the
 global batch by the rate its heartbeat's work counters show, re-plans at membership changes
-and, between them, once every ``batch_split_every`` committed steps when the predicted step
-shortens by more than 10 %. Pure decisions driven with an explicit clock (ticks at later
+and, between them, once every ``batch_split_every`` committed steps (the first look after
+``slices.FIRST_LOOK`` steps on equal slices) when the predicted step shortens by more than
+``slices.MIN_GAIN``, with a re-slice the members adopt in their running group. Pure decisions driven with an explicit clock (ticks at later
 ``now``s, no sleeping); the tables' ranges are the typed facts read here."""
 
 from __future__ import annotations
@@ -85,40 +86,64 @@ def test_rates_come_from_counter_differences_and_are_smoothed() -> None:
     assert slices.forget(s, ["w1"]).rates == {}
 
 
-def test_a_slow_member_gets_a_smaller_slice_after_every_steps_and_equal_slices_stay_until_then() -> None:
+def test_a_slow_member_gets_a_smaller_slice_in_place_after_the_first_steps_then_looks_every_steps() -> None:
     s, first = _three_active()
     assert _sizes(first) == {"w0": 20, "w1": 20, "w2": 20}
-    assert "no rates measured yet, equal slices" in first.reason
-    # w2 does half the samples per second of own work; 5 steps in: no look yet
-    d = _tick(s, T0 + 1000, 5, {"w0": (100, 1.0), "w1": (100, 1.0), "w2": (100, 2.0)})
+    assert "no rates measured yet, equal slices" in first.reason and first.continues == 0
+    # w2 does half the samples per second of own work; 1 step in: no look yet
+    d = _tick(s, T0 + 1000, 1, {"w0": (20, 0.2), "w1": (20, 0.2), "w2": (20, 0.4)})
     assert not _tables(d) and not d.changed
     assert d.state.status.split.rates == {"w0": 100.0, "w1": 100.0, "w2": 50.0}
-    # 10 steps after the plan: the look re-plans the same members in a new generation
-    d = _tick(d.state, T0 + 2000, 10, {"w0": (200, 2.0), "w1": (200, 2.0), "w2": (200, 4.0)})
+    # FIRST_LOOK steps after a plan on equal slices (not batch_split_every): a re-slice, the
+    # same members at the same ranks in the running generation's group
+    d = _tick(d.state, T0 + 2000, slices.FIRST_LOOK, {"w0": (40, 0.4), "w1": (40, 0.4), "w2": (40, 0.8)})
     (table,) = _tables(d)
-    assert table.generation == first.generation + 1
-    assert [m.worker_id for m in table.members] == ["w0", "w1", "w2"]
+    assert table.generation == first.generation + 1 and table.continues == first.generation
+    assert [(m.worker_id, m.rank) for m in table.members] == [("w0", 0), ("w1", 1), ("w2", 2)]
     assert _sizes(table) == {"w0": 24, "w1": 24, "w2": 12}
     validate_table([m.ranges for m in table.members], BATCH)
-    assert "slices by speed re-planned at step 10: predicted step 400 ms -> 240 ms" in d.reason
+    assert "slices by speed re-planned at step 2: predicted step 400 ms -> 240 ms" in d.reason
+    assert f"in generation {first.generation}'s group" in d.reason
     assert d.state.status.split.sizes == {"w0": 24, "w1": 24, "w2": 12}
-    # the new generation forms; the same rates a look later: kept, no switch for nothing
+    # the members switch in place and say so; the same rates a look later: kept, no switch for nothing
     s = d.state
     for wid in ("w0", "w1", "w2"):
-        s = decide(s, _ev(Ready(job_id="j", worker_id=wid, generation=table.generation, step=10)), T0 + 2100,
+        s = decide(s, _ev(Ready(job_id="j", worker_id=wid, generation=table.generation, step=2)), T0 + 2100,
                    SPEC).state
-    d = _tick(s, T0 + 3000, 15, {"w0": (320, 3.0), "w1": (320, 3.0), "w2": (260, 5.0)})
+    d = _tick(s, T0 + 3000, 7, {"w0": (160, 1.6), "w1": (160, 1.6), "w2": (100, 2.0)})
     assert not _tables(d)
-    d = _tick(d.state, T0 + 4000, 20, {"w0": (440, 4.0), "w1": (440, 4.0), "w2": (320, 6.0)})
-    assert not _tables(d) and d.state.status.split.step == 20  # looked, kept: the next look at 30
-    # w2 became as fast as the others (120 samples/s each): followed at the next look, step 30
-    d = _tick(d.state, T0 + 5000, 25, {"w0": (560, 5.0), "w1": (560, 5.0), "w2": (380, 6.5)})
+    d = _tick(d.state, T0 + 4000, 12, {"w0": (280, 2.8), "w1": (280, 2.8), "w2": (160, 3.2)})
+    assert not _tables(d) and d.state.status.split.step == 12  # looked, kept: the next look at 22
+    # w2 became as fast as the others (120 samples/s each): followed at the next look, step 22
+    d = _tick(d.state, T0 + 5000, 17, {"w0": (400, 3.8), "w1": (400, 3.8), "w2": (220, 3.7)})
     assert not _tables(d)
-    d = _tick(d.state, T0 + 6000, 30, {"w0": (680, 6.0), "w1": (680, 6.0), "w2": (440, 7.0)})
-    (table,) = _tables(d)
-    sizes = _sizes(table)
+    d = _tick(d.state, T0 + 6000, 22, {"w0": (520, 4.8), "w1": (520, 4.8), "w2": (280, 4.2)})
+    (again,) = _tables(d)
+    sizes = _sizes(again)
     assert sizes["w2"] > 12 and sum(sizes.values()) == BATCH, sizes
-    assert "slices by speed re-planned at step 30" in d.reason
+    assert again.continues == table.generation
+    assert "slices by speed re-planned at step 22" in d.reason
+
+
+def test_a_balanced_job_is_looked_at_once_early_then_every_steps() -> None:
+    s, first = _three_active()
+    work = {w: (40, 0.4) for w in ("w0", "w1", "w2")}
+    d = _tick(s, T0 + 1000, slices.FIRST_LOOK, work)
+    assert not _tables(d) and d.state.status.split.step == slices.FIRST_LOOK
+    assert d.state.status.split.sizes == {"w0": 20, "w1": 20, "w2": 20}  # looked at: every steps from now
+    d = _tick(d.state, T0 + 2000, slices.FIRST_LOOK + 2, {w: (80, 0.8 if w != "w2" else 1.6) for w in work})
+    assert not _tables(d)  # w2 slowed down, but the next look is at step 12
+
+
+def test_a_gain_under_min_gain_is_not_worth_a_switch() -> None:
+    ids = ["w0", "w1", "w2"]
+    split = Split(rates={"w0": 100.0, "w1": 100.0, "w2": 92.0}, sizes={"w0": 20, "w1": 20, "w2": 20},
+                  generation=3, step=0)
+    look = slices.look(split, ids, 60, 3, 10, 10)
+    assert not look.replan and "less than 5% shorter" in look.reason
+    split = Split(rates={"w0": 100.0, "w1": 100.0, "w2": 85.0}, sizes={"w0": 20, "w1": 20, "w2": 20},
+                  generation=3, step=0)
+    assert slices.look(split, ids, 60, 3, 10, 10).replan
 
 
 def test_a_membership_change_re_plans_by_the_rates_known_and_forgets_the_departed() -> None:
