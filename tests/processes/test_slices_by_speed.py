@@ -3,7 +3,9 @@ slower machine (its own work takes 3x as long per sample: ``SHOAL_TEST_SAMPLE_DE
 the float64 digits model once with equal slices and once with ``batch_split: by_speed``.
 
 By speed, the coordinator measures the members' rates from their heartbeats' work counters
-and re-plans (a generation of the same members) with the slow member's slice smaller; the
+and re-plans (a generation of the same members, a re-slice: the members switch to it in
+place, in the process group they have, after the step their all-reduce agrees on) with the
+slow member's slice smaller; the
 global batch never changes, and since shoal sums the losses and divides by the global count,
 the final weights equal those of the equal-slices run up to the order of float additions
 (float64: allclose at 1e-10). Both runs: every sample exactly once (the ledger), the three
@@ -77,6 +79,15 @@ def test_slices_by_speed_give_the_slow_member_less_and_the_same_weights_as_equal
     sizes = {m.worker_id: count(m.ranges) for m in resized[-1].members}
     assert sizes[slow_id] < min(v for w, v in sizes.items() if w != slow_id), sizes
     assert "slices by speed re-planned at step" in resized[0].reason, resized[0].reason
+    # every re-plan of the same members was a re-slice, switched to in place: nobody met at a
+    # barrier to form a new group for it (the first generation's barrier is there)
+    keys = job_keys(tables[0].job_id)
+    assert all(t.continues == t.generation - 1 for t in tables[1:]), [(t.generation, t.continues) for t in tables]
+    assert r.exists(keys.barrier(tables[0].generation))
+    assert not any(r.exists(keys.barrier(t.generation)) for t in tables[1:])
+    # ... and steps were committed in the re-sliced generations, each by all three
+    committed_in = {e["generation"] for e in entries}
+    assert {t.generation for t in resized} & committed_in, committed_in
     # ... and the slow member's committed slices shrank accordingly
     assert min(len(e["indices"]) for e in entries if e["worker"] == slow_id) == sizes[slow_id]
     # the same global batches, the same update: float64 weights allclose
