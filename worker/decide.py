@@ -481,6 +481,8 @@ class Finish:
     cursor: int
     report: bool
     checkpoint: SaveCheckpoint | None = None
+    #: the generation the last step committed in
+    generation: int = 0
 
 
 Action = (TryRejoin | LeaveGroup | SendLeave | SendLeft | ReportFailure | FetchTable | FetchNext | WaitTable | Arrive
@@ -706,7 +708,8 @@ def _committed(s: TrainerState, c: Committed, now: float) -> Choice:
         actions.append(_checkpoint(s, final=False))
     actions.append(Beat(s.step, g, c.loss, c.started, digest=s.step % DIGEST_EVERY == 0))
     if s.done:  # Finish evaluates (and rank 0 reports it) whether or not one was due
-        actions.append(Finish(s.step, s.cursor, report=rank0, checkpoint=_checkpoint(s, final=True) if saver else None))
+        actions.append(Finish(s.step, s.cursor, report=rank0, checkpoint=_checkpoint(s, final=True) if saver else None,
+                              generation=g))
         return Choice(_exit(replace(s, evaluated=s.step), WorkerExit.OK), tuple(actions),
                         f"training complete at step {s.step}, cursor {s.cursor}")
     then = f"; generation {c.max_generation} agreed: switching" if c.max_generation > g else ""

@@ -507,7 +507,7 @@ class TrainingWorker(WorkerRunner):
             # a metric named like a summary field (step, cursor, digest) does not replace it
             summary.update({k: v for k, v in metrics.items() if k not in summary})
             if act.report and metrics:  # before the completion: the job's last evaluation is this one
-                self.evaluator.report(act.step, self.input.epoch(act.cursor), self.switch.group[0], metrics,
+                self.evaluator.report(act.step, self.input.epoch(act.cursor), act.generation or self.switch.group[0], metrics,
                                       final=True)
         if act.checkpoint is not None:
             self._save(act.checkpoint)

@@ -398,12 +398,13 @@ def test_the_last_step_of_the_job_finishes_and_rank0_reports() -> None:
     s = decide(s, Tick(latest=1), T0).state
     d = decide(s, Committed(cursor=640, max_generation=1, loss=0.1), T0)
     assert d.state.phase is Phase.EXITED and d.state.exit_code == 0
-    assert one(d, Finish) == Finish(10, 640, report=True, checkpoint=SaveCheckpoint(10, 640, 1, 2, final=True))
+    assert one(d, Finish) == Finish(10, 640, report=True, checkpoint=SaveCheckpoint(10, 640, 1, 2, final=True),
+                                  generation=1)
     # step 10 is also a periodic checkpoint (interval 5): saved once, by Finish, not twice
     assert not [a for a in d.actions if isinstance(a, SaveCheckpoint)]
     limited = replace(training(1, wid="w1", step=1, cursor=64), limits=replace(LIMITS, max_steps=2))
     d = decide(decide(limited, Tick(latest=1), T0).state, Committed(cursor=128, max_generation=1), T0)
-    assert one(d, Finish) == Finish(2, 128, report=False, checkpoint=None)
+    assert one(d, Finish) == Finish(2, 128, report=False, checkpoint=None, generation=1)
 
 
 def test_inputs_out_of_phase_are_no_ops_with_a_reason() -> None:
