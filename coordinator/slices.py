@@ -23,11 +23,14 @@ The split (:func:`sizes_for`)
 When (:func:`look`)
     At every generation the coordinator plans anyway (a join, a failure, a leave) the slices
     follow the newest rates. Between those, once the current generation has committed
-    ``batch_split_every`` steps (``JobStatus.high_step``) the coordinator looks once: it
-    re-plans (a new generation of the same members) only when the new split would shorten
-    the predicted step - the slowest member's slice over its rate - by more than
-    :data:`MIN_GAIN`; else it looks again ``batch_split_every`` steps later. So a balanced job
-    never switches for nothing, and a member whose speed changes is followed within a look.
+    :data:`FIRST_LOOK` steps while its slices are equal (planned before every member had a
+    rate), then every ``batch_split_every`` steps (``JobStatus.high_step``), the coordinator
+    looks once: it re-plans only when the new split would shorten the predicted step - the
+    slowest member's slice over its rate - by more than :data:`MIN_GAIN`; else it looks again
+    ``batch_split_every`` steps later. So a balanced job never switches for nothing, and a
+    member whose speed changes is followed within a look. Such a re-plan is a re-slice: a
+    generation of the same members at the same ranks that keeps the running one's process
+    group (``ShardTable.continues``; the members switch to it in place, ``shoal.worker.decide``).
 """
 
 from __future__ import annotations
