@@ -240,9 +240,22 @@ def run_job(url: str, tmp: Path, groups: Cgroups, job: str, split: str,
     for e in entries:
         slowest[e["step"]] = max(slowest.get(e["step"], 0.0), e["compute"])
     beyond = sorted(done[s] - done[s - 1] - slowest[s] for s in done if s > SKIP + 1 and gen[s] == gen[s - 1])
+    # the split's error, per step: the slowest member's own work over the mean member's (1: a
+    # perfect split; equal slices on 2:2:1 machines: about 1.5), and the seconds of the window
+    # lost to it (the slowest's own work less the mean's: what the others waited)
+    fastest: dict[int, list[float]] = {}
+    for e in entries:
+        fastest.setdefault(e["step"], []).append(e["compute"])
+    window = [s for s in sorted(fastest) if s > SKIP]
+    skew = sorted(max(fastest[s]) / (sum(fastest[s]) / len(fastest[s])) for s in window if min(fastest[s]) > 0)
+    waited = sum(max(fastest[s]) - sum(fastest[s]) / len(fastest[s]) for s in window)
+    first_new = min((s for s in sorted(gen) if gen[s] != gen[min(gen)]), default=0)
     print(f"job={job} steps_per_s={1 / step_s if step_s else 0:.2f} "
           f"beyond_slowest_ms={1000 * beyond[len(beyond) // 2] if beyond else 0:.0f} "
-          f"switches_s={','.join(f'{x:.2f}' for x in switches)}")
+          f"switches_s={','.join(f'{x:.2f}' for x in switches)} generations={len(set(gen.values()))} "
+          f"first_switch_step={first_new} skew_median={skew[len(skew) // 2] if skew else 0:.3f} "
+          f"skew_max={skew[-1] if skew else 0:.3f} waited_s={waited:.2f} "
+          f"window_s={done[max(done)] - done[SKIP]:.2f}")
     own: dict[int, list[float]] = {}  # pid -> [samples, seconds]
     for e in entries:
         if e["step"] > SKIP:

@@ -60,11 +60,12 @@ class Phase(str, Enum):
     - FORMING: meeting the other members of ``table`` at the Redis barrier (until ``deadline``),
       then forming the group and catching up state.
     - TRAINING: a member of ``table``'s generation; one step per iteration. When a step's
-      all-reduce says some member saw a newer generation (``switch_to``), every member reads
-      the table of the generation right after its own (:class:`FetchNext`): a re-slice of it
+      all-reduce says some member saw a newer generation (``switch_to``), every member leaves
+      at that step boundary - with slices by speed (``Limits.may_reslice``) it first reads the
+      table of the generation right after its own (:class:`FetchNext`): a re-slice of it
       (:func:`reslices`: the same members at the same ranks, new ranges) is adopted in place,
-      in the same group, before the next step; anything else makes every member leave at that
-      step boundary. A failed step leaves at once.
+      in the same group, before the next step; anything else makes it leave as said. A failed
+      step leaves at once.
 
     The in-place switch is exactly-once: the all-reduce's result is the same on every rank, so
     every member learns of the switch after the same committed step ``S``, and none starts
@@ -123,6 +124,9 @@ class Limits:
     #: of every this many epochs (None: not periodically; both None when there is no eval_fn)
     eval_every_steps: int | None = None
     eval_every_epochs: int | None = None
+    #: the job's tables may be re-slices (``batch_split: by_speed``): an agreed switch first
+    #: reads the next generation's table (:class:`FetchNext`); else it leaves the group at once
+    may_reslice: bool = False
 
 
 @dataclass(frozen=True)
@@ -562,10 +566,13 @@ def _tick(s: TrainerState, t: Tick, now: float) -> Choice:
         actions.append(TrainStep(s.step, s.cursor, ranges, s.seen, s.group, s.table.world_size))
         said.append(f"step {s.step + 1} in generation {s.group}")
         return Choice(replace(s, first_ranges=None), tuple(actions), "; ".join(said), level)
-    if s.phase is Phase.TRAINING:  # an orderly switch: in place if the next table re-slices this one
+    if s.phase is Phase.TRAINING and s.limits.may_reslice:  # an orderly switch: in place if the next table re-slices this one
         actions.append(FetchNext(s.group + 1))
         said.append(f"a newer generation agreed after step {s.step}: reading generation {s.group + 1}")
         return Choice(s, tuple(actions), "; ".join(said), level)
+    if s.phase is Phase.TRAINING:  # an orderly switch: the old group's teardown runs in the background
+        actions.append(LeaveGroup(background=True))
+        said.append(f"generation {s.switch_to} agreed after step {s.step}: leaving generation {s.group}")
     else:
         said.append("in no group: looking for the newest table")
     actions.append(FetchTable())

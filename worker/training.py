@@ -158,7 +158,8 @@ class TrainingWorker(WorkerRunner):
         self.rdzv_timeout = 30.0
         #: everything the decisions read; replaced by each decision
         self.state = TrainerState(Limits(max_steps=spec.max_steps, checkpoint_interval=spec.checkpoint_interval,
-                                         wait_s=5 * spec.heartbeat_ttl + 5, barrier_s=self.rdzv_timeout))
+                                         wait_s=5 * spec.heartbeat_ttl + 5, barrier_s=self.rdzv_timeout,
+                                         may_reslice=spec.batch_split == "by_speed"))
         #: rank 0's TensorBoard event files (the spec's ``tensorboard_dir``; None: not asked for)
         self.tensorboard = TensorBoardLog(spec.tensorboard_dir) if spec.tensorboard_dir else None
         #: FLOPs per sample (measured on the first step) and peak FLOP/s, for MFU (:mod:`shoal.worker.flops`)

@@ -216,8 +216,6 @@ def test_a_newer_table_arriving_mid_step_switches_every_member_after_the_same_st
     d = decide(s, Committed(cursor=64, max_generation=2), T0 + 0.1)
     assert d.state.switch_to == 2 and d.state.phase is Phase.TRAINING and "generation 2 agreed" in d.reason
     d = decide(d.state, Tick(latest=2), T0 + 0.2)
-    assert d.actions == (FetchNext(2),) and d.state.phase is Phase.TRAINING  # is it a re-slice?
-    d = decide(d.state, NextFetched(table(2, "w0", "w1", "w2")), T0 + 0.2)  # no: a new group
     assert d.actions == (LeaveGroup(background=True), FetchTable())
     assert d.state.phase is Phase.IDLE and d.state.group == 0 and d.state.step == 1
     d = decide(d.state, TableFetched(table(2, "w0", "w1", "w2")), T0 + 0.2)
@@ -234,8 +232,13 @@ def resliced(gen: int, sizes: list[int], *workers: str, continues: int | None = 
                       num_samples=BATCH, members=members, continues=gen - 1 if continues is None else continues)
 
 
+def by_speed(s: TrainerState) -> TrainerState:
+    """``s`` of a job with slices by speed (its tables may be re-slices)."""
+    return replace(s, limits=replace(s.limits, may_reslice=True))
+
+
 def test_a_reslice_is_adopted_in_place_after_the_agreed_step_and_the_next_step_uses_its_ranges() -> None:
-    s = training(1, "w0", "w1", wid="w1")
+    s = by_speed(training(1, "w0", "w1", wid="w1"))
     s = decide(s, Tick(latest=1), T0).state
     d = decide(s, Committed(cursor=64, max_generation=2), T0)  # some member saw generation 2
     d = decide(d.state, Tick(latest=1), T0)  # this one had not: it must not train on the old ranges
@@ -256,11 +259,19 @@ def test_a_reslice_is_adopted_in_place_after_the_agreed_step_and_the_next_step_u
     resliced(3, [40, 24], "w0", "w1"),  # not the generation right after (continues 2)
 ])
 def test_anything_but_a_reslice_of_the_group_leaves_it(next_table) -> None:
-    s = decide(training(1, "w0", "w1"), Tick(latest=1), T0).state
+    s = decide(by_speed(training(1, "w0", "w1")), Tick(latest=1), T0).state
     s = decide(s, Committed(cursor=64, max_generation=2), T0).state
     s = decide(s, Tick(latest=2), T0).state
     d = decide(s, NextFetched(next_table), T0)
     assert d.actions == (LeaveGroup(background=True), FetchTable()) and d.state.phase is Phase.IDLE
+    d = decide(d.state, TableFetched(table(2, "w0", "w1", "w2")), T0)  # and forms the newest as ever
+    assert d.state.phase is Phase.FORMING and d.actions[0] == Arrive(2)
+
+
+def test_without_slices_by_speed_an_agreed_switch_leaves_at_once_even_for_a_reslice() -> None:
+    s = decide(training(1, "w0", "w1"), Tick(latest=2), T0).state
+    s = decide(s, Committed(cursor=64, max_generation=2), T0).state
+    assert decide(s, Tick(latest=2), T0).actions == (LeaveGroup(background=True), FetchTable())
 
 
 def test_reslices_needs_the_same_members_ranks_and_the_generation_right_after() -> None:
@@ -278,7 +289,7 @@ def test_members_that_agreed_on_a_switch_all_adopt_the_same_reslice_at_the_same_
     new = resliced(2, [44, 20], "w0", "w1")
     steps = []
     for wid, latest in (("w0", 2), ("w1", 1)):
-        s = decide(training(1, "w0", "w1", wid=wid), Tick(latest=latest), T0).state
+        s = decide(by_speed(training(1, "w0", "w1", wid=wid)), Tick(latest=latest), T0).state
         s = decide(s, Committed(cursor=64, max_generation=2), T0).state
         d = decide(s, Tick(latest=latest), T0)
         assert d.actions == (FetchNext(2),)
@@ -299,7 +310,6 @@ def test_a_switch_to_a_table_not_yet_readable_waits_for_it() -> None:
     s = decide(training(1), Tick(latest=1), T0).state
     s = decide(s, Committed(cursor=64, max_generation=2), T0).state
     s = decide(s, Tick(latest=1), T0).state
-    s = decide(s, NextFetched(None), T0).state  # not in the stream yet
     d = decide(s, TableFetched(table(1, "w0", "w1")), T0)  # the key still holds generation 1
     assert d.actions == (WaitTable(1),)
 
@@ -377,7 +387,6 @@ def test_stop_drains_once_trains_on_and_leaves_when_a_table_excludes_the_worker(
     s = decide(d.state, Committed(cursor=192, max_generation=2), T0).state
     d = decide(s, Tick(stop=True, latest=2), T0)
     assert SendLeave not in types(d)  # asked once
-    d = decide(d.state, NextFetched(table(2, "w1")), T0)
     d = decide(d.state, TableFetched(table(2, "w1")), T0)
     assert d.actions == (SendLeft(),) and d.state.exit_code == 0 and d.state.phase is Phase.EXITED
     assert d.reason == "left after step 3 (generation 2 no longer includes us)"
@@ -459,3 +468,9 @@ def test_any_input_sequence_keeps_the_invariants(seq) -> None:
         assert d.state.used >= s.used
         s = d.state
     assert len(formed) == len(set(formed)) and formed == sorted(formed)
+
+
+def test_a_worker_in_no_group_forms_a_reslice_like_any_table() -> None:
+    s = decide(by_speed(fresh("w1")), Tick(latest=2), T0).state
+    d = decide(s, TableFetched(resliced(2, [40, 24], "w0", "w1")), T0)
+    assert d.state.phase is Phase.FORMING and d.actions[0] == Arrive(2)
