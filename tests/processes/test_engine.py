@@ -297,6 +297,15 @@ def _child(role: str, rank: int, job: str, outdir: str) -> None:
     except InconsistentStep:
         out["inconsistent"] = "InconsistentStep"
     out["after_inconsistent"] = state_digest(setup.model)
+    # slices that add up to the batch, but rank 1 took its own from another generation's table
+    # (a re-slice it switched to alone): the table check in the tail refuses it on every rank
+    try:
+        engine.step(batch.for_rank(table[rank]), batch.count, 3 if rank == 1 else 2,
+                    base_generation=3 if rank == 1 else 2)
+        out["mixed_tables"] = "applied"
+    except InconsistentStep:
+        out["mixed_tables"] = "InconsistentStep"
+    out["after_mixed_tables"] = state_digest(setup.model)
     res = engine.step(batch.for_rank(table[rank]), batch.count, 3 if rank == 1 else 2)
     out["max_generation"] = res.max_generation
     state["step"], state["cursor"] = state["step"] + 1, batch.next_cursor
@@ -402,6 +411,7 @@ def test_elastic_three_rank_training_matches_one_process(job_id, subprocess_env,
         assert g["src"] == 0 and g["extra"] == {"step": FAIL_AT, "cursor": FAIL_AT * GLOBAL_BATCH}
         assert g["resynced"] == survivors[0]["digest_k"]
         assert g["inconsistent"] == "InconsistentStep" and g["after_inconsistent"] == g["resynced"]
+        assert g["mixed_tables"] == "InconsistentStep" and g["after_mixed_tables"] == g["resynced"]
         assert g["max_generation"] == 3
         assert g["mismatch"] == "StateMismatch" and g["after_mismatch"] == g["final"]
     assert len({g["final"] for g in gen2}) == 1  # replicas bit-identical
