@@ -21,7 +21,7 @@ Each round measures, in this order:
   (forward, backward, optimizer step on slices of the equal size, no collective) for a few
   seconds: that the cgroups make the third half as fast (2:2:1), for information;
 - a job with **equal slices**, then one with **slices by speed**, each from its third committed
-  step to its last (the by-speed job's re-plans - generation switches - included): its
+  step to its last (the by-speed job's re-slices - switched to in place - included): its
   samples/s, and each worker's **solo rate** in that same run: the samples of its slices over
   the seconds of its own work (data, forward, backward; ``compute`` in the ledger), i.e. how
   fast it goes when it waits for nobody. ``ratio`` = job samples/s over the sum of those.
@@ -31,6 +31,14 @@ moved a job's throughput 4x between two rounds minutes apart (2026-11-28: 8423 a
 samples/s), so a denominator measured at another moment - even just before and after -
 made ratios of 0.26 and 1.7. Measured within the run, numerator and denominator share its
 load. ``speedup=`` (by speed over equal, consecutive runs) is shown too, with that caveat.
+
+Per job: ``steps_per_s``, ``beyond_slowest_ms`` (the median step beyond its slowest member's
+own work: the all-reduce, the update), ``switches_s`` (each generation switch's cost beyond a
+median step), ``generations``, ``first_switch_step`` (the first step committed in a newer
+generation: how long the job ran on equal slices), ``skew_median``/``skew_max`` (per step, the
+slowest member's own work over the mean member's: 1 is a perfect split, the estimate's error
+shows here), ``waited_s`` (the window's seconds the others waited for the slowest one's own
+work) and ``window_s``.
 
 Prints ``name=value`` lines: each round's figures, then ``ratio_equal=`` and ``ratio_speed=``
 (job samples/s over the sum of the solo rates, median over rounds; target: by speed >= 0.90
