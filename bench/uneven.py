@@ -71,6 +71,7 @@ CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 20_000
 SHARES_PER_CORE = 335  # a nice-5 process's weight: the three groups weigh less than one nice-0 process
 SKIP = 3  # committed steps left out at the start of each job (its first generation forming)
+TRACE = False  # --trace: every step's samples and own work per worker
 
 
 class _Double(nn.Module):
@@ -264,6 +265,14 @@ def run_job(url: str, tmp: Path, groups: Cgroups, job: str, split: str,
           f"first_switch_step={first_new} skew_median={skew[len(skew) // 2] if skew else 0:.3f} "
           f"skew_max={skew[-1] if skew else 0:.3f} waited_s={waited:.2f} "
           f"window_s={done[max(done)] - done[SKIP]:.2f}")
+    if TRACE:  # per step: its generation, the gap since the previous commit, each slot's samples/own work
+        by_pid = {p: i for i, p in enumerate(pids)}
+        for st in sorted(done):
+            row = sorted((by_pid.get(e["pid"], 9), len(e["indices"]), e["compute"], e.get("comm", 0.0))
+                         for e in entries if e["step"] == st)
+            gap = done[st] - done[st - 1] if st - 1 in done else 0.0
+            print(f"trace job={job} step={st} gen={gen[st]} gap={gap:.3f} "
+                  + " ".join(f"p{i}:{n}/{c:.3f}/{x:.3f}" for i, n, c, x in row))
     own: dict[int, list[float]] = {}  # pid -> [samples, seconds]
     for e in entries:
         if e["step"] > SKIP:
@@ -289,7 +298,11 @@ def main() -> int:
     ap.add_argument("--solo-seconds", type=float, default=6.0)
     ap.add_argument("--quick", action="store_true", help="40 steps, 2 rounds, 4 s solo")
     ap.add_argument("--solo", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--trace", action="store_true", help="print every step's samples, own work and exposed "
+                                                          "all-reduce per worker (samples/own s/comm s)")
     args = ap.parse_args()
+    global TRACE
+    TRACE = args.trace
     if args.solo:
         solo(float(args.solo[0]), int(args.solo[1]))
         return 0
