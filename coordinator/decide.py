@@ -739,7 +739,7 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
         status = replace(status, step_ms=int(1000 * statistics.median(tick.step_times.values())))
     if tick.work and by_speed(spec, status):  # a new rate changes only the status, like a step
         live = {w: v for w, v in tick.work.items() if w in state.workers and state.workers[w].state in LIVE}
-        status = replace(status, split=slices.observe(status.split, live))
+        status = replace(status, split=slices.observe(status.split, live, spec.shard_space))
     state = replace(state, status=status)
     if tick.step_times:
         state, flagged = _flag_stragglers(state, tick.step_times, spec.straggler_factor, now_ms)

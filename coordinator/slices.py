@@ -6,8 +6,10 @@ The facts
     its own slices in committed steps and the seconds of those steps' own work (data,
     forward, backward: not the wait for peers) - ``Heartbeat.work_samples`` and
     ``work_seconds``. :func:`observe` turns two looks at them into the worker's rate over
-    the steps in between (every step counts, however rarely the coordinator samples) and
-    smooths it (:data:`SMOOTHING`). Nothing else travels: worker -> heartbeat -> coordinator
+    the steps in between (every step counts, however rarely the coordinator samples), once
+    they hold at least :data:`WINDOW_STEPS` of its steps (one step's own work swings with the
+    machine's other load: a window of a few steps is what a split can follow), and smooths
+    it (:data:`SMOOTHING`). Nothing else travels: worker -> heartbeat -> coordinator
     -> shard table -> worker.
 
 The split (:func:`sizes_for`)
@@ -43,6 +45,9 @@ from shoal.events.records import Split
 
 #: The weight of the newest window in a worker's smoothed rate (an exponential moving average).
 SMOOTHING = 0.5
+#: A worker's rate is taken over windows of at least this many of its steps (samples: as many
+#: slices of its current size).
+WINDOW_STEPS = 2
 #: No member's rate counts for less than the fastest's over this.
 MAX_SKEW = 8.0
 #: Re-plan between membership changes only when the predicted step shortens by more than this
@@ -74,20 +79,26 @@ class Look:
     reason: str
 
 
-def observe(split: Split, work: Mapping[str, Work]) -> Split:
+def observe(split: Split, work: Mapping[str, Work], n: int) -> Split:
     """``split`` once ``work`` was sampled: each worker's rate over the samples and seconds
-    since its previous look (since its start at the first look), folded into its smoothed
-    rate. A look without new work, or with counters that went back (not the same process),
-    only moves the baseline."""
+    since the window's start (its process's start at first), folded into its smoothed rate
+    once the window holds :data:`WINDOW_STEPS` of its slices of a global batch of ``n``
+    (the current split's size, an equal share before one), which starts the next window; a
+    shorter window grows on. Counters that went back (not the same process) only start a
+    new window."""
     if not work:
         return split
     rates, seen = dict(split.rates), dict(split.seen)
     for wid, w in work.items():
         before = seen.get(wid, [0, 0.0])
-        seen[wid] = [w.samples, w.seconds]
         samples, seconds = w.samples - before[0], w.seconds - before[1]
-        if samples <= 0 or seconds <= 0:
+        if samples < 0 or seconds < 0:
+            seen[wid] = [w.samples, w.seconds]
             continue
+        share = split.sizes.get(wid) or n // max(1, len(work))
+        if samples == 0 or seconds <= 0 or samples < WINDOW_STEPS * share:
+            continue
+        seen[wid] = [w.samples, w.seconds]
         rate = samples / seconds
         old = rates.get(wid)
         rates[wid] = round(rate if old is None else SMOOTHING * rate + (1 - SMOOTHING) * old, 3)

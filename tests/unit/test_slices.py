@@ -51,12 +51,17 @@ def _three_active(spec=SPEC):
     return s, table
 
 
+#: _tick's work counters are given in tenths: scaled, every window of the tests holds at least
+#: slices.WINDOW_STEPS of the worker's slices
+SCALE = 10
+
+
 def _tick(state, now, step, work, spec=SPEC):
     """A progress sample: every worker at ``step`` of the current generation, with its work
-    counters ``(samples, seconds)``."""
+    counters ``(samples, seconds)`` (times :data:`SCALE`)."""
     g = state.status.generation
     return decide(state, Tick(steps={w: StepSeen(g, step) for w in work},
-                              work={w: slices.Work(*c) for w, c in work.items()}), now, spec)
+                              work={w: slices.Work(c[0] * SCALE, c[1] * SCALE) for w, c in work.items()}), now, spec)
 
 
 def test_sizes_follow_rates_sum_to_the_batch_and_are_bounded() -> None:
@@ -76,14 +81,25 @@ def test_sizes_follow_rates_sum_to_the_batch_and_are_bounded() -> None:
         validate_table(slices.ranges(sizes), n)  # every position exactly once
 
 
-def test_rates_come_from_counter_differences_and_are_smoothed() -> None:
-    s = slices.observe(Split(), {"w0": slices.Work(100, 1.0)})
-    assert s.rates == {"w0": 100.0}  # since the process started
-    s = slices.observe(s, {"w0": slices.Work(100, 1.0)})
-    assert s.rates == {"w0": 100.0}  # no new step: nothing folded in
-    s = slices.observe(s, {"w0": slices.Work(300, 2.0)})  # 200 samples in 1 s
-    assert s.rates == {"w0": 150.0}  # half the old, half the new
+def test_rates_come_from_counter_differences_over_windows_of_two_steps_and_are_smoothed() -> None:
+    assert slices.WINDOW_STEPS == 2
+    # one worker, a global batch of 60: its slices are 60 until sized, a window 120 samples
+    s = slices.observe(Split(), {"w0": slices.Work(100, 1.0)}, 60)
+    assert s.rates == {} and s.seen == {}  # less than two steps since the process started: the window grows on
+    s = slices.observe(s, {"w0": slices.Work(300, 2.5)}, 60)
+    assert s.rates == {"w0": 120.0} and s.seen == {"w0": [300, 2.5]}  # 300 samples in 2.5 s
+    s = slices.observe(s, {"w0": slices.Work(300, 2.5)}, 60)
+    assert s.rates == {"w0": 120.0}  # no new step: nothing folded in
+    s = slices.observe(s, {"w0": slices.Work(400, 3.5)}, 60)
+    assert s.rates == {"w0": 120.0} and s.seen == {"w0": [300, 2.5]}  # one step's swing is not folded alone
+    s = slices.observe(s, {"w0": slices.Work(700, 4.5)}, 60)  # 400 samples in 2 s
+    assert s.rates == {"w0": 160.0}  # half the old, half the new
+    s = slices.observe(s, {"w0": slices.Work(10, 0.1)}, 60)  # counters went back: another process
+    assert s.rates == {"w0": 160.0} and s.seen == {"w0": [10, 0.1]}
     assert slices.forget(s, ["w1"]).rates == {}
+    # a sized worker's window is two of its own slices
+    assert slices.observe(Split(sizes={"w0": 10}), {"w0": slices.Work(20, 0.5)}, 60).rates == {"w0": 40.0}
+    assert slices.observe(Split(sizes={"w0": 10}), {"w0": slices.Work(19, 0.5)}, 60).rates == {}
 
 
 def test_a_slow_member_gets_a_smaller_slice_in_place_after_the_first_steps_then_looks_every_steps() -> None:
@@ -160,7 +176,7 @@ def test_no_look_while_a_generation_forms_or_before_its_own_steps() -> None:
     s, first = _three_active()
     # a step reported by an older generation (high_step_generation behind): no look
     stale = Tick(steps={"w0": StepSeen(first.generation - 1, 50)},
-                 work={w: slices.Work(100, 1.0 if w != "w2" else 2.0) for w in ("w0", "w1", "w2")})
+                 work={w: slices.Work(1000, 10.0 if w != "w2" else 20.0) for w in ("w0", "w1", "w2")})
     assert not _tables(decide(s, stale, T0 + 1000, SPEC))
     # equal slices by default: never a look
     equal = SPEC.model_copy(update={"batch_split": "equal"})
