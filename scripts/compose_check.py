@@ -851,6 +851,9 @@ def scenario_down_up(stack: Stack) -> None:
     figure("down-up", "steps_redone", reached - resumed)
     if resumed <= 0:
         raise CheckFailed(f"the job restarted from step 0 after down/up (it had reached step {reached})")
+    if resumed != reached:  # the last worker to drain checkpoints the step it reached
+        raise CheckFailed(f"the job resumed from step {resumed} after down/up, not from step {reached} where `down` "
+                          f"drained it: {reached - resumed} step(s) redone")
     s = stack.wait_done(600, job)
     figure("down-up", "elapsed_s", time.monotonic() - t)
     entries = stack.ledger()

@@ -163,6 +163,12 @@ class TrainerState:
     #: stopped before any newer generation, it writes the final checkpoint (a peer that saw
     #: the stop one step earlier exits, and rank 0's next step aborts for want of it)
     aborted_rank0: tuple[int, int] | None = None
+    #: (generation, world size) of the data-parallel group this draining worker left as rank 0
+    #: (an orderly switch or an aborted last step): its weights are that group's last committed
+    #: state, so if the next table pauses the job (every member drained: ``docker compose
+    #: down``, a node pool scaled to zero) it writes a checkpoint of them before it leaves -
+    #: the job resumes where it stopped instead of redoing every step since the last interval
+    drained_saver: tuple[int, int] | None = None
 
     @property
     def group(self) -> int:
@@ -570,13 +576,24 @@ def _tick(s: TrainerState, t: Tick, now: float) -> Choice:
         actions.append(FetchNext(s.group + 1))
         said.append(f"a newer generation agreed after step {s.step}: reading generation {s.group + 1}")
         return Choice(s, tuple(actions), "; ".join(said), level)
+    drained = s.drained_saver
     if s.phase is Phase.TRAINING:  # an orderly switch: the old group's teardown runs in the background
         actions.append(LeaveGroup(background=True))
         said.append(f"generation {s.switch_to} agreed after step {s.step}: leaving generation {s.group}")
+        drained = _drained_saver(s)
     else:
         said.append("in no group: looking for the newest table")
     actions.append(FetchTable())
-    return Choice(_idle(s), tuple(actions), "; ".join(said), level)
+    return Choice(_idle(s, drained_saver=drained), tuple(actions), "; ".join(said), level)
+
+
+def _drained_saver(s: TrainerState) -> tuple[int, int] | None:
+    """:attr:`TrainerState.drained_saver` of a worker leaving its group now (TRAINING): only a
+    draining rank 0 of data parallelism (an HSDP checkpoint needs every member of the saving
+    replica group, and those that do not drain write none)."""
+    if s.draining and s.saver and s.table is not None and s.table.shard_size == 1:
+        return s.group, s.table.world_size
+    return None
 
 
 def _rejoined(s: TrainerState, r: Rejoined, now: float) -> Choice:
@@ -602,8 +619,14 @@ def _table_fetched(s: TrainerState, f: TableFetched, now: float) -> Choice:
     member = None if table.paused else table.member(s.worker_id)
     if member is None:
         if s.draining:
-            return Choice(_exit(s, WorkerExit.OK), (SendLeft(),), f"left after step {s.step} (generation {g} no longer includes us)",
-                            logging.INFO)
+            said = f"left after step {s.step} (generation {g} no longer includes us)"
+            if table.paused and s.drained_saver is not None:  # nobody trains on: keep the progress
+                saved, world = s.drained_saver
+                return Choice(_exit(s, WorkerExit.OK), (SaveCheckpoint(s.step, s.cursor, saved, world, final=True),
+                                                        SendLeft()),
+                              f"{said}; the job is paused with no member: checkpoint of step {s.step} first, so that "
+                              "it resumes there", logging.INFO)
+            return Choice(_exit(s, WorkerExit.OK), (SendLeft(),), said, logging.INFO)
         s, actions = _wait(s, g, now)
         return Choice(s, actions, f"generation {g} {'is paused' if table.paused else 'does not include this worker'}: "
                                     "waiting for a newer one")
@@ -657,7 +680,7 @@ def _formed(s: TrainerState, f: Formed, now: float) -> Choice:
         first = tuple(tuple(r) for r in mine)
     g = table.generation
     s = replace(s, phase=Phase.TRAINING, step=f.step, cursor=f.cursor, switch_to=g, first_ranges=first,
-                aborted_rank0=None)
+                aborted_rank0=None, drained_saver=None)
     return Choice(s, (Announce(g, rank, table.world_size, f.step, f.cursor, f.took, f.src, f.behind),),
                     f"formed generation {g} as rank {rank}/{table.world_size} at step {f.step}")
 
@@ -695,7 +718,7 @@ def _next_fetched(s: TrainerState, f: NextFetched, now: float) -> Choice:
                       f"generation {g} re-slices generation {old.generation} after step {s.step}: "
                       f"switched in place ({_count(s.member.ranges)} samples a step)", logging.INFO)
     why = "not found" if new is None else "not a re-slice of it"
-    return Choice(_idle(s), (LeaveGroup(background=True), FetchTable()),
+    return Choice(_idle(s, drained_saver=_drained_saver(s)), (LeaveGroup(background=True), FetchTable()),
                   f"a newer generation agreed after step {s.step} (generation {old.generation + 1} {why}): "
                   f"leaving generation {s.group}")
 
@@ -732,7 +755,8 @@ def _aborted(s: TrainerState, a: Aborted, now: float) -> Choice:
     g, step = s.group, s.step
     # the cursor stays: the same global batch is redone in the next generation
     failed = (LeaveGroup(), ReportFailure(g, step, a.error, local=a.local))
-    s, wait = _wait(replace(s, aborted_rank0=(g, s.table.world_size) if s.saver else None), g, now)
+    s, wait = _wait(replace(s, aborted_rank0=(g, s.table.world_size) if s.saver else None,
+                            drained_saver=_drained_saver(s)), g, now)
     return Choice(s, failed + wait, f"step {step} aborted in generation {g}: {a.error}", logging.WARNING)
 
 

@@ -111,3 +111,48 @@ def test_a_peer_that_sees_the_stop_one_step_before_rank_0_does_not_cost_the_fina
     state, _ = load_latest(open_store(ckpt))
     assert state.step == 10 and int(state.data_cursor) == 10 * 64
     assert LatestPointer.from_json(r.get(job_keys(job_id).latest)).step == 10
+
+
+def test_draining_every_worker_checkpoints_the_last_step_and_the_job_resumes_there(
+        r, redis_url, tmp_path, job_id) -> None:
+    """``docker compose down`` (or a node pool scaled to zero) drains every worker at once: the
+    job is paused with no member. Rank 0 writes a checkpoint of the last committed step before
+    it leaves, so new workers resume exactly there: no step redone (before, the job resumed
+    from the last interval's checkpoint and redid every step since)."""
+    import signal
+
+    ckpt = f"file://{tmp_path / 'ckpt'}"
+    spec = JobSpec(name=job_id, entrypoint="tests.entrypoints:slow_digits", global_batch_size=64, max_steps=30,
+                   min_workers=1, max_workers=2, heartbeat_interval=0.2, heartbeat_ttl=1.5,
+                   checkpoint_uri=ckpt, checkpoint_interval=0)  # no periodic checkpoint to fall back on
+    create_job(r, spec)
+    watch = ControlWatcher(r, job_id)
+    env = {"SHOAL_TEST_STEP_DELAY": "0.05", "SHOAL_LEDGER_DIR": str(tmp_path / "ledger")}
+    with LocalProcs(redis_url, tmp_path / "logs", extra_env=env) as procs:
+        procs.coordinator("coord")
+        workers = [procs.worker(job_id, "a"), procs.worker(job_id, "b")]
+        watch.wait_for(lambda d: d.world_size == 2, 90)
+        wait_until(lambda: max((w["step"] or 0 for w in job_status(r, job_id)["workers"]), default=0) >= 6, 60,
+                   "a worker at step 6", interval=0.1)
+        for w in workers:
+            w.signal(signal.SIGTERM)
+        for w in workers:
+            assert w.wait(60) == 0, w.log_tail()
+        moved = watch.wait_for(lambda d: d.kind == "checkpoint", 30)
+        drained_at = max(e["step"] for e in ledger.read(tmp_path / "ledger"))
+        assert moved.reason.startswith(f"LATEST -> checkpoint of step {drained_at} "), moved.reason
+        assert r.hget(job_keys(job_id).state, "state") in ("paused", b"paused")
+
+        later = [procs.worker(job_id, "c"), procs.worker(job_id, "d")]
+        watch.wait_for(lambda d: d.job_state == "completed", 120)
+        for w in later:
+            assert w.wait(60) == 0, w.log_tail()
+
+    entries = ledger.read(tmp_path / "ledger")
+    verdict = ledger.verify(entries, 5000)
+    assert verdict.ok, verdict.problem  # every step once: none redone after the resume
+    assert verdict.steps == 30
+    firsts = {}
+    for e in entries:
+        firsts.setdefault(e["pid"], e["step"])
+    assert sorted(firsts.values())[-1] == drained_at + 1, firsts  # the new workers began right after it

@@ -392,6 +392,40 @@ def test_stop_drains_once_trains_on_and_leaves_when_a_table_excludes_the_worker(
     assert d.reason == "left after step 3 (generation 2 no longer includes us)"
 
 
+def test_when_every_member_drained_rank0_checkpoints_before_it_leaves_the_paused_job() -> None:
+    """``docker compose down`` drains every worker at once: the coordinator pauses the job (a
+    table with no member). Rank 0's weights are the last committed step's, so it writes a
+    checkpoint of it before it leaves: the job resumes there on the next ``up`` (the compose
+    check's down-up redid the 23-33 steps since the last interval's checkpoint)."""
+    s = decide(training(1, step=2, cursor=128), Tick(stop=True, latest=1), T0).state
+    s = decide(s, Committed(cursor=192, max_generation=2), T0).state
+    s = decide(s, Tick(stop=True, latest=2), T0).state
+    assert s.drained_saver == (1, 2)
+    d = decide(s, TableFetched(table(2, paused=True)), T0)
+    assert d.actions == (SaveCheckpoint(3, 192, 1, 2, final=True), SendLeft()) and d.state.exit_code == 0
+    assert "checkpoint of step 3 first" in d.reason
+    # others train on without it (not paused): their rank 0 checkpoints, not this one
+    assert decide(s, TableFetched(table(2, "w1")), T0).actions == (SendLeft(),)
+    # not rank 0: nothing to save
+    w1 = decide(training(1, wid="w1", step=2), Tick(stop=True, latest=1), T0).state
+    w1 = decide(decide(w1, Committed(cursor=192, max_generation=2), T0).state, Tick(stop=True, latest=2), T0).state
+    assert w1.drained_saver is None and decide(w1, TableFetched(table(2, paused=True)), T0).actions == (SendLeft(),)
+    # not draining (a peer's leave paused the job): it waits for a newer table, state kept
+    k = decide(decide(training(1, step=2), Committed(cursor=192, max_generation=2), T0).state, Tick(latest=2), T0).state
+    assert k.drained_saver is None and types(decide(k, TableFetched(table(2, paused=True)), T0)) == [WaitTable]
+    # its last step aborted (a peer left first): the same, from the aborted step's group
+    a = decide(training(1, step=2, cursor=128), Tick(stop=True, latest=1), T0).state
+    a = decide(a, Aborted("peer closed"), T0).state
+    assert a.drained_saver == (1, 2)
+    assert decide(a, TableFetched(table(2, paused=True)), T0).actions == (SaveCheckpoint(2, 128, 1, 2, final=True),
+                                                                         SendLeft())
+    # HSDP: the saving replica group's members would each write their shards; one alone cannot
+    h = decide(training(1, step=2), Tick(stop=True, latest=1), T0).state
+    h = replace(h, table=h.table.model_copy(update={"shard_size": 2}))
+    h = decide(decide(h, Committed(cursor=192, max_generation=2), T0).state, Tick(stop=True, latest=2), T0).state
+    assert h.drained_saver is None
+
+
 def test_a_stopped_job_makes_rank0_save_a_final_checkpoint_and_everyone_exit() -> None:
     s = training(1, step=3, cursor=192)
     d = decide(s, Tick(latest=1, job_state="stopped"), T0)
