@@ -424,6 +424,11 @@ def test_when_every_member_drained_rank0_checkpoints_before_it_leaves_the_paused
     h = replace(h, table=h.table.model_copy(update={"shard_size": 2}))
     h = decide(decide(h, Committed(cursor=192, max_generation=2), T0).state, Tick(stop=True, latest=2), T0).state
     assert h.drained_saver is None
+    # slices by speed: the switch reads the next table first; the paused one is no re-slice
+    b = decide(by_speed(training(1, step=2, cursor=128)), Tick(stop=True, latest=1), T0).state
+    b = decide(decide(b, Committed(cursor=192, max_generation=2), T0).state, Tick(stop=True, latest=2), T0).state
+    b = decide(b, NextFetched(table(2, paused=True)), T0).state
+    assert b.drained_saver == (1, 2) and b.phase is Phase.IDLE
 
 
 def test_a_stopped_job_makes_rank0_save_a_final_checkpoint_and_everyone_exit() -> None:
