@@ -191,6 +191,12 @@ class StepCommon:
         #: to wait on its peers (the training worker's progress report: a slow peer is
         #: waited for, a step stuck in its own work is the one to evict).
         self.before_collectives: Callable[[], None] | None = None
+        #: The newest generation this process has seen now (any thread's view; None: only the
+        #: ``generation`` a step is called with counts). Read when a step's tail is written,
+        #: right before its last backward: a table published during the step's own work is
+        #: carried by this step's all-reduce instead of the next one's (a switch one step sooner;
+        #: the training worker sets it for slices by speed).
+        self.newest_seen: Callable[[], int] | None = None
 
     def _loss(self, batch: Any, *, real: int | None = None) -> torch.Tensor:
         """The summed loss of one micro-batch (the user's ``step_fn``, or ``loss_fn`` on the
@@ -587,12 +593,19 @@ class StepEngine(StepCommon):
             loss = self._loss_of(local[start : start + mb])
             total += loss.detach()  # on the device: no host sync per micro-batch
             if k == len(starts) - 1:  # the last micro-batch: its backward launches the buckets
+                ahead = self._ahead_now(ahead, base_generation)
                 self._write_tail(ahead, total, len(local), base_generation)
                 if self.overlap:
                     self.reducer.arm(loss)
             (loss.float() * factor).backward()
         if not starts:  # an empty slice: zeros, and the trailing values
-            self._write_tail(ahead, total, 0, base_generation)
+            self._write_tail(self._ahead_now(ahead, base_generation), total, 0, base_generation)
+
+    def _ahead_now(self, ahead: float, base_generation: int | None) -> float:
+        """``ahead``, or how far :attr:`newest_seen` is ahead of the base now if farther."""
+        if base_generation is None or self.newest_seen is None:
+            return ahead
+        return max(ahead, float(self.newest_seen() - base_generation))
 
     def _write_tail(self, ahead: float, total: torch.Tensor, count: int, base_generation: int | None) -> None:
         # fills and a device-to-device copy: assigning a Python number (tail[-1] = count)

@@ -255,6 +255,9 @@ class TrainingWorker(WorkerRunner):
         self.evaluator.progress = self.progress
         self.engine.commit_guard = self._fence
         self.engine.before_collectives = self._not_busy
+        if self.state.limits.may_reslice:  # a re-slice is taken one step sooner
+            watcher = self.switch.watcher
+            self.engine.newest_seen = lambda: watcher.latest
         return wid
 
     def on_evicted(self) -> None:

@@ -70,6 +70,17 @@ def test_step_is_the_mean_loss_gradient_and_micro_batching_does_not_change_it():
     assert state_digest(plain.model) != state_digest(small_setup().model)
 
 
+def test_a_generation_seen_during_the_step_is_carried_by_it_when_newest_seen_is_set():
+    """Slices by speed: the tail takes the newest generation seen right before the last
+    backward (``newest_seen``), not only the one the step started with."""
+    engine = StepEngine.from_setup(small_setup(), require_group=False)
+    assert engine.step(range(8), 8, 5, base_generation=5).max_generation == 5
+    seen = iter([5, 6])
+    engine.newest_seen = lambda: next(seen)  # a table published while the step ran
+    assert engine.step(range(8), 8, 5, base_generation=5).max_generation == 5
+    assert engine.step(range(8), 8, 5, base_generation=5).max_generation == 6  # base + 1: "switch after it"
+
+
 def test_custom_step_fn_and_scheduler_are_used():
     s = small_setup(loss_fn=None)
     calls = []
