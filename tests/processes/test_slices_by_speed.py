@@ -9,7 +9,8 @@ slow member's slice smaller; the
 global batch never changes, and since shoal sums the losses and divides by the global count,
 the final weights equal those of the equal-slices run up to the order of float additions
 (float64: allclose at 1e-10). Both runs: every sample exactly once (the ledger), the three
-replicas bit-identical."""
+replicas bit-identical. A second test has a worker join a by-speed job after re-slices: that
+plan forms a new group, as every membership change does."""
 
 from __future__ import annotations
 
