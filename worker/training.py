@@ -90,6 +90,7 @@ from shoal.worker.decide import (
     TryRejoin,
     WaitTable,
     decide,
+    reslices,
 )
 from shoal.worker.digest import state_digest
 from shoal.worker.errors import CollectiveFailed, StepAborted
@@ -403,6 +404,16 @@ class TrainingWorker(WorkerRunner):
 
     # ---- performers --------------------------------------------------------------------------
 
+    def _reslice_ahead(self, act: TrainStep):
+        """This member's entry in the re-slice of its table that the watcher delivered, if one
+        came (slices by speed): seen before this step, it is carried by this step's all-reduce,
+        so the steps after it use its ranges - the prefetcher fetches those ahead instead of
+        ranges no step will take. A hint only: the switch itself is decided as ever."""
+        table = self.switch.newest_table if self.state.limits.may_reslice else None
+        if table is None or self.state.table is None or not reslices(self.state.table, table):
+            return None
+        return table.member(self.membership.worker_id)
+
     def _train_step(self, act: TrainStep) -> Input:
         """Train one step; the ledger records a committed one before anything else happens."""
         wid = self.membership.worker_id
@@ -413,7 +424,8 @@ class TrainingWorker(WorkerRunner):
             # e.g. a Redis outage that held the evaluation's report)
             self.hb.busy(True, since=since)
         self.faults.at(wid, act.step, "before_step")
-        batch, ranges, local = self.input.step(act, self.state.table, self.state.member, wid)
+        later = self._reslice_ahead(act)
+        batch, ranges, local = self.input.step(act, self.state.table, self.state.member, wid, later)
         started = time.monotonic()
         try:
             self.faults.at(wid, act.step, "mid_step")
@@ -440,7 +452,9 @@ class TrainingWorker(WorkerRunner):
         if self._ledger_digests:  # tests compare the members' weights after every step
             extra["digest"] = state_digest(self.engine.model)
         self.ledger.commit(wid, act.step + 1, batch, act.base, local, act.world, extra)
-        self.input.committed(batch, ranges, self.state.member)  # the next steps' batches
+        # the next steps' batches: on a re-slice's ranges when this step agreed on the switch to it
+        switching = later is not None and result.max_generation > act.base
+        self.input.committed(batch, ranges, later if switching else self.state.member)
         self._step_parts = (result.compute_seconds, result.comm_exposed_seconds)
         self._work_samples += len(local)
         self._work_seconds += result.compute_seconds
