@@ -21,7 +21,7 @@ Each round measures, in this order:
   (forward, backward, optimizer step on slices of the equal size, no collective) for a few
   seconds: that the cgroups make the third half as fast (2:2:1), for information;
 - a job with **equal slices**, then one with **slices by speed**, each from its third committed
-  step to its last (the by-speed job's re-plans - generation switches - included): its
+  step to its last (the by-speed job's re-slices - switched to in place - included): its
   samples/s, and each worker's **solo rate** in that same run: the samples of its slices over
   the seconds of its own work (data, forward, backward; ``compute`` in the ledger), i.e. how
   fast it goes when it waits for nobody. ``ratio`` = job samples/s over the sum of those.
@@ -31,6 +31,14 @@ moved a job's throughput 4x between two rounds minutes apart (2026-11-28: 8423 a
 samples/s), so a denominator measured at another moment - even just before and after -
 made ratios of 0.26 and 1.7. Measured within the run, numerator and denominator share its
 load. ``speedup=`` (by speed over equal, consecutive runs) is shown too, with that caveat.
+
+Per job: ``steps_per_s``, ``beyond_slowest_ms`` (the median step beyond its slowest member's
+own work: the all-reduce, the update), ``switches_s`` (each generation switch's cost beyond a
+median step), ``generations``, ``first_switch_step`` (the first step committed in a newer
+generation: how long the job ran on equal slices), ``skew_median``/``skew_max`` (per step, the
+slowest member's own work over the mean member's: 1 is a perfect split, the estimate's error
+shows here), ``waited_s`` (the window's seconds the others waited for the slowest one's own
+work) and ``window_s``.
 
 Prints ``name=value`` lines: each round's figures, then ``ratio_equal=`` and ``ratio_speed=``
 (job samples/s over the sum of the solo rates, median over rounds; target: by speed >= 0.90
@@ -63,6 +71,7 @@ CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 20_000
 SHARES_PER_CORE = 335  # a nice-5 process's weight: the three groups weigh less than one nice-0 process
 SKIP = 3  # committed steps left out at the start of each job (its first generation forming)
+TRACE = False  # --trace: every step's samples and own work per worker
 
 
 class _Double(nn.Module):
@@ -240,9 +249,30 @@ def run_job(url: str, tmp: Path, groups: Cgroups, job: str, split: str,
     for e in entries:
         slowest[e["step"]] = max(slowest.get(e["step"], 0.0), e["compute"])
     beyond = sorted(done[s] - done[s - 1] - slowest[s] for s in done if s > SKIP + 1 and gen[s] == gen[s - 1])
+    # the split's error, per step: the slowest member's own work over the mean member's (1: a
+    # perfect split; equal slices on 2:2:1 machines: about 1.5), and the seconds of the window
+    # lost to it (the slowest's own work less the mean's: what the others waited)
+    fastest: dict[int, list[float]] = {}
+    for e in entries:
+        fastest.setdefault(e["step"], []).append(e["compute"])
+    window = [s for s in sorted(fastest) if s > SKIP]
+    skew = sorted(max(fastest[s]) / (sum(fastest[s]) / len(fastest[s])) for s in window if min(fastest[s]) > 0)
+    waited = sum(max(fastest[s]) - sum(fastest[s]) / len(fastest[s]) for s in window)
+    first_new = min((s for s in sorted(gen) if gen[s] != gen[min(gen)]), default=0)
     print(f"job={job} steps_per_s={1 / step_s if step_s else 0:.2f} "
           f"beyond_slowest_ms={1000 * beyond[len(beyond) // 2] if beyond else 0:.0f} "
-          f"switches_s={','.join(f'{x:.2f}' for x in switches)}")
+          f"switches_s={','.join(f'{x:.2f}' for x in switches)} generations={len(set(gen.values()))} "
+          f"first_switch_step={first_new} skew_median={skew[len(skew) // 2] if skew else 0:.3f} "
+          f"skew_max={skew[-1] if skew else 0:.3f} waited_s={waited:.2f} "
+          f"window_s={done[max(done)] - done[SKIP]:.2f}")
+    if TRACE:  # per step: its generation, the gap since the previous commit, each slot's samples/own work
+        by_pid = {p: i for i, p in enumerate(pids)}
+        for st in sorted(done):
+            row = sorted((by_pid.get(e["pid"], 9), len(e["indices"]), e["compute"], e.get("comm", 0.0))
+                         for e in entries if e["step"] == st)
+            gap = done[st] - done[st - 1] if st - 1 in done else 0.0
+            print(f"trace job={job} step={st} gen={gen[st]} gap={gap:.3f} "
+                  + " ".join(f"p{i}:{n}/{c:.3f}/{x:.3f}" for i, n, c, x in row))
     own: dict[int, list[float]] = {}  # pid -> [samples, seconds]
     for e in entries:
         if e["step"] > SKIP:
@@ -268,7 +298,11 @@ def main() -> int:
     ap.add_argument("--solo-seconds", type=float, default=6.0)
     ap.add_argument("--quick", action="store_true", help="40 steps, 2 rounds, 4 s solo")
     ap.add_argument("--solo", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--trace", action="store_true", help="print every step's samples, own work and exposed "
+                                                          "all-reduce per worker (samples/own s/comm s)")
     args = ap.parse_args()
+    global TRACE
+    TRACE = args.trace
     if args.solo:
         solo(float(args.solo[0]), int(args.solo[1]))
         return 0

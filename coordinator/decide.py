@@ -272,9 +272,12 @@ def _plan_digest(ids: list[str], paused: bool) -> str:
 
 
 def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
-           force: bool = False) -> tuple[CoordState, list[Action], str]:
+           force: bool = False, reslice: bool = False) -> tuple[CoordState, list[Action], str]:
     """Publish a new generation if the planned membership changed (or ``force``: the current
-    generation could not form, so the same members need a fresh one); pause/resume the job."""
+    generation could not form, so the same members need a fresh one); pause/resume the job.
+    ``reslice`` (slices by speed, with ``force``): the same members with new slices, in the
+    running generation's group (``ShardTable.continues``) - only when the membership is
+    indeed the published one."""
     if state.status.state in TERMINAL_JOB_STATES:
         return state, [], why
     grouped: list[Action] = []
@@ -291,6 +294,7 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
     digest = _plan_digest([] if paused else ids, paused)
     if digest == status.plan_digest and not force:
         return replace(state, status=replace(status, pending_join_ms=0)), grouped, why
+    continues = status.generation if reslice and digest == status.plan_digest and not paused else 0
     generation = status.generation + 1
     restore = None if paused else restore_point(state, ids)
     state, change = _membership_change(state, [] if paused else ids, generation, paused)
@@ -315,7 +319,8 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
     if paused:
         reason = f"{why}; paused: {len(ids)} < min_workers={spec.min_workers}"
     else:
-        reason = f"{why}; generation {generation}: world size {len(ids)} ({', '.join(ids)}){sliced}"
+        kept = f", in generation {continues}'s group" if continues else ""
+        reason = f"{why}; generation {generation}: world size {len(ids)} ({', '.join(ids)}){kept}{sliced}"
     if restore is not None:
         reason += (f"; no member holds the job's state (every member that held it was lost): generation "
                    f"{generation} starts from the checkpoint of step {restore}, the members behind it load it")
@@ -339,6 +344,7 @@ def replan(state: CoordState, spec: JobSpec, now_ms: int, epoch: int, why: str,
         shard_owners=owners,
         shard_size=spec.shard_size,
         restore_step=restore,
+        continues=continues,
     )
     # the formation clock runs from the first generation planned since one last formed
     new_status = replace(status, generation=generation, plan_digest=digest, pending_join_ms=0, reason=reason,
@@ -766,7 +772,7 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
         status = replace(status, step_ms=int(1000 * statistics.median(tick.step_times.values())))
     if tick.work and by_speed(spec, status):  # a new rate changes only the status, like a step
         live = {w: v for w, v in tick.work.items() if w in state.workers and state.workers[w].state in LIVE}
-        status = replace(status, split=slices.observe(status.split, live))
+        status = replace(status, split=slices.observe(status.split, live, spec.shard_space))
     state = replace(state, status=status)
     if tick.step_times:
         state, flagged = _flag_stragglers(state, tick.step_times, spec.straggler_factor, now_ms)
@@ -791,7 +797,7 @@ def _on_tick(state: CoordState, tick: Tick, now_ms: int, spec: JobSpec, epoch: i
             and tick.work):
         state, look = _look_at_slices(state, spec)
         if look is not None and look.replan:
-            state, more, reason = replan(state, spec, now_ms, epoch, look.reason, force=True)
+            state, more, reason = replan(state, spec, now_ms, epoch, look.reason, force=True, reslice=True)
             return Decision(state, tuple(actions + more), reason, changed=True)
     if removals or (pending and now_ms - pending >= SETTLE_MS) or step_failed or reform or regroup:
         if reasons:

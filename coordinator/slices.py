@@ -6,8 +6,10 @@ The facts
     its own slices in committed steps and the seconds of those steps' own work (data,
     forward, backward: not the wait for peers) - ``Heartbeat.work_samples`` and
     ``work_seconds``. :func:`observe` turns two looks at them into the worker's rate over
-    the steps in between (every step counts, however rarely the coordinator samples) and
-    smooths it (:data:`SMOOTHING`). Nothing else travels: worker -> heartbeat -> coordinator
+    the steps in between (every step counts, however rarely the coordinator samples), once
+    they hold at least :data:`WINDOW_STEPS` of its steps (one step's own work swings with the
+    machine's other load: a window of a few steps is what a split can follow), and smooths
+    it (:data:`SMOOTHING`). Nothing else travels: worker -> heartbeat -> coordinator
     -> shard table -> worker.
 
 The split (:func:`sizes_for`)
@@ -23,11 +25,14 @@ The split (:func:`sizes_for`)
 When (:func:`look`)
     At every generation the coordinator plans anyway (a join, a failure, a leave) the slices
     follow the newest rates. Between those, once the current generation has committed
-    ``batch_split_every`` steps (``JobStatus.high_step``) the coordinator looks once: it
-    re-plans (a new generation of the same members) only when the new split would shorten
-    the predicted step - the slowest member's slice over its rate - by more than
-    :data:`MIN_GAIN`; else it looks again ``batch_split_every`` steps later. So a balanced job
-    never switches for nothing, and a member whose speed changes is followed within a look.
+    :data:`FIRST_LOOK` steps while its slices are equal (planned before every member had a
+    rate), then every ``batch_split_every`` steps (``JobStatus.high_step``), the coordinator
+    looks once: it re-plans only when the new split would shorten the predicted step - the
+    slowest member's slice over its rate - by more than :data:`MIN_GAIN`; else it looks again
+    ``batch_split_every`` steps later. So a balanced job never switches for nothing, and a
+    member whose speed changes is followed within a look. Such a re-plan is a re-slice: a
+    generation of the same members at the same ranks that keeps the running one's process
+    group (``ShardTable.continues``; the members switch to it in place, ``shoal.worker.decide``).
 """
 
 from __future__ import annotations
@@ -40,10 +45,19 @@ from shoal.events.records import Split
 
 #: The weight of the newest window in a worker's smoothed rate (an exponential moving average).
 SMOOTHING = 0.5
+#: A worker's rate is taken over windows of at least this many of its steps (samples: as many
+#: slices of its current size).
+WINDOW_STEPS = 2
 #: No member's rate counts for less than the fastest's over this.
 MAX_SKEW = 8.0
-#: Re-plan between membership changes only when the predicted step shortens by more than this.
-MIN_GAIN = 0.10
+#: Re-plan between membership changes only when the predicted step shortens by more than this
+#: (a re-slice costs about nothing: its members switch in place, see ``ShardTable.continues``;
+#: what this keeps out is chasing the noise of the measured rates).
+MIN_GAIN = 0.05
+#: A generation planned before every member had a rate (equal slices) is looked at this many
+#: committed steps after it was planned, not ``batch_split_every``: its first steps measure
+#: the rates, and every step on equal slices waits for the slowest member.
+FIRST_LOOK = 2
 
 Range = tuple[int, int, int]
 
@@ -65,20 +79,26 @@ class Look:
     reason: str
 
 
-def observe(split: Split, work: Mapping[str, Work]) -> Split:
+def observe(split: Split, work: Mapping[str, Work], n: int) -> Split:
     """``split`` once ``work`` was sampled: each worker's rate over the samples and seconds
-    since its previous look (since its start at the first look), folded into its smoothed
-    rate. A look without new work, or with counters that went back (not the same process),
-    only moves the baseline."""
+    since the window's start (its process's start at first), folded into its smoothed rate
+    once the window holds :data:`WINDOW_STEPS` of its slices of a global batch of ``n``
+    (the current split's size, an equal share before one), which starts the next window; a
+    shorter window grows on. Counters that went back (not the same process) only start a
+    new window."""
     if not work:
         return split
     rates, seen = dict(split.rates), dict(split.seen)
     for wid, w in work.items():
         before = seen.get(wid, [0, 0.0])
-        seen[wid] = [w.samples, w.seconds]
         samples, seconds = w.samples - before[0], w.seconds - before[1]
-        if samples <= 0 or seconds <= 0:
+        if samples < 0 or seconds < 0:
+            seen[wid] = [w.samples, w.seconds]
             continue
+        share = split.sizes.get(wid) or n // max(1, len(work))
+        if samples == 0 or seconds <= 0 or samples < WINDOW_STEPS * share:
+            continue
+        seen[wid] = [w.samples, w.seconds]
         rate = samples / seconds
         old = rates.get(wid)
         rates[wid] = round(rate if old is None else SMOOTHING * rate + (1 - SMOOTHING) * old, 3)
@@ -169,20 +189,23 @@ def plan(split: Split, ids: Sequence[str], n: int, generation: int, step: int) -
     measured = weights(ids, split.rates) is not None
     said = (f"slices by speed: {_describe(ids, sizes, split.rates)}" if measured
             else "slices by speed: no rates measured yet, equal slices")
-    return replace(split, sizes=dict(zip(ids, sizes)), generation=generation, step=step), sizes, said
+    sized = dict(zip(ids, sizes)) if measured else {}  # empty: equal slices, looked at after FIRST_LOOK steps
+    return replace(split, sizes=sized, generation=generation, step=step), sizes, said
 
 
 def look(split: Split, ids: Sequence[str], n: int, generation: int, high_step: int, every: int) -> Look:
     """Whether the running generation ``generation`` (members ``ids``, rank order; its
     newest committed step ``high_step``) should be re-planned now for speed. Not before
-    ``every`` steps since it was planned or last looked at; then only when every member has a
-    rate and the new split shortens the predicted step by more than :data:`MIN_GAIN` (else the
-    next look is ``every`` steps later)."""
+    ``every`` steps since it was planned or last looked at (:data:`FIRST_LOOK` steps while its
+    slices are equal: planned before every member had a rate); then only when every member
+    has a rate and the new split shortens the predicted step by more than :data:`MIN_GAIN`
+    (else the next look is ``every`` steps later)."""
     if split.generation != generation:  # planned before by_speed was on (an older coordinator): from now
-        return Look(replace(split, generation=generation, step=high_step,
-                            sizes=dict(zip(ids, equal_sizes(n, len(ids))))), False, "slices by speed: first look")
-    if high_step < split.step + every:
-        return Look(split, False, f"slices by speed: next look at step {split.step + every}")
+        return Look(replace(split, generation=generation, step=high_step, sizes={}), False,
+                    "slices by speed: first look")
+    due = split.step + (every if split.sizes else min(every, FIRST_LOOK))
+    if high_step < due:
+        return Look(split, False, f"slices by speed: next look at step {due}")
     missing = [w for w in ids if split.rates.get(w, 0) <= 0]
     if missing:
         return Look(split, False, f"slices by speed: no rate yet for {', '.join(missing)}")
@@ -191,7 +214,7 @@ def look(split: Split, ids: Sequence[str], n: int, generation: int, high_step: i
         current = equal_sizes(n, len(ids))
     new = sizes_for(n, ids, split.rates)
     now_s, then_s = predicted_step(current, ids, split.rates), predicted_step(new, ids, split.rates)
-    later = replace(split, step=high_step)
+    later = replace(split, step=high_step, sizes=dict(zip(ids, current)))
     if new == current or then_s >= (1 - MIN_GAIN) * now_s:
         return Look(later, False, f"slices by speed kept at step {high_step}: predicted step {now_s * 1000:.0f} ms, "
                                   f"{then_s * 1000:.0f} ms re-planned (less than {MIN_GAIN:.0%} shorter)")

@@ -134,7 +134,8 @@ class JobKeys:
 
     @property
     def generations(self) -> str:
-        """STREAM of published shard tables (field ``data``); workers block on it. Capped
+        """STREAM of published shard tables (field ``data``); workers block on it, and read one
+        generation's table from its newest entries at a switch with slices by speed. Capped
         at ~:data:`GENERATIONS_MAXLEN`."""
         return f"{self.base}:generations"
 

@@ -406,6 +406,12 @@ class ShardTable(_Wire):
     #: step is below it loads the newest checkpoint from the store before forming the group
     #: (one at or above it keeps its state; the catch-up takes the most advanced).
     restore_step: int | None = None
+    #: A re-slice (slices by speed; 0: not one): the generation right before this one, whose
+    #: process group this one keeps - the same members at the same ranks, only the ranges
+    #: differ. Its members switch in place, without a new group, after the step whose
+    #: all-reduce says one of them saw a newer table; each reads exactly this generation's
+    #: table then (``shoal.worker.decide``). A member that is not in that group forms it anew.
+    continues: int = 0
 
     def member(self, worker_id: str) -> Member | None:
         return next((m for m in self.members if m.worker_id == worker_id), None)

@@ -48,8 +48,9 @@ class Phase(str, Enum):
         FORMING   -> TRAINING  the group formed and caught up
         FORMING   -> IDLE      the barrier gave up (deadline, a newer table, evicted); could not form
         FORMING   -> EXITED    as from IDLE (the loop does not start an iteration while forming)
-        TRAINING  -> IDLE      a step agreed on a newer generation (an orderly switch); a step
-                               failed; rejoined a job that Redis had lost
+        TRAINING  -> IDLE      a step agreed on a newer generation (an orderly switch) that is
+                               not a re-slice of this one; a step failed; rejoined a job that
+                               Redis had lost
         TRAINING  -> EXITED    training complete; the job ended; evicted
         EXITED    -> (none)
 
@@ -59,8 +60,22 @@ class Phase(str, Enum):
     - FORMING: meeting the other members of ``table`` at the Redis barrier (until ``deadline``),
       then forming the group and catching up state.
     - TRAINING: a member of ``table``'s generation; one step per iteration. When a step's
-      all-reduce says some member saw a newer generation (``switch_to``), every member leaves at
-      that step boundary; a failed step leaves at once.
+      all-reduce says some member saw a newer generation (``switch_to``), every member leaves
+      at that step boundary - with slices by speed (``Limits.may_reslice``) it first reads the
+      table of the generation right after its own (:class:`FetchNext`): a re-slice of it
+      (:func:`reslices`: the same members at the same ranks, new ranges) is adopted in place,
+      in the same group, before the next step; anything else makes it leave as said. A failed
+      step leaves at once.
+
+    The in-place switch is exactly-once: the all-reduce's result is the same on every rank, so
+    every member learns of the switch after the same committed step ``S``, and none starts
+    step ``S + 1`` before its :class:`FetchNext` answered (a member that had not seen the new
+    table itself learns of it from that result: nobody trains past ``S`` on the old ranges).
+    They all read the table of the one generation ``g + 1`` (a generation number names one
+    table once a replica holds it: :meth:`~shoal.worker.membership.Membership.table_of`), so
+    they all decide alike: all switch in place to the same ranges at ``S + 1``, or all leave.
+    If a member could not read it (trimmed, unconfirmed) it leaves while the others stay:
+    their step ``S + 1`` then fails in the group it left, nothing applied, as any lost peer's.
     - EXITED: terminal; ``exit_code`` says how (``WorkerExit.OK``: finished, left, or the job ended;
       ``WorkerExit.FAILED``: evicted).
     """
@@ -113,6 +128,9 @@ class Limits:
     #: ``saves_alone``: data parallelism and DiLoCo; not HSDP, whose checkpoint needs the
     #: saving replica group)
     saves_alone: bool = True
+    #: the job's tables may be re-slices (``batch_split: by_speed``): an agreed switch first
+    #: reads the next generation's table (:class:`FetchNext`); else it leaves the group at once
+    may_reslice: bool = False
 
 
 @dataclass(frozen=True)
@@ -275,6 +293,14 @@ class FormFailed:
 
 
 @dataclass(frozen=True)
+class NextFetched:
+    """The result of :class:`FetchNext`: the table of the generation asked for (None: not
+    found or not confirmed)."""
+
+    table: ShardTable | None
+
+
+@dataclass(frozen=True)
 class Committed:
     """:class:`TrainStep` committed: the cursor after it, the generation its all-reduce agreed
     on (newer than the group's: every member switches after this step), its loss; ``started``
@@ -296,7 +322,8 @@ class Aborted:
     local: bool = False
 
 
-Input = Tick | Rejoined | TableFetched | TableWaited | BarrierPolled | Formed | FormFailed | Committed | Aborted
+Input = (Tick | Rejoined | TableFetched | TableWaited | BarrierPolled | Formed | FormFailed | NextFetched | Committed
+         | Aborted)
 
 
 # ---- actions --------------------------------------------------------------------------------
@@ -348,6 +375,14 @@ class ReportFailure:
 @dataclass(frozen=True)
 class FetchTable:
     """Read the job's current table. -> :class:`TableFetched`."""
+
+
+@dataclass(frozen=True)
+class FetchNext:
+    """Read the table of exactly generation ``generation`` (the one right after the group's).
+    -> :class:`NextFetched`."""
+
+    generation: int
 
 
 @dataclass(frozen=True)
@@ -471,9 +506,11 @@ class Finish:
     cursor: int
     report: bool
     checkpoint: SaveCheckpoint | None = None
+    #: the generation the last step committed in
+    generation: int = 0
 
 
-Action = (TryRejoin | LeaveGroup | SendLeave | SendLeft | ReportFailure | FetchTable | WaitTable | Arrive
+Action = (TryRejoin | LeaveGroup | SendLeave | SendLeft | ReportFailure | FetchTable | FetchNext | WaitTable | Arrive
           | PollBarrier | Form | Announce | TrainStep | RecordProgress | SaveCheckpoint | Beat | Evaluate | Finish)
 
 
@@ -561,6 +598,10 @@ def _tick(s: TrainerState, t: Tick, now: float) -> Choice:
         actions.append(TrainStep(s.step, s.cursor, ranges, s.seen, s.group, s.table.world_size))
         said.append(f"step {s.step + 1} in generation {s.group}")
         return Choice(replace(s, first_ranges=None), tuple(actions), "; ".join(said), level)
+    if s.phase is Phase.TRAINING and s.limits.may_reslice:  # an orderly switch: in place if the next table re-slices this one
+        actions.append(FetchNext(s.group + 1))
+        said.append(f"a newer generation agreed after step {s.step}: reading generation {s.group + 1}")
+        return Choice(s, tuple(actions), "; ".join(said), level)
     if s.phase is Phase.TRAINING:  # an orderly switch: the old group's teardown runs in the background
         actions.append(LeaveGroup(background=True))
         said.append(f"generation {s.switch_to} agreed after step {s.step}: leaving generation {s.group}")
@@ -676,6 +717,39 @@ def _form_failed(s: TrainerState, f: FormFailed, now: float) -> Choice:
     return Choice(s, failed + wait, f"generation {g} could not form: {f.error}", logging.WARNING)
 
 
+def reslices(old: ShardTable, new: ShardTable) -> bool:
+    """Whether ``new`` is a re-slice of ``old`` that its members adopt in place: it continues
+    ``old``'s generation (``ShardTable.continues``) with the same members at the same ranks in
+    the same layout (nothing but the ranges differ; only slices by speed make re-slices, and
+    those are data parallelism: ``JobSpec``)."""
+    return (new.continues == old.generation and new.generation == old.generation + 1 and not new.paused
+            and not old.paused and new.world_size == old.world_size and new.shard_size == old.shard_size
+            and new.shard_owners is None and old.shard_owners is None
+            and [(m.worker_id, m.rank) for m in new.members] == [(m.worker_id, m.rank) for m in old.members])
+
+
+def _next_fetched(s: TrainerState, f: NextFetched, now: float) -> Choice:
+    old, new = s.table, f.table
+    if s.switch_to <= s.group:
+        return Choice(s, (), f"no switch agreed in generation {s.group}: NextFetched ignored")
+    if new is not None and reslices(old, new):
+        member = new.member(s.worker_id)
+        g = new.generation
+        s = replace(s, table=new, member=member, switch_to=g, used=max(s.used, g), seen=max(s.seen, g),
+                    first_ranges=None)
+        return Choice(s, (Announce(g, member.rank, new.world_size, s.step, s.cursor, 0.0, member.rank, ()),),
+                      f"generation {g} re-slices generation {old.generation} after step {s.step}: "
+                      f"switched in place ({_count(s.member.ranges)} samples a step)", logging.INFO)
+    why = "not found" if new is None else "not a re-slice of it"
+    return Choice(_idle(s), (LeaveGroup(background=True), FetchTable()),
+                  f"a newer generation agreed after step {s.step} (generation {old.generation + 1} {why}): "
+                  f"leaving generation {s.group}")
+
+
+def _count(ranges) -> int:
+    return sum(len(range(*r)) for r in ranges)
+
+
 def _committed(s: TrainerState, c: Committed, now: float) -> Choice:
     g, world, rank0, saver = s.group, s.table.world_size, s.rank0, s.saver
     s = replace(s, step=s.step + 1, cursor=c.cursor, switch_to=c.max_generation, trained_in=(g, world))
@@ -687,7 +761,8 @@ def _committed(s: TrainerState, c: Committed, now: float) -> Choice:
         actions.append(_checkpoint(s, final=False))
     actions.append(Beat(s.step, g, c.loss, c.started, digest=s.step % DIGEST_EVERY == 0))
     if s.done:  # Finish evaluates (and rank 0 reports it) whether or not one was due
-        actions.append(Finish(s.step, s.cursor, report=rank0, checkpoint=_checkpoint(s, final=True) if saver else None))
+        actions.append(Finish(s.step, s.cursor, report=rank0, checkpoint=_checkpoint(s, final=True) if saver else None,
+                              generation=g))
         return Choice(_exit(replace(s, evaluated=s.step), WorkerExit.OK), tuple(actions),
                         f"training complete at step {s.step}, cursor {s.cursor}")
     then = f"; generation {c.max_generation} agreed: switching" if c.max_generation > g else ""
@@ -716,6 +791,7 @@ _HANDLERS = {
     BarrierPolled: (_barrier_polled, frozenset({Phase.FORMING})),
     Formed: (_formed, frozenset({Phase.FORMING})),
     FormFailed: (_form_failed, frozenset({Phase.FORMING})),
+    NextFetched: (_next_fetched, frozenset({Phase.TRAINING})),
     Committed: (_committed, frozenset({Phase.TRAINING})),
     Aborted: (_aborted, frozenset({Phase.TRAINING})),
 }

@@ -101,7 +101,10 @@ log = logging.getLogger("shoal.worker")
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "FIRST_BUCKET_BYTES", "StepEngine", "StepResult", "plan_buckets"]
 
-_TAIL = 3  # ahead, loss sum, count: the trailing values of the last bucket
+_TAIL = 6  # ranks, table sum, table square sum, ahead, loss sum, count: the trailing values of the last bucket
+#: The table check's modulus: each rank adds ``base_generation % TABLE_MOD`` and its square
+#: (exact in float32 sums up to about 17,000 ranks).
+TABLE_MOD = 32
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,12 @@ class StepCommon:
         #: to wait on its peers (the training worker's progress report: a slow peer is
         #: waited for, a step stuck in its own work is the one to evict).
         self.before_collectives: Callable[[], None] | None = None
+        #: The newest generation this process has seen now (any thread's view; None: only the
+        #: ``generation`` a step is called with counts). Read when a step's tail is written,
+        #: right before its last backward: a table published during the step's own work is
+        #: carried by this step's all-reduce instead of the next one's (a switch one step sooner;
+        #: the training worker sets it for slices by speed).
+        self.newest_seen: Callable[[], int] | None = None
 
     def _loss(self, batch: Any, *, real: int | None = None) -> torch.Tensor:
         """The summed loss of one micro-batch (the user's ``step_fn``, or ``loss_fn`` on the
@@ -503,7 +512,8 @@ class StepEngine(StepCommon):
         Every rank of the current group must call it for the same step (same cursor) with its
         own slice; ``generation`` is the newest generation this rank has seen (the returned
         ``max_generation`` is the maximum over ranks). With ``base_generation`` (the group's
-        own generation) the step needs no collective besides the gradient buckets: the last
+        own generation, or the re-slice's whose ranges this rank trains) the step needs no
+        collective besides the gradient buckets: the last
         bucket carries how far each rank's seen generation is ahead of the base, and
         ``max_generation`` is then only known to be ``base + 1`` when any rank saw a newer one
         (the caller reads the newest table itself). Returns after the optimizer stepped on
@@ -512,7 +522,11 @@ class StepEngine(StepCommon):
 
         Raises StepAborted (nothing applied; redo in the next generation) when a collective
         fails, no group is joined (with ``require_group``) or :attr:`commit_guard` refuses;
-        InconsistentStep (a StepAborted) when the ranks' slices do not add up to ``global_count``; UserCodeError when the
+        InconsistentStep (a StepAborted) when the ranks' slices do not add up to ``global_count``
+        or the ranks' ``base_generation`` differ (each rank adds it mod :data:`TABLE_MOD` and its
+        square to the tail: all equal iff ranks x sum of squares = sum squared, a verdict every
+        rank reaches alike from the reduced values; ranks on the slices of different tables
+        could otherwise add up to the count by chance); UserCodeError when the
         user's dataset/model/loss raised (nothing applied either) - or when the optimizer or
         LR scheduler raised after the collectives, in which case the step may be partly
         applied: treat it as fatal for this worker.
@@ -538,7 +552,7 @@ class StepEngine(StepCommon):
         try:
             if distributed and not one_collective:  # first: the same order on every rank
                 self.reducer.launch(gen, dist.ReduceOp.MAX, "all_reduce of the generation")
-            self._forward_backward(local, ahead, global_count)
+            self._forward_backward(local, ahead, global_count, base_generation)
         except CollectiveFailed as exc:  # the generation's launch (an aborted group)
             self._abandon(buffers)
             raise StepAborted(f"step aborted, nothing applied: {exc}", local=exc.local) from exc
@@ -565,7 +579,7 @@ class StepEngine(StepCommon):
                            comm_seconds=t2 - first if first is not None else 0.0,
                            comm_exposed_seconds=t2 - t1 if distributed else 0.0)
 
-    def _forward_backward(self, local: list[int], ahead: float, global_count: int) -> None:
+    def _forward_backward(self, local: list[int], ahead: float, global_count: int, base_generation: int | None) -> None:
         self.model.train()
         # backward of the loss sum / global count: the reduced gradient is the global batch's mean
         # with no pass over it afterwards. fp16: x the scale, as with torch.amp.GradScaler and
@@ -579,17 +593,29 @@ class StepEngine(StepCommon):
             loss = self._loss_of(local[start : start + mb])
             total += loss.detach()  # on the device: no host sync per micro-batch
             if k == len(starts) - 1:  # the last micro-batch: its backward launches the buckets
-                self._write_tail(ahead, total, len(local))
+                ahead = self._ahead_now(ahead, base_generation)
+                self._write_tail(ahead, total, len(local), base_generation)
                 if self.overlap:
                     self.reducer.arm(loss)
             (loss.float() * factor).backward()
         if not starts:  # an empty slice: zeros, and the trailing values
-            self._write_tail(ahead, total, 0)
+            self._write_tail(self._ahead_now(ahead, base_generation), total, 0, base_generation)
 
-    def _write_tail(self, ahead: float, total: torch.Tensor, count: int) -> None:
+    def _ahead_now(self, ahead: float, base_generation: int | None) -> float:
+        """``ahead``, or how far :attr:`newest_seen` is ahead of the base now if farther."""
+        if base_generation is None or self.newest_seen is None:
+            return ahead
+        return max(ahead, float(self.newest_seen() - base_generation))
+
+    def _write_tail(self, ahead: float, total: torch.Tensor, count: int, base_generation: int | None) -> None:
         # fills and a device-to-device copy: assigning a Python number (tail[-1] = count)
         # would copy a host scalar in, a host sync per step on a GPU
         tail = self.reducer.buckets[-1].flat
+        # the table check (see _apply): this rank, and its table's generation mod TABLE_MOD
+        table = (base_generation or 0) % TABLE_MOD
+        tail[-6].fill_(1)
+        tail[-5].fill_(table)
+        tail[-4].fill_(table * table)
         tail[-3].fill_(ahead)
         tail[-2].copy_(total)
         tail[-1].fill_(count)
@@ -621,8 +647,14 @@ class StepEngine(StepCommon):
             values = torch.cat([tail, norm.reshape(1).to(tail.dtype)]).tolist()  # the one host read
         else:
             values = tail.tolist()
-        ahead, loss_sum, reduced = values[0], values[1], int(round(values[2]))
-        grad_norm = values[3] if want_norm else None
+        ranks, tables, squares = values[0], values[1], values[2]
+        ahead, loss_sum, reduced = values[3], values[4], int(round(values[5]))
+        grad_norm = values[6] if want_norm else None
+        if ranks * squares != tables * tables:  # not every rank's the same: n * sum(x^2) = sum(x)^2 iff all equal
+            self._rollback(buffers)
+            raise InconsistentStep(
+                f"ranks trained on the slices of different shard tables (generations mod {TABLE_MOD}: "
+                f"{ranks:.0f} ranks, sum {tables:.0f}, sum of squares {squares:.0f}): nothing applied")
         if reduced != global_count:
             self._rollback(buffers)
             raise InconsistentStep(

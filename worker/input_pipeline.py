@@ -99,9 +99,12 @@ class InputPipeline:
 
     # ---- per step ----------------------------------------------------------------------------
 
-    def step(self, act: TrainStep, table: ShardTable | None, member: Member | None, worker_id: str):
+    def step(self, act: TrainStep, table: ShardTable | None, member: Member | None, worker_id: str,
+             later: Member | None = None):
         """The global batch of ``act``, this rank's ranges of it and its sample indices; the
-        prefetcher is told the step started (its batches are taken now)."""
+        prefetcher is told the step started (its batches are taken now). ``later``: this
+        member's entry in a re-slice expected after this step (the steps after it are
+        prefetched on its ranges)."""
         batch = self.order.batch(act.cursor)
         ranges = act.ranges
         if self.stream is not None:  # the split by shard owner replaces the table's ranges
@@ -109,7 +112,7 @@ class InputPipeline:
             ranges = self.stream.ranges(batch, active)
             self.stream.note_step(batch, active)
         local = batch.for_rank(ranges)
-        self.prefetch.start_step(act.cursor, ranges, self._steady(ranges, member))
+        self.prefetch.start_step(act.cursor, ranges, self._steady(ranges, later or member))
         return batch, ranges, local
 
     def committed(self, batch, ranges: Ranges, member: Member | None) -> None:

@@ -37,6 +37,9 @@ from shoal.worker.placement import Placement
 
 log = logging.getLogger("shoal.worker.membership")
 
+#: How many of the newest published tables :meth:`Membership.table_of` looks through.
+TABLE_SCAN = 16
+
 
 class MembershipError(ShoalError):
     """Base of membership errors."""
@@ -162,6 +165,28 @@ class Membership:
             return None
         table = ShardTable.model_validate_json(raw) if raw else None
         return table if table is not None and table.generation > after_generation else None
+
+    def table_of(self, generation: int) -> ShardTable | None:
+        """The table of exactly ``generation``, from the newest :data:`TABLE_SCAN` entries of
+        the generations stream, read with its confirmation as :meth:`next_table` reads (a
+        generation number then names one table: one only a cut-off primary held is never
+        returned); None when it is not among them or not confirmed. Every member of a group
+        that agreed to switch reads the same one this way (``shoal.worker.decide``: a re-slice
+        is adopted in place only by all of them together)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xrevrange(self.keys.generations, count=TABLE_SCAN)
+        try:
+            (entries,) = execute_confirmed(self.client, pipe, f"generation table of job {self.job_id}")
+        except NotReplicated as exc:
+            log.warning("%s; switching with a new group", exc)
+            return None
+        for _sid, fields in entries or []:
+            table = ShardTable.model_validate_json(fields[b"data"])
+            if table.generation == generation:
+                return table
+            if table.generation < generation:
+                break
+        return None
 
     def _newer_table(self, after_generation: int, timeout: float) -> ShardTable | None:
         cur = self.current_table()

@@ -68,6 +68,9 @@ class GenerationSwitch:
         # (future, generation, step) it is working on
         self._digester = ThreadPoolExecutor(1, thread_name_prefix="switch-digest")
         self._digesting: tuple[Future, int, int] | None = None
+        #: the newest table the watcher delivered (its thread writes it, the training thread
+        #: reads it: a prefetch hint only, never a decision)
+        self.newest_table: ShardTable | None = None
 
     def start(self) -> None:
         """Once joined: the barrier and the watcher thread (the client's pool gives the
@@ -89,6 +92,7 @@ class GenerationSwitch:
         layout aborts the collectives we share with it now (:meth:`Layout.abort_for`) - that
         peer is hung, cut off or dead, and will not come. A wait at an older generation's
         barrier ends at once (this one supersedes it)."""
+        self.newest_table = table
         if self.barrier is not None:
             self.barrier.wake(newer=table.generation)
         generation, members = self.group

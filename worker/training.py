@@ -67,12 +67,14 @@ from shoal.worker.decide import (
     Beat,
     Committed,
     Evaluate,
+    FetchNext,
     FetchTable,
     Finish,
     Form,
     Formed,
     Input,
     LeaveGroup,
+    NextFetched,
     Limits,
     PollBarrier,
     RecordProgress,
@@ -88,6 +90,7 @@ from shoal.worker.decide import (
     TryRejoin,
     WaitTable,
     decide,
+    reslices,
 )
 from shoal.worker.digest import state_digest
 from shoal.worker.errors import CollectiveFailed, StepAborted
@@ -156,7 +159,8 @@ class TrainingWorker(WorkerRunner):
         self.rdzv_timeout = 30.0
         #: everything the decisions read; replaced by each decision
         self.state = TrainerState(Limits(max_steps=spec.max_steps, checkpoint_interval=spec.checkpoint_interval,
-                                         wait_s=5 * spec.heartbeat_ttl + 5, barrier_s=self.rdzv_timeout))
+                                         wait_s=5 * spec.heartbeat_ttl + 5, barrier_s=self.rdzv_timeout,
+                                         may_reslice=spec.batch_split == "by_speed"))
         #: rank 0's TensorBoard event files (the spec's ``tensorboard_dir``; None: not asked for)
         self.tensorboard = TensorBoardLog(spec.tensorboard_dir) if spec.tensorboard_dir else None
         #: FLOPs per sample (measured on the first step) and peak FLOP/s, for MFU (:mod:`shoal.worker.flops`)
@@ -253,6 +257,9 @@ class TrainingWorker(WorkerRunner):
         self.evaluator.progress = self.progress
         self.engine.commit_guard = self._fence
         self.engine.before_collectives = self._not_busy
+        if self.state.limits.may_reslice:  # a re-slice is taken one step sooner
+            watcher = self.switch.watcher
+            self.engine.newest_seen = lambda: watcher.latest
         return wid
 
     def on_evicted(self) -> None:
@@ -375,6 +382,8 @@ class TrainingWorker(WorkerRunner):
                                             local=local)
             case FetchTable():
                 return TableFetched(self.membership.current_table())
+            case FetchNext(generation=generation):
+                return NextFetched(self.membership.table_of(generation))
             case WaitTable(after=after):
                 return self.switch.wait_table(after)
             case Arrive(generation=generation):
@@ -414,6 +423,16 @@ class TrainingWorker(WorkerRunner):
             log.info("the checkpoint of step %d was asked for; the newest one is of step %d", restore, resumed[0])
         return resumed
 
+    def _reslice_ahead(self, act: TrainStep):
+        """This member's entry in the re-slice of its table that the watcher delivered, if one
+        came (slices by speed): seen before this step, it is carried by this step's all-reduce,
+        so the steps after it use its ranges - the prefetcher fetches those ahead instead of
+        ranges no step will take. A hint only: the switch itself is decided as ever."""
+        table = self.switch.newest_table if self.state.limits.may_reslice else None
+        if table is None or self.state.table is None or not reslices(self.state.table, table):
+            return None
+        return table.member(self.membership.worker_id)
+
     def _train_step(self, act: TrainStep) -> Input:
         """Train one step; the ledger records a committed one before anything else happens."""
         wid = self.membership.worker_id
@@ -424,7 +443,8 @@ class TrainingWorker(WorkerRunner):
             # e.g. a Redis outage that held the evaluation's report)
             self.hb.busy(True, since=since)
         self.faults.at(wid, act.step, "before_step")
-        batch, ranges, local = self.input.step(act, self.state.table, self.state.member, wid)
+        later = self._reslice_ahead(act)
+        batch, ranges, local = self.input.step(act, self.state.table, self.state.member, wid, later)
         started = time.monotonic()
         try:
             self.faults.at(wid, act.step, "mid_step")
@@ -451,7 +471,9 @@ class TrainingWorker(WorkerRunner):
         if self._ledger_digests:  # tests compare the members' weights after every step
             extra["digest"] = state_digest(self.engine.model)
         self.ledger.commit(wid, act.step + 1, batch, act.base, local, act.world, extra)
-        self.input.committed(batch, ranges, self.state.member)  # the next steps' batches
+        # the next steps' batches: on a re-slice's ranges when this step agreed on the switch to it
+        switching = later is not None and result.max_generation > act.base
+        self.input.committed(batch, ranges, later if switching else self.state.member)
         self._step_parts = (result.compute_seconds, result.comm_exposed_seconds)
         self._work_samples += len(local)
         self._work_seconds += result.compute_seconds
@@ -522,7 +544,7 @@ class TrainingWorker(WorkerRunner):
             # a metric named like a summary field (step, cursor, digest) does not replace it
             summary.update({k: v for k, v in metrics.items() if k not in summary})
             if act.report and metrics:  # before the completion: the job's last evaluation is this one
-                self.evaluator.report(act.step, self.input.epoch(act.cursor), self.switch.group[0], metrics,
+                self.evaluator.report(act.step, self.input.epoch(act.cursor), act.generation or self.switch.group[0], metrics,
                                       final=True)
         if act.checkpoint is not None:
             self._save(act.checkpoint)

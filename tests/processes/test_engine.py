@@ -70,6 +70,17 @@ def test_step_is_the_mean_loss_gradient_and_micro_batching_does_not_change_it():
     assert state_digest(plain.model) != state_digest(small_setup().model)
 
 
+def test_a_generation_seen_during_the_step_is_carried_by_it_when_newest_seen_is_set():
+    """Slices by speed: the tail takes the newest generation seen right before the last
+    backward (``newest_seen``), not only the one the step started with."""
+    engine = StepEngine.from_setup(small_setup(), require_group=False)
+    assert engine.step(range(8), 8, 5, base_generation=5).max_generation == 5
+    seen = iter([5, 6])
+    engine.newest_seen = lambda: next(seen)  # a table published while the step ran
+    assert engine.step(range(8), 8, 5, base_generation=5).max_generation == 5
+    assert engine.step(range(8), 8, 5, base_generation=5).max_generation == 6  # base + 1: "switch after it"
+
+
 def test_custom_step_fn_and_scheduler_are_used():
     s = small_setup(loss_fn=None)
     calls = []
@@ -297,6 +308,15 @@ def _child(role: str, rank: int, job: str, outdir: str) -> None:
     except InconsistentStep:
         out["inconsistent"] = "InconsistentStep"
     out["after_inconsistent"] = state_digest(setup.model)
+    # slices that add up to the batch, but rank 1 took its own from another generation's table
+    # (a re-slice it switched to alone): the table check in the tail refuses it on every rank
+    try:
+        engine.step(batch.for_rank(table[rank]), batch.count, 3 if rank == 1 else 2,
+                    base_generation=3 if rank == 1 else 2)
+        out["mixed_tables"] = "applied"
+    except InconsistentStep:
+        out["mixed_tables"] = "InconsistentStep"
+    out["after_mixed_tables"] = state_digest(setup.model)
     res = engine.step(batch.for_rank(table[rank]), batch.count, 3 if rank == 1 else 2)
     out["max_generation"] = res.max_generation
     state["step"], state["cursor"] = state["step"] + 1, batch.next_cursor
@@ -402,6 +422,7 @@ def test_elastic_three_rank_training_matches_one_process(job_id, subprocess_env,
         assert g["src"] == 0 and g["extra"] == {"step": FAIL_AT, "cursor": FAIL_AT * GLOBAL_BATCH}
         assert g["resynced"] == survivors[0]["digest_k"]
         assert g["inconsistent"] == "InconsistentStep" and g["after_inconsistent"] == g["resynced"]
+        assert g["mixed_tables"] == "InconsistentStep" and g["after_mixed_tables"] == g["resynced"]
         assert g["max_generation"] == 3
         assert g["mismatch"] == "StateMismatch" and g["after_mismatch"] == g["final"]
     assert len({g["final"] for g in gen2}) == 1  # replicas bit-identical

@@ -3,11 +3,14 @@ slower machine (its own work takes 3x as long per sample: ``SHOAL_TEST_SAMPLE_DE
 the float64 digits model once with equal slices and once with ``batch_split: by_speed``.
 
 By speed, the coordinator measures the members' rates from their heartbeats' work counters
-and re-plans (a generation of the same members) with the slow member's slice smaller; the
+and re-plans (a generation of the same members, a re-slice: the members switch to it in
+place, in the process group they have, after the step their all-reduce agrees on) with the
+slow member's slice smaller; the
 global batch never changes, and since shoal sums the losses and divides by the global count,
 the final weights equal those of the equal-slices run up to the order of float additions
 (float64: allclose at 1e-10). Both runs: every sample exactly once (the ledger), the three
-replicas bit-identical."""
+replicas bit-identical. A second test has a worker join a by-speed job after re-slices: that
+plan forms a new group, as every membership change does."""
 
 from __future__ import annotations
 
@@ -74,14 +77,88 @@ def test_slices_by_speed_give_the_slow_member_less_and_the_same_weights_as_equal
     slow_id = next(e["worker"] for e in entries if e["pid"] == slow_pid)
     resized = [t for t in tables if len({count(m.ranges) for m in t.members}) > 1]
     assert resized, [t.reason for t in tables]
-    sizes = {m.worker_id: count(m.ranges) for m in resized[-1].members}
+    committed_in = {e["generation"] for e in entries}
+    used = [t for t in resized if t.generation in committed_in]  # the last one may come after the last step
+    assert used, (committed_in, [t.generation for t in resized])
+    sizes = {m.worker_id: count(m.ranges) for m in used[-1].members}
     assert sizes[slow_id] < min(v for w, v in sizes.items() if w != slow_id), sizes
     assert "slices by speed re-planned at step" in resized[0].reason, resized[0].reason
-    # ... and the slow member's committed slices shrank accordingly
-    assert min(len(e["indices"]) for e in entries if e["worker"] == slow_id) == sizes[slow_id]
+    # every re-plan of the same members was a re-slice, switched to in place: nobody met at a
+    # barrier to form a new group for it (the first generation's barrier is there)
+    keys = job_keys(tables[0].job_id)
+    assert all(t.continues == t.generation - 1 for t in tables[1:]), [(t.generation, t.continues) for t in tables]
+    assert r.exists(keys.barrier(tables[0].generation))
+    assert not any(r.exists(keys.barrier(t.generation)) for t in tables[1:])
+    # ... and every committed slice is its generation's: each member switched at the step
+    # all agreed on (the ledger's steps are exactly once, below, so nobody used old ranges)
+    by_generation = {t.generation: {m.worker_id: count(m.ranges) for m in t.members} for t in tables}
+    assert all(len(e["indices"]) == by_generation[e["generation"]][e["worker"]] for e in entries)
     # the same global batches, the same update: float64 weights allclose
     assert sorted({e["step"]: e["cursor"] for e in entries}.items()) == sorted(
         {e["step"]: e["cursor"] for e in equal_entries}.items())
     diff = max((fast[k].double() - equal[k].double()).abs().max().item() for k in equal)
     assert all(torch.allclose(fast[k].double(), equal[k].double(), rtol=1e-9, atol=1e-10) for k in equal), diff
     print(f"largest difference of a weight, by speed vs equal slices: {diff:.3g}")
+
+
+def test_a_join_after_re_slices_forms_a_new_group_and_every_sample_is_trained_once(r, redis_url, tmp_path) -> None:
+    """A by-speed job of two members re-slices in place; a third worker then joins: that plan
+    is no re-slice, so both members leave their group and form the new one with the joiner
+    (the switch that reads the next table first, then leaves). The ledger is exactly once and
+    the three replicas end bit-identical."""
+    job = "spj-" + tmp_path.name[-6:]
+    steps = 800  # long enough for the joiner to start (seconds on a busy box)
+    create_job(r, JobSpec(name=job, entrypoint="tests.entrypoints:per_sample_double", global_batch_size=48,
+                          max_steps=steps, epochs=10, min_workers=2, max_workers=3, heartbeat_interval=0.2,
+                          heartbeat_ttl=2.0,
+                          batch_split="by_speed", batch_split_every=6, prefetch_steps=0))
+    watch = ControlWatcher(r, job)
+    env = {"SHOAL_LEDGER_DIR": str(tmp_path / "ledger"), "SHOAL_EXPORT_DIR": str(tmp_path / "final"),
+           "SHOAL_TEST_SAMPLE_DELAY": FAST}
+    with LocalProcs(redis_url, tmp_path / "logs", extra_env=env) as procs:
+        procs.coordinator("coord")
+        procs.worker(job, "p0")
+        procs.extra_env["SHOAL_TEST_SAMPLE_DELAY"] = SLOW
+        procs.worker(job, "p1")
+        try:
+            first = watch.wait_for(lambda d: d.world_size == 2, 120).generation
+            watch.wait_for(lambda d: d.generation > first, 120)  # a re-slice of the two
+            procs.extra_env["SHOAL_TEST_SAMPLE_DELAY"] = FAST
+            procs.worker(job, "p2")
+            watch.wait_for(lambda d: d.world_size == 3, 120)
+            watch.wait_for(lambda d: d.job_state == "completed", 180)
+            codes = {p.name: p.wait(60) for p in procs.procs if p.name != "coord"}
+        except BaseException:
+            dump_logs(procs, tmp_path / "logs")
+            raise
+    assert codes == {"p0": 0, "p1": 0, "p2": 0}, codes
+    entries = ledger.read(tmp_path / "ledger")
+    verdict = ledger.verify(entries, DIGITS)
+    assert verdict.ok, verdict.problem
+    assert verdict.steps == steps
+    finals = [torch.load(p, weights_only=True) for p in sorted((tmp_path / "final").glob("final-*.pt"))]
+    assert len(finals) == 3 and all(torch.equal(finals[0][k], f[k]) for f in finals[1:] for k in finals[0])
+    tables = {t.generation: t for t in (ShardTable.model_validate_json(f[b"data"])
+                                        for _sid, f in r.xrange(job_keys(job).generations))}
+    keys = job_keys(job)
+    resliced = [t for t in tables.values() if t.continues]
+    joined = [t for t in tables.values() if t.world_size == 3]
+    assert resliced and joined and joined[0].continues == 0
+    # a re-slice keeps its predecessor's members and ranks and forms no group; the join's does
+    for t in resliced:
+        assert [(m.worker_id, m.rank) for m in t.members] == [(m.worker_id, m.rank) for m in tables[t.continues].members]
+        assert not r.exists(keys.barrier(t.generation))
+    assert r.exists(keys.barrier(joined[0].generation))
+    # every committed slice is its generation's, but for the first step of a group formed with a
+    # joiner behind (it takes no samples while it receives the state; the others split the batch)
+    by_generation = {g: {m.worker_id: m.ranges for m in t.members} for g, t in tables.items()}
+
+    def size(e) -> int:  # its ranges' positions in its batch (an epoch's last batch is short)
+        return sum(len(range(a, min(b, e["count"]), s)) for a, b, s in by_generation[e["generation"]][e["worker"]])
+
+    first = {}
+    for e in entries:
+        first[e["generation"]] = min(first.get(e["generation"], e["step"]), e["step"])
+    checked = [e for e in entries if tables[e["generation"]].continues or e["step"] != first[e["generation"]]]
+    assert all(len(e["indices"]) == size(e) for e in checked)
+    assert {e["generation"] for e in checked} == set(first)

@@ -1,7 +1,8 @@
 """Slices sized by speed (issue 38, item 7): the coordinator sizes each member's slice of the
 global batch by the rate its heartbeat's work counters show, re-plans at membership changes
-and, between them, once every ``batch_split_every`` committed steps when the predicted step
-shortens by more than 10 %. Pure decisions driven with an explicit clock (ticks at later
+and, between them, once every ``batch_split_every`` committed steps (the first look after
+``slices.FIRST_LOOK`` steps on equal slices) when the predicted step shortens by more than
+``slices.MIN_GAIN``, with a re-slice the members adopt in their running group. Pure decisions driven with an explicit clock (ticks at later
 ``now``s, no sleeping); the tables' ranges are the typed facts read here."""
 
 from __future__ import annotations
@@ -50,12 +51,17 @@ def _three_active(spec=SPEC):
     return s, table
 
 
+#: _tick's work counters are given in tenths: scaled, every window of the tests holds at least
+#: slices.WINDOW_STEPS of the worker's slices
+SCALE = 10
+
+
 def _tick(state, now, step, work, spec=SPEC):
     """A progress sample: every worker at ``step`` of the current generation, with its work
-    counters ``(samples, seconds)``."""
+    counters ``(samples, seconds)`` (times :data:`SCALE`)."""
     g = state.status.generation
     return decide(state, Tick(steps={w: StepSeen(g, step) for w in work},
-                              work={w: slices.Work(*c) for w, c in work.items()}), now, spec)
+                              work={w: slices.Work(c[0] * SCALE, c[1] * SCALE) for w, c in work.items()}), now, spec)
 
 
 def test_sizes_follow_rates_sum_to_the_batch_and_are_bounded() -> None:
@@ -75,50 +81,85 @@ def test_sizes_follow_rates_sum_to_the_batch_and_are_bounded() -> None:
         validate_table(slices.ranges(sizes), n)  # every position exactly once
 
 
-def test_rates_come_from_counter_differences_and_are_smoothed() -> None:
-    s = slices.observe(Split(), {"w0": slices.Work(100, 1.0)})
-    assert s.rates == {"w0": 100.0}  # since the process started
-    s = slices.observe(s, {"w0": slices.Work(100, 1.0)})
-    assert s.rates == {"w0": 100.0}  # no new step: nothing folded in
-    s = slices.observe(s, {"w0": slices.Work(300, 2.0)})  # 200 samples in 1 s
-    assert s.rates == {"w0": 150.0}  # half the old, half the new
+def test_rates_come_from_counter_differences_over_windows_of_two_steps_and_are_smoothed() -> None:
+    assert slices.WINDOW_STEPS == 2
+    # one worker, a global batch of 60: its slices are 60 until sized, a window 120 samples
+    s = slices.observe(Split(), {"w0": slices.Work(100, 1.0)}, 60)
+    assert s.rates == {} and s.seen == {}  # less than two steps since the process started: the window grows on
+    s = slices.observe(s, {"w0": slices.Work(300, 2.5)}, 60)
+    assert s.rates == {"w0": 120.0} and s.seen == {"w0": [300, 2.5]}  # 300 samples in 2.5 s
+    s = slices.observe(s, {"w0": slices.Work(300, 2.5)}, 60)
+    assert s.rates == {"w0": 120.0}  # no new step: nothing folded in
+    s = slices.observe(s, {"w0": slices.Work(400, 3.5)}, 60)
+    assert s.rates == {"w0": 120.0} and s.seen == {"w0": [300, 2.5]}  # one step's swing is not folded alone
+    s = slices.observe(s, {"w0": slices.Work(700, 4.5)}, 60)  # 400 samples in 2 s
+    assert s.rates == {"w0": 160.0}  # half the old, half the new
+    s = slices.observe(s, {"w0": slices.Work(10, 0.1)}, 60)  # counters went back: another process
+    assert s.rates == {"w0": 160.0} and s.seen == {"w0": [10, 0.1]}
     assert slices.forget(s, ["w1"]).rates == {}
+    # a sized worker's window is two of its own slices
+    assert slices.observe(Split(sizes={"w0": 10}), {"w0": slices.Work(20, 0.5)}, 60).rates == {"w0": 40.0}
+    assert slices.observe(Split(sizes={"w0": 10}), {"w0": slices.Work(19, 0.5)}, 60).rates == {}
 
 
-def test_a_slow_member_gets_a_smaller_slice_after_every_steps_and_equal_slices_stay_until_then() -> None:
+def test_a_slow_member_gets_a_smaller_slice_in_place_after_the_first_steps_then_looks_every_steps() -> None:
     s, first = _three_active()
     assert _sizes(first) == {"w0": 20, "w1": 20, "w2": 20}
-    assert "no rates measured yet, equal slices" in first.reason
-    # w2 does half the samples per second of own work; 5 steps in: no look yet
-    d = _tick(s, T0 + 1000, 5, {"w0": (100, 1.0), "w1": (100, 1.0), "w2": (100, 2.0)})
+    assert "no rates measured yet, equal slices" in first.reason and first.continues == 0
+    # w2 does half the samples per second of own work; 1 step in: no look yet
+    d = _tick(s, T0 + 1000, 1, {"w0": (20, 0.2), "w1": (20, 0.2), "w2": (20, 0.4)})
     assert not _tables(d) and not d.changed
     assert d.state.status.split.rates == {"w0": 100.0, "w1": 100.0, "w2": 50.0}
-    # 10 steps after the plan: the look re-plans the same members in a new generation
-    d = _tick(d.state, T0 + 2000, 10, {"w0": (200, 2.0), "w1": (200, 2.0), "w2": (200, 4.0)})
+    # FIRST_LOOK steps after a plan on equal slices (not batch_split_every): a re-slice, the
+    # same members at the same ranks in the running generation's group
+    d = _tick(d.state, T0 + 2000, slices.FIRST_LOOK, {"w0": (40, 0.4), "w1": (40, 0.4), "w2": (40, 0.8)})
     (table,) = _tables(d)
-    assert table.generation == first.generation + 1
-    assert [m.worker_id for m in table.members] == ["w0", "w1", "w2"]
+    assert table.generation == first.generation + 1 and table.continues == first.generation
+    assert [(m.worker_id, m.rank) for m in table.members] == [("w0", 0), ("w1", 1), ("w2", 2)]
     assert _sizes(table) == {"w0": 24, "w1": 24, "w2": 12}
     validate_table([m.ranges for m in table.members], BATCH)
-    assert "slices by speed re-planned at step 10: predicted step 400 ms -> 240 ms" in d.reason
+    assert "slices by speed re-planned at step 2: predicted step 400 ms -> 240 ms" in d.reason
+    assert f"in generation {first.generation}'s group" in d.reason
     assert d.state.status.split.sizes == {"w0": 24, "w1": 24, "w2": 12}
-    # the new generation forms; the same rates a look later: kept, no switch for nothing
+    # the members switch in place and say so; the same rates a look later: kept, no switch for nothing
     s = d.state
     for wid in ("w0", "w1", "w2"):
-        s = decide(s, _ev(Ready(job_id="j", worker_id=wid, generation=table.generation, step=10)), T0 + 2100,
+        s = decide(s, _ev(Ready(job_id="j", worker_id=wid, generation=table.generation, step=2)), T0 + 2100,
                    SPEC).state
-    d = _tick(s, T0 + 3000, 15, {"w0": (320, 3.0), "w1": (320, 3.0), "w2": (260, 5.0)})
+    d = _tick(s, T0 + 3000, 7, {"w0": (160, 1.6), "w1": (160, 1.6), "w2": (100, 2.0)})
     assert not _tables(d)
-    d = _tick(d.state, T0 + 4000, 20, {"w0": (440, 4.0), "w1": (440, 4.0), "w2": (320, 6.0)})
-    assert not _tables(d) and d.state.status.split.step == 20  # looked, kept: the next look at 30
-    # w2 became as fast as the others (120 samples/s each): followed at the next look, step 30
-    d = _tick(d.state, T0 + 5000, 25, {"w0": (560, 5.0), "w1": (560, 5.0), "w2": (380, 6.5)})
+    d = _tick(d.state, T0 + 4000, 12, {"w0": (280, 2.8), "w1": (280, 2.8), "w2": (160, 3.2)})
+    assert not _tables(d) and d.state.status.split.step == 12  # looked, kept: the next look at 22
+    # w2 became as fast as the others (120 samples/s each): followed at the next look, step 22
+    d = _tick(d.state, T0 + 5000, 17, {"w0": (400, 3.8), "w1": (400, 3.8), "w2": (220, 3.7)})
     assert not _tables(d)
-    d = _tick(d.state, T0 + 6000, 30, {"w0": (680, 6.0), "w1": (680, 6.0), "w2": (440, 7.0)})
-    (table,) = _tables(d)
-    sizes = _sizes(table)
+    d = _tick(d.state, T0 + 6000, 22, {"w0": (520, 4.8), "w1": (520, 4.8), "w2": (280, 4.2)})
+    (again,) = _tables(d)
+    sizes = _sizes(again)
     assert sizes["w2"] > 12 and sum(sizes.values()) == BATCH, sizes
-    assert "slices by speed re-planned at step 30" in d.reason
+    assert again.continues == table.generation
+    assert "slices by speed re-planned at step 22" in d.reason
+
+
+def test_a_balanced_job_is_looked_at_once_early_then_every_steps() -> None:
+    s, first = _three_active()
+    work = {w: (40, 0.4) for w in ("w0", "w1", "w2")}
+    d = _tick(s, T0 + 1000, slices.FIRST_LOOK, work)
+    assert not _tables(d) and d.state.status.split.step == slices.FIRST_LOOK
+    assert d.state.status.split.sizes == {"w0": 20, "w1": 20, "w2": 20}  # looked at: every steps from now
+    d = _tick(d.state, T0 + 2000, slices.FIRST_LOOK + 2, {w: (80, 0.8 if w != "w2" else 1.6) for w in work})
+    assert not _tables(d)  # w2 slowed down, but the next look is at step 12
+
+
+def test_a_gain_under_min_gain_is_not_worth_a_switch() -> None:
+    ids = ["w0", "w1", "w2"]
+    split = Split(rates={"w0": 100.0, "w1": 100.0, "w2": 92.0}, sizes={"w0": 20, "w1": 20, "w2": 20},
+                  generation=3, step=0)
+    look = slices.look(split, ids, 60, 3, 10, 10)
+    assert not look.replan and "less than 5% shorter" in look.reason
+    split = Split(rates={"w0": 100.0, "w1": 100.0, "w2": 85.0}, sizes={"w0": 20, "w1": 20, "w2": 20},
+                  generation=3, step=0)
+    assert slices.look(split, ids, 60, 3, 10, 10).replan
 
 
 def test_a_membership_change_re_plans_by_the_rates_known_and_forgets_the_departed() -> None:
@@ -135,7 +176,7 @@ def test_no_look_while_a_generation_forms_or_before_its_own_steps() -> None:
     s, first = _three_active()
     # a step reported by an older generation (high_step_generation behind): no look
     stale = Tick(steps={"w0": StepSeen(first.generation - 1, 50)},
-                 work={w: slices.Work(100, 1.0 if w != "w2" else 2.0) for w in ("w0", "w1", "w2")})
+                 work={w: slices.Work(1000, 10.0 if w != "w2" else 20.0) for w in ("w0", "w1", "w2")})
     assert not _tables(decide(s, stale, T0 + 1000, SPEC))
     # equal slices by default: never a look
     equal = SPEC.model_copy(update={"batch_split": "equal"})

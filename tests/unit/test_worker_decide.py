@@ -21,6 +21,7 @@ from shoal.worker.decide import (
     BarrierPolled,
     Beat,
     Committed,
+    FetchNext,
     FetchTable,
     Finish,
     Form,
@@ -29,6 +30,7 @@ from shoal.worker.decide import (
     IllegalMove,
     LeaveGroup,
     Limits,
+    NextFetched,
     Phase,
     PollBarrier,
     RecordProgress,
@@ -46,6 +48,7 @@ from shoal.worker.decide import (
     WaitTable,
     check_move,
     decide,
+    reslices,
 )
 
 T0 = 1000.0
@@ -241,6 +244,83 @@ def test_a_newer_table_arriving_mid_step_switches_every_member_after_the_same_st
     assert d.state.phase is Phase.FORMING and d.actions[0] == Arrive(2)
 
 
+def resliced(gen: int, sizes: list[int], *workers: str, continues: int | None = None) -> ShardTable:
+    """A re-slice (slices by speed) of generation ``gen - 1``: ``workers`` with ``sizes``."""
+    members, start = [], 0
+    for r, (wid, n) in enumerate(zip(workers, sizes)):
+        members.append(Member(worker_id=wid, rank=r, ranges=[(start, start + n, 1)]))
+        start += n
+    return ShardTable(job_id="j", generation=gen, world_size=len(workers), strategy="contiguous",
+                      num_samples=BATCH, members=members, continues=gen - 1 if continues is None else continues)
+
+
+def by_speed(s: TrainerState) -> TrainerState:
+    """``s`` of a job with slices by speed (its tables may be re-slices)."""
+    return replace(s, limits=replace(s.limits, may_reslice=True))
+
+
+def test_a_reslice_is_adopted_in_place_after_the_agreed_step_and_the_next_step_uses_its_ranges() -> None:
+    s = by_speed(training(1, "w0", "w1", wid="w1"))
+    s = decide(s, Tick(latest=1), T0).state
+    d = decide(s, Committed(cursor=64, max_generation=2), T0)  # some member saw generation 2
+    d = decide(d.state, Tick(latest=1), T0)  # this one had not: it must not train on the old ranges
+    assert d.actions == (FetchNext(2),) and not any(isinstance(a, TrainStep) for a in d.actions)
+    d = decide(d.state, NextFetched(resliced(2, [40, 24], "w0", "w1")), T0)
+    assert d.state.phase is Phase.TRAINING and d.state.group == 2 and d.state.used == 2 and d.state.seen == 2
+    assert d.actions == (Announce(2, 1, 2, 1, 64, 0.0, 1, ()),)  # no LeaveGroup, no barrier, no Form
+    assert "in place" in d.reason
+    step = one(decide(d.state, Tick(latest=2), T0), TrainStep)
+    assert step == TrainStep(1, 64, ((40, 64, 1),), 2, 2, 2)  # the new ranges, from the next step on
+
+
+@pytest.mark.parametrize("next_table", [
+    None,  # not found (trimmed, or not confirmed by a replica)
+    resliced(2, [40, 24], "w0", "w1", continues=0),  # a re-plan with a new group
+    resliced(2, [40, 24], "w1", "w0"),  # other ranks
+    resliced(2, [20, 20, 24], "w0", "w1", "w2"),  # other members
+    resliced(3, [40, 24], "w0", "w1"),  # not the generation right after (continues 2)
+])
+def test_anything_but_a_reslice_of_the_group_leaves_it(next_table) -> None:
+    s = decide(by_speed(training(1, "w0", "w1")), Tick(latest=1), T0).state
+    s = decide(s, Committed(cursor=64, max_generation=2), T0).state
+    s = decide(s, Tick(latest=2), T0).state
+    d = decide(s, NextFetched(next_table), T0)
+    assert d.actions == (LeaveGroup(background=True), FetchTable()) and d.state.phase is Phase.IDLE
+    d = decide(d.state, TableFetched(table(2, "w0", "w1", "w2")), T0)  # and forms the newest as ever
+    assert d.state.phase is Phase.FORMING and d.actions[0] == Arrive(2)
+
+
+def test_without_slices_by_speed_an_agreed_switch_leaves_at_once_even_for_a_reslice() -> None:
+    s = decide(training(1, "w0", "w1"), Tick(latest=2), T0).state
+    s = decide(s, Committed(cursor=64, max_generation=2), T0).state
+    assert decide(s, Tick(latest=2), T0).actions == (LeaveGroup(background=True), FetchTable())
+
+
+def test_reslices_needs_the_same_members_ranks_and_the_generation_right_after() -> None:
+    old = table(4, "w0", "w1", "w2")
+    assert reslices(old, resliced(5, [30, 20, 14], "w0", "w1", "w2"))
+    assert not reslices(old, resliced(5, [30, 20, 14], "w0", "w1", "w2", continues=3))
+    assert not reslices(old, resliced(6, [30, 20, 14], "w0", "w1", "w2", continues=4))
+    assert not reslices(old, resliced(5, [30, 34], "w0", "w1"))
+    assert not reslices(old, resliced(5, [30, 20, 14], "w0", "w1", "w2").model_copy(update={"paused": True}))
+
+
+def test_members_that_agreed_on_a_switch_all_adopt_the_same_reslice_at_the_same_step() -> None:
+    """Two members, one of which saw the new table and one not: both learn the switch from the
+    same committed step, both read the same generation, both train the next step on it."""
+    new = resliced(2, [44, 20], "w0", "w1")
+    steps = []
+    for wid, latest in (("w0", 2), ("w1", 1)):
+        s = decide(by_speed(training(1, "w0", "w1", wid=wid)), Tick(latest=latest), T0).state
+        s = decide(s, Committed(cursor=64, max_generation=2), T0).state
+        d = decide(s, Tick(latest=latest), T0)
+        assert d.actions == (FetchNext(2),)
+        s = decide(d.state, NextFetched(new), T0).state
+        steps.append(one(decide(s, Tick(latest=2), T0), TrainStep))
+    assert [st.step for st in steps] == [1, 1] and [st.base for st in steps] == [2, 2]
+    assert [st.ranges for st in steps] == [((0, 44, 1),), ((44, 64, 1),)]
+
+
 def test_a_newer_table_seen_before_a_step_is_carried_by_it_and_the_switch_waits_for_the_agreement() -> None:
     s = training(1)
     d = decide(s, Tick(latest=2), T0)
@@ -377,6 +457,11 @@ def test_when_every_member_drained_rank0_checkpoints_before_it_leaves_the_paused
     h = replace(h, limits=replace(h.limits, saves_alone=False))
     h = decide(decide(h, Committed(cursor=192, max_generation=2), T0).state, Tick(stop=True, latest=2), T0).state
     assert h.drained_saver is None
+    # slices by speed: the switch reads the next table first; the paused one is no re-slice
+    b = decide(by_speed(training(1, step=2, cursor=128)), Tick(stop=True, latest=1), T0).state
+    b = decide(decide(b, Committed(cursor=192, max_generation=2), T0).state, Tick(stop=True, latest=2), T0).state
+    b = decide(b, NextFetched(table(2, paused=True)), T0).state
+    assert b.drained_saver == (1, 2) and b.phase is Phase.IDLE
 
 
 def test_a_stopped_job_makes_rank0_save_a_final_checkpoint_and_everyone_exit() -> None:
@@ -394,12 +479,13 @@ def test_the_last_step_of_the_job_finishes_and_rank0_reports() -> None:
     s = decide(s, Tick(latest=1), T0).state
     d = decide(s, Committed(cursor=640, max_generation=1, loss=0.1), T0)
     assert d.state.phase is Phase.EXITED and d.state.exit_code == 0
-    assert one(d, Finish) == Finish(10, 640, report=True, checkpoint=SaveCheckpoint(10, 640, 1, 2, final=True))
+    assert one(d, Finish) == Finish(10, 640, report=True, checkpoint=SaveCheckpoint(10, 640, 1, 2, final=True),
+                                  generation=1)
     # step 10 is also a periodic checkpoint (interval 5): saved once, by Finish, not twice
     assert not [a for a in d.actions if isinstance(a, SaveCheckpoint)]
     limited = replace(training(1, wid="w1", step=1, cursor=64), limits=replace(LIMITS, max_steps=2))
     d = decide(decide(limited, Tick(latest=1), T0).state, Committed(cursor=128, max_generation=1), T0)
-    assert one(d, Finish) == Finish(2, 128, report=False, checkpoint=None)
+    assert one(d, Finish) == Finish(2, 128, report=False, checkpoint=None, generation=1)
 
 
 def test_inputs_out_of_phase_are_no_ops_with_a_reason() -> None:
@@ -454,3 +540,9 @@ def test_any_input_sequence_keeps_the_invariants(seq) -> None:
         assert d.state.used >= s.used
         s = d.state
     assert len(formed) == len(set(formed)) and formed == sorted(formed)
+
+
+def test_a_worker_in_no_group_forms_a_reslice_like_any_table() -> None:
+    s = decide(by_speed(fresh("w1")), Tick(latest=2), T0).state
+    d = decide(s, TableFetched(resliced(2, [40, 24], "w0", "w1")), T0)
+    assert d.state.phase is Phase.FORMING and d.actions[0] == Arrive(2)
