@@ -25,12 +25,11 @@ from shoal.events.keys import job_keys
 from shoal.events.models import ShardTable
 from shoal.coordinator.shards import count
 from shoal.ops.localproc import LocalProcs
-from shoal.worker import ledger
 from tests.helpers import ControlWatcher, dump_logs
+from tests.processes.three_workers import exactly_once_and_identical
 
 pytestmark = pytest.mark.slow
 
-DIGITS = 5000  # the digits example's training samples
 STEPS = 36
 FAST, SLOW = "0.001", "0.004"  # seconds per sample of own work
 
@@ -57,12 +56,7 @@ def _run(r, redis_url, tmp: Path, job: str, split: str) -> tuple[dict, list[dict
             dump_logs(procs, tmp / "logs")
             raise
     assert codes == {"p0": 0, "p1": 0, "p2": 0}, codes
-    entries = ledger.read(tmp / "ledger")
-    verdict = ledger.verify(entries, DIGITS)
-    assert verdict.ok, verdict.problem
-    assert verdict.steps == STEPS
-    finals = [torch.load(p, weights_only=True) for p in sorted((tmp / "final").glob("final-*.pt"))]
-    assert len(finals) == 3 and all(torch.equal(finals[0][k], f[k]) for f in finals[1:] for k in finals[0])
+    entries, finals = exactly_once_and_identical(tmp, STEPS)
     tables = [ShardTable.model_validate_json(f[b"data"]) for _sid, f in r.xrange(job_keys(job).generations)]
     return finals[0], entries, tables, slow.popen.pid
 
@@ -132,12 +126,7 @@ def test_a_join_after_re_slices_forms_a_new_group_and_every_sample_is_trained_on
             dump_logs(procs, tmp_path / "logs")
             raise
     assert codes == {"p0": 0, "p1": 0, "p2": 0}, codes
-    entries = ledger.read(tmp_path / "ledger")
-    verdict = ledger.verify(entries, DIGITS)
-    assert verdict.ok, verdict.problem
-    assert verdict.steps == steps
-    finals = [torch.load(p, weights_only=True) for p in sorted((tmp_path / "final").glob("final-*.pt"))]
-    assert len(finals) == 3 and all(torch.equal(finals[0][k], f[k]) for f in finals[1:] for k in finals[0])
+    entries, finals = exactly_once_and_identical(tmp_path, steps)
     tables = {t.generation: t for t in (ShardTable.model_validate_json(f[b"data"])
                                         for _sid, f in r.xrange(job_keys(job).generations))}
     keys = job_keys(job)

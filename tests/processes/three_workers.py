@@ -46,13 +46,20 @@ def run_three_workers(r, redis_url, tmp_path, job: str, check: Callable[[Control
             dump_logs(procs, tmp_path / "agent")
             raise
     assert "died with" not in (tmp_path / "logs" / "agent.log").read_text()  # no process exited early
-    entries = ledger.read(tmp_path / "ledger")
+    return exactly_once_and_identical(tmp_path, steps)[0]
+
+
+def exactly_once_and_identical(run: Path, steps: int, workers: int = 3) -> tuple[list[dict], list[dict]]:
+    """The ledger (``run/ledger``) of a finished digits job: every step and sample exactly
+    once, ``steps`` steps; the final exports (``run/final``) of its ``workers`` replicas
+    bit-identical. Returns (ledger entries, final state dicts)."""
+    entries = ledger.read(run / "ledger")
     verdict = ledger.verify(entries, DIGITS)
     assert verdict.ok, verdict.problem
     assert verdict.steps == steps
-    finals = [torch.load(p, weights_only=True) for p in sorted((tmp_path / "final").glob("final-*.pt"))]
-    assert len(finals) == 3 and all(torch.equal(finals[0][k], f[k]) for f in finals[1:] for k in finals[0])
-    return entries
+    finals = [torch.load(p, weights_only=True) for p in sorted((run / "final").glob("final-*.pt"))]
+    assert len(finals) == workers and all(torch.equal(finals[0][k], f[k]) for f in finals[1:] for k in finals[0])
+    return entries, finals
 
 
 def pids_by_worker(entries: list[dict]) -> dict[str, set[int]]:
