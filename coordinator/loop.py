@@ -5,7 +5,11 @@ or renew the job's lease; while it leads, it caches the job's state (coherent be
 every write to it is fenced by the lease epoch), consumes the job's event stream through
 the ``coordinators`` consumer group, and scans heartbeats on every tick. On takeover it
 reloads state from Redis and reclaims the previous leader's pending entries first, so no
-event is lost; events already applied (id <= ``applied``) are acknowledged and skipped.
+event is lost. An entry is applied and acknowledged in one fenced script, so an entry still
+pending was never applied, whatever its id: reclaimed and retried entries are applied even
+when a newer one already was (a fenced-out replica's late read, a handler that failed once).
+Only a first delivery at or below ``applied`` (a consumer group created anew over an old
+stream) is acknowledged and skipped.
 
 ``run_once`` performs one bounded iteration (tests drive it step by step); ``run`` loops
 until stopped and rides out Redis outages with capped exponential backoff.
@@ -260,7 +264,8 @@ class Coordinator:
                 handled += self.reclaim(lead, min_idle_ms=self.lease_ms, now=now)
             if lead.retry_own and lead.keys.job_id in self.leads:
                 lead.retry_own = False
-                handled += self._apply_entries(lead, bus.read_own_pending(self.client, lead.keys.events, self.instance_id, count=self.batch))
+                handled += self._apply_entries(lead, bus.read_own_pending(self.client, lead.keys.events, self.instance_id, count=self.batch),
+                                               pending=True)
         streams = [lead.keys.events for lead in self.leads.values()]
         wait = self.block_ms if block_ms is None else block_ms
         if streams:
@@ -322,18 +327,21 @@ class Coordinator:
     def reclaim(self, lead: JobLead, *, min_idle_ms: int, now: int) -> int:
         """Take over and apply entries other consumers read but never acknowledged."""
         lead.last_reclaim_ms = now
-        return self._apply_entries(lead, bus.reclaim(self.client, lead.keys.events, self.instance_id, min_idle_ms=min_idle_ms))
+        return self._apply_entries(lead, bus.reclaim(self.client, lead.keys.events, self.instance_id, min_idle_ms=min_idle_ms),
+                                   pending=True)
 
     # ---- applying events --------------------------------------------------------------------
 
-    def _apply_entries(self, lead: JobLead, entries: list[bus.Entry]) -> int:
+    def _apply_entries(self, lead: JobLead, entries: list[bus.Entry], *, pending: bool = False) -> int:
+        """Apply ``entries`` in order. ``pending``: they were pending in the group (reclaimed,
+        or our own retried), hence never applied - see :meth:`_apply_entry`."""
         if not entries:
             return 0
         now = server_ms(self.client)
         for sid, fields in entries:
             if self.leads.get(lead.keys.job_id) is not lead:  # dropped (or dropped and taken anew) meanwhile
                 break
-            self._apply_entry(lead, sid, fields, now)
+            self._apply_entry(lead, sid, fields, now, pending=pending)
             now = self._keep_up(now)
         return len(entries)
 
@@ -354,9 +362,17 @@ class Coordinator:
         self._next_check = time.monotonic() + max(self.tick_ms / 1000, 4 * (time.monotonic() - mono))
         return now
 
-    def _apply_entry(self, lead: JobLead, sid: str, fields: dict, now: int) -> None:
+    def _apply_entry(self, lead: JobLead, sid: str, fields: dict, now: int, *, pending: bool = False) -> None:
+        """Decide on one entry and commit the decision with its ``XACK`` (one fenced script).
+
+        ``pending`` (reclaimed or retried): never applied, so applied whatever ``applied`` says.
+        Skipping by id there lost events: a replica fenced out by a takeover still read a
+        join into its pending list, the new leader applied a later join first, and the
+        reclaimed one was acknowledged unapplied - its worker waited 30 s for a reply and
+        exited (20 jobs, 60 workers and two replicas on a slow machine). A first delivery
+        at or below ``applied`` is acknowledged and skipped (the group was created anew)."""
         keys = lead.keys
-        if not bus.id_lt(lead.state.status.applied, sid):
+        if not pending and not bus.id_lt(lead.state.status.applied, sid):
             self._commit(lead, FencedBatch(keys).add("XACK", keys.events, COORDINATOR_GROUP, sid))
             return
         try:
@@ -388,8 +404,9 @@ class Coordinator:
         """Persist a decision through the fence (plus ``applied``/XACK for stream entries)."""
         state = decision.state
         is_entry = source_id != "tick"
-        if is_entry:
-            state = replace(state, status=replace(state.status, applied=source_id))
+        if is_entry:  # the newest id applied: a reclaimed older entry does not move it back
+            newest = source_id if bus.id_lt(state.status.applied, source_id) else state.status.applied
+            state = replace(state, status=replace(state.status, applied=newest))
             decision = replace(decision, state=state)
         batch = decision_batch(lead.keys, lead.state, decision, kind=kind, source_id=source_id, now_ms=now, epoch=lead.epoch,
                                coordinator=self.instance_id)
@@ -406,10 +423,10 @@ class Coordinator:
 
     def _dead_letter(self, lead: JobLead, sid: str, fields: dict, reason: str, now: int) -> None:
         keys = lead.keys
-        status = replace(lead.state.status, applied=sid)
+        status = replace(lead.state.status, applied=sid if bus.id_lt(lead.state.status.applied, sid) else lead.state.status.applied)
         batch = FencedBatch(keys)
         batch.xadd(keys.dead, bus.dead_letter_fields(fields, reason, sid), maxlen=DEAD_MAXLEN)
-        batch.hset(keys.state, {"applied": sid})
+        batch.hset(keys.state, {"applied": status.applied})
         entry = ControlEntry(ts_ms=now, epoch=lead.epoch, coordinator=self.instance_id, kind=ControlKind.DEAD_LETTER, source_id=sid,
                              job_state=status.state, generation=status.generation,
                              reason=f"dead-lettered {sid}: {reason}")

@@ -2,9 +2,10 @@
 
 Delivery is at-least-once: an entry stays in the group's pending list until acknowledged,
 and a replacement consumer takes over a dead one's pending entries with XAUTOCLAIM.
-Consumers must therefore be idempotent (the coordinator records the last applied id) and
-must acknowledge and dead-letter in the same atomic write as their state change (the
-coordinator does both inside its fenced script; ``XACK`` itself is not owner-checked).
+Consumers must therefore acknowledge and dead-letter in the same atomic write as their
+state change (the coordinator does both inside its fenced script; ``XACK`` itself is not
+owner-checked): then an entry still pending was never applied, whatever its id - a
+reclaimed entry can be older than one its new owner already applied.
 
 Capping never drops unacknowledged entries: :func:`safe_trim_id` computes the oldest id
 still needed (pending or undelivered) and producers never pass ``maxlen`` on the event

@@ -241,8 +241,10 @@ class WorkerRecord:
 class JobStatus:
     """Job-level state of the coordinator (stored in the ``keys.state`` hash).
 
-    ``applied`` is the stream id of the last event applied: a redelivered event whose id is
-    not greater is acknowledged and ignored, which makes every handler idempotent.
+    ``applied`` is the stream id of the newest event applied. An event is applied and
+    acknowledged in one fenced script, so a pending (reclaimed) one is applied whatever its
+    id; a first delivery whose id is not greater (a consumer group created anew over an old
+    stream) is acknowledged and ignored.
     """
 
     #: pending, running, paused, completed, failed, stopped (see the module docstring).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import threading
 import time
@@ -84,6 +85,64 @@ def test_takeover_fences_the_old_leader_and_reclaims_its_pending_events(r, redis
     assert r.lpop(keys.join_reply(late.event_id)) is not None
 
 
+def test_a_join_a_fenced_out_replica_read_late_is_applied_after_a_newer_one(r, redis_url, job_id) -> None:
+    """B leads; A, fenced out but not yet aware of it, reads join E1 into its pending list;
+    B applies the newer join E2 first, then reclaims E1: E1 must be applied (answered, a
+    member), not acknowledged as "older than applied" (seen: a worker waited 30 s for its
+    reply and exited; 20 jobs on a slow machine, tests/processes/test_load_many_jobs.py)."""
+    keys = job_keys(job_id)
+    create_job(r, job_spec(job_id, SIMULATED_JOB))
+    b = Coordinator(redis.Redis.from_url(redis_url), instance_id="b", lease_ttl=5)
+    b.run_once(block_ms=1)
+    assert job_id in b.leads
+    e1, e2 = (JoinRequest(job_id=job_id, host="h", pid=i) for i in (1, 2))
+    bus.publish(r, keys.events, e1)
+    assert len(bus.read_new(r, [keys.events], "a", count=10, block_ms=None)[keys.events]) == 1  # A's late read
+    bus.publish(r, keys.events, e2)
+    b.run_once(block_ms=50)
+    assert r.lpop(keys.join_reply(e2.event_id)) is not None
+    assert r.llen(keys.join_reply(e1.event_id)) == 0  # still pending on A
+    applied = r.hget(keys.state, "applied")
+    b.reclaim(b.leads[job_id], min_idle_ms=0, now=0)
+    assert r.lpop(keys.join_reply(e1.event_id)) is not None
+    assert sorted(rec["pid"] for rec in _records(r, keys)) == [1, 2]
+    assert bus.group_info(r, keys.events).pending == 0
+    assert r.hget(keys.state, "applied") == applied  # the newest applied id does not move back
+
+
+def test_an_event_whose_handler_failed_once_is_applied_on_its_retry_after_newer_ones(r, redis_url, job_id, monkeypatch) -> None:
+    """A handler that fails once on E1 leaves E1 pending for a retry while the batch goes on
+    to E2; the retry applies E1 (before: acknowledged unapplied, as older than E2)."""
+    import shoal.coordinator.loop as loop
+
+    keys = job_keys(job_id)
+    create_job(r, job_spec(job_id, SIMULATED_JOB))
+    c = Coordinator(redis.Redis.from_url(redis_url), instance_id="c", lease_ttl=5)
+    c.run_once(block_ms=1)
+    e1, e2 = (JoinRequest(job_id=job_id, host="h", pid=i) for i in (1, 2))
+    real, failed = loop.decide, []
+
+    def flaky(state, inp, *args, **kwargs):
+        if getattr(inp, "event", None) is not None and inp.event.event_id == e1.event_id and not failed:
+            failed.append(inp.stream_id)
+            raise RuntimeError("transient")
+        return real(state, inp, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "decide", flaky)
+    for ev in (e1, e2):
+        bus.publish(r, keys.events, ev)
+    c.run_once(block_ms=50)
+    assert failed and r.lpop(keys.join_reply(e2.event_id)) is not None
+    c.run_once(block_ms=1)  # the retry of our own pending entry
+    assert r.lpop(keys.join_reply(e1.event_id)) is not None
+    assert sorted(rec["pid"] for rec in _records(r, keys)) == [1, 2]
+    assert bus.group_info(r, keys.events).pending == 0
+
+
+def _records(r, keys) -> list[dict]:
+    return [json.loads(v) for v in r.hvals(keys.workers)]
+
+
 def test_redelivered_event_changes_nothing(r, redis_url, job_id) -> None:
     keys = job_keys(job_id)
     create_job(r, job_spec(job_id, SIMULATED_JOB))
@@ -94,7 +153,7 @@ def test_redelivered_event_changes_nothing(r, redis_url, job_id) -> None:
     sid = bus.publish(r, keys.events, Ready(job_id=job_id, worker_id=wid, generation=1))
     c.run_once(block_ms=50)
     snapshot = (r.hgetall(keys.state), r.hgetall(keys.workers), r.xlen(keys.control))
-    # redeliver the same entry (as after a crash between apply and ack)
+    # a first delivery at or below applied (as from a consumer group created anew over the stream)
     fields = r.xrange(keys.events, sid, sid)[0][1]
     c._apply_entry(c.leads[job_id], sid, fields, now=0)
     assert (r.hgetall(keys.state), r.hgetall(keys.workers), r.xlen(keys.control)) == snapshot
@@ -218,7 +277,7 @@ def test_a_long_batch_of_entries_still_ticks_and_renews_the_lease(r, redis_url, 
         r.xadd(keys.events, {"filler": str(i)})
     seen: list[tuple[int, int]] = []
 
-    def slow(lead, sid, fields, now) -> None:  # 20 ms an entry: the batch takes 2 s, longer than the lease
+    def slow(lead, sid, fields, now, **_) -> None:  # 20 ms an entry: the batch takes 2 s, longer than the lease
         time.sleep(0.02)
         seen.append((c.stats.ticks, r.pttl(keys.lease)))
 
