@@ -77,9 +77,11 @@ def decision_batch(
 def control_entry(decision: Decision, *, kind: ControlKind | str, source_id: str, now_ms: int, epoch: int,
                   coordinator: str = "") -> ControlEntry:
     """The control stream's entry of ``decision``: what it applied, the job's state after it,
-    the reason, and the typed membership change of the generation it planned, if any."""
+    the reason, the typed membership change of the generation it planned, if any, and the
+    step LATEST now names, if it moved."""
     status = decision.state.status
     change = next((a.change for a in decision.actions if isinstance(a, Publish) and a.change is not None), None)
+    latest = next((a.step for a in decision.actions if isinstance(a, SetLatest)), None)
     return ControlEntry(ts_ms=now_ms, epoch=epoch, coordinator=coordinator, kind=kind, source_id=source_id, job_state=status.state,
-                        generation=status.generation, reason=decision.reason,
+                        generation=status.generation, reason=decision.reason, latest_step=latest,
                         **(change.fields() if change is not None else {}))

@@ -165,6 +165,9 @@ class ControlEntry(FlatEntry):
     #: (every member that held it was lost): the step of the checkpoint it starts from
     #: (:attr:`~shoal.events.models.ShardTable.restore_step`). None otherwise.
     restored_from: int | None = None
+    #: Only on a decision that moved the job's LATEST pointer (a checkpoint event): the step
+    #: of the checkpoint it now names. None otherwise.
+    latest_step: int | None = None
 
     @property
     def planned(self) -> bool:

@@ -94,12 +94,12 @@ def test_leader_killed_with_a_checkpoint_event_pending_the_standby_moves_latest(
         try:
             procs.start("agent", "agent", job, "--workers", "2", "--run-dir", str(tmp_path / "agent"))
             watch.wait_for(lambda d: d.kind == "join", 60)  # the leader leads (it is alone)
-            first = watch.wait_for(lambda d: "LATEST -> checkpoint of step 10" in d.reason, 120)
+            first = watch.wait_for(lambda d: d.latest_step == 10, 120)
             assert leader.wait(60) == -9  # killed itself holding the step-20 event, unapplied
             # the standby comes up only now: started earlier, it could have been handed the job
             # by the leader's lease balancing (the shared test Redis holds many jobs)
             standby = procs.coordinator("standby", "--lease-ttl", "1")
-            moved = watch.wait_for(lambda d: "LATEST -> checkpoint of step 20" in d.reason, 30)
+            moved = watch.wait_for(lambda d: d.latest_step == 20, 30)
             assert int(moved.epoch) > int(first.epoch)  # applied by the standby, after a takeover
             watch.wait_for(lambda d: d.job_state == "completed", 120)
         except BaseException:

@@ -140,7 +140,7 @@ def _check_resumed_from_newest_checkpoint(tmp_path: Path, watch: ControlWatcher,
     assert d.world_size == 1 and "w0" in d.failed and f"starts from the checkpoint of step {at}" in d.reason
     # the newest checkpoint then: the last one the coordinator moved LATEST to before
     moved = [x for x in watch.seen[:watch.seen.index(d)] if x.kind == "checkpoint"]
-    assert moved and moved[-1].reason.startswith(f"LATEST -> checkpoint of step {at} ")
+    assert moved and moved[-1].latest_step == at, moved[-1].reason
     entries = _entries(tmp_path)
     by_pid: dict[int, list[dict]] = defaultdict(list)
     for e in entries:

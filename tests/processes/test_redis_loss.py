@@ -54,7 +54,7 @@ def _train_through_redis_restart(tmp_path: Path, *, empty: bool) -> tuple[list[d
             agent = procs.start("agent", "agent", job, "--workers", "2", "--backoff", "0.2", "--max-restarts", "0",
                                 "--run-dir", str(tmp_path / "agent"))
             try:
-                watch.wait_for(lambda d: "LATEST -> checkpoint of step 20" in d.reason, 120)
+                watch.wait_for(lambda d: d.latest_step == 20, 120)
                 before = {r["pid"] for r in watch.workers().values() if r["state"] == "Active"}
                 server = _restart(server, empty=empty)
                 client = redis.Redis.from_url(server.url, socket_timeout=10)

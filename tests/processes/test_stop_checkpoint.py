@@ -69,7 +69,7 @@ def test_stop_writes_a_final_checkpoint_latest_follows_and_purge_leaves_no_key(
         last[e["worker"]] = max(last.get(e["worker"], 0), e["step"])
     stopped_at = last[rank0]
     assert stopped_at >= 8 and set(last.values()) == {stopped_at}, last  # both stopped at the same step boundary
-    assert moved.reason.startswith(f"LATEST -> checkpoint of step {stopped_at} ")
+    assert moved.latest_step == stopped_at, moved.reason
     assert moved.job_state == "stopped"
 
     store = open_store(ckpt)
@@ -115,7 +115,7 @@ def test_a_peer_that_sees_the_stop_one_step_before_rank_0_does_not_cost_the_fina
     for e in ledger.read(tmp_path / "ledger"):
         last[e["worker"]] = max(last.get(e["worker"], 0), e["step"])
     assert set(last.values()) == {10}, last
-    assert moved.reason.startswith("LATEST -> checkpoint of step 10 ")
+    assert moved.latest_step == 10, moved.reason
     state, _ = load_latest(open_store(ckpt))
     assert state.step == 10 and int(state.data_cursor) == 10 * 64
     assert LatestPointer.from_json(r.get(job_keys(job_id).latest)).step == 10

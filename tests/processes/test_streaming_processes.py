@@ -436,7 +436,7 @@ def test_full_restart_resumes_at_the_cursors_shard_and_position_without_replayin
         procs.coordinator("coord")
         procs.worker(job, "a")
         procs.worker(job, "b")
-        watch.wait_for(lambda d: "LATEST -> checkpoint of step 40" in d.reason, 180)
+        watch.wait_for(lambda d: d.latest_step == 40, 180)
         for p in procs.procs:  # lose every process at once
             p.signal(signal.SIGKILL)
     state, _ = load_latest(open_store(ckpt))

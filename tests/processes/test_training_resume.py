@@ -30,7 +30,7 @@ def test_wiped_redis_resumes_from_storage_latest_at_the_same_step_and_cursor(r, 
         procs.coordinator("coord")
         procs.worker(job, "a")
         procs.worker(job, "b")
-        watch.wait_for(lambda d: "LATEST -> checkpoint of step 20" in d.reason, 180)
+        watch.wait_for(lambda d: d.latest_step == 20, 180)
         for p in procs.procs:  # lose every process at once
             p.signal(signal.SIGKILL)
     store = open_store(ckpt)

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 
 from shoal.coordinator.decide import SETTLE_MS, EventInput, Publish, Tick, decide, restore_point
+from shoal.coordinator.persist import control_entry
 from shoal.coordinator.redone import StepSeen
+from shoal.events.streams import ControlEntry
 from shoal.coordinator.loop import _steps_seen
 from shoal.coordinator.states import CoordState
 from shoal.events.records import JobStatus
@@ -105,6 +107,9 @@ def test_resuming_from_a_checkpoint_redoes_the_steps_after_it_and_a_second_loss_
     s = _two_active()
     d = decide(s, _ev(Checkpointed(job_id="j", worker_id="w0", step=10, store="file:///c", generation=1)), T0 + 500, SPEC)
     assert d.state.status.high_step == 10 and d.state.status.latest_step == 10
+    # its control entry names the step as a typed field (readers never parse the reason)
+    entry = control_entry(d, kind="checkpoint", source_id="1-0", now_ms=T0 + 500, epoch=1)
+    assert entry.latest_step == 10 and ControlEntry.from_fields(entry.to_fields()).latest_step == 10
     s = _heartbeats(d.state, T0 + 1000, w0=(1, 25), w1=(1, 25)).state
     s = _lose_everyone(s, T0 + 2000)
     gen = s.status.generation
@@ -115,6 +120,8 @@ def test_resuming_from_a_checkpoint_redoes_the_steps_after_it_and_a_second_loss_
     # the late checkpoint event of a lost generation does not raise the new line's high step
     d = decide(s, _ev(Checkpointed(job_id="j", worker_id="w0", step=20, store="file:///c", generation=1)), T0 + 3100, SPEC)
     assert d.state.status.high_step == 10 and d.state.status.latest_step == 20
+    assert control_entry(d, kind="checkpoint", source_id="2-0", now_ms=T0 + 3100, epoch=1).latest_step == 20
+    assert control_entry(_ready(s, "w9", T0 + 3200, 10), kind="ready", source_id="3-0", now_ms=0, epoch=1).latest_step is None
     # lost again at 18: steps 11-18 are committed a third time, from the checkpoint of step 10
     s = _heartbeats(d.state, T0 + 4000, w2=(gen, 18), w3=(gen, 18)).state
     for i, wid in enumerate(("w2", "w3")):
