@@ -405,8 +405,7 @@ class Coordinator:
         state = decision.state
         is_entry = source_id != "tick"
         if is_entry:  # the newest id applied: a reclaimed older entry does not move it back
-            newest = source_id if bus.id_lt(state.status.applied, source_id) else state.status.applied
-            state = replace(state, status=replace(state.status, applied=newest))
+            state = replace(state, status=replace(state.status, applied=bus.id_max(state.status.applied, source_id)))
             decision = replace(decision, state=state)
         batch = decision_batch(lead.keys, lead.state, decision, kind=kind, source_id=source_id, now_ms=now, epoch=lead.epoch,
                                coordinator=self.instance_id)
@@ -423,7 +422,7 @@ class Coordinator:
 
     def _dead_letter(self, lead: JobLead, sid: str, fields: dict, reason: str, now: int) -> None:
         keys = lead.keys
-        status = replace(lead.state.status, applied=sid if bus.id_lt(lead.state.status.applied, sid) else lead.state.status.applied)
+        status = replace(lead.state.status, applied=bus.id_max(lead.state.status.applied, sid))
         batch = FencedBatch(keys)
         batch.xadd(keys.dead, bus.dead_letter_fields(fields, reason, sid), maxlen=DEAD_MAXLEN)
         batch.hset(keys.state, {"applied": status.applied})

@@ -107,6 +107,11 @@ def id_lt(a: str, b: str) -> bool:
     return (int(am), int(asq or 0)) < (int(bm), int(bsq or 0))
 
 
+def id_max(a: str, b: str) -> str:
+    """The later of two stream ids."""
+    return b if id_lt(a, b) else a
+
+
 def safe_trim_id(info: GroupInfo) -> str:
     """The MINID up to which the stream may be trimmed exactly: every entry before it was
     delivered and acknowledged. Undelivered entries come after ``last_delivered``."""
