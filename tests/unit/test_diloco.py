@@ -6,6 +6,7 @@ rollback when the outer exchange fails)."""
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -21,6 +22,15 @@ BASE = {"name": "d", "sync": "diloco"}
 
 
 # --- the spec ---------------------------------------------------------------------------------
+
+def _both_ranks(fn, timeout: float = 60) -> None:
+    """Run ``fn(0)`` and ``fn(1)`` in two threads (the two members of a group) and wait for both."""
+    threads = [threading.Thread(target=fn, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+
 def test_diloco_defaults_and_a_round_of_samples() -> None:
     spec = parse_spec(dict(BASE, global_batch_size=32))
     options = spec.diloco_options
@@ -263,7 +273,6 @@ def test_a_piece_is_what_the_floor_rate_carries_in_the_collective_timeout() -> N
 def pair_groups(tmp_path, request):
     """Two real gloo groups of one group of two ranks (one FileStore), closed after the test;
     each rank's collective timeout from an indirect parameter (default 30 s each)."""
-    import threading
 
     import torch.distributed as dist
 
@@ -278,11 +287,7 @@ def pair_groups(tmp_path, request):
         tg = tc.new_gloo_group(store, rank, 2, timeouts[rank], "127.0.0.1")
         made[rank] = Group("j", 1, rank, 2, "gloo", torch.device("cpu"), store, timeouts[rank], tg, registered=False)
 
-    threads = [threading.Thread(target=make, args=(rank,)) for rank in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    _both_ranks(make)
     assert len(made) == 2, "the group of two did not form"
     yield made[0], made[1]
     for g in made.values():
@@ -293,7 +298,6 @@ def pair_groups(tmp_path, request):
 def test_an_exchange_in_pieces_is_the_exchange_in_one(pair_groups, monkeypatch, dtype: str) -> None:
     """Two ranks exchange outer gradients in pieces of 1 KB (a few hundred collectives): each
     rank gets the same sum, and the same bits as the whole messages combined at once."""
-    import threading
 
     calls = {"all_reduce": 0, "all_gather": 0}
     for g in pair_groups:
@@ -319,11 +323,7 @@ def test_an_exchange_in_pieces_is_the_exchange_in_one(pair_groups, monkeypatch, 
         tail = torch.tensor([0.0, 1.5, counts[rank]])
         results[rank] = layout._reduce(pair_groups[rank], deltas[rank].clone(), tail)
 
-    threads = [threading.Thread(target=exchange, args=(rank,)) for rank in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    _both_ranks(exchange, 120)
     assert len(results) == 2
     (total0, tails0), (total1, tails1) = results[0], results[1]
     assert torch.equal(total0, total1) and torch.equal(tails0, tails1)
@@ -344,7 +344,6 @@ def test_members_whose_groups_have_different_timeouts_cut_the_same_pieces(pair_g
     optimizer state gets a smaller one): the pieces follow the spec's collective timeout,
     the same on every member. Cut by each group's own (375 KB vs 12.5 MB here), the members'
     collectives would not match."""
-    import threading
 
     from shoal.worker.layout import GroupSettings
 
@@ -357,10 +356,6 @@ def test_members_whose_groups_have_different_timeouts_cut_the_same_pieces(pair_g
                                       collective_timeout=3.0)
         results[rank] = layout._reduce(pair_groups[rank], delta.clone(), torch.tensor([0.0, 0.0, 1.0]))[0]
 
-    threads = [threading.Thread(target=exchange, args=(rank,)) for rank in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    _both_ranks(exchange)
     assert len(results) == 2, "the exchange failed: the members cut different pieces"
     assert torch.equal(results[0], torch.full((800_000,), 2.0)) and torch.equal(results[1], results[0])
