@@ -35,7 +35,8 @@ that misses 80 % of its rate refuses the run. ``--link-sync-steps`` synchronous 
 5.9 M-parameter MLP; prints ``link=``,
 ``speedup=``, ``utilisation=``, ``sync_utilisation=``, ``exactly_once=``, ``false_evictions=`` (members
 the coordinator declared failed in either run: nothing is injected, so every one is false). Every namespace is
-deleted at the end, also on failure or SIGTERM.
+deleted at the end, also on failure or SIGTERM. ``--no-idle-slow-start`` sets the worker hosts'
+``net.ipv4.tcp_slow_start_after_idle`` to 0 (measured: no effect on the exchange here).
 """
 
 from __future__ import annotations
@@ -261,6 +262,8 @@ def main_link(args) -> int:
             ws = [net.add_host("w0"), net.add_host("w1")]
             for w in ws:
                 net.set_link(w, mbit, delay / 2)
+                if args.no_idle_slow_start:  # a host setting (per network namespace), not shoal's
+                    w.exec("sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0")
             try:
                 got = net.check_link(ws[0], ws[1], mbit, seconds=4.0, warm=2.0)
             except LinkCheckFailed as exc:
@@ -276,7 +279,8 @@ def main_link(args) -> int:
                 print(f"  {name}: {r['steps']} steps, {r['rate']:.1f} samples/s, compute {r['compute']:.3f} s + exposed "
                       f"comm {r['comm']:.3f} s per step (a step: a round with DiLoCo)", flush=True)
     d, s = res[f"h{args.h}"], res["sync"]
-    print(f"link={mbit:g}mbit,{delay:g}ms outer_dtype={args.outer_dtype}")
+    print(f"link={mbit:g}mbit,{delay:g}ms outer_dtype={args.outer_dtype}"
+          f"{' tcp_slow_start_after_idle=0' if args.no_idle_slow_start else ''}")
     print(f"speedup={d['rate'] / s['rate']:.2f}")
     print(f"utilisation={d['compute'] / (d['compute'] + d['comm']):.3f}")
     print(f"sync_utilisation={s['compute'] / (s['compute'] + s['comm']):.3f}")
@@ -300,6 +304,10 @@ def main() -> int:
     ap.add_argument("--h", type=int, default=50, help="--link: DiLoCo's inner steps")
     ap.add_argument("--link-sync-steps", type=int, default=12, help="--link: synchronous steps")
     ap.add_argument("--link-rounds", type=int, default=5, help="--link: DiLoCo rounds")
+    ap.add_argument("--no-idle-slow-start", action="store_true",
+                    help="--link: set net.ipv4.tcp_slow_start_after_idle=0 in the worker hosts (Linux's default 1 "
+                         "restarts TCP slow start on a connection idle for one RTO: every outer exchange, after a "
+                         "round of inner steps, starts from a small window)")
     ap.add_argument("--outer-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
                     help="--link: DiLoCo's outer gradient on the wire")
     args = ap.parse_args()
