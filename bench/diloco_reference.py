@@ -10,6 +10,14 @@ paper's and torchft's step. Its data order is its own (a seeded permutation per 
 
 Prints the synchronous run's test loss, then one line per (H, outer lr, momentum): test loss,
 accuracy and the gap (DiLoCo / synchronous - 1).
+
+``--delayed``: each line also for the **one-round-delayed outer step** - what overlapping a
+round's outer exchange with the next round's inner steps gives when every round still starts
+from the same global weights on every member: round r trains from the global weights that
+hold the outer steps of rounds up to r - 2, and round r - 1's outer step is applied when round
+r ends (its exchange ran during round r); the last one is applied at the end. Not built in
+shoal (docs/training.md: a round is the unit of commit); this measures what it would cost in
+loss before anyone builds it.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ def main() -> int:
     ap.add_argument("--schedule", choices=("constant", "cosine"), default="cosine")
     ap.add_argument("--h", type=int, nargs="+", default=[25, 50])
     ap.add_argument("--outer", nargs="+", default=["0.7,0.9", "0.7,0.5", "1.0,0"], help="LR,MOMENTUM pairs")
+    ap.add_argument("--delayed", action="store_true", help="also the one-round-delayed outer step (see above)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     train, test = DigitGlyphs(train=True), DigitGlyphs(train=False)
@@ -64,34 +73,46 @@ def main() -> int:
             train_step(model, opt, sched, order[i:i + BATCH])
     sync = evaluate(model)
     print(f"sync: loss {sync[0]:.4f} accuracy {sync[1]:.3f} ({args.epochs} epochs, {args.schedule} lr)", flush=True)
-    for h in args.h:
-        for pair in args.outer:
-            lr, momentum = (float(v) for v in pair.split(","))
-            torch.manual_seed(0)
-            glob = make_model()
-            members = [copy.deepcopy(glob) for _ in range(MEMBERS)]
-            opts = [optimizer(m) for m in members]
-            bufs = [torch.zeros_like(p) for p in glob.parameters()]
-            rounds = 0
-            for order in orders:
-                for r in range(0, len(order), h * BATCH):
-                    part, deltas, counts = order[r:r + h * BATCH], [], []
-                    for k, (m, (o, s)) in enumerate(zip(members, opts)):
-                        mine = part[k * len(part) // MEMBERS:(k + 1) * len(part) // MEMBERS]
-                        m.load_state_dict(glob.state_dict())
-                        for idx in torch.tensor_split(mine, max(1, min(h, round(len(mine) * MEMBERS / BATCH)))):
-                            train_step(m, o, s, idx)
-                        deltas.append([g.detach() - p.detach() for g, p in zip(glob.parameters(), m.parameters())])
-                        counts.append(len(mine))
-                    with torch.no_grad():
-                        for j, g in enumerate(glob.parameters()):
-                            d = sum(c * dl[j] for c, dl in zip(counts, deltas)) / sum(counts)
-                            bufs[j].mul_(momentum).add_(d)
-                            g.add_(d.add(bufs[j], alpha=momentum), alpha=-lr)
-                    rounds += 1
-            loss, acc = evaluate(glob)
-            print(f"H={h} outer lr {lr} momentum {momentum}: loss {loss:.4f} accuracy {acc:.3f} "
-                  f"({rounds} outer steps) gap={loss / sync[0] - 1:+.4f}", flush=True)
+    for h, pair, delayed in [(h, pair, d) for h in args.h for pair in args.outer
+                             for d in ((False, True) if args.delayed else (False,))]:
+        lr, momentum = (float(v) for v in pair.split(","))
+        torch.manual_seed(0)
+        glob = make_model()
+        members = [copy.deepcopy(glob) for _ in range(MEMBERS)]
+        opts = [optimizer(m) for m in members]
+        bufs = [torch.zeros_like(p) for p in glob.parameters()]
+        rounds = 0
+        pending = None  # --delayed: the averaged pseudo-gradient whose exchange is in flight
+
+        def outer_step(mean):
+            with torch.no_grad():
+                for j, g in enumerate(glob.parameters()):
+                    bufs[j].mul_(momentum).add_(mean[j])
+                    g.add_(mean[j].add(bufs[j], alpha=momentum), alpha=-lr)
+
+        for order in orders:
+            for r in range(0, len(order), h * BATCH):
+                part, deltas, counts = order[r:r + h * BATCH], [], []
+                for k, (m, (o, s)) in enumerate(zip(members, opts)):
+                    mine = part[k * len(part) // MEMBERS:(k + 1) * len(part) // MEMBERS]
+                    m.load_state_dict(glob.state_dict())
+                    for idx in torch.tensor_split(mine, max(1, min(h, round(len(mine) * MEMBERS / BATCH)))):
+                        train_step(m, o, s, idx)
+                    deltas.append([g.detach() - p.detach() for g, p in zip(glob.parameters(), m.parameters())])
+                    counts.append(len(mine))
+                mean = [sum(c * dl[j] for c, dl in zip(counts, deltas)) / sum(counts) for j in range(len(bufs))]
+                if delayed:  # round r-1's exchange ends with round r: its outer step now
+                    if pending is not None:
+                        outer_step(pending)
+                    pending = mean
+                else:
+                    outer_step(mean)
+                rounds += 1
+        if pending is not None:
+            outer_step(pending)
+        loss, acc = evaluate(glob)
+        print(f"H={h} outer lr {lr} momentum {momentum}{' delayed' if delayed else ''}: loss {loss:.4f} "
+              f"accuracy {acc:.3f} ({rounds} outer steps) gap={loss / sync[0] - 1:+.4f}", flush=True)
     return 0
 
 
