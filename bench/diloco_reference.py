@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 
 import torch
 from torch import nn
@@ -73,8 +74,7 @@ def main() -> int:
             train_step(model, opt, sched, order[i:i + BATCH])
     sync = evaluate(model)
     print(f"sync: loss {sync[0]:.4f} accuracy {sync[1]:.3f} ({args.epochs} epochs, {args.schedule} lr)", flush=True)
-    for h, pair, delayed in [(h, pair, d) for h in args.h for pair in args.outer
-                             for d in ((False, True) if args.delayed else (False,))]:
+    for h, pair, delayed in itertools.product(args.h, args.outer, (False, True) if args.delayed else (False,)):
         lr, momentum = (float(v) for v in pair.split(","))
         torch.manual_seed(0)
         glob = make_model()

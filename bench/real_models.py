@@ -148,8 +148,8 @@ def _gpt_size(env: dict[str, str]) -> float:
 def workloads(quick: bool) -> list[Workload]:
     gpt = _gpt_env(2, 256, 4, 128) if quick else _gpt_env(6, 384, 6, 128)
     # --quick: 240 steps of ~0.14 s (192 measured). With 60 a pair's ratio moved +-4 % and the
-    # median of five sat anywhere in 0.95-1.00; with 150 the compiled pairs still spread
-    # 0.93-1.01; 300 steps held them within 0.015 (docs/benchmarks.md)
+    # median of five sat anywhere in 0.95-1.00; with 240 a run's pairs spread 0.02-0.06 and two
+    # runs' medians agreed within 0.01 (docs/benchmarks.md)
     gpt_steps = 240 if quick else 60
     return [
         Workload("gpt", "bench.real_models:build_gpt", 16, gpt_steps,

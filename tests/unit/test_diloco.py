@@ -22,15 +22,6 @@ BASE = {"name": "d", "sync": "diloco"}
 
 
 # --- the spec ---------------------------------------------------------------------------------
-
-def _both_ranks(fn, timeout: float = 60) -> None:
-    """Run ``fn(0)`` and ``fn(1)`` in two threads (the two members of a group) and wait for both."""
-    threads = [threading.Thread(target=fn, args=(rank,)) for rank in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-
 def test_diloco_defaults_and_a_round_of_samples() -> None:
     spec = parse_spec(dict(BASE, global_batch_size=32))
     options = spec.diloco_options
@@ -257,6 +248,15 @@ def test_the_outer_momentum_survives_a_checkpoint_in_a_real_store(solo_group, tm
 
 
 # --- the exchange in pieces -----------------------------------------------------------------------
+def _both_ranks(fn, timeout: float = 60) -> None:
+    """Run ``fn(0)`` and ``fn(1)`` in two threads (the two members of a group) and wait for both."""
+    threads = [threading.Thread(target=fn, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+
+
 def test_a_piece_is_what_the_floor_rate_carries_in_the_collective_timeout() -> None:
     assert outer.piece_bytes(65.0) == 65 * outer.FLOOR_RATE  # the default step_timeout's groups
     assert outer.piece_bytes(0.5) == outer.MIN_PIECE and outer.piece_bytes(86400.0) == outer.MAX_PIECE
@@ -273,7 +273,6 @@ def test_a_piece_is_what_the_floor_rate_carries_in_the_collective_timeout() -> N
 def pair_groups(tmp_path, request):
     """Two real gloo groups of one group of two ranks (one FileStore), closed after the test;
     each rank's collective timeout from an indirect parameter (default 30 s each)."""
-
     import torch.distributed as dist
 
     from shoal.worker import torch_compat as tc
@@ -298,7 +297,6 @@ def pair_groups(tmp_path, request):
 def test_an_exchange_in_pieces_is_the_exchange_in_one(pair_groups, monkeypatch, dtype: str) -> None:
     """Two ranks exchange outer gradients in pieces of 1 KB (a few hundred collectives): each
     rank gets the same sum, and the same bits as the whole messages combined at once."""
-
     calls = {"all_reduce": 0, "all_gather": 0}
     for g in pair_groups:
         for name in calls:
@@ -344,7 +342,6 @@ def test_members_whose_groups_have_different_timeouts_cut_the_same_pieces(pair_g
     optimizer state gets a smaller one): the pieces follow the spec's collective timeout,
     the same on every member. Cut by each group's own (375 KB vs 12.5 MB here), the members'
     collectives would not match."""
-
     from shoal.worker.layout import GroupSettings
 
     delta = torch.ones(800_000)  # 800 KB in int8: 3 pieces at 3 s, 1 at 100 s
