@@ -32,7 +32,10 @@ way (TBF) and delayed DELAY_MS / 2 each (so DELAY_MS one way between the workers
 the coordinator on hosts of their own; the link is measured worker to worker first and a link
 that misses 80 % of its rate refuses the run. ``--link-sync-steps`` synchronous steps, then
 ``--link-rounds`` DiLoCo rounds of ``--h`` inner steps (``--outer-dtype`` on the wire), the
-5.9 M-parameter MLP; prints ``link=``,
+5.9 M-parameter MLP at global batch ``--batch`` (default 64; it sets an inner step's compute
+against the link's exchange: 1024 gives ~0.2 s an inner step, the issue's regime), on a
+training set of two whole rounds (2 x H x batch digits: an epoch's end would cut a round
+short); prints ``link=``,
 ``speedup=``, ``utilisation=``, ``sync_utilisation=``, ``exactly_once=``, ``false_evictions=`` (members
 the coordinator declared failed in either run: nothing is injected, so every one is false). Every namespace is
 deleted at the end, also on failure or SIGTERM. ``--no-idle-slow-start`` sets the worker hosts'
@@ -76,11 +79,16 @@ def make_model() -> nn.Module:
                          nn.Linear(HIDDEN, 10))
 
 
+#: the throughput runs' training set size (``--link``: whole rounds per epoch), read by
+#: :func:`build` in the worker processes; the 5000 digits without it
+DATASET_ENV = "SHOAL_BENCH_DILOCO_SIZE"
+
+
 def build() -> TrainingSetup:
     """The bench's entrypoint (``bench.diloco:build``)."""
     model = make_model()
     return TrainingSetup(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-                         dataset=DigitGlyphs(train=True),
+                         dataset=DigitGlyphs(train=True, size=int(os.environ.get(DATASET_ENV, "0")) or None),
                          loss_fn=lambda out, y: nn.functional.cross_entropy(out, y, reduction="sum"))
 
 
@@ -132,9 +140,10 @@ def test_loss(path: Path, make=make_model) -> tuple[float, float]:
         return float(nn.functional.cross_entropy(out, y)), float((out.argmax(1) == y).float().mean())
 
 
-def _spec(job: str, epochs: int, h: int | None, entrypoint: str = "bench.diloco:build", **kw) -> JobSpec:
+def _spec(job: str, epochs: int, h: int | None, entrypoint: str = "bench.diloco:build", batch: int = BATCH,
+          **kw) -> JobSpec:
     sync = dict(sync="diloco", diloco={"inner_steps": h}) if h else {}
-    return JobSpec(**(dict(name=job, entrypoint=entrypoint, global_batch_size=BATCH, epochs=epochs,
+    return JobSpec(**(dict(name=job, entrypoint=entrypoint, global_batch_size=batch, epochs=epochs,
                            min_workers=WORKERS, max_workers=WORKERS, heartbeat_interval=0.2, heartbeat_ttl=2.0,
                            step_timeout=600, loader_workers=0, prefetch_steps=0) | sync | kw))
 
@@ -203,7 +212,7 @@ def run_recovery(url: str, tmp: Path) -> dict:
             "exactly_once": ledger.verify(entries, DIGITS).ok and ws[2].pid not in {e["pid"] for e in redone}}
 
 
-def run_net(net, tmp: Path, job: str, spec: JobSpec, hosts: list) -> dict:
+def run_net(net, tmp: Path, job: str, spec: JobSpec, hosts: list, size: int = DIGITS) -> dict:
     """Run ``spec`` to completion with its coordinator on ``net``'s host ``coord`` and one
     worker on each of ``hosts``: samples/s and the medians of compute and exposed
     communication per step (round), from the ledgers (as :func:`run`)."""
@@ -211,7 +220,7 @@ def run_net(net, tmp: Path, job: str, spec: JobSpec, hosts: list) -> dict:
     create_job(client, spec)
     watch = ControlWatcher(client, job)
     lg = tmp / f"ledger-{job}"
-    env = {"SHOAL_LEDGER_DIR": str(lg), "SHOAL_HOME": str(tmp / f"home-{job}")}
+    env = {"SHOAL_LEDGER_DIR": str(lg), "SHOAL_HOME": str(tmp / f"home-{job}"), DATASET_ENV: str(size)}
     procs = [net.hosts["coord"].shoal(f"coord-{job}", "coordinator", "--id", f"coord-{job}", "--no-launcher", env=env)]
     procs += [h.shoal(f"{job}-{h.name}", "worker", job, env=env) for h in hosts]
     try:
@@ -233,7 +242,7 @@ def run_net(net, tmp: Path, job: str, spec: JobSpec, hosts: list) -> dict:
     return {"rate": samples / (steady[-1]["t"] - steady[0]["t"]),
             "compute": statistics.median(e["compute"] for e in steady),
             "comm": statistics.median(e["comm"] for e in steady), "steps": len(mine),
-            "exactly_once": ledger.verify(entries, DIGITS).ok,
+            "exactly_once": ledger.verify(entries, size).ok,
             # nothing is injected here: every member the coordinator declared failed is a false one
             "false_evictions": sum(len(d.removed_by(failure=True)) for d in watch.seen)}
 
@@ -270,16 +279,20 @@ def main_link(args) -> int:
                 print(f"link: {exc}")
                 return 3
             print(f"link check w0 -> w1: {got:.1f} Mbit/s (set {mbit:g} Mbit/s, {delay:g} ms one way)", flush=True)
+            # two whole rounds an epoch: an epoch's end cuts a round short (fewer inner steps, the
+            # same exchange), and with the 5000 digits every other round of 50 x 64 was one
+            size = 2 * args.h * args.batch
             res = {}
             for name, h, steps in (("sync", None, args.link_sync_steps), (f"h{args.h}", args.h, args.link_rounds)):
                 job = f"diloco-link-{name}"
                 extra = {"diloco": {"inner_steps": h, "outer_dtype": args.outer_dtype}} if h else {}
-                res[name] = run_net(net, tmp, job, _spec(job, 100, h, max_steps=steps, **extra), ws)
+                res[name] = run_net(net, tmp, job, _spec(job, 1000, h, batch=args.batch, max_steps=steps, **extra), ws,
+                                    size)
                 r = res[name]
                 print(f"  {name}: {r['steps']} steps, {r['rate']:.1f} samples/s, compute {r['compute']:.3f} s + exposed "
                       f"comm {r['comm']:.3f} s per step (a step: a round with DiLoCo)", flush=True)
     d, s = res[f"h{args.h}"], res["sync"]
-    print(f"link={mbit:g}mbit,{delay:g}ms outer_dtype={args.outer_dtype}"
+    print(f"link={mbit:g}mbit,{delay:g}ms outer_dtype={args.outer_dtype} batch={args.batch} dataset={size}"
           f"{' tcp_slow_start_after_idle=0' if args.no_idle_slow_start else ''}")
     print(f"speedup={d['rate'] / s['rate']:.2f}")
     print(f"utilisation={d['compute'] / (d['compute'] + d['comm']):.3f}")
@@ -304,6 +317,8 @@ def main() -> int:
     ap.add_argument("--h", type=int, default=50, help="--link: DiLoCo's inner steps")
     ap.add_argument("--link-sync-steps", type=int, default=12, help="--link: synchronous steps")
     ap.add_argument("--link-rounds", type=int, default=5, help="--link: DiLoCo rounds")
+    ap.add_argument("--batch", type=int, default=BATCH,
+                    help="--link: the global batch (both jobs): sets a step's compute against the link's exchange")
     ap.add_argument("--no-idle-slow-start", action="store_true",
                     help="--link: set net.ipv4.tcp_slow_start_after_idle=0 in the worker hosts (Linux's default 1 "
                          "restarts TCP slow start on a connection idle for one RTO: every outer exchange, after a "

@@ -2,7 +2,7 @@
 side by side in one run, interleaved and repeated.
 
     python3 scripts/dev.py python -m bench.uneven [--quick] [--steps 80] [--repeat 2]
-                                                 [--quota 0.4] [--slow-quota 0.2]
+                                                 [--quota 0.4] [--slow-quota 0.2] [--trace] [--inline-data]
 
 Three CPU workers (OMP_NUM_THREADS=1 each) train the digits data with a 64-512-512-10 MLP
 (0.3 M parameters, float64), a global batch of 14400, SGD with momentum, gradients
@@ -40,6 +40,9 @@ slowest member's own work over the mean member's: 1 is a perfect split, the esti
 shows here), ``waited_s`` (the window's seconds the others waited for the slowest one's own
 work) and ``window_s``.
 
+``--inline-data``: every batch fetched in the training thread (``loader_workers: 0``,
+``prefetch_steps: 0``) instead of by the default forked loader, which shares its worker's cgroup.
+
 Prints ``name=value`` lines: each round's figures, then ``ratio_equal=`` and ``ratio_speed=``
 (job samples/s over the sum of the solo rates, median over rounds; target: by speed >= 0.90
 where equal slices give about 0.60), ``allclose=`` (the final float64 weights of the last
@@ -71,6 +74,7 @@ CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 20_000
 SHARES_PER_CORE = 335  # a nice-5 process's weight: the three groups weigh less than one nice-0 process
 SKIP = 3  # committed steps left out at the start of each job (its first generation forming)
+SPEC_EXTRA: dict = {}  # --inline-data: the job spec's input pipeline fields
 TRACE = False  # --trace: every step's samples and own work per worker
 
 
@@ -210,7 +214,7 @@ def run_job(url: str, tmp: Path, groups: Cgroups, job: str, split: str,
     client = redis.Redis.from_url(url)
     create_job(client, JobSpec(name=job, entrypoint="bench.uneven:build", global_batch_size=BATCH, max_steps=steps,
                                epochs=1000, min_workers=3, max_workers=3, heartbeat_interval=0.5, heartbeat_ttl=5.0,
-                               batch_split=split, batch_split_every=5, bucket_cap_mb=0.5))
+                               batch_split=split, batch_split_every=5, bucket_cap_mb=0.5, **SPEC_EXTRA))
     watch = ControlWatcher(client, job)
     lg, final = tmp / f"ledger-{job}", tmp / f"final-{job}"
     env = {"SHOAL_LEDGER_DIR": str(lg), "SHOAL_EXPORT_DIR": str(final), "OMP_NUM_THREADS": "1"}
@@ -300,9 +304,14 @@ def main() -> int:
     ap.add_argument("--solo", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--trace", action="store_true", help="print every step's samples, own work and exposed "
                                                           "all-reduce per worker (samples/own s/comm s)")
+    ap.add_argument("--inline-data", action="store_true",
+                    help="fetch every batch inline in the training thread (loader_workers 0, prefetch_steps 0) "
+                         "instead of the default background loader process")
     args = ap.parse_args()
     global TRACE
     TRACE = args.trace
+    if args.inline_data:
+        SPEC_EXTRA.update(loader_workers=0, prefetch_steps=0)
     if args.solo:
         solo(float(args.solo[0]), int(args.solo[1]))
         return 0
@@ -314,7 +323,8 @@ def main() -> int:
 
     print(f"loadavg_before={loadavg()}")
     print(f"setup=3 workers, cgroup v1 cpu quotas {args.quota:g}/{args.quota:g}/{slow:g} cores (period "
-          f"{PERIOD_US // 1000} ms), batch {BATCH}, MLP 64-{HIDDEN}-{HIDDEN}-10 float64, {os.cpu_count()} cores")
+          f"{PERIOD_US // 1000} ms), batch {BATCH}, MLP 64-{HIDDEN}-{HIDDEN}-10 float64, {os.cpu_count()} cores"
+          f"{', batches fetched inline' if args.inline_data else ''}")
     groups = Cgroups([args.quota, args.quota, slow])
     equal_r, speed_r, finals = [], [], None
     try:

@@ -195,6 +195,13 @@ class JobSpec(BaseModel):
     #: raise it when an evaluation plus a step can take longer. Ignored without an ``eval_fn``.
     eval_every_steps: Annotated[int | None, Field(gt=0)] = None
     eval_every_epochs: Annotated[int | None, Field(gt=0)] = None
+    #: Python's cyclic garbage collector in the workers: off during training and run every this
+    #: many committed steps, at the same steps on every member, with what exists when training
+    #: starts frozen (``gc.freeze``: modules, model, dataset), as torchtitan's ``gc_freq`` and
+    #: Megatron's ``manual_gc`` do: left automatic, a full collection walks the whole heap
+    #: (0.14 s after ``import torch`` on a CPU) on each rank at its own step, and the group
+    #: waits for it (:mod:`shoal.worker.collector`). 0: Python's automatic collection.
+    gc_every_steps: Annotated[int, Field(ge=0, le=1_000_000)] = 50
     #: A local directory shipped with the job (like Ray's ``runtime_env.working_dir``): packed
     #: at submit (bounded, checksummed), unpacked by each node agent into a per-job directory
     #: that is its workers' working directory and first on their ``sys.path``. Relative to the

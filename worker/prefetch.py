@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import gc
 import logging
 import os
 import pickle
@@ -363,6 +364,14 @@ def _loader_main(dataset: Any, collate_fn: Callable[[list[Any]], Any], tasks: An
     ``release`` (forked loaders): the tensors to free first (:func:`release_storages`).
     Ends on ``None`` or when its parent is gone."""
     _die_with_parent(parent_pid)
+    # what the fork inherited (the interpreter's modules, torch's, the model: ~300,000 objects)
+    # is never garbage here: frozen, a full collection walks only the loader's own objects
+    # (0.14 s a collection less, every few batches, taken from its worker's CPU) and leaves
+    # the inherited pages shared instead of writing to every object's header (Instagram's
+    # gc.freeze-before-fork). Collected automatically: a loader has no training steps
+    # (:mod:`shoal.worker.collector`).
+    gc.freeze()
+    gc.enable()
     if release is not None:
         release_storages(release())
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -59,6 +59,7 @@ from shoal.worker import restart
 from shoal.worker import compile_cache
 from shoal.worker import torch_compat as tc
 from shoal.worker.checkpoints import Checkpoints, warm_start
+from shoal.worker.collector import StepCollector
 from shoal.worker.decide import (
     Aborted,
     Action,
@@ -165,6 +166,8 @@ class TrainingWorker(WorkerRunner):
         self.tensorboard = TensorBoardLog(spec.tensorboard_dir) if spec.tensorboard_dir else None
         #: FLOPs per sample (measured on the first step) and peak FLOP/s, for MFU (:mod:`shoal.worker.flops`)
         self.flops = FlopMeter(spec, self.placement.device)
+        #: the cyclic garbage collector, run at fixed steps (``gc_every_steps``: :mod:`shoal.worker.collector`)
+        self.collector = StepCollector(spec.gc_every_steps)
         # built by prepare()
         self.setup: TrainingSetup | None = None
         #: the training layout (data parallelism or elastic HSDP: :mod:`shoal.worker.layout`)
@@ -260,6 +263,7 @@ class TrainingWorker(WorkerRunner):
         if self.state.limits.may_reslice:  # a re-slice is taken one step sooner
             watcher = self.switch.watcher
             self.engine.newest_seen = lambda: watcher.latest
+        self.collector.start()  # after prepare() forked the loaders: they keep Python's own collection
         return wid
 
     def on_evicted(self) -> None:
@@ -301,6 +305,7 @@ class TrainingWorker(WorkerRunner):
             raise StepAborted("evicted by the coordinator (declared failed): this step is not applied", local=True)
 
     def cleanup(self) -> None:
+        self.collector.stop()
         if self.switch is not None:
             self.switch.stop()
         if self.engine is not None:
@@ -474,6 +479,8 @@ class TrainingWorker(WorkerRunner):
         # the next steps' batches: on a re-slice's ranges when this step agreed on the switch to it
         switching = later is not None and result.max_generation > act.base
         self.input.committed(batch, ranges, later if switching else self.state.member)
+        # every member at the same committed steps, outside the step's own work: they pause together
+        self.collector.after_step(act.step + 1)
         self._step_parts = (result.compute_seconds, result.comm_exposed_seconds)
         self._work_samples += len(local)
         self._work_seconds += result.compute_seconds
