@@ -70,8 +70,13 @@ def test_a_member_that_keeps_aborting_a_step_is_restarted_and_the_job_completes(
     # within the bound: the counted generations, each planned after a failure (no runaway churn).
     # The watchdog counts failed generations; the first was planned before the spell began, and
     # when the time bound has passed by the K-th failure the verdict replaces the K-th re-plan:
-    # K-1 re-plans before it then (a loaded machine: slow generations), more when it is quick
-    assert watchdog.STALL_GENERATIONS - 1 <= len(before) <= watchdog.STALL_GENERATIONS + 2, [d.reason for d in before]
+    # K-1 re-plans before it then (a loaded machine: slow generations), more when it is quick -
+    # as many as fit in the time bound (0.55 s a generation here when leaving a group walked
+    # the whole heap, 0.40-0.44 s since gc_every_steps froze it): none once it had passed
+    assert len(before) >= watchdog.STALL_GENERATIONS - 1, [d.reason for d in before]
+    late = [d.reason for d in before[watchdog.STALL_GENERATIONS - 1:]
+            if d.ts_ms - spell[0].ts_ms >= watchdog.STALL_FLOOR_MS]
+    assert not late, late
     took = (stuck.ts_ms - spell[0].ts_ms) / 1000
     assert took <= watchdog.STALL_FLOOR_MS / 1000 + 3.0, took
     verdict = ledger.verify(ledger.read(tmp_path / "ledger"), DIGITS)
