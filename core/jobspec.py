@@ -200,7 +200,8 @@ class JobSpec(BaseModel):
     #: starts frozen (``gc.freeze``: modules, model, dataset), as torchtitan's ``gc_freq`` and
     #: Megatron's ``manual_gc`` do: left automatic, a full collection walks the whole heap
     #: (0.14 s after ``import torch`` on a CPU) on each rank at its own step, and the group
-    #: waits for it (:mod:`shoal.worker.collector`). 0: Python's automatic collection.
+    #: waits for it (:mod:`shoal.worker.collector`). 0: Python's automatic collection. Code
+    #: whose steps leave reference cycles holding tensors keeps them up to this many steps.
     gc_every_steps: Annotated[int, Field(ge=0, le=1_000_000)] = 50
     #: A local directory shipped with the job (like Ray's ``runtime_env.working_dir``): packed
     #: at submit (bounded, checksummed), unpacked by each node agent into a per-job directory
