@@ -118,7 +118,7 @@ class Coordinator:
         instance_id: str | None = None,
         lease_ttl: float = 2.0,
         tick_interval: float = 0.1,
-        block_ms: int = 50,
+        block_ms: int | None = None,
         batch: int = 200,
         max_attempts: int = 3,
         progress_interval: float = 5.0,
@@ -129,7 +129,8 @@ class Coordinator:
         self.token = f"{self.instance_id}:{uuid.uuid4().hex}"
         self.lease_ms = int(lease_ttl * 1000)
         self.tick_ms = int(tick_interval * 1000)
-        self.block_ms = block_ms
+        #: the longest blocking read of the event streams (default: a tick interval)
+        self.block_ms = self.tick_ms if block_ms is None else block_ms
         self.batch = batch
         self.max_attempts = max_attempts
         self.progress_ms = int(progress_interval * 1000)
@@ -267,7 +268,13 @@ class Coordinator:
                 handled += self._apply_entries(lead, bus.read_own_pending(self.client, lead.keys.events, self.instance_id, count=self.batch),
                                                pending=True)
         streams = [lead.keys.events for lead in self.leads.values()]
-        wait = self.block_ms if block_ms is None else block_ms
+        if block_ms is None:
+            # read until the next tick is due: with nothing to read the loop wakes once a tick
+            # (a fixed 50 ms block woke it twice a tick, each time for two TIMEs and an empty read)
+            due = self.tick_ms - (now - self._last_tick_ms) if self._last_tick_ms else 0
+            wait = max(1, min(self.block_ms, due))
+        else:
+            wait = block_ms
         if streams:
             got = bus.read_new(self.client, streams, self.instance_id, count=self.batch, block_ms=wait or None)
             by_stream = {lead.keys.events: lead for lead in self.leads.values()}

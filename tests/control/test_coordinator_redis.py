@@ -22,7 +22,7 @@ from shoal.ops.embedded import server_binary
 from shoal.core.registry import create_job
 from shoal.worker.heartbeat import Heartbeater
 from shoal.worker.membership import Membership
-from tests.helpers import job_spec
+from tests.helpers import job_spec, wait_until
 
 
 #: the simulated job of these tests (job_spec: over the tests' common defaults)
@@ -301,3 +301,18 @@ def test_a_join_nobody_answers_ends_at_its_own_timeout(r, redis_url, job_id) -> 
     with pytest.raises(JoinTimeout):
         Membership(client, job_id).join(3)
     assert 3 <= time.monotonic() - started < 5
+
+
+def test_an_idle_coordinator_wakes_once_a_tick(r, redis_url, job_id) -> None:
+    """With nothing to read, each iteration blocks until the next tick is due, then ticks: one
+    wake-up (two TIMEs, one read) a tick. A fixed 50 ms block woke it four times per 200 ms
+    tick here, three of them for nothing."""
+    create_job(r, job_spec(job_id, SIMULATED_JOB))
+    c = Coordinator(redis.Redis.from_url(redis_url), instance_id="idle", tick_interval=0.2)
+    wait_until(lambda: (c.run_once(), job_id in c.leads)[1], 10, "the lead")
+    while c.run_once():  # what the job's stream holds already
+        pass
+    before = c.stats.ticks
+    for _ in range(6):
+        assert c.run_once() == 0
+    assert c.stats.ticks - before >= 5, c.stats.ticks - before
