@@ -74,7 +74,6 @@ CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 20_000
 SHARES_PER_CORE = 335  # a nice-5 process's weight: the three groups weigh less than one nice-0 process
 SKIP = 3  # committed steps left out at the start of each job (its first generation forming)
-SPEC_EXTRA: dict = {}  # --inline-data: the job spec's input pipeline fields
 TRACE = False  # --trace: every step's samples and own work per worker
 
 
@@ -195,10 +194,10 @@ def solo_rates(groups: Cgroups, seconds: float) -> list[float]:
 
 
 def run_job(url: str, tmp: Path, groups: Cgroups, job: str, split: str,
-            steps: int) -> tuple[float, list[float], dict, list[str]]:
-    """One job of three workers in the cgroups; its samples/s from its SKIP-th committed step
-    to its last (commit times from the ledger: the last rank's commit of each step), each
-    worker slot's rate of its own work over the same steps (its slices' samples over the
+            steps: int, spec_extra: dict) -> tuple[float, list[float], dict, list[str]]:
+    """One job of three workers in the cgroups (``spec_extra``: more fields of its spec); its
+    samples/s from its SKIP-th committed step to its last (commit times from the ledger: the
+    last rank's commit of each step), each worker slot's rate of its own work over the same steps (its slices' samples over the
     seconds of its own work, ``compute`` in the ledger), its final weights, and the reasons of
     its generations."""
     import redis
@@ -214,7 +213,7 @@ def run_job(url: str, tmp: Path, groups: Cgroups, job: str, split: str,
     client = redis.Redis.from_url(url)
     create_job(client, JobSpec(name=job, entrypoint="bench.uneven:build", global_batch_size=BATCH, max_steps=steps,
                                epochs=1000, min_workers=3, max_workers=3, heartbeat_interval=0.5, heartbeat_ttl=5.0,
-                               batch_split=split, batch_split_every=5, bucket_cap_mb=0.5, **SPEC_EXTRA))
+                               batch_split=split, batch_split_every=5, bucket_cap_mb=0.5, **spec_extra))
     watch = ControlWatcher(client, job)
     lg, final = tmp / f"ledger-{job}", tmp / f"final-{job}"
     env = {"SHOAL_LEDGER_DIR": str(lg), "SHOAL_EXPORT_DIR": str(final), "OMP_NUM_THREADS": "1"}
@@ -310,8 +309,6 @@ def main() -> int:
     args = ap.parse_args()
     global TRACE
     TRACE = args.trace
-    if args.inline_data:
-        SPEC_EXTRA.update(loader_workers=0, prefetch_steps=0)
     if args.solo:
         solo(float(args.solo[0]), int(args.solo[1]))
         return 0
@@ -325,6 +322,8 @@ def main() -> int:
     print(f"setup=3 workers, cgroup v1 cpu quotas {args.quota:g}/{args.quota:g}/{slow:g} cores (period "
           f"{PERIOD_US // 1000} ms), batch {BATCH}, MLP 64-{HIDDEN}-{HIDDEN}-10 float64, {os.cpu_count()} cores"
           f"{', batches fetched inline' if args.inline_data else ''}")
+    # --inline-data: the job spec's input pipeline fields
+    inline = dict(loader_workers=0, prefetch_steps=0) if args.inline_data else {}
     groups = Cgroups([args.quota, args.quota, slow])
     equal_r, speed_r, finals = [], [], None
     try:
@@ -334,8 +333,9 @@ def main() -> int:
             try:
                 for i in range(args.repeat):
                     alone = solo_rates(groups, args.solo_seconds)
-                    eq, eq_own, eq_w, _ = run_job(server.url, tmp, groups, f"equal-{i}", "equal", args.steps)
-                    sp, sp_own, sp_w, reasons = run_job(server.url, tmp, groups, f"speed-{i}", "by_speed", args.steps)
+                    eq, eq_own, eq_w, _ = run_job(server.url, tmp, groups, f"equal-{i}", "equal", args.steps, inline)
+                    sp, sp_own, sp_w, reasons = run_job(server.url, tmp, groups, f"speed-{i}", "by_speed", args.steps,
+                                                        inline)
                     equal_r.append(eq / sum(eq_own))
                     speed_r.append(sp / sum(sp_own))
                     finals = (eq_w, sp_w)

@@ -3,11 +3,11 @@
 Left to itself, CPython runs a full (generation 2) collection whenever enough objects have
 survived younger ones, and a full collection walks every tracked object of the process: after
 ``import torch`` and a model build that is ~300,000 objects and 0.14 s on this project's CPU
-machines (more with ``torch.compile``: inductor's modules). A training step allocates enough
-tensors and tuples to trigger one every few steps, on each rank at its own moment, so in a
-synchronous job every such collection is a straggler that the whole group waits for: measured
-in ``bench/uneven.py`` it was most of the per-step jitter that slices sized by speed could not
-absorb.
+machines (more with ``torch.compile``: inductor's modules). A step that allocates many Python
+objects (a map-style dataset's per-sample tuples) triggers one every few steps, on each rank at
+its own moment, and in a synchronous job the whole group waits for the rank that collected.
+Measured in ``bench/uneven.py``: 5,800 samples a step set one off every 4-5 steps, 0.14 s each,
+in the worker's forked loader (which inherited the objects and shares the worker's CPU quota).
 
 What the large training codebases do (torchtitan's ``gc_freq``, Megatron's ``manual_gc``):
 turn the automatic collector off for the training loop and collect at fixed step numbers,
@@ -15,8 +15,8 @@ the same on every rank, so that the ranks pause together instead of one at a tim
 that with ``gc_every_steps`` (default 50; 0 keeps Python's automatic collector), and freezes
 what exists when training starts (``gc.freeze``: the interpreter's modules, the model, the
 dataset - alive for the whole job) so that a collection walks only what the steps created
-since: it costs milliseconds instead of a tenth of a second. Loader processes forked later
-collect automatically (:mod:`shoal.worker.prefetch` re-enables it in the child).
+since: it costs milliseconds instead of a tenth of a second. A forked loader freezes what it
+inherited and collects automatically (:mod:`shoal.worker.prefetch`, ``_loader_main``).
 """
 
 from __future__ import annotations
@@ -56,11 +56,6 @@ class StepCollector:
             gc.collect()
             self.collections += 1
             self.seconds += time.perf_counter() - began
-
-    def collect_now(self) -> None:
-        """Between steps that do not come (a generation switch, a long wait): collect once."""
-        if self._active:
-            gc.collect()
 
     def stop(self) -> None:
         if not self._active:
