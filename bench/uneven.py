@@ -196,10 +196,10 @@ def solo_rates(groups: Cgroups, seconds: float) -> list[float]:
 def run_job(url: str, tmp: Path, groups: Cgroups, job: str, split: str,
             steps: int, spec_extra: dict) -> tuple[float, list[float], dict, list[str]]:
     """One job of three workers in the cgroups (``spec_extra``: more fields of its spec); its
-    samples/s from its SKIP-th committed step to its last (commit times from the ledger: the
-    last rank's commit of each step), each worker slot's rate of its own work over the same steps (its slices' samples over the
-    seconds of its own work, ``compute`` in the ledger), its final weights, and the reasons of
-    its generations."""
+    samples/s from its SKIP-th committed step to its last (commit times from the ledger: the last
+    rank's commit of each step), each worker slot's rate of its own work over the same steps (its
+    slices' samples over the seconds of its own work, ``compute`` in the ledger), its final weights,
+    and the reasons of its generations."""
     import redis
 
     from shoal.core.jobspec import JobSpec
