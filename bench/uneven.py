@@ -2,7 +2,7 @@
 side by side in one run, interleaved and repeated.
 
     python3 scripts/dev.py python -m bench.uneven [--quick] [--steps 80] [--repeat 2]
-                                                 [--quota 0.4] [--slow-quota 0.2] [--trace] [--inline-data]
+                                                 [--quota 0.4] [--slow-quota 0.2] [--trace] [--inline-data] [--no-steal]
 
 Three CPU workers (OMP_NUM_THREADS=1 each) train the digits data with a 64-512-512-10 MLP
 (0.3 M parameters, float64), a global batch of 14400, SGD with momentum, gradients
@@ -39,6 +39,10 @@ generation: how long the job ran on equal slices), ``skew_median``/``skew_max`` 
 slowest member's own work over the mean member's: 1 is a perfect split, the estimate's error
 shows here), ``waited_s`` (the window's seconds the others waited for the slowest one's own
 work) and ``window_s``.
+
+``--no-steal``: the by-speed job with ``batch_split_steal: false`` - each member trains exactly
+its planned slice (by default a member done with its slice takes chunks of the others' still
+untaken within the step, :mod:`shoal.worker.steal`).
 
 ``--inline-data``: every batch fetched in the training thread (``loader_workers: 0``,
 ``prefetch_steps: 0``) instead of by the default forked loader, which shares its worker's cgroup.
@@ -306,6 +310,9 @@ def main() -> int:
     ap.add_argument("--inline-data", action="store_true",
                     help="fetch every batch inline in the training thread (loader_workers 0, prefetch_steps 0) "
                          "instead of the default background loader process")
+    ap.add_argument("--no-steal", action="store_true",
+                    help="the by-speed job with batch_split_steal: false (each member trains exactly its slice; "
+                         "default: members done with their slice take chunks of the others' within the step)")
     args = ap.parse_args()
     global TRACE
     TRACE = args.trace
@@ -321,9 +328,11 @@ def main() -> int:
     print(f"loadavg_before={loadavg()}")
     print(f"setup=3 workers, cgroup v1 cpu quotas {args.quota:g}/{args.quota:g}/{slow:g} cores (period "
           f"{PERIOD_US // 1000} ms), batch {BATCH}, MLP 64-{HIDDEN}-{HIDDEN}-10 float64, {os.cpu_count()} cores"
-          f"{', batches fetched inline' if args.inline_data else ''}")
+          f"{', batches fetched inline' if args.inline_data else ''}"
+          f"{', by speed without balancing within the step' if args.no_steal else ''}")
     # --inline-data: the job spec's input pipeline fields
     inline = dict(loader_workers=0, prefetch_steps=0) if args.inline_data else {}
+    steal = dict(batch_split_steal=False) if args.no_steal else {}
     groups = Cgroups([args.quota, args.quota, slow])
     equal_r, speed_r, finals = [], [], None
     try:
@@ -335,7 +344,7 @@ def main() -> int:
                     alone = solo_rates(groups, args.solo_seconds)
                     eq, eq_own, eq_w, _ = run_job(server.url, tmp, groups, f"equal-{i}", "equal", args.steps, inline)
                     sp, sp_own, sp_w, reasons = run_job(server.url, tmp, groups, f"speed-{i}", "by_speed", args.steps,
-                                                        inline)
+                                                        {**inline, **steal})
                     equal_r.append(eq / sum(eq_own))
                     speed_r.append(sp / sum(sp_own))
                     finals = (eq_w, sp_w)

@@ -2,8 +2,9 @@
 of their own (they count committed steps, passed in), each decision with a reason for people.
 
 The facts
-    Each worker's heartbeat carries two counters since its process started: the samples of
-    its own slices in committed steps and the seconds of those steps' own work (data,
+    Each worker's heartbeat carries two counters since its process started: the samples it
+    trained in committed steps (its slices', or the chunks it took when the steps are evened
+    out within them: ``shoal.worker.steal``) and the seconds of those steps' own work (data,
     forward, backward: not the wait for peers) - ``Heartbeat.work_samples`` and
     ``work_seconds``. :func:`observe` turns two looks at them into the worker's rate over
     the steps in between (every step counts, however rarely the coordinator samples), once

@@ -233,7 +233,7 @@ class JobSpec(BaseModel):
     #: ``by_speed``: each member's slice follows its measured rate of its own work (samples per
     #: second of data, forward and backward, from the counters its heartbeat reports), so a slow
     #: member no longer sets the pace. Re-planned at every generation switch and, when the
-    #: measured rates would shorten the step by more than 10 %, at most every
+    #: measured rates would shorten the step by more than 5 %, at most every
     #: ``batch_split_every`` committed steps (a re-plan is a generation switch of the same
     #: members). The global batch never changes, so the update is the same as with equal slices
     #: (losses are summed and divided by the global count; models without BatchNorm or dropout).
@@ -243,6 +243,13 @@ class JobSpec(BaseModel):
     #: ``batch_split: by_speed``: committed steps between two looks at whether the slices
     #: should be re-planned (besides membership changes, which always re-plan).
     batch_split_every: Annotated[int, Field(ge=1, le=1_000_000)] = 50
+    #: ``batch_split: by_speed``: within each step, a member done with its slice takes chunks
+    #: of the slices still being worked on (each slice is cut in chunks - the setup's
+    #: ``micro_batch``, else about 1/16 of a slice at ``max_workers`` - claimed one by one in the
+    #: generation's rendezvous store), so a member slowed for a moment does not hold up the
+    #: step; every sample is still trained once, and the update is the same. ``false``: each
+    #: member trains exactly its slice (the split of a step then depends only on the plan).
+    batch_split_steal: bool = True
     #: Simulated step time for workers with ``entrypoint: simulate`` (control-plane tests).
     simulate_step_time: Annotated[float, Field(ge=0)] = 0.05
 

@@ -449,6 +449,9 @@ class TrainStep:
     generation: int
     base: int
     world: int
+    #: whether every rank trains its table's ranges in this step (False: the first step of a
+    #: group formed with ranks behind, whose batch the others split): the same on every rank
+    planned: bool = True
 
 
 @dataclass(frozen=True)
@@ -595,7 +598,8 @@ def _tick(s: TrainerState, t: Tick, now: float) -> Choice:
         return Choice(_exit(s, WorkerExit.OK), tuple(actions), "; ".join(said), level)
     if s.phase is Phase.TRAINING and s.switch_to <= s.group:
         ranges = s.first_ranges if s.first_ranges is not None else tuple(map(tuple, s.member.ranges))
-        actions.append(TrainStep(s.step, s.cursor, ranges, s.seen, s.group, s.table.world_size))
+        actions.append(TrainStep(s.step, s.cursor, ranges, s.seen, s.group, s.table.world_size,
+                                 planned=s.first_ranges is None))
         said.append(f"step {s.step + 1} in generation {s.group}")
         return Choice(replace(s, first_ranges=None), tuple(actions), "; ".join(said), level)
     if s.phase is Phase.TRAINING and s.limits.may_reslice:  # an orderly switch: in place if the next table re-slices this one

@@ -81,8 +81,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -92,9 +92,11 @@ from torch.utils.data import default_collate
 
 from shoal.events.models import finite_metrics
 from shoal.worker import process_group as pg
+from shoal.worker import steal
 from shoal.worker.errors import CollectiveFailed, InconsistentStep, StepAborted, UserCodeError, raised_at
 from shoal.worker.precision import LossScale, autocast, check_precision
 from shoal.worker.reducer import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, GradientReducer, plan_buckets
+from shoal.worker.steal import StepShares
 from shoal.worker.userapi import TrainingSetup
 
 log = logging.getLogger("shoal.worker")
@@ -506,8 +508,12 @@ class StepEngine(StepCommon):
         generation: int,
         *,
         base_generation: int | None = None,
+        shares: StepShares | None = None,
     ) -> StepResult:
         """Train on this rank's ``local_indices`` of a global batch of ``global_count`` samples.
+        With ``shares`` (the whole step's slices by rank, :mod:`shoal.worker.steal`; only in a
+        group) the rank trains the chunks it claims instead - its own slice's from the front,
+        then others' still untaken - and the result's ``trained`` says which samples it took.
 
         Every rank of the current group must call it for the same step (same cursor) with its
         own slice; ``generation`` is the newest generation this rank has seen (the returned
@@ -552,8 +558,9 @@ class StepEngine(StepCommon):
         try:
             if distributed and not one_collective:  # first: the same order on every rank
                 self.reducer.launch(gen, dist.ReduceOp.MAX, "all_reduce of the generation")
-            self._forward_backward(local, ahead, global_count, base_generation)
-        except CollectiveFailed as exc:  # the generation's launch (an aborted group)
+            trained = self._forward_backward(local, ahead, global_count, base_generation,
+                                             shares if distributed else None)
+        except CollectiveFailed as exc:  # the generation's launch (an aborted group), a chunk's claim
             self._abandon(buffers)
             raise StepAborted(f"step aborted, nothing applied: {exc}", local=exc.local) from exc
         except Exception as exc:  # noqa: BLE001 - user code; translated
@@ -575,31 +582,49 @@ class StepEngine(StepCommon):
         t2 = time.perf_counter()
         first = self.reducer.first_launch
         self._settle()
-        return self._apply(buffers, local, global_count, gen, base_generation, compute_seconds=t1 - t0,
-                           comm_seconds=t2 - first if first is not None else 0.0,
-                           comm_exposed_seconds=t2 - t1 if distributed else 0.0)
+        result = self._apply(buffers, trained, global_count, gen, base_generation, compute_seconds=t1 - t0,
+                             comm_seconds=t2 - first if first is not None else 0.0,
+                             comm_exposed_seconds=t2 - t1 if distributed else 0.0)
+        return result if trained is local else replace(result, trained=tuple(trained))
 
-    def _forward_backward(self, local: list[int], ahead: float, global_count: int, base_generation: int | None) -> None:
+    def _parts(self, local: list[int], shares: StepShares | None) -> Iterator[list[int]]:
+        """The step's forward/backward passes on this rank: its slice in micro-batches, or
+        (``shares``) the chunks it claims in the group's store."""
+        if shares is None:
+            mb = self.compiled_shape or self.micro_batch or max(1, len(local))
+            return (local[start : start + mb] for start in range(0, len(local), mb))
+        return (part for _block, part in steal.parts(shares, self.group.claim))
+
+    def _forward_backward(self, local: list[int], ahead: float, global_count: int, base_generation: int | None,
+                          shares: StepShares | None = None) -> list[int]:
+        """Forward and backward of this rank's passes (:meth:`_parts`); the samples trained
+        (``local`` itself without ``shares``)."""
         self.model.train()
         # backward of the loss sum / global count: the reduced gradient is the global batch's mean
         # with no pass over it afterwards. fp16: x the scale, as with torch.amp.GradScaler and
         # a mean loss (the sum alone would be count times larger and overflow at once); the
         # reduced gradient is divided by the scale
         factor = (self.scaler.scale if self.scaler is not None else 1.0) / global_count
-        mb = self.compiled_shape or self.micro_batch or max(1, len(local))
-        starts = list(range(0, len(local), mb))
         total = torch.zeros((), dtype=self.reducer.dtype, device=self.device)
-        for k, start in enumerate(starts):
-            loss = self._loss_of(local[start : start + mb])
+        parts = self._parts(local, shares)
+        trained: list[int] = local if shares is None else []
+        part = next(parts, None)
+        while part is not None:
+            loss = self._loss_of(part)
             total += loss.detach()  # on the device: no host sync per micro-batch
-            if k == len(starts) - 1:  # the last micro-batch: its backward launches the buckets
+            if shares is not None:
+                trained += part
+            after = next(parts, None)  # (a claim: before this backward, which may be the last)
+            if after is None:  # the last micro-batch: its backward launches the buckets
                 ahead = self._ahead_now(ahead, base_generation)
-                self._write_tail(ahead, total, len(local), base_generation)
+                self._write_tail(ahead, total, len(trained), base_generation)
                 if self.overlap:
                     self.reducer.arm(loss)
             (loss.float() * factor).backward()
-        if not starts:  # an empty slice: zeros, and the trailing values
+            part = after
+        if not trained:  # an empty slice (nothing claimed): zeros, and the trailing values
             self._write_tail(self._ahead_now(ahead, base_generation), total, 0, base_generation)
+        return trained
 
     def _ahead_now(self, ahead: float, base_generation: int | None) -> float:
         """``ahead``, or how far :attr:`newest_seen` is ahead of the base now if farther."""

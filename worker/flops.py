@@ -105,6 +105,13 @@ def peak_flops(device: torch.device | str, precision: str, declared: float | Non
     return table_peak(name, _matmul_precision(precision))
 
 
+class _Counted:
+    """The samples a measured step trained (:meth:`FlopMeter.measure`)."""
+
+    def __init__(self, samples: int) -> None:
+        self.samples = samples
+
+
 class FlopMeter:
     """Measures ``flops_per_sample`` once (:meth:`measure`) and publishes the figures (see the
     module docstring). Created with the worker; never raises into training except what the
@@ -136,20 +143,24 @@ class FlopMeter:
         """Around one step of ``samples`` local samples: counts its FLOPs while still pending
         and ``samples`` > 0; when the step returns, publishes the figures to the heartbeat
         (``hb.update``), the progress recorder (``progress.figures``) and TensorBoard
-        (``tensorboard.figures``) if any changed. A step that raises is not counted."""
+        (``tensorboard.figures``) if any changed. A step that raises is not counted. Yields a
+        record whose ``samples`` the caller corrects when the step trained another number of
+        samples than its slice (slices evened out within the step)."""
+        counted = _Counted(samples)
         if not self.pending or samples <= 0:
-            yield
+            yield counted
         else:
             from torch.utils.flop_counter import FlopCounterMode
 
             counter = FlopCounterMode(display=False)
             with counter:
-                yield
+                yield counted
             total = counter.get_total_flops()
-            self.pending = False
-            self.flops_per_sample = total / samples if total > 0 else None
-            log.info("FLOPs of a step's forward and backward: %.4g per sample (%d samples counted)",
-                     total / samples, samples)
+            self.pending = counted.samples <= 0
+            if counted.samples > 0:
+                self.flops_per_sample = total / counted.samples if total > 0 else None
+                log.info("FLOPs of a step's forward and backward: %.4g per sample (%d samples counted)",
+                         total / counted.samples, counted.samples)
         self._publish(setup, hb, progress, tensorboard)
 
     def _publish(self, setup: Any, hb: Any, progress: Any, tensorboard: Any) -> None:

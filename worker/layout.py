@@ -43,6 +43,7 @@ from shoal.worker.decide import Formed, FormFailed
 from shoal.worker.engine import StepResult
 from shoal.worker.process_group import Rendezvous
 from shoal.worker.reducer import DEFAULT_BUCKET_CAP_MB
+from shoal.worker.steal import StepShares, default_chunk
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class LayoutOptions:
     diloco: DilocoOptions | None = None
     #: the spec's ``global_batch_size`` (DiLoCo: the samples of one inner step over all members)
     global_batch: int = 64
+    #: slices by speed evened out within each step (``batch_split_steal``): the default chunk
+    #: a member's slice is cut in (the setup's ``micro_batch`` wins); None: no balancing in a step
+    steal_chunk: int | None = None
 
     @classmethod
     def from_spec(cls, spec: JobSpec, device: torch.device) -> "LayoutOptions":
@@ -74,7 +78,9 @@ class LayoutOptions:
         return cls(device=torch.device(device), precision=spec.precision, max_grad_norm=spec.max_grad_norm,
                    bucket_cap_mb=spec.bucket_cap_mb, shard_size=spec.shard_size, compile=compile_options,
                    fixed_micro_batch=fixed, activation_checkpointing=spec.activation_checkpointing,
-                   diloco=spec.diloco_options, global_batch=spec.global_batch_size)
+                   diloco=spec.diloco_options, global_batch=spec.global_batch_size,
+                   steal_chunk=(default_chunk(spec.global_batch_size, spec.max_workers)
+                                if spec.batch_split == "by_speed" and spec.batch_split_steal else None))
 
 
 @dataclass
@@ -118,6 +124,10 @@ class Layout(Protocol):
     #: group (a drained job's last state: ``worker.decide``); a sharded layout's needs its
     #: whole saving replica group
     saves_alone: bool
+    #: whether the layout's steps take :meth:`step`'s ``shares`` (slices by speed evened out
+    #: within the step, ``batch_split_steal``; data parallelism only): the training loop builds
+    #: them only then
+    steals: bool
 
     # --- a generation's groups ----------------------------------------------------------------
     def form(self, table: ShardTable, member: Member, step: int, cursor: int) -> Formed | FormFailed:
@@ -151,11 +161,13 @@ class Layout(Protocol):
 
     # --- the step -----------------------------------------------------------------------------
     def step(self, local_indices: Sequence[int], global_count: int, generation: int, *, base_generation: int,
-             world_size: int) -> StepResult:
+             world_size: int, shares: StepShares | None = None) -> StepResult:
         """Train this rank's ``local_indices`` of a global batch of ``global_count`` samples in
         the generation ``base_generation`` of ``world_size`` ranks, telling the others the
-        newest ``generation`` seen. StepAborted (nothing applied), InconsistentStep,
-        UserCodeError."""
+        newest ``generation`` seen. ``shares``: the whole step's slices by rank, for a layout
+        that evens its members out within the step (:attr:`steals`; the result's ``trained``
+        then says which samples this rank took). StepAborted (nothing applied),
+        InconsistentStep, UserCodeError."""
 
     def warm_up(self) -> float:
         """Before joining: compile on the fixed shape (a joiner must not make its peers wait

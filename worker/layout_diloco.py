@@ -60,6 +60,7 @@ from shoal.worker.engine import StepEngine, StepResult
 from shoal.worker.errors import CollectiveFailed, InconsistentStep, StepAborted
 from shoal.worker.layout import GroupSettings, LayoutOptions
 from shoal.worker.layout_dp import DataParallel
+from shoal.worker.steal import StepShares
 from shoal.worker.userapi import TrainingSetup
 
 log = logging.getLogger("shoal.worker")
@@ -110,6 +111,7 @@ class Diloco(DataParallel):
     def __init__(self, model, optimizer, dataset, *, options: LayoutOptions, groups: GroupSettings | None = None,
                  **kwargs: Any) -> None:
         super().__init__(model, optimizer, dataset, options=options, groups=groups, **kwargs)
+        self.steals = False  # a round's samples are split equally (the spec refuses by_speed with DiLoCo)
         if options.diloco is None:
             raise ValueError("the DiLoCo layout needs the spec's diloco options")
         self.diloco = options.diloco
@@ -163,7 +165,7 @@ class Diloco(DataParallel):
 
     # --- the round ------------------------------------------------------------------------------
     def step(self, local_indices: Sequence[int], global_count: int, generation: int, *, base_generation: int,
-             world_size: int = 0) -> StepResult:
+             world_size: int = 0, shares: StepShares | None = None) -> StepResult:
         """One round on this member's ``local_indices`` of a round of ``global_count`` samples
         (see the module docstring). StepAborted: nothing of the round applied (redo it in the
         next generation); InconsistentStep when the members' slices do not add up to

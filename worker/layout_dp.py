@@ -24,6 +24,7 @@ from shoal.worker.decide import Formed, FormFailed
 from shoal.worker.engine import StepEngine, StepResult
 from shoal.worker.errors import CollectiveFailed, RendezvousFailed, StateMismatch
 from shoal.worker.layout import GroupSettings, LayoutOptions, eval_metrics
+from shoal.worker.steal import StepShares
 from shoal.worker.transfer import catch_up_state, state_bytes, transfer_timeout
 from shoal.worker.userapi import TrainingSetup
 
@@ -41,6 +42,8 @@ class DataParallel(StepEngine):
         super().__init__(model, optimizer, dataset, device=options.device, precision=options.precision,
                          max_grad_norm=options.max_grad_norm, bucket_cap_mb=options.bucket_cap_mb, **kwargs)
         self.groups = groups
+        #: whether the steps take ``shares`` (slices by speed evened out within the step)
+        self.steals = options.steal_chunk is not None
         #: the worker's fault plan (its ``transfer`` phase: a catch-up's source mid-transfer)
         self.faults: FaultPlan = FaultPlan([])
 
@@ -53,6 +56,10 @@ class DataParallel(StepEngine):
         layout.faults = faults or FaultPlan([])
         if options.compile is not None:  # the whole model's forward
             layout.compile_model(options.compile, [layout.model], options.fixed_micro_batch)
+        if layout.steals and layout.micro_batch is None and layout.compiled_shape is None:
+            # the chunks claimed within a step are the engine's micro-batches (the prefetcher
+            # fetches each one as an item of its own)
+            layout.micro_batch = options.steal_chunk
         return layout
 
     @staticmethod
@@ -110,10 +117,10 @@ class DataParallel(StepEngine):
 
     # --- the step -------------------------------------------------------------------------------
     def step(self, local_indices: Sequence[int], global_count: int, generation: int, *, base_generation: int,
-             world_size: int = 0) -> StepResult:
+             world_size: int = 0, shares: StepShares | None = None) -> StepResult:
         """As :meth:`StepEngine.step` (``world_size``: the generation's; a data-parallel step
-        needs only its own slice)."""
-        return super().step(local_indices, global_count, generation, base_generation=base_generation)
+        needs only its own slice - or, with ``shares``, the chunks it claims)."""
+        return super().step(local_indices, global_count, generation, base_generation=base_generation, shares=shares)
 
     def evaluate_split(self, dataset: Any, sums_fn: Any, batch_size: int) -> dict[str, float]:
         """A distributed evaluation (``TrainingSetup.eval_dataset``): this rank's contiguous

@@ -48,6 +48,7 @@ from shoal.worker.layout import GroupSettings, LayoutOptions, eval_metrics
 from shoal.worker.process_group import Group
 from shoal.worker.restart import exit_for_restart
 from shoal.worker.sharded_engine import ShardedEngine
+from shoal.worker.steal import StepShares
 from shoal.worker.transfer import catch_up_state, state_bytes, transfer_timeout
 from shoal.worker.userapi import TrainingSetup
 
@@ -59,6 +60,7 @@ class Hsdp(ShardedEngine):
 
     save_waits = True
     saves_alone = False
+    steals = False
 
     def __init__(self, model, optimizer, dataset, *, options: LayoutOptions, groups: GroupSettings | None = None,
                  **kwargs: Any) -> None:
@@ -273,7 +275,9 @@ class Hsdp(ShardedEngine):
         return 0.0
 
     def step(self, local_indices: Sequence[int], global_count: int, generation: int, *, base_generation: int,
-             world_size: int = 0) -> StepResult:
+             world_size: int = 0, shares: StepShares | None = None) -> StepResult:
+        """As :meth:`ShardedEngine.step` (``shares`` never comes: :attr:`steals` is False - every
+        rank of a replica group takes as many samples, in lock-step)."""
         return super().step(local_indices, global_count, generation, base_generation=base_generation,
                             world_size=world_size or None)
 

@@ -65,7 +65,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -436,6 +436,17 @@ class Group:
         except Exception as exc:  # noqa: BLE001 - translated
             raise translate_error(exc, what) from exc
         return PendingReduce(work, what, self)
+
+    def claim(self, key: str, block: int, chunks: Sequence[int]) -> tuple[int, int] | None:
+        """The next chunk of a step's work this rank takes (:meth:`RedisStore.claim
+        <shoal.worker.store.RedisStore.claim>` in the group's store; :mod:`shoal.worker.steal`).
+        CollectiveFailed when the group is aborted or the store cannot be reached."""
+        what = "a claim of the step's next chunk"
+        self._require(what)
+        try:
+            return self.store.claim(key, block, chunks)
+        except Exception as exc:  # noqa: BLE001 - translated
+            raise translate_error(exc, what) from exc
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                    what: str = "all_reduce") -> None:

@@ -20,6 +20,9 @@ Layout under the prefix ``P`` (internal to this module; torch chooses the key na
 * ``P + "t:" + base`` - a HASH rank -> value, and ``P + "c:" + base`` - a one-element LIST
   holding the complete *table* of ``base`` (see below): only when the store knows its
   ``rank`` and ``world_size``.
+* ``P + "k:steal/<generation>/<step>"`` - a HASH of a step's chunk claims (``f<i>``/``b<i>``:
+  chunks of rank i's slice taken from its front, from its back): :meth:`RedisStore.claim`,
+  shoal's own, not torch's (:mod:`shoal.worker.steal`).
 
 The address table (``rank``/``world_size`` given: what :meth:`shoal.worker.process_group.Rendezvous.join`
 does). A gloo group connects its full mesh through the store: every rank ``set``\\ s its
@@ -167,6 +170,40 @@ redis.call('PEXPIRE', KEYS[3], ARGV[2])
 return blob
 """
 
+# A step's chunk claims (:meth:`RedisStore.claim`): KEYS[1] a HASH of ``f<i>`` (chunks taken
+# from the front of block i, by its owner) and ``b<i>`` (taken from its back, by others);
+# ARGV[1] the caller's block, ARGV[2] the TTL, ARGV[3..] each block's chunks. The caller's next
+# front chunk while its block has one; else the back chunk of the block with the largest share
+# of its chunks left (blocks are sized by their owners' speed: the one furthest from done);
+# {-1, -1} once every chunk is taken.
+_CLAIM = """
+local own = tonumber(ARGV[1])
+local counts = {}
+for i = 3, #ARGV do counts[#counts + 1] = tonumber(ARGV[i]) end
+local taken = {}
+local flat = redis.call('HGETALL', KEYS[1])
+for i = 1, #flat, 2 do taken[flat[i]] = tonumber(flat[i + 1]) end
+local function left(i)
+  return counts[i + 1] - (taken['f' .. i] or 0) - (taken['b' .. i] or 0)
+end
+if left(own) > 0 then
+  local f = taken['f' .. own] or 0
+  redis.call('HSET', KEYS[1], 'f' .. own, f + 1)
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {own, f}
+end
+local best, share = -1, 0
+for i = 0, #counts - 1 do
+  local l = left(i)
+  if l > 0 and l / counts[i + 1] > share then best, share = i, l / counts[i + 1] end
+end
+if best < 0 then return {-1, -1} end
+local b = taken['b' .. best] or 0
+redis.call('HSET', KEYS[1], 'b' .. best, b + 1)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return {best, counts[best + 1] - 1 - b}
+"""
+
 #: ``base/<rank>``: a key gloo's full mesh publishes once per rank
 _RANK_KEY = re.compile(r"^(.*)/(\d+)$")
 
@@ -267,6 +304,7 @@ class RedisStore(dist.Store):
         self._append = client.register_script(_APPEND)
         self._mset = client.register_script(_MULTI_SET)
         self._publish = client.register_script(_PUBLISH)
+        self._claim = client.register_script(_CLAIM)
         self.set_timeout(timedelta(seconds=_seconds(timeout)))
 
     # --- helpers --------------------------------------------------------------------------
@@ -391,6 +429,19 @@ class RedisStore(dist.Store):
         not start with an integer raises ``redis.ResponseError``."""
         self._forget(key)
         return int(self._add(keys=[self._k(key)], args=[int(value), self._ttl_ms]))
+
+    def claim(self, key: str, block: int, chunks: Sequence[int]) -> tuple[int, int] | None:
+        """Take the next chunk of a step's work split in blocks of ``chunks`` chunks (block i
+        belongs to rank i): ``block``'s next chunk from its front while it has one, else the
+        last untaken chunk of the block with the largest share of its chunks left. Returns
+        (block, chunk index), or None when every chunk of every block is taken. Atomic (one
+        Lua call): no chunk is ever given twice. Not a torch store operation: shoal's within-step
+        balancing (:mod:`shoal.worker.steal`)."""
+        if not 0 <= block < len(chunks):
+            raise ValueError(f"block {block} is not one of the {len(chunks)} blocks")
+        got = self._claim(keys=[self._k(key)], args=[int(block), self._ttl_ms, *(int(c) for c in chunks)])
+        b, i = int(got[0]), int(got[1])
+        return None if b < 0 else (b, i)
 
     def compare_set(self, key: str, expected_value: bytes | str, desired_value: bytes | str) -> bytes:
         """Atomic compare-and-set with ``c10d`` semantics (see ``HashStore``): sets

@@ -48,6 +48,7 @@ from collections import deque
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from shoal.core.connection import without_retries
@@ -106,6 +107,7 @@ from shoal.worker.layout import GroupSettings, Layout, LayoutOptions
 from shoal.worker.layouts import make_layout, prepare_process
 from shoal.worker.process_group import Rendezvous
 from shoal.worker.runner import WorkerRunner
+from shoal.worker.steal import StepShares
 from shoal.worker.switch import GenerationSwitch
 from shoal.worker.tensorboard import TensorBoardLog
 from shoal.worker.userapi import TrainingSetup, load_entrypoint
@@ -438,6 +440,24 @@ class TrainingWorker(WorkerRunner):
             return None
         return table.member(self.membership.worker_id)
 
+    def _shares(self, act: TrainStep, batch, local: list[int]) -> StepShares | None:
+        """The whole step's slices by rank when the members even the step out (slices by speed
+        with ``batch_split_steal``, a map-style dataset, a group of two or more, every rank on
+        its table's ranges - ``act.planned`` - of the table the step trains): None otherwise
+        (then each member trains its own slice, as ever). Every condition reads what every
+        rank of the step knows alike, so either all ranks claim or none does."""
+        table, member = self.state.table, self.state.member
+        if not self.engine.steals or self.input.stream is not None or table is None or member is None \
+                or not act.planned or table.generation != act.base or len(table.members) < 2:
+            return None
+        blocks = [np.empty(0, dtype=np.int64)] * len(table.members)
+        for m in table.members:
+            blocks[m.rank] = batch.for_rank(m.ranges)
+        if sum(map(len, blocks)) != batch.count:  # (the step's sample count would refuse it anyway)
+            return None
+        chunk = self.engine.compiled_shape or self.engine.micro_batch or max(1, len(local))
+        return StepShares(tuple(tuple(b.tolist()) for b in blocks), member.rank, chunk, f"steal/{act.base}/{act.step}")
+
     def _train_step(self, act: TrainStep) -> Input:
         """Train one step; the ledger records a committed one before anything else happens."""
         wid = self.membership.worker_id
@@ -457,9 +477,11 @@ class TrainingWorker(WorkerRunner):
             self._not_busy()
             return Aborted(f"step aborted, nothing applied: {exc}", local=True)
         try:
-            with self.flops.measure(len(local), self.setup, self.hb, self.progress, self.tensorboard):
+            with self.flops.measure(len(local), self.setup, self.hb, self.progress, self.tensorboard) as counted:
                 result = self.engine.step(local, batch.count, act.generation, base_generation=act.base,
-                                          world_size=act.world)
+                                          world_size=act.world, shares=self._shares(act, batch, local))
+                if result.trained is not None:
+                    counted.samples = len(result.trained)
         except StepAborted as exc:
             self._not_busy()
             # returned, not handled here: once this frame is gone nothing pins the broken

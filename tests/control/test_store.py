@@ -301,3 +301,53 @@ if __name__ == "__main__":
         _child(int(sys.argv[2]), sys.argv[3])
     else:
         sys.exit("usage: test_store.py child RANK JOB_ID")
+
+
+def test_claims_take_the_own_block_from_the_front_then_the_back_of_the_block_furthest_from_done(redis_store):
+    """:meth:`RedisStore.claim` (slices evened out within a step): rank 1's block first, in
+    order; then the last untaken chunk of the block with the largest share of its chunks left
+    (ties: the lower block); None once every chunk is taken, for every rank."""
+    chunks = [4, 2, 6]
+    got = []
+    while (c := redis_store.claim("steal/3/10", 1, chunks)) is not None:
+        got.append(c)
+    assert got[:2] == [(1, 0), (1, 1)]
+    # then 4/4 vs 6/6 left: block 0 (the lower), its back; then 6/6 > 3/4: block 2's back ...
+    assert got[2:5] == [(0, 3), (2, 5), (2, 4)]
+    assert sorted(got) == [(b, i) for b, n in enumerate(chunks) for i in range(n)]
+    assert redis_store.claim("steal/3/10", 0, chunks) is None and redis_store.claim("steal/3/10", 2, chunks) is None
+    # another step's key starts afresh; a block out of range is refused before Redis
+    assert redis_store.claim("steal/3/11", 2, chunks) == (2, 0)
+    with pytest.raises(ValueError, match="block 3"):
+        redis_store.claim("steal/3/11", 3, chunks)
+
+
+def test_concurrent_claims_give_every_chunk_exactly_once(r, redis_url, job_id):
+    """Three ranks on their own connections claim until nothing is left, at different speeds:
+    each chunk goes to exactly one of them, and each rank's own block's chunks that it took
+    came in order from the front."""
+    prefix = job_keys(job_id).rendezvous(7)
+    chunks = [10, 10, 30]
+    taken: dict[int, list[tuple[int, int]]] = {}
+
+    def rank(i: int) -> None:
+        client = redis.Redis.from_url(redis_url)
+        store = RedisStore(client, prefix)
+        mine = taken.setdefault(i, [])
+        while (c := store.claim("steal/7/1", i, chunks)) is not None:
+            mine.append(c)
+            time.sleep(0.0005 * (i + 1) ** 2)  # rank 2 is 9x slower than rank 0
+        client.close()
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    every = [c for i in range(3) for c in taken[i]]
+    assert sorted(every) == [(b, i) for b, n in enumerate(chunks) for i in range(n)]
+    for i in range(3):
+        own = [idx for b, idx in taken[i] if b == i]
+        assert own == list(range(len(own))), (i, own)
+    # the slow rank did not train all of its block: the others took chunks of it
+    assert len([1 for b, _ in taken[2] if b == 2]) < chunks[2], taken[2]

@@ -34,12 +34,12 @@ STEPS = 36
 FAST, SLOW = "0.001", "0.004"  # seconds per sample of own work
 
 
-def _run(r, redis_url, tmp: Path, job: str, split: str) -> tuple[dict, list[dict], list[ShardTable], int]:
-    """One run of the job; returns the final weights, the ledger, the published tables and
-    the slow process's pid."""
+def _run(r, redis_url, tmp: Path, job: str, split: str, **spec: object) -> tuple[dict, list[dict], list[ShardTable], int]:
+    """One run of the job (``spec``: more fields); returns the final weights, the ledger, the
+    published tables and the slow process's pid."""
     create_job(r, JobSpec(name=job, entrypoint="tests.entrypoints:per_sample_double", global_batch_size=48,
                           max_steps=STEPS, min_workers=3, max_workers=3, heartbeat_interval=0.2, heartbeat_ttl=2.0,
-                          batch_split=split, batch_split_every=6, prefetch_steps=0))
+                          batch_split=split, batch_split_every=6, prefetch_steps=0, **spec))
     watch = ControlWatcher(r, job)
     env = {"SHOAL_LEDGER_DIR": str(tmp / "ledger"), "SHOAL_EXPORT_DIR": str(tmp / "final"),
            "SHOAL_TEST_SAMPLE_DELAY": FAST}
@@ -63,7 +63,9 @@ def _run(r, redis_url, tmp: Path, job: str, split: str) -> tuple[dict, list[dict
 
 def test_slices_by_speed_give_the_slow_member_less_and_the_same_weights_as_equal_slices(r, redis_url, tmp_path) -> None:
     equal, equal_entries, equal_tables, _ = _run(r, redis_url, tmp_path / "equal", "eq-" + tmp_path.name[-6:], "equal")
-    fast, entries, tables, slow_pid = _run(r, redis_url, tmp_path / "speed", "sp-" + tmp_path.name[-6:], "by_speed")
+    # each member trains exactly its slice (batch_split_steal: false): the slices are the plan's
+    fast, entries, tables, slow_pid = _run(r, redis_url, tmp_path / "speed", "sp-" + tmp_path.name[-6:], "by_speed",
+                                           batch_split_steal=False)
     # equal slices: 16 samples each, every step
     assert {len(e["indices"]) for e in equal_entries} == {16}
     assert len(equal_tables) == 1
@@ -95,17 +97,22 @@ def test_slices_by_speed_give_the_slow_member_less_and_the_same_weights_as_equal
     print(f"largest difference of a weight, by speed vs equal slices: {diff:.3g}")
 
 
-def test_a_join_after_re_slices_forms_a_new_group_and_every_sample_is_trained_once(r, redis_url, tmp_path) -> None:
+@pytest.mark.parametrize("steal", [False, True], ids=["slices", "steal"])
+def test_a_join_after_re_slices_forms_a_new_group_and_every_sample_is_trained_once(r, redis_url, tmp_path,
+                                                                                   steal) -> None:
     """A by-speed job of two members re-slices in place; a third worker then joins: that plan
     is no re-slice, so both members leave their group and form the new one with the joiner
     (the switch that reads the next table first, then leaves). The ledger is exactly once and
-    the three replicas end bit-identical."""
+    the three replicas end bit-identical. Without balancing within the step, every committed
+    slice is its generation's; with it (``steal``), the first step of the group formed with
+    the joiner behind - the others split its batch by themselves - is not balanced (every rank
+    on the split it was told), the others may be."""
     job = "spj-" + tmp_path.name[-6:]
     steps = 800  # long enough for the joiner to start (seconds on a busy box)
     create_job(r, JobSpec(name=job, entrypoint="tests.entrypoints:per_sample_double", global_batch_size=48,
                           max_steps=steps, epochs=10, min_workers=2, max_workers=3, heartbeat_interval=0.2,
                           heartbeat_ttl=2.0,
-                          batch_split="by_speed", batch_split_every=6, prefetch_steps=0))
+                          batch_split="by_speed", batch_split_every=6, prefetch_steps=0, batch_split_steal=steal))
     watch = ControlWatcher(r, job)
     env = {"SHOAL_LEDGER_DIR": str(tmp_path / "ledger"), "SHOAL_EXPORT_DIR": str(tmp_path / "final"),
            "SHOAL_TEST_SAMPLE_DELAY": FAST}
@@ -149,5 +156,40 @@ def test_a_join_after_re_slices_forms_a_new_group_and_every_sample_is_trained_on
     for e in entries:
         first[e["generation"]] = min(first.get(e["generation"], e["step"]), e["step"])
     checked = [e for e in entries if tables[e["generation"]].continues or e["step"] != first[e["generation"]]]
-    assert all(len(e["indices"]) == size(e) for e in checked)
-    assert {e["generation"] for e in checked} == set(first)
+    if not steal:
+        assert all(len(e["indices"]) == size(e) for e in checked)
+        assert {e["generation"] for e in checked} == set(first)
+        return
+    # the joined group's first step: the two up to date split the batch in halves, the joiner none
+    g = joined[0].generation
+    firsts = sorted((e["worker"], len(e["indices"])) for e in entries if e["generation"] == g and e["step"] == first[g])
+    assert sorted(n for _w, n in firsts) in ([0, 24, 24], [24, 24]), firsts
+    # ... and the slow member (p1) trained less than its slices in some step: the others took chunks
+    assert any(len(e["indices"]) < size(e) for e in checked), [(e["step"], len(e["indices"]), size(e)) for e in checked]
+
+
+def test_members_done_with_their_slice_take_chunks_of_the_slow_ones_within_the_step(r, redis_url, tmp_path) -> None:
+    """Slices by speed evened out within each step (``batch_split_steal``, the default): every
+    slice is cut in chunks of 8 samples claimed in the generation's store, and a member done
+    with its own takes the chunks still untaken of the others'. The slow member (4x slower per
+    sample) then trains fewer samples than its slice - on equal slices (the first generation,
+    before any rate is known) and after re-plans - and the others more; every sample is still
+    trained exactly once (the ledger), the replicas are bit-identical after every step, and the
+    weights equal those of equal slices (float64, allclose)."""
+    equal, equal_entries, _, _ = _run(r, redis_url, tmp_path / "equal", "eq-" + tmp_path.name[-6:], "equal")
+    stolen, entries, tables, slow_pid = _run(r, redis_url, tmp_path / "steal", "st-" + tmp_path.name[-6:], "by_speed")
+    slow_id = next(e["worker"] for e in entries if e["pid"] == slow_pid)
+    planned = {t.generation: {m.worker_id: count(m.ranges) for m in t.members} for t in tables}
+    slow = [e for e in entries if e["worker"] == slow_id]
+    short = [e["step"] for e in slow if len(e["indices"]) < planned[e["generation"]][slow_id]]
+    assert short, [(e["step"], len(e["indices"]), planned[e["generation"]][slow_id]) for e in slow]
+    # what the slow member did not train of its slice, the others did, in the same step
+    for step in short:
+        others = [e for e in entries if e["step"] == step and e["worker"] != slow_id]
+        assert sum(len(e["indices"]) for e in others) > sum(planned[e["generation"]][e["worker"]] for e in others)
+    # equal slices' first generation, where the slow member's slice is as large as the others'
+    assert any(e["generation"] == tables[0].generation for e in slow if e["step"] in short), short
+    assert sorted({e["step"]: e["cursor"] for e in entries}.items()) == sorted(
+        {e["step"]: e["cursor"] for e in equal_entries}.items())
+    diff = max((stolen[k].double() - equal[k].double()).abs().max().item() for k in equal)
+    assert all(torch.allclose(stolen[k].double(), equal[k].double(), rtol=1e-9, atol=1e-10) for k in equal), diff
