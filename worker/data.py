@@ -105,6 +105,9 @@ def rank_slice(batch: np.ndarray | Sequence[int], ranges: Sequence[Range]) -> np
     """This rank's samples of ``batch``: the concatenation of ``batch[start:stop:step]`` for
     each ``[start, stop, step]`` in ``ranges`` (positions beyond a short batch are absent)."""
     arr = np.asarray(batch, dtype=np.int64)
+    if len(ranges) == 1 and len(ranges[0]) == 3 and int(ranges[0][2]) == 1 and int(ranges[0][0]) >= 0 \
+            and int(ranges[0][1]) >= 0:  # one contiguous block (the contiguous strategy): a slice
+        return arr[int(ranges[0][0]) : int(ranges[0][1])].copy()
     positions: list[int] = []
     for r in ranges:
         if len(r) != 3:

@@ -29,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 #: Chunks per member at the job's largest world size, by default (the chunk is the job's
 #: ``micro_batch`` when the setup gives one): a chunk is about 1/16 of a member's step, so a
 #: step's members finish within about a chunk of each other.
@@ -53,12 +55,13 @@ class StepShares:
     this member's; ``key`` names the step in the group's store (its table's generation and
     its step: never reused by another try of the step)."""
 
-    blocks: tuple[tuple[int, ...], ...]
+    blocks: tuple[np.ndarray, ...]
     rank: int
     chunk: int
     key: str
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "blocks", tuple(np.asarray(b, dtype=np.int64).reshape(-1) for b in self.blocks))
         if self.chunk <= 0:
             raise ValueError(f"chunk must be positive, got {self.chunk}")
         if not 0 <= self.rank < len(self.blocks):
@@ -72,7 +75,7 @@ class StepShares:
     def part(self, block: int, index: int) -> list[int]:
         """The dataset indices of chunk ``index`` of ``block``."""
         start = index * self.chunk
-        return list(self.blocks[block][start : start + self.chunk])
+        return self.blocks[block][start : start + self.chunk].tolist()
 
 
 def parts(shares: StepShares, claim: Claim) -> Iterator[tuple[int, list[int]]]:

@@ -456,7 +456,7 @@ class TrainingWorker(WorkerRunner):
         if sum(map(len, blocks)) != batch.count:  # (the step's sample count would refuse it anyway)
             return None
         chunk = self.engine.compiled_shape or self.engine.micro_batch or max(1, len(local))
-        return StepShares(tuple(tuple(b.tolist()) for b in blocks), member.rank, chunk, f"steal/{act.base}/{act.step}")
+        return StepShares(tuple(blocks), member.rank, chunk, f"steal/{act.base}/{act.step}")
 
     def _train_step(self, act: TrainStep) -> Input:
         """Train one step; the ledger records a committed one before anything else happens."""

@@ -14,6 +14,8 @@ plan forms a new group, as every membership change does."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,7 @@ from shoal.events.keys import job_keys
 from shoal.events.models import ShardTable
 from shoal.coordinator.shards import count
 from shoal.ops.localproc import LocalProcs
-from tests.helpers import ControlWatcher, dump_logs
+from tests.helpers import ControlWatcher, dump_logs, wait_until
 from tests.processes.three_workers import exactly_once_and_identical
 
 pytestmark = pytest.mark.slow
@@ -193,3 +195,55 @@ def test_members_done_with_their_slice_take_chunks_of_the_slow_ones_within_the_s
         {e["step"]: e["cursor"] for e in equal_entries}.items())
     diff = max((stolen[k].double() - equal[k].double()).abs().max().item() for k in equal)
     assert all(torch.allclose(stolen[k].double(), equal[k].double(), rtol=1e-9, atol=1e-10) for k in equal), diff
+
+
+def test_a_member_killed_mid_step_while_others_take_its_chunks_costs_one_redone_step(r, redis_url, tmp_path) -> None:
+    """Slices by speed evened out within the step, three members, the slow one killed with
+    SIGKILL while the job runs (most of a step is its members' work, so the kill lands inside
+    one, where the others may hold claims on the dead member's chunks): that step fails in the
+    group, nothing applied; the coordinator re-plans without it and the two survivors redo the
+    step under another key (a new generation) and finish the job. Every sample exactly once
+    (the ledger, with the dead member's committed steps), the survivors bit-identical."""
+    from shoal.worker import ledger
+
+    job = "spk-" + tmp_path.name[-6:]
+    steps = 120
+    create_job(r, JobSpec(name=job, entrypoint="tests.entrypoints:per_sample_double", global_batch_size=48,
+                          max_steps=steps, epochs=10, min_workers=2, max_workers=3, heartbeat_interval=0.2,
+                          heartbeat_ttl=2.0, batch_split="by_speed", batch_split_every=6, prefetch_steps=0))
+    watch = ControlWatcher(r, job)
+    run = tmp_path / "run"
+    env = {"SHOAL_LEDGER_DIR": str(run / "ledger"), "SHOAL_EXPORT_DIR": str(run / "final"),
+           "SHOAL_TEST_SAMPLE_DELAY": FAST}
+    with LocalProcs(redis_url, tmp_path / "logs", extra_env=env) as procs:
+        procs.coordinator("coord")
+        procs.worker(job, "p0")
+        procs.worker(job, "p1")
+        procs.extra_env["SHOAL_TEST_SAMPLE_DELAY"] = SLOW
+        slow = procs.worker(job, "p2")
+        try:
+            three = watch.wait_for(lambda d: d.world_size == 3, 120).generation
+            # ten steps committed by the three (the slow one's chunks taken by the others in some)
+            wait_until(lambda: len({e["step"] for e in ledger.read(run / "ledger") if e["generation"] >= three}) >= 10,
+                       120, "ten steps of the generation of three")
+            os.kill(slow.popen.pid, signal.SIGKILL)
+            after = watch.wait_for(lambda d: d.world_size == 2 and d.generation > three, 60)
+            watch.wait_for(lambda d: d.job_state == "completed", 180)
+            codes = {p.name: p.wait(60) for p in procs.procs if p.name in ("p0", "p1")}
+        except BaseException:
+            dump_logs(procs, tmp_path / "logs")
+            raise
+    assert codes == {"p0": 0, "p1": 0}, codes
+    entries, _finals = exactly_once_and_identical(run, steps, workers=2)
+    slow_id = next(e["worker"] for e in entries if e["pid"] == slow.popen.pid)
+    killed_at = max(e["step"] for e in entries if e["worker"] == slow_id)
+    # the survivors went on in the generation of two from the step after the dead member's
+    # last (or the one after it, when its ledger line of that last step was cut by the kill)
+    resumed = min(e["step"] for e in entries if e["generation"] >= after.generation)
+    assert resumed in (killed_at + 1, killed_at + 2), (killed_at, resumed)
+    assert all(e["worker"] != slow_id for e in entries if e["step"] > killed_at)
+    planned = {t.generation: {m.worker_id: count(m.ranges) for m in t.members}
+               for t in (ShardTable.model_validate_json(f[b"data"]) for _sid, f in r.xrange(job_keys(job).generations))}
+    stole = [e["step"] for e in entries if e["generation"] >= three and e["worker"] == slow_id
+             and len(e["indices"]) < planned[e["generation"]][slow_id]]
+    assert stole, "the others never took a chunk of the slow member's slice"
