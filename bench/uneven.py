@@ -2,7 +2,8 @@
 side by side in one run, interleaved and repeated.
 
     python3 scripts/dev.py python -m bench.uneven [--quick] [--steps 80] [--repeat 2]
-                                                 [--quota 0.4] [--slow-quota 0.2] [--trace] [--inline-data] [--no-steal]
+                                                 [--quota 0.4] [--slow-quota 0.2] [--trace] [--inline-data]
+                                                 [--steal] [--compare-steal]
 
 Three CPU workers (OMP_NUM_THREADS=1 each) train the digits data with a 64-512-512-10 MLP
 (0.3 M parameters, float64), a global batch of 14400, SGD with momentum, gradients
@@ -40,9 +41,22 @@ slowest member's own work over the mean member's: 1 is a perfect split, the esti
 shows here), ``waited_s`` (the window's seconds the others waited for the slowest one's own
 work) and ``window_s``.
 
-``--no-steal``: the by-speed job with ``batch_split_steal: false`` - each member trains exactly
-its planned slice (by default a member done with its slice takes chunks of the others' still
-untaken within the step, :mod:`shoal.worker.steal`).
+``--steal``: the by-speed job with ``batch_split_steal: true`` - a member done with its slice
+takes chunks of the others' still untaken within the step (:mod:`shoal.worker.steal`).
+
+``--compare-steal``: each round also runs the by-speed job with that balancing, right after the
+other: ``ratio_steal=`` and ``steal_gain=`` (its samples/s over the other's, pair by pair). Read
+the gain, not the ratio: the in-run rates move with what a worker does in its own work (a
+stolen chunk's claim and its read in the thief's training thread count there), so balancing
+within the step raises ``ratio`` by turning waiting into slower own work even where it trains
+not one sample more a second.
+
+``ratio_solo=`` (and per round ``ratio_solo_*=``): the jobs' samples/s over the sum of the
+round's ``solo=`` rates instead (the three alone in their cgroups at the same time, each
+reading its own samples inline: the issue's "sum of the workers' solo rates" taken literally).
+Sound where the quotas bind (they ask less than the box's cores, e.g. ``--quota 0.75``): the
+solo rates are then the quotas', whatever else runs; with 1/1/0.5 on two cores they are what
+three processes get of an oversubscribed box at that moment.
 
 ``--inline-data``: every batch fetched in the training thread (``loader_workers: 0``,
 ``prefetch_steps: 0``) instead of by the default forked loader, which shares its worker's cgroup.
@@ -310,9 +324,12 @@ def main() -> int:
     ap.add_argument("--inline-data", action="store_true",
                     help="fetch every batch inline in the training thread (loader_workers 0, prefetch_steps 0) "
                          "instead of the default background loader process")
-    ap.add_argument("--no-steal", action="store_true",
-                    help="the by-speed job with batch_split_steal: false (each member trains exactly its slice; "
-                         "default: members done with their slice take chunks of the others' within the step)")
+    ap.add_argument("--steal", action="store_true",
+                    help="the by-speed job with batch_split_steal: true (members done with their slice take "
+                         "chunks of the others' within the step)")
+    ap.add_argument("--compare-steal", action="store_true",
+                    help="each round also runs the by-speed job with batch_split_steal: true, right after the "
+                         "other (ratio_steal=, steal_gain= its samples/s over the other's)")
     args = ap.parse_args()
     global TRACE
     TRACE = args.trace
@@ -329,12 +346,13 @@ def main() -> int:
     print(f"setup=3 workers, cgroup v1 cpu quotas {args.quota:g}/{args.quota:g}/{slow:g} cores (period "
           f"{PERIOD_US // 1000} ms), batch {BATCH}, MLP 64-{HIDDEN}-{HIDDEN}-10 float64, {os.cpu_count()} cores"
           f"{', batches fetched inline' if args.inline_data else ''}"
-          f"{', by speed without balancing within the step' if args.no_steal else ''}")
+          f"{', by speed balanced within the step' if args.steal else ''}")
     # --inline-data: the job spec's input pipeline fields
     inline = dict(loader_workers=0, prefetch_steps=0) if args.inline_data else {}
-    steal = dict(batch_split_steal=False) if args.no_steal else {}
+    steal = dict(batch_split_steal=True) if args.steal else {}
     groups = Cgroups([args.quota, args.quota, slow])
     equal_r, speed_r, finals = [], [], None
+    steal_r, gains, solo_r = [], [], []  # --compare-steal; job samples/s over the sum of solo=
     try:
         with tempfile.TemporaryDirectory(prefix="shoal-uneven-") as t:
             tmp = Path(t)
@@ -348,6 +366,16 @@ def main() -> int:
                     equal_r.append(eq / sum(eq_own))
                     speed_r.append(sp / sum(sp_own))
                     finals = (eq_w, sp_w)
+                    solo_r.append((eq / sum(alone), sp / sum(alone)))
+                    print(f"round={i} ratio_solo_equal={eq / sum(alone):.3f} ratio_solo_speed={sp / sum(alone):.3f}")
+                    if args.compare_steal:
+                        st, st_own, _w, _r = run_job(server.url, tmp, groups, f"steal-{i}", "by_speed", args.steps,
+                                                     {**inline, "batch_split_steal": True})
+                        steal_r.append(st / sum(st_own))
+                        gains.append(st / sp)
+                        print(f"round={i} by_speed_steal={st:.0f} steal_own={'/'.join(f'{r:.0f}' for r in st_own)} "
+                              f"ratio_steal={st / sum(st_own):.3f} ratio_solo_steal={st / sum(alone):.3f} "
+                              f"steal_gain={st / sp:.3f}")
                     print(f"round={i} solo={'/'.join(f'{r:.0f}' for r in alone)} "
                           f"equal={eq:.0f} equal_own={'/'.join(f'{r:.0f}' for r in eq_own)} "
                           f"by_speed={sp:.0f} by_speed_own={'/'.join(f'{r:.0f}' for r in sp_own)} "
@@ -365,6 +393,11 @@ def main() -> int:
     print(f"ratio_equal={statistics.median(equal_r):.3f}")
     print(f"ratio_speed={statistics.median(speed_r):.3f}")
     print(f"ratio=equal:{statistics.median(equal_r):.3f},by_speed:{statistics.median(speed_r):.3f}")
+    print(f"ratio_solo=equal:{statistics.median(e for e, _ in solo_r):.3f},"
+          f"by_speed:{statistics.median(b for _, b in solo_r):.3f}")
+    if gains:
+        print(f"ratio_steal={statistics.median(steal_r):.3f}")
+        print(f"steal_gain={statistics.median(gains):.3f}")
     print(f"allclose={close}")
     print(f"max_weight_diff={diff:.3g}")
     print(f"loadavg_after={loadavg()}")

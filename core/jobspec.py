@@ -247,9 +247,9 @@ class JobSpec(BaseModel):
     #: of the slices still being worked on (each slice is cut in chunks - the setup's
     #: ``micro_batch``, else about 1/16 of a slice at ``max_workers`` - claimed one by one in the
     #: generation's rendezvous store), so a member slowed for a moment does not hold up the
-    #: step; every sample is still trained once, and the update is the same. ``false``: each
-    #: member trains exactly its slice (the split of a step then depends only on the plan).
-    batch_split_steal: bool = True
+    #: step; every sample is still trained once, and the update is the same. Off by default:
+    #: on one shared machine it removed the waiting but not a sample/s of it (docs/training.md).
+    batch_split_steal: bool = False
     #: Simulated step time for workers with ``entrypoint: simulate`` (control-plane tests).
     simulate_step_time: Annotated[float, Field(ge=0)] = 0.05
 

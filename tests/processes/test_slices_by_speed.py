@@ -65,7 +65,7 @@ def _run(r, redis_url, tmp: Path, job: str, split: str, **spec: object) -> tuple
 
 def test_slices_by_speed_give_the_slow_member_less_and_the_same_weights_as_equal_slices(r, redis_url, tmp_path) -> None:
     equal, equal_entries, equal_tables, _ = _run(r, redis_url, tmp_path / "equal", "eq-" + tmp_path.name[-6:], "equal")
-    # each member trains exactly its slice (batch_split_steal: false): the slices are the plan's
+    # each member trains exactly its slice (batch_split_steal: false, the default): the plan's
     fast, entries, tables, slow_pid = _run(r, redis_url, tmp_path / "speed", "sp-" + tmp_path.name[-6:], "by_speed",
                                            batch_split_steal=False)
     # equal slices: 16 samples each, every step
@@ -171,7 +171,7 @@ def test_a_join_after_re_slices_forms_a_new_group_and_every_sample_is_trained_on
 
 
 def test_members_done_with_their_slice_take_chunks_of_the_slow_ones_within_the_step(r, redis_url, tmp_path) -> None:
-    """Slices by speed evened out within each step (``batch_split_steal``, the default): every
+    """Slices by speed evened out within each step (``batch_split_steal: true``): every
     slice is cut in chunks of 8 samples claimed in the generation's store, and a member done
     with its own takes the chunks still untaken of the others'. The slow member (4x slower per
     sample) then trains fewer samples than its slice - on equal slices (the first generation,
@@ -179,7 +179,8 @@ def test_members_done_with_their_slice_take_chunks_of_the_slow_ones_within_the_s
     trained exactly once (the ledger), the replicas are bit-identical after every step, and the
     weights equal those of equal slices (float64, allclose)."""
     equal, equal_entries, _, _ = _run(r, redis_url, tmp_path / "equal", "eq-" + tmp_path.name[-6:], "equal")
-    stolen, entries, tables, slow_pid = _run(r, redis_url, tmp_path / "steal", "st-" + tmp_path.name[-6:], "by_speed")
+    stolen, entries, tables, slow_pid = _run(r, redis_url, tmp_path / "steal", "st-" + tmp_path.name[-6:], "by_speed",
+                                             batch_split_steal=True)
     slow_id = next(e["worker"] for e in entries if e["pid"] == slow_pid)
     planned = {t.generation: {m.worker_id: count(m.ranges) for m in t.members} for t in tables}
     slow = [e for e in entries if e["worker"] == slow_id]
@@ -210,7 +211,8 @@ def test_a_member_killed_mid_step_while_others_take_its_chunks_costs_one_redone_
     steps = 120
     create_job(r, JobSpec(name=job, entrypoint="tests.entrypoints:per_sample_double", global_batch_size=48,
                           max_steps=steps, epochs=10, min_workers=2, max_workers=3, heartbeat_interval=0.2,
-                          heartbeat_ttl=2.0, batch_split="by_speed", batch_split_every=6, prefetch_steps=0))
+                          heartbeat_ttl=2.0, batch_split="by_speed", batch_split_every=6, prefetch_steps=0,
+                          batch_split_steal=True))
     watch = ControlWatcher(r, job)
     run = tmp_path / "run"
     env = {"SHOAL_LEDGER_DIR": str(run / "ledger"), "SHOAL_EXPORT_DIR": str(run / "final"),
