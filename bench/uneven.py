@@ -45,7 +45,7 @@ work) and ``window_s``.
 takes chunks of the others' still untaken within the step (:mod:`shoal.worker.steal`).
 
 ``--compare-steal``: each round also runs the by-speed job with that balancing, right after the
-other: ``ratio_steal=`` and ``steal_gain=`` (its samples/s over the other's, pair by pair). Read
+other (before it in odd rounds): ``ratio_steal=`` and ``steal_gain=`` (its samples/s over the other's, pair by pair). Read
 the gain, not the ratio: the in-run rates move with what a worker does in its own work (a
 stolen chunk's claim and its read in the thief's training thread count there), so balancing
 within the step raises ``ratio`` by turning waiting into slower own work even where it trains
@@ -361,16 +361,25 @@ def main() -> int:
                 for i in range(args.repeat):
                     alone = solo_rates(groups, args.solo_seconds)
                     eq, eq_own, eq_w, _ = run_job(server.url, tmp, groups, f"equal-{i}", "equal", args.steps, inline)
+
+                    def with_steal():
+                        return run_job(server.url, tmp, groups, f"steal-{i}", "by_speed", args.steps,
+                                       {**inline, "batch_split_steal": True})
+
+                    # --compare-steal: the two by-speed jobs in alternating order (a drift within a
+                    # round then favours neither)
+                    stolen = with_steal() if args.compare_steal and i % 2 else None
                     sp, sp_own, sp_w, reasons = run_job(server.url, tmp, groups, f"speed-{i}", "by_speed", args.steps,
                                                         {**inline, **steal})
+                    if args.compare_steal and stolen is None:
+                        stolen = with_steal()
                     equal_r.append(eq / sum(eq_own))
                     speed_r.append(sp / sum(sp_own))
                     finals = (eq_w, sp_w)
                     solo_r.append((eq / sum(alone), sp / sum(alone)))
                     print(f"round={i} ratio_solo_equal={eq / sum(alone):.3f} ratio_solo_speed={sp / sum(alone):.3f}")
-                    if args.compare_steal:
-                        st, st_own, _w, _r = run_job(server.url, tmp, groups, f"steal-{i}", "by_speed", args.steps,
-                                                     {**inline, "batch_split_steal": True})
+                    if stolen is not None:
+                        st, st_own, _w, _r = stolen
                         steal_r.append(st / sum(st_own))
                         gains.append(st / sp)
                         print(f"round={i} by_speed_steal={st:.0f} steal_own={'/'.join(f'{r:.0f}' for r in st_own)} "

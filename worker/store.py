@@ -180,17 +180,18 @@ _CLAIM = """
 local own = tonumber(ARGV[1])
 local counts = {}
 for i = 3, #ARGV do counts[#counts + 1] = tonumber(ARGV[i]) end
+local mine = redis.call('HMGET', KEYS[1], 'f' .. own, 'b' .. own)
+local f = tonumber(mine[1]) or 0
+if counts[own + 1] - f - (tonumber(mine[2]) or 0) > 0 then  -- the common case: O(1), whatever the world
+  redis.call('HSET', KEYS[1], 'f' .. own, f + 1)
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {own, f}
+end
 local taken = {}
 local flat = redis.call('HGETALL', KEYS[1])
 for i = 1, #flat, 2 do taken[flat[i]] = tonumber(flat[i + 1]) end
 local function left(i)
   return counts[i + 1] - (taken['f' .. i] or 0) - (taken['b' .. i] or 0)
-end
-if left(own) > 0 then
-  local f = taken['f' .. own] or 0
-  redis.call('HSET', KEYS[1], 'f' .. own, f + 1)
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {own, f}
 end
 local best, share = -1, 0
 for i = 0, #counts - 1 do

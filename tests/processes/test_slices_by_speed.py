@@ -36,6 +36,16 @@ STEPS = 36
 FAST, SLOW = "0.001", "0.004"  # seconds per sample of own work
 
 
+def _start(procs: LocalProcs, job: str):
+    """A coordinator, two workers and a third that is a slower machine (its own
+    ``SHOAL_TEST_SAMPLE_DELAY``); returns the slow one's process."""
+    procs.coordinator("coord")
+    procs.worker(job, "p0")
+    procs.worker(job, "p1")
+    procs.extra_env["SHOAL_TEST_SAMPLE_DELAY"] = SLOW  # this process only: a slower machine
+    return procs.worker(job, "p2")
+
+
 def _run(r, redis_url, tmp: Path, job: str, split: str, **spec: object) -> tuple[dict, list[dict], list[ShardTable], int]:
     """One run of the job (``spec``: more fields); returns the final weights, the ledger, the
     published tables and the slow process's pid."""
@@ -46,11 +56,7 @@ def _run(r, redis_url, tmp: Path, job: str, split: str, **spec: object) -> tuple
     env = {"SHOAL_LEDGER_DIR": str(tmp / "ledger"), "SHOAL_EXPORT_DIR": str(tmp / "final"),
            "SHOAL_TEST_SAMPLE_DELAY": FAST}
     with LocalProcs(redis_url, tmp / "logs", extra_env=env) as procs:
-        procs.coordinator("coord")
-        procs.worker(job, "p0")
-        procs.worker(job, "p1")
-        procs.extra_env["SHOAL_TEST_SAMPLE_DELAY"] = SLOW  # this process only: a slower machine
-        slow = procs.worker(job, "p2")
+        slow = _start(procs, job)
         try:
             watch.wait_for(lambda d: d.job_state == "completed", 180)
             codes = {p.name: p.wait(60) for p in procs.procs if p.name != "coord"}
@@ -218,11 +224,7 @@ def test_a_member_killed_mid_step_while_others_take_its_chunks_costs_one_redone_
     env = {"SHOAL_LEDGER_DIR": str(run / "ledger"), "SHOAL_EXPORT_DIR": str(run / "final"),
            "SHOAL_TEST_SAMPLE_DELAY": FAST}
     with LocalProcs(redis_url, tmp_path / "logs", extra_env=env) as procs:
-        procs.coordinator("coord")
-        procs.worker(job, "p0")
-        procs.worker(job, "p1")
-        procs.extra_env["SHOAL_TEST_SAMPLE_DELAY"] = SLOW
-        slow = procs.worker(job, "p2")
+        slow = _start(procs, job)
         try:
             three = watch.wait_for(lambda d: d.world_size == 3, 120).generation
             # ten steps committed by the three (the slow one's chunks taken by the others in some)
