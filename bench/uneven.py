@@ -45,8 +45,8 @@ work) and ``window_s``.
 takes chunks of the others' still untaken within the step (:mod:`shoal.worker.steal`).
 
 ``--compare-steal``: each round also runs the by-speed job with that balancing, right after the
-other (before it in odd rounds): ``ratio_steal=`` and ``steal_gain=`` (its samples/s over the other's, pair by pair). Read
-the gain, not the ratio: the in-run rates move with what a worker does in its own work (a
+other (before it in odd rounds): ``ratio_steal=`` and ``steal_gain=`` (its samples/s over the
+other's, pair by pair). Read the gain, not the ratio: the in-run rates move with what a worker does in its own work (a
 stolen chunk's claim and its read in the thief's training thread count there), so balancing
 within the step raises ``ratio`` by turning waiting into slower own work even where it trains
 not one sample more a second.
@@ -331,6 +331,8 @@ def main() -> int:
                     help="each round also runs the by-speed job with batch_split_steal: true, right after the "
                          "other (ratio_steal=, steal_gain= its samples/s over the other's)")
     args = ap.parse_args()
+    if args.steal and args.compare_steal:
+        ap.error("--compare-steal compares the by-speed job without balancing to one with it: drop --steal")
     global TRACE
     TRACE = args.trace
     if args.solo:

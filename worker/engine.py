@@ -92,11 +92,10 @@ from torch.utils.data import default_collate
 
 from shoal.events.models import finite_metrics
 from shoal.worker import process_group as pg
-from shoal.worker import steal
 from shoal.worker.errors import CollectiveFailed, InconsistentStep, StepAborted, UserCodeError, raised_at
 from shoal.worker.precision import LossScale, autocast, check_precision
 from shoal.worker.reducer import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, GradientReducer, plan_buckets
-from shoal.worker.steal import StepShares
+from shoal.worker.steal import StepShares, parts as claimed_parts
 from shoal.worker.userapi import TrainingSetup
 
 log = logging.getLogger("shoal.worker")
@@ -593,7 +592,7 @@ class StepEngine(StepCommon):
         if shares is None:
             mb = self.compiled_shape or self.micro_batch or max(1, len(local))
             return (local[start : start + mb] for start in range(0, len(local), mb))
-        return (part for _block, part in steal.parts(shares, self.group.claim))
+        return (part for _block, part in claimed_parts(shares, self.group.claim))
 
     def _forward_backward(self, local: list[int], ahead: float, global_count: int, base_generation: int | None,
                           shares: StepShares | None = None) -> list[int]:

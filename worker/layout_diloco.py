@@ -111,7 +111,6 @@ class Diloco(DataParallel):
     def __init__(self, model, optimizer, dataset, *, options: LayoutOptions, groups: GroupSettings | None = None,
                  **kwargs: Any) -> None:
         super().__init__(model, optimizer, dataset, options=options, groups=groups, **kwargs)
-        self.steals = False  # a round's samples are split equally (the spec refuses by_speed with DiLoCo)
         if options.diloco is None:
             raise ValueError("the DiLoCo layout needs the spec's diloco options")
         self.diloco = options.diloco
